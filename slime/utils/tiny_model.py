@@ -1,0 +1,228 @@
+"""Build a tiny Hugging Face checkpoint (Qwen3 architecture) offline, for tests and the CPU quick start.
+
+No model can be downloaded on the machines slime is tested on, so tests and the quick start make
+their own: a byte-level BPE tokenizer trained with the ``tokenizers`` library on a small synthetic
+corpus, a Qwen-style chat template (system/user/assistant/tool turns, tool schemas, ``<tool_call>``
+blocks), and a randomly initialised ``Qwen3ForCausalLM``. Everything is deterministic from the seed.
+
+    python -m slime.utils.tiny_model --out /tmp/tiny --size tiny --seed 0
+
+The directory loads with ``AutoModelForCausalLM.from_pretrained``, ``AutoTokenizer.from_pretrained``
+and ``tokenizer.apply_chat_template`` with no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+# Special tokens, in id order right after the byte-level alphabet's merges (Qwen spelling).
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [
+    ENDOFTEXT,
+    IM_START,
+    IM_END,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+
+# A Qwen2.5/Qwen3-style template: optional system prompt, tool schemas in the system turn,
+# assistant tool calls as <tool_call>{json}</tool_call>, tool results wrapped in a user turn.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if (loop.first and message.content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSize:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+SIZES = {
+    # ~0.9M parameters: fast enough to train and sample on two CPU cores in seconds.
+    "tiny": TinyModelSize(128, 4, 4, 2, 32, 384, 1024),
+    # ~5M parameters: still CPU friendly, closer to a "real" model's proportions.
+    "small": TinyModelSize(256, 6, 8, 4, 32, 768, 2048),
+}
+
+
+def _corpus(seed: int) -> list[str]:
+    """Synthetic text the tokenizer is trained on: arithmetic, chat markup, tool-call JSON, prose."""
+    rng = random.Random(seed)
+    words = (
+        "the a an of to in is are was were be for with on as by at from that this it you we they "
+        "what which who how many much sum add plus minus times answer question number result value "
+        "please compute tell me call function tool weather city temperature name arguments search "
+        "query user assistant system hello world true false null yes no ok done think step reverse "
+        "sort list string word letter digit count copy repeat first last next each"
+    ).split()
+    lines = []
+    for _ in range(4000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"{a}+{b}={a + b}")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+    for _ in range(400):
+        city = rng.choice(["Paris", "Tokyo", "Berlin", "Lima", "Oslo"])
+        lines.append(json.dumps({"name": "get_weather", "arguments": {"city": city}}))
+        lines.append(f"<|im_start|>user\nWhat is the weather in {city}?<|im_end|>\n<|im_start|>assistant\n")
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """Train a byte-level BPE tokenizer (digits split one per token, as Qwen does) and wrap it as a
+    transformers ``PreTrainedTokenizerFast`` with the chat template and special tokens set."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 2048):
+    """Write a Qwen3 HF checkpoint directory to ``out_dir`` and return its path.
+
+    The checkpoint holds ``config.json``, ``generation_config.json`` (stop ids: ``<|im_end|>`` and
+    ``<|endoftext|>``), ``model.safetensors`` and the tokenizer files.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
+    shape = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(shape.vocab_size, seed)
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True, temperature=1.0
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            total += _prod(f.get_slice(key).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output directory for the HF checkpoint")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.out, args.size, args.seed, args.max_position_embeddings)
+    print(json.dumps({"model_dir": str(out), "size": args.size, "parameters": count_parameters(out)}))
+
+
+if __name__ == "__main__":
+    main()
