@@ -1,0 +1,446 @@
+"""Flag definitions, one function per group of INTERFACES §4.3 (defaults and help next to each flag).
+
+``add_slime_arguments`` holds slime's own flags; ``add_training_arguments`` the training flags that
+Megatron's parser names (parallelism, optimizer, checkpoint, model shape), defined here so the same
+spellings work with the FSDP backend and without Megatron installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _bool_pair(group, name: str, default, help: str, dest: str | None = None) -> None:
+    """``--name`` / ``--no-name`` with a tri-state default (None = resolved later)."""
+    dest = dest or name.replace("-", "_")
+    group.add_argument(f"--{name}", dest=dest, action="store_true", default=default, help=help)
+    group.add_argument(f"--no-{name}", dest=dest, action="store_false", help=f"Disable --{name}.")
+
+
+def add_slime_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_mode_args(parser)
+    _add_cluster_args(parser)
+    _add_rollout_args(parser)
+    _add_data_args(parser)
+    _add_eval_args(parser)
+    _add_reward_args(parser)
+    _add_algorithm_args(parser)
+    _add_opd_args(parser)
+    _add_weight_update_args(parser)
+    _add_checkpoint_args(parser)
+    _add_customization_args(parser)
+    _add_logging_args(parser)
+    _add_debug_args(parser)
+    _add_rollout_buffer_args(parser)
+    _add_ci_args(parser)
+    _add_sglang_owned_args(parser)
+    _add_embedded_engine_args(parser)
+
+
+def _add_mode_args(parser) -> None:
+    g = parser.add_argument_group("mode (§4.3.1)")
+    g.add_argument("--train-backend", choices=["megatron", "fsdp"], default="megatron",
+                   help="Training backend: Megatron-Core (GPU) or PyTorch FSDP2 (CPU and GPU).")
+    g.add_argument("--rollout-backend", choices=["sglang", "embedded"], default="sglang",
+                   help="Inference engine: SGLang servers, or slime's embedded engine (CPU and GPU).")
+    g.add_argument("--debug-rollout-only", action="store_true", default=False, help="Generate only; no trainer.")
+    g.add_argument("--debug-train-only", action="store_true", default=False, help="Train only; no engines.")
+    g.add_argument("--load-debug-rollout-data", type=str, default=None,
+                   help="Path template ({rollout_id}) of saved rollout dumps to train on; implies --debug-train-only.")
+
+
+def _add_cluster_args(parser) -> None:
+    g = parser.add_argument_group("cluster, resources and colocation (§4.3.2)")
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the training actor.")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=8,
+                   help="GPUs per node for training (training processes per node on a CPU machine).")
+    g.add_argument("--rollout-num-gpus", type=int, default=None,
+                   help="Total GPUs for inference engines (engines on a CPU machine); 0 = router only.")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per engine (engine TP size).")
+    g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs per node used to place rollout engines.")
+    g.add_argument("--colocate", action="store_true", default=False,
+                   help="Training and inference share devices; implies offloading.")
+    g.add_argument("--offload", action="store_true", default=False, help="Shorthand for --offload-train --offload-rollout.")
+    _bool_pair(g, "offload-train", None, "Move the trainer off the device between training phases.")
+    _bool_pair(g, "offload-rollout", None, "Release engine memory (weights, KV) during training.")
+    g.add_argument("--distributed-backend", type=str, default="nccl",
+                   help="torch.distributed backend (gloo is used automatically on CPU).")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
+    g.add_argument("--release-train", action="store_true", default=False,
+                   help="Destroy trainer actors during rollout (Megatron, disk weight sync).")
+    g.add_argument("--train-env-vars", type=str, default="{}", help="JSON object of extra env vars for trainers.")
+    g.add_argument("--cpu-only", action="store_true", default=False,
+                   help="Run every component on CPU even when CUDA is present (GPU counts then mean processes).")
+
+
+def _add_rollout_args(parser) -> None:
+    g = parser.add_argument_group("rollout generation (§4.3.3)")
+    g.add_argument("--hf-checkpoint", type=str, default=None, help="HF checkpoint: engine start point and tokenizer.")
+    g.add_argument("--model-name", type=str, default=None, help="Model family name for weight conversion.")
+    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
+                   help="Rollout function (§2.2).")
+    g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Top-p.")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k (-1 = disabled).")
+    g.add_argument("--rollout-max-context-len", type=int, default=None, help="Max prompt + response length.")
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop longer prompts at load time.")
+    g.add_argument("--rollout-max-response-len", type=int, default=None, help="Max new tokens per generation.")
+    g.add_argument("--rollout-skip-special-tokens", action="store_true", default=False,
+                   help="Detokenize without special tokens.")
+    g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="Stop strings.")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, help="Stop token ids.")
+    g.add_argument("--rollout-shuffle", action="store_true", default=False, help="Shuffle prompts each epoch.")
+    g.add_argument("--rollout-seed", type=int, default=42, help="Seed for shuffling and sampling seeds.")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="Prompt groups fetched per sampling round (default: --rollout-batch-size).")
+    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="Group filter (§2.5).")
+    g.add_argument("--partial-rollout", action="store_true", default=False,
+                   help="Recycle unfinished groups into the data source and continue them later.")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true", default=False,
+                   help="Zero the loss mask of the older-policy part of a continued sample.")
+    g.add_argument("--custom-generate-function-path", type=str, default=None, help="Per-sample generator (§2.3).")
+    g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
+                   help="Post-generation sample hook (§2.18); repeatable.")
+    g.add_argument("--buffer-filter-path", type=str, default=None, help="Buffer filter (§2.6).")
+    g.add_argument("--rollout-data-postprocess-path", type=str, default=None, help="Trainer-side hook (§2.9).")
+    g.add_argument("--rollout-data-transport", choices=["object-store", "nixl"], default="object-store",
+                   help="How rollout data travels to the trainer.")
+    g.add_argument("--rollout-external-engine-addrs", type=str, nargs="+", default=None,
+                   help="Pre-launched engines (host:port ...) instead of launching engines.")
+    g.add_argument("--http-proxy", type=str, default=None, help="Declared for compatibility; unused.")
+    g.add_argument("--use-distributed-post", action="store_true", default=False,
+                   help="Fan HTTP POSTs out through a pool of Ray actors.")
+    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
+                   help="Health-check engines during rollout and restart dead ones.")
+    g.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between probes.")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Probe timeout.")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0, help="Grace period before the first probe.")
+
+
+def _add_data_args(parser) -> None:
+    g = parser.add_argument_group("data, batching and steps (§4.3.4)")
+    g.add_argument("--prompt-data", type=str, default=None, help="Training prompts (.jsonl/.parquet, optional @[a:b]).")
+    g.add_argument("--input-key", type=str, default="input", help="Field holding the prompt.")
+    g.add_argument("--label-key", type=str, default=None, help="Field holding the label.")
+    g.add_argument("--metadata-key", type=str, default="metadata", help="Field holding per-sample metadata.")
+    g.add_argument("--tool-key", type=str, default="tools", help="Field holding a tool-schema list.")
+    g.add_argument("--multimodal-keys", type=str, default=None, help="JSON: media type -> data field.")
+    g.add_argument("--apply-chat-template", action="store_true", default=False, help="Render prompts with the chat template.")
+    g.add_argument("--apply-chat-template-kwargs", type=str, default="{}", help="JSON kwargs for the chat template.")
+    g.add_argument("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false", default=True,
+                   help="Do not load --prompt-data into the built-in data source.")
+    g.add_argument("--data-source-path", type=str, default="slime.rollout.data_source.RolloutDataSourceWithBuffer",
+                   help="Data source class (§2.16).")
+    g.add_argument("--num-rollout", type=int, default=None, help="Number of rollout steps.")
+    g.add_argument("--num-epoch", type=int, default=None, help="Derive --num-rollout from the dataset size.")
+    g.add_argument("--start-rollout-id", type=int, default=None, help="First rollout step (default: from checkpoint).")
+    g.add_argument("--rollout-batch-size", type=int, required=True, help="Prompt groups per rollout step.")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="Responses per prompt (GRPO group size).")
+    g.add_argument("--global-batch-size", type=int, default=None, help="Rollouts per optimizer step.")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None, help="Optimizer steps per rollout step.")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="Fixed micro-batch size (without dynamic batching).")
+    g.add_argument("--use-dynamic-batch-size", action="store_true", default=False, help="Pack micro-batches by tokens.")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget per micro-batch.")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None, help="Token budget for log-prob passes.")
+    g.add_argument("--balance-data", action="store_true", default=False, help="Balance tokens across DP ranks.")
+    g.add_argument("--balance-by-flops", action="store_true", default=False, help="FLOP-aware partitioning.")
+    g.add_argument("--loss-mask-type", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"], default="qwen",
+                   help="Chat-format family for SFT loss masks.")
+    g.add_argument("--data-pad-size-multiplier", type=int, default=128, help="Packed-sequence padding multiple.")
+    g.add_argument("--rollout-sample-filter-path", type=str, default=None, help="Sets remove_sample (§2.7).")
+    g.add_argument("--rollout-all-samples-process-path", type=str, default=None, help="Sees all groups (§2.8).")
+
+
+def _add_eval_args(parser) -> None:
+    g = parser.add_argument_group("evaluation (§4.3.5)")
+    g.add_argument("--eval-function-path", type=str, default=None, help="Eval function (default: rollout function).")
+    g.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollout steps.")
+    g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="name path [name path ...].")
+    g.add_argument("--eval-config", type=str, default=None, help="YAML/JSON eval config (§7.4).")
+    g.add_argument("--skip-eval-before-train", action="store_true", default=False, help="No eval at step 0.")
+    g.add_argument("--eval-input-key", type=str, default=None)
+    g.add_argument("--eval-label-key", type=str, default=None)
+    g.add_argument("--eval-tool-key", type=str, default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Responses per eval prompt.")
+    g.add_argument("--eval-temperature", type=float, default=None)
+    g.add_argument("--eval-top-p", type=float, default=None)
+    g.add_argument("--eval-top-k", type=int, default=None)
+    g.add_argument("--eval-max-response-len", type=int, default=None)
+    g.add_argument("--eval-max-prompt-len", type=int, default=None)
+    g.add_argument("--eval-min-new-tokens", type=int, default=None)
+    g.add_argument("--eval-max-context-len", type=int, default=None)
+
+
+def _add_reward_args(parser) -> None:
+    g = parser.add_argument_group("reward (§4.3.6)")
+    g.add_argument("--rm-type", type=str, default=None, help="Rule reward (math, dapo, deepscaler, f1, gpqa, ...).")
+    g.add_argument("--reward-key", type=str, default=None, help="Key selecting the scalar from dict rewards.")
+    g.add_argument("--eval-reward-key", type=str, default=None, help="Same for eval (default: --reward-key).")
+    g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole prompt group at once.")
+    g.add_argument("--rm-url", type=str, default=None, help="Endpoint for remote_rm / OPD teacher.")
+    g.add_argument("--custom-rm-path", type=str, default=None, help="Custom reward (§2.4).")
+    g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="§2.13.")
+    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None, help="§2.14.")
+
+
+def _add_algorithm_args(parser) -> None:
+    g = parser.add_argument_group("algorithm and loss (§4.3.7)")
+    g.add_argument("--advantage-estimator", default="grpo",
+                   choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"])
+    g.add_argument("--loss-type", default="policy_loss", choices=["policy_loss", "sft_loss", "custom_loss"])
+    g.add_argument("--custom-loss-function-path", type=str, default=None, help="§2.10.")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant (> 1).")
+    g.add_argument("--value-clip", type=float, default=0.2)
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward.")
+    g.add_argument("--use-kl-loss", action="store_true", default=False)
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
+    g.add_argument("--use-unbiased-kl", action="store_true", default=False)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lambd", type=float, default=1.0)
+    g.add_argument("--normalize-advantages", action="store_true", default=False)
+    g.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false", default=True)
+    g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false", default=True)
+    g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
+                   action="store_false", default=True)
+    g.add_argument("--custom-advantage-function-path", type=str, default=None, help="§2.21.")
+    g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
+    g.add_argument("--use-rollout-logprobs", action="store_true", default=False)
+    g.add_argument("--use-tis", action="store_true", default=False)
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0)
+    g.add_argument("--custom-tis-function-path", type=str, default=None, help="§2.11.")
+    g.add_argument("--get-mismatch-metrics", action="store_true", default=False)
+    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None, help="§2.12.")
+    g.add_argument("--use-opsm", action="store_true", default=False)
+    g.add_argument("--opsm-delta", type=float, default=1e-4)
+    g.add_argument("--use-rollout-entropy", action="store_true", default=False)
+    g.add_argument("--use-routing-replay", action="store_true", default=False)
+    g.add_argument("--use-rollout-routing-replay", action="store_true", default=False)
+    g.add_argument("--ref-load", type=str, default=None, help="Reference model checkpoint.")
+    g.add_argument("--ref-ckpt-step", type=int, default=None)
+    g.add_argument("--ref-update-interval", type=int, default=None)
+    g.add_argument("--keep-old-actor", action="store_true", default=False)
+    g.add_argument("--num-critic-only-steps", type=int, default=0)
+    g.add_argument("--megatron-config-path", type=str, default=None)
+    g.add_argument("--reset-optimizer-states", action="store_true", default=False)
+    g.add_argument("--use-stateless-adam", action="store_true", default=False)
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1)
+    g.add_argument("--recompute-loss-function", action="store_true", default=False)
+
+
+def _add_opd_args(parser) -> None:
+    g = parser.add_argument_group("on-policy distillation (§4.3.8)")
+    g.add_argument("--use-opd", action="store_true", default=False)
+    g.add_argument("--opd-type", choices=["sglang", "megatron"], default=None)
+    g.add_argument("--opd-kl-coef", type=float, default=1.0)
+    g.add_argument("--opd-teacher-load", type=str, default=None)
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None)
+
+
+def _add_weight_update_args(parser) -> None:
+    g = parser.add_argument_group("weight update (§4.3.9)")
+    g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full")
+    g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
+                   help="nccl: broadcast (gloo on CPU), or tensor handles when colocated; disk: HF checkpoint versions.")
+    g.add_argument("--update-weight-disk-dir", type=str, default=None)
+    g.add_argument("--update-weight-disk-keep-files", action="store_true", default=False)
+    g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor")
+    g.add_argument("--update-weight-delta-checksum", choices=["xxh3-128", "blake3", "adler32"], default="xxh3-128")
+    g.add_argument("--update-weight-local-checkpoint-dir", type=str, default=None)
+    g.add_argument("--custom-update-weight-post-write-path", type=str, default=None, help="§2.20.")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bucket size in bytes.")
+    g.add_argument("--update-weights-interval", type=int, default=1, help="Sync every N rollout steps (async).")
+    g.add_argument("--check-weight-update-equal", action="store_true", default=False)
+
+
+def _add_checkpoint_args(parser) -> None:
+    g = parser.add_argument_group("checkpointing (§4.3.10)")
+    g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
+    g.add_argument("--save", type=str, default=None, help="Save dir.")
+    g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
+    g.add_argument("--async-save", action="store_true", default=False)
+    g.add_argument("--no-save-optim", action="store_true", default=False)
+    g.add_argument("--no-save-rng", action="store_true", default=False)
+    g.add_argument("--no-load-optim", action="store_true", default=False)
+    g.add_argument("--no-load-rng", action="store_true", default=False)
+    g.add_argument("--finetune", action="store_true", default=False)
+    g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--ckpt-format", type=str, default="torch_dist")
+    g.add_argument("--save-hf", type=str, default=None, help="Also save HF weights to this template ({rollout_id}).")
+
+
+def _add_customization_args(parser) -> None:
+    g = parser.add_argument_group("model / training customisation (§4.3.11)")
+    for name in ("custom-model-provider-path", "custom-megatron-init-path",
+                 "custom-megatron-before-log-prob-hook-path", "custom-megatron-before-train-step-hook-path"):
+        g.add_argument(f"--{name}", type=str, default=None, help="§2.19.")
+    g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None)
+    g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None)
+    g.add_argument("--freeze-indexer", action="store_true", default=False)
+    g.add_argument("--allgather-cp", action="store_true", default=False)
+    g.add_argument("--qwen-gdn-backend", choices=["fla", "flashqla"], default="fla")
+    g.add_argument("--megatron-deepgemm-forward-layers", type=int, nargs="+", default=None)
+    g.add_argument("--megatron-deepgemm-forward-modules", type=str, nargs="+", default=None)
+    g.add_argument("--megatron-deepgemm-moe-forward-layers", type=int, nargs="+", default=None)
+    g.add_argument("--megatron-deepgemm-moe-forward-modules", type=str, nargs="+", default=None)
+    g.add_argument("--mtp-num-layers", type=int, default=None)
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2)
+    g.add_argument("--enable-mtp-training", action="store_true", default=False)
+    g.add_argument("--padded-vocab-size", type=int, default=None)
+    g.add_argument("--custom-config-path", type=str, default=None, help="YAML of extra/override args (§2.21).")
+
+
+def _add_logging_args(parser) -> None:
+    g = parser.add_argument_group("logging and metrics (§4.3.12)")
+    g.add_argument("--use-wandb", action="store_true", default=False)
+    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    for name in ("wandb-dir", "wandb-key", "wandb-host", "wandb-team", "wandb-group", "wandb-project", "wandb-run-id"):
+        g.add_argument(f"--{name}", type=str, default=None)
+    g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false", default=True)
+    g.add_argument("--wandb-always-use-train-step", action="store_true", default=False)
+    g.add_argument("--use-tensorboard", action="store_true", default=False)
+    g.add_argument("--tb-project-name", type=str, default=None)
+    g.add_argument("--tb-experiment-name", type=str, default=None)
+    g.add_argument("--log-multi-turn", action="store_true", default=False)
+    g.add_argument("--log-passrate", action="store_true", default=False)
+    g.add_argument("--log-reward-category", type=str, default=None)
+    g.add_argument("--log-correct-samples", action="store_true", default=False)
+    g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="§2.15.")
+    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="§2.15.")
+    g.add_argument("--run-dir", type=str, default=None,
+                   help="Directory for metrics.jsonl, logs and the run summary (default: runs/<timestamp>).")
+
+
+def _add_debug_args(parser) -> None:
+    g = parser.add_argument_group("debug, dumps and profiling (§4.3.13)")
+    g.add_argument("--save-debug-rollout-data", type=str, default=None)
+    g.add_argument("--save-debug-train-data", type=str, default=None)
+    g.add_argument("--dump-details", type=str, default=None)
+    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None)
+    g.add_argument("--load-forge-rollout-data", type=str, default=None)
+    g.add_argument("--memory-snapshot-dir", type=str, default=".")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None)
+    g.add_argument("--profile-target", type=str, nargs="+", default=["train_overall"],
+                   choices=["train_overall", "train_actor", "train_log_probs"])
+    g.add_argument("--memory-recorder", choices=["torch", "memray"], default="torch")
+    g.add_argument("--record-memory-history", action="store_true", default=False)
+
+
+def _add_rollout_buffer_args(parser) -> None:
+    g = parser.add_argument_group("rollout-buffer plugin (§4.3.14)")
+    g.add_argument("--rollout-buffer-url", type=str, default=None)
+    g.add_argument("--fetch-trajectory-retry-times", type=int, default=-1)
+    g.add_argument("--min-batch-collection-ratio", type=float, default=1)
+    g.add_argument("--rollout-task-type", type=str, default="math")
+
+
+def _add_ci_args(parser) -> None:
+    g = parser.add_argument_group("CI guards (§4.3.15)")
+    g.add_argument("--ci-test", action="store_true", default=False)
+    g.add_argument("--ci-disable-kl-checker", action="store_true", default=False)
+    g.add_argument("--ci-train-rollout-logprob-abs-diff-threshold", type=float, default=0.1)
+    g.add_argument("--ci-save-grad-norm", type=str, default=None)
+    g.add_argument("--ci-load-grad-norm", type=str, default=None)
+
+
+def _add_sglang_owned_args(parser) -> None:
+    g = parser.add_argument_group("SGLang / router options owned by slime (§4.3.16)")
+    g.add_argument("--sglang-router-ip", type=str, default=None, help="Use an existing router at this address.")
+    g.add_argument("--sglang-router-port", type=int, default=None, help="Port of that router.")
+    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400)
+    g.add_argument("--sglang-server-concurrency", type=int, default=512, help="Max concurrent requests per engine.")
+    g.add_argument("--prefill-num-servers", type=int, default=None)
+    g.add_argument("--sglang-config", type=str, default=None)
+
+
+def _add_embedded_engine_args(parser) -> None:
+    g = parser.add_argument_group("embedded engine (--rollout-backend embedded)")
+    g.add_argument("--embedded-engine-max-total-tokens", type=int, default=None,
+                   help="KV-cache token budget per engine on CPU (GPU: sized by --sglang-mem-fraction-static).")
+    g.add_argument("--embedded-engine-max-running-requests", type=int, default=None,
+                   help="Max requests decoded together per engine.")
+    g.add_argument("--embedded-engine-dtype", type=str, default=None,
+                   help="Engine dtype (default: float32 on CPU, bfloat16 on CUDA).")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Training flags spelled as Megatron names them (accepted by both backends)."""
+    g = parser.add_argument_group("training (Megatron-named flags)")
+    # parallelism
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true", default=False)
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=True)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", type=str, nargs="*", default=None)
+    # optimizer
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="constant")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False)
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", default=False)
+    g.add_argument("--fp16", action="store_true", default=False)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=False)
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=False)
+    g.add_argument("--attention-backend", type=str, default="auto")
+    g.add_argument("--gradient-checkpointing", action="store_true", default=False,
+                   help="FSDP backend: activation checkpointing of every decoder layer.")
+    # model shape (scripts/models presets); cross-checked against --hf-checkpoint by the Megatron backend
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true", default=False)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=4096)
+    g.add_argument("--position-embedding-type", type=str, default="rope")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False)
+    g.add_argument("--rotary-base", type=float, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", default=False)
+    g.add_argument("--disable-bias-linear", action="store_true", default=False)
+    g.add_argument("--add-qkv-bias", action="store_true", default=False)
+    g.add_argument("--qk-layernorm", action="store_true", default=False)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=False)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-router-score-function", type=str, default="softmax")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=False)
+    g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss")
