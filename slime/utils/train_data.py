@@ -1,0 +1,277 @@
+"""Samples → training data (INTERFACES §7.7, §2.13, §2.14) and its split across data-parallel ranks.
+
+``convert_samples_to_train_data(args, samples)`` runs in the rollout manager on the flattened
+``list[Sample]`` and returns the whole-batch dict. ``split_train_data_by_dp(args, data, dp_size)``
+cuts it into optimizer steps of exactly ``global_batch_size`` rollouts (§1.8.7), assigns whole
+rollouts to DP ranks (token-balanced with ``--balance-data``), packs each rank's samples into
+micro-batches (same count on every rank) and returns one dict per rank.
+
+Reward grouping (§5.1 and the §1.8 item 9 caveat), decided as follows:
+
+* no fan-out and ``N == rollout_batch_size × n_samples_per_prompt``: rows of ``n_samples_per_prompt``
+  consecutive samples (the documented default);
+* otherwise, when every sample has a ``group_index``: groups by ``group_index``, and a group's mean
+  and std are taken over one reward per *rollout* (the mean of its segments), then applied to each
+  segment — "each group's baseline is computed over rollouts, not samples" (seed 004, upstream PR #1918);
+* otherwise the whole batch is one group (the documented fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slime.utils import ppo_utils
+from slime.utils.misc import load_function
+from slime.utils.seqlen_balancing import balanced_partition, micro_batch_schedule
+from slime.utils.types import Sample
+
+__all__ = [
+    "convert_samples_to_train_data",
+    "default_reward_post_process",
+    "assign_rollout_ids",
+    "split_train_data_by_dp",
+    "PER_SAMPLE_KEYS",
+]
+
+# Per-sample keys that a DP split slices (everything else is whole-batch or schedule).
+PER_SAMPLE_KEYS = (
+    "tokens", "multimodal_train_inputs", "response_lengths", "rewards", "truncated", "loss_masks", "round_number",
+    "sample_indices", "rollout_ids", "rollout_mask_sums", "rollout_log_probs", "rollout_top_p_token_ids",
+    "rollout_top_p_token_offsets", "rollout_routed_experts", "source_names", "prompt", "teacher_log_probs",
+    "metadata",
+)
+WHOLE_BATCH_KEYS = ("raw_reward", "total_lengths")
+
+
+def assign_rollout_ids(samples: list[Sample]) -> list[int]:
+    """Each sample's rollout id; ``None`` gets a fresh integer not used by any explicit id,
+    counting up from 0 (§1.8.6)."""
+    used = {s.rollout_id for s in samples if s.rollout_id is not None}
+    fresh, ids = 0, []
+    for sample in samples:
+        if sample.rollout_id is not None:
+            ids.append(sample.rollout_id)
+            continue
+        while fresh in used:
+            fresh += 1
+        ids.append(fresh)
+        used.add(fresh)
+    return ids
+
+
+def default_reward_post_process(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """(raw_rewards, rewards) per §5.1 with the rollout-aware grouping described in the module doc."""
+    raw = [float(s.get_reward_value(args)) for s in samples]
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    normalise, std_allowed = ppo_utils.lookup(ppo_utils.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
+    if not normalise or not getattr(args, "rewards_normalization", True) or not samples:
+        return raw, list(raw)
+    std = std_allowed and getattr(args, "grpo_std_normalization", True)
+    rollout_ids = assign_rollout_ids(samples)
+    n = args.n_samples_per_prompt
+    fan_out = len(set(rollout_ids)) < len(samples)
+    expected = args.rollout_batch_size * n
+    if not fan_out and len(samples) == expected:
+        groups, per_rollout = ppo_utils.positional_groups(len(samples), n, expected), None
+    elif all(s.group_index is not None for s in samples):
+        groups, per_rollout = [s.group_index for s in samples], rollout_ids
+    else:
+        groups, per_rollout = [0] * len(samples), rollout_ids
+    rewards = ppo_utils.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=per_rollout)
+    return raw, rewards.tolist()
+
+
+def _loss_mask(sample: Sample, position: int) -> list[int]:
+    if sample.remove_sample:
+        return [0] * sample.response_length
+    if sample.loss_mask is None:
+        return [1] * sample.response_length
+    if len(sample.loss_mask) != sample.response_length:
+        raise ValueError(
+            f"sample {position} (index {sample.index}): loss_mask has {len(sample.loss_mask)} entries but "
+            f"response_length is {sample.response_length}"
+        )
+    return [int(m) for m in sample.loss_mask]
+
+
+def _optional_per_sample(samples: list[Sample], attribute: str, name: str) -> list | None:
+    """The field for every sample when the first sample has it; error if later samples lack it."""
+    if getattr(samples[0], attribute) is None:
+        return None
+    values = [getattr(s, attribute) for s in samples]
+    missing = [i for i, v in enumerate(values) if v is None]
+    if missing:
+        raise ValueError(f"{attribute} is set on the first sample but missing on samples {missing[:10]} ({name})")
+    return values
+
+
+def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, Any]:
+    """The training dict of §7.7 from the flattened samples (or the §2.14 hook's dict)."""
+    custom = getattr(args, "custom_convert_samples_to_train_data_path", None)
+    if custom:
+        data = load_function(custom)(args, samples)
+        return _check_custom_train_data(data, custom)
+    if not samples:
+        raise ValueError("convert_samples_to_train_data: no samples")
+    post_path = getattr(args, "custom_reward_post_process_path", None)
+    raw_rewards, rewards = (load_function(post_path) if post_path else default_reward_post_process)(args, samples)
+    if len(rewards) != len(samples) or len(raw_rewards) != len(samples):
+        raise ValueError(
+            f"reward post-process returned {len(raw_rewards)} raw rewards and {len(rewards)} rewards for "
+            f"{len(samples)} samples"
+        )
+    loss_masks = [_loss_mask(s, i) for i, s in enumerate(samples)]
+    rollout_ids = assign_rollout_ids(samples)
+    data: dict[str, Any] = {
+        "tokens": [list(s.tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": [float(r) for r in rewards],
+        "raw_reward": [float(r) for r in raw_rewards],
+        "truncated": [1 if s.status == Sample.Status.TRUNCATED else 0 for s in samples],
+        "sample_indices": [s.index for s in samples],
+        "loss_masks": loss_masks,
+        "rollout_ids": rollout_ids,
+        "rollout_mask_sums": _rollout_mask_sums(rollout_ids, loss_masks),
+        "prompt": [s.prompt for s in samples],
+    }
+    if any("raw_reward" in s.metadata for s in samples):
+        data["raw_reward"] = [float(s.metadata.get("raw_reward", r)) for s, r in zip(samples, data["raw_reward"])]
+    for attribute, key in (
+        ("rollout_log_probs", "rollout_log_probs"),
+        ("teacher_log_probs", "teacher_log_probs"),
+        ("rollout_top_p_token_ids", "rollout_top_p_token_ids"),
+        ("rollout_top_p_token_offsets", "rollout_top_p_token_offsets"),
+        ("rollout_routed_experts", "rollout_routed_experts"),
+    ):
+        values = _optional_per_sample(samples, attribute, key)
+        if values is not None:
+            data[key] = values
+    for key in ("rollout_log_probs", "teacher_log_probs"):
+        for i, (values, n) in enumerate(zip(data.get(key, []), data["response_lengths"])):
+            if len(values) != n:
+                raise ValueError(f"sample {i}: {key} has {len(values)} entries, response_length is {n}")
+    if samples[0].train_metadata is not None:
+        data["metadata"] = [s.train_metadata for s in samples]
+    if "round_number" in samples[0].metadata:
+        data["round_number"] = [s.metadata.get("round_number") for s in samples]
+    if any(s.multimodal_train_inputs is not None for s in samples):
+        data["multimodal_train_inputs"] = [s.multimodal_train_inputs for s in samples]
+    if any(getattr(s, "source", None) is not None or "source_name" in s.metadata for s in samples):
+        data["source_names"] = [getattr(s, "source", None) or s.metadata.get("source_name") for s in samples]
+    return data
+
+
+def _rollout_mask_sums(rollout_ids: list, loss_masks: list) -> list[float]:
+    totals: dict = {}
+    for rid, mask in zip(rollout_ids, loss_masks):
+        totals[rid] = totals.get(rid, 0) + int(sum(int(m) for m in mask))
+    return [float(totals[rid]) for rid in rollout_ids]
+
+
+def _check_custom_train_data(data: dict, path: str) -> dict:
+    required = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks", "rollout_ids")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"--custom-convert-samples-to-train-data-path {path}: the returned dict lacks {missing}")
+    if "rollout_mask_sums" not in data:  # absent → per-sample denominators (§2.14)
+        data["rollout_mask_sums"] = [float(sum(int(m) for m in mask)) for mask in data["loss_masks"]]
+    return data
+
+
+# --------------------------------------------------------------------------- DP split
+
+
+def _tensorise(key: str, values: list) -> list:
+    dtype = {
+        "tokens": torch.int64, "loss_masks": torch.int32, "rollout_log_probs": torch.float32,
+        "teacher_log_probs": torch.float32, "rollout_top_p_token_ids": torch.int32,
+        "rollout_top_p_token_offsets": torch.int32,
+    }.get(key)
+    if dtype is None:
+        return values
+    return [v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(list(v), dtype=dtype) for v in values]
+
+
+def split_train_data_by_dp(args, data: dict, dp_size: int) -> list[dict]:
+    """Cut ``data`` into steps of ``global_batch_size`` rollouts and into ``dp_size`` per-rank dicts.
+
+    Per-rank dict: the per-sample keys restricted to the rank's samples (tensorised: tokens int64,
+    loss_masks int32, log-prob fields float32, ``rollout_mask_sums`` a float32 tensor), the whole-batch
+    ``raw_reward`` and ``total_lengths``, and the schedule: ``partition`` (global positions of the
+    rank's samples, step after step), ``global_batch_sizes`` (rollouts per step), ``num_microbatches``
+    (per step, equal on every rank), ``micro_batch_indices`` (per micro-batch, all steps in order,
+    lists of local positions; may be empty), ``step_loss_token_counts`` (per step, Σ_i max(Σ_t m, 1)
+    over all ranks — the per-token normaliser), ``dp_rank`` and ``dp_size``.
+    """
+    num_samples = len(data["tokens"])
+    rollout_ids = list(data["rollout_ids"])
+    total_lengths = [len(t) for t in data["tokens"]]
+    order: list = []
+    members: dict = {}
+    for position, rid in enumerate(rollout_ids):
+        if rid not in members:
+            order.append(rid)
+            members[rid] = []
+        members[rid].append(position)
+    gbs = args.global_batch_size
+    num_steps = len(order) // gbs
+    if num_steps < 1:
+        raise ValueError(
+            f"{len(order)} rollouts do not fill one optimizer step of --global-batch-size {gbs} rollouts"
+        )
+    max_tokens = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
+    rank_positions: list[list[int]] = [[] for _ in range(dp_size)]
+    rank_micro_batches: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    num_microbatches, token_counts = [], []
+    for step in range(num_steps):
+        step_rollouts = order[step * gbs : (step + 1) * gbs]
+        if getattr(args, "balance_data", False):
+            weights = [sum(total_lengths[p] for p in members[r]) for r in step_rollouts]
+            assignment = balanced_partition(weights, dp_size)
+        else:
+            assignment = [list(range(rank, len(step_rollouts), dp_size)) for rank in range(dp_size)]
+        step_positions = [sorted(p for j in assignment[rank] for p in members[step_rollouts[j]]) for rank in range(dp_size)]
+        schedule = micro_batch_schedule(
+            [[total_lengths[p] for p in positions] for positions in step_positions],
+            max_tokens,
+            getattr(args, "micro_batch_size", 1) or 1,
+        )
+        num_microbatches.append(len(schedule[0]))
+        token_counts.append(
+            float(sum(max(sum(int(m) for m in data["loss_masks"][p]), 1) for positions in step_positions for p in positions))
+        )
+        for rank in range(dp_size):
+            offset = len(rank_positions[rank])
+            rank_positions[rank].extend(step_positions[rank])
+            rank_micro_batches[rank].extend([[offset + i for i in mb] for mb in schedule[rank]])
+    dropped = num_samples - sum(len(p) for p in rank_positions)
+    result = []
+    for rank in range(dp_size):
+        positions = rank_positions[rank]
+        shard: dict[str, Any] = {
+            "partition": positions,
+            "global_batch_sizes": [gbs] * num_steps,
+            "num_microbatches": num_microbatches,
+            "micro_batch_indices": rank_micro_batches[rank],
+            "step_loss_token_counts": token_counts,
+            "dp_rank": rank,
+            "dp_size": dp_size,
+            "num_dropped_samples": dropped,
+            "total_lengths": total_lengths,
+        }
+        for key in WHOLE_BATCH_KEYS:
+            if key in data and key != "total_lengths":
+                shard[key] = data[key]
+        for key in PER_SAMPLE_KEYS:
+            if key in data and data[key] is not None:
+                shard[key] = _tensorise(key, [data[key][p] for p in positions])
+        shard["rollout_mask_sums"] = torch.tensor([float(data["rollout_mask_sums"][p]) for p in positions], dtype=torch.float32)
+        result.append(shard)
+    return result
+
+
+def micro_batch_token_count(shard: dict, micro_batch: list[int]) -> int:
+    """Tokens in one micro-batch of a per-rank dict."""
+    return sum(int(shard["tokens"][i].numel()) for i in micro_batch)
