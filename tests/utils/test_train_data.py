@@ -123,7 +123,7 @@ def test_split_balance_and_dynamic_batches():
     data = convert_samples_to_train_data(args, samples)
     shards = split_train_data_by_dp(args, data, dp_size=2)
     loads = [sum(len(t) for t in s["tokens"]) for s in shards]
-    assert sorted(loads) == [18, 18]
+    assert sorted(loads) == [18, 22]  # the optimum for lengths 18, 4, 4, 14
     for s in shards:
         for mb in s["micro_batch_indices"]:
             assert sum(int(s["tokens"][i].numel()) for i in mb) <= 20
