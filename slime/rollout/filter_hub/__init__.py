@@ -1,0 +1,1 @@
+"""Dynamic-sampling filters (INTERFACES §2.5)."""
