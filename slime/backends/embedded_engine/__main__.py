@@ -1,0 +1,72 @@
+"""CLI: ``python -m slime.backends.embedded_engine --model-path DIR [--host H --port P ...]``.
+
+Start-up order: load model + tokenizer, allocate the KV cache, start the engine thread, run one
+warm-up request, then serve HTTP (``/health`` answers 503 until the warm-up passed). Shutdown on
+SIGTERM/SIGINT: abort every queued and running request (their callers get HTTP 200 with partial
+output and ``finish_reason.type == "abort"``), let uvicorn finish those responses, stop the engine
+thread, exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from slime.backends.embedded_engine.config import ServerArgs, parse_args
+
+
+def build_server(args: ServerArgs):
+    """Return (uvicorn server, state); nothing is started yet except the engine thread."""
+    import torch
+    import uvicorn
+
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+    from slime.backends.embedded_engine.server import ServerState, build_app
+    from slime.backends.embedded_engine.weight_loading import use_file_system_sharing
+
+    use_file_system_sharing()
+    torch.manual_seed(args.random_seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but torch sees no CUDA device")
+    runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
+                         num_slots=args.max_running_requests, slot_capacity=args.context_length,
+                         mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
+                         max_total_tokens=args.max_total_tokens)
+    engine = Engine(runner, chunked_prefill_size=args.chunked_prefill_size, weight_version=args.weight_version,
+                    seed=args.random_seed)
+    engine.start()
+    warmup = GenerateRequest(rid="WARMUP", input_ids=[0], params=SamplingParams(max_new_tokens=2, temperature=0.0))
+    done = engine.call(lambda: engine.add_request(warmup, lambda seq, finished: None))
+    done.result(timeout=300)
+    state = ServerState(args, engine)
+    app = build_app(state)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Abort first so waiting /generate calls return their partial output, then drain HTTP.
+            state.status = "Shutting down"
+            engine.call(lambda: engine.abort(None, abort_all=True))
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=10)
+    return _Server(config), state
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server, state = build_server(args)
+    state.status = "Up"
+    print(f"embedded engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True)
+    try:
+        server.run()
+    finally:
+        state.engine.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""asyncio bridge between the HTTP handlers and the engine thread, plus SGLang output formatting.
+
+A handler submits :class:`GenerateRequest` objects and awaits their :class:`Sequence` (or iterates
+stream snapshots); the engine thread hands events back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from slime.backends.embedded_engine.engine import Engine
+from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams
+from slime.backends.embedded_engine.scheduler import Sequence
+
+
+@dataclass
+class _Tracked:
+    seq_future: asyncio.Future
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.time)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inflight: dict[str, _Tracked] = {}
+
+    async def _submit(self, request: GenerateRequest) -> _Tracked:
+        if request.rid in self.inflight:
+            raise RequestError(f"Duplicate request ID detected: {request.rid}")
+        loop = asyncio.get_running_loop()
+        tracked = _Tracked(seq_future=loop.create_future())
+        self.inflight[request.rid] = tracked
+
+        def on_event(seq: Sequence, finished: bool) -> None:
+            snapshot = (list(seq.output_ids), list(seq.output_logprobs)) if not finished else None
+            loop.call_soon_threadsafe(tracked.events.put_nowait, (seq, finished, snapshot))
+
+        await asyncio.wrap_future(self.engine.call(lambda: self.engine.add_request(request, on_event)))
+        return tracked
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[tuple[Sequence, float]]:
+        """Run requests to completion; returns (sequence, e2e latency) in request order."""
+        tracked = []
+        try:
+            for request in requests:
+                tracked.append(await self._submit(request))
+            results = []
+            for request, item in zip(requests, tracked):
+                while True:
+                    seq, finished, _ = await item.events.get()
+                    if finished:
+                        break
+                results.append((seq, time.time() - item.submitted))
+            return results
+        except asyncio.CancelledError:  # client went away: abort what it asked for
+            for request in requests:
+                self.engine.call(lambda rid=request.rid: self.engine.abort(rid))
+            raise
+        finally:
+            for request in requests[: len(tracked)]:
+                self.inflight.pop(request.rid, None)
+
+    async def stream(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, Sequence, bool, tuple, float]]:
+        """Yield (index, sequence, finished, (output_ids, logprobs) snapshot, latency) as tokens arrive."""
+        merged: asyncio.Queue = asyncio.Queue()
+        tracked = []
+        try:
+            for request in requests:
+                tracked.append(await self._submit(request))
+            pumps = [asyncio.create_task(self._pump(i, t, merged), name=f"stream-{r.rid}")
+                     for i, (r, t) in enumerate(zip(requests, tracked))]
+            remaining = len(requests)
+            while remaining:
+                index, seq, finished, snapshot = await merged.get()
+                if finished:
+                    remaining -= 1
+                    snapshot = (list(seq.output_ids), list(seq.output_logprobs))
+                yield index, seq, finished, snapshot, time.time() - tracked[index].submitted
+            await asyncio.gather(*pumps)
+        except (asyncio.CancelledError, GeneratorExit):
+            for request in requests:
+                self.engine.call(lambda rid=request.rid: self.engine.abort(rid))
+            raise
+        finally:
+            for request in requests[: len(tracked)]:
+                self.inflight.pop(request.rid, None)
+
+    @staticmethod
+    async def _pump(index: int, tracked: _Tracked, merged: asyncio.Queue) -> None:
+        while True:
+            seq, finished, snapshot = await tracked.events.get()
+            await merged.put((index, seq, finished, snapshot))
+            if finished:
+                return
+
+    async def health_check(self, timeout: float) -> bool:
+        """SGLang's probe: a 1-token greedy request; healthy as soon as any output is produced."""
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        generated_before = self.engine.scheduler.stats.generated_tokens
+        task = asyncio.create_task(self.generate([GenerateRequest(rid=rid, input_ids=[0], params=params)]),
+                                   name=f"health-{rid}")
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if task.done() or self.engine.scheduler.stats.generated_tokens > generated_before:
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ formatting
+    def meta_info(self, seq: Sequence, latency: float, output: tuple | None = None, final: bool = True) -> dict:
+        req = seq.request
+        output_ids, logprobs = output or (seq.output_ids, seq.output_logprobs)
+        reason = seq.finish_reason if final else None
+        waiting_abort = bool(reason and reason.get("message") == "Abort in waiting queue")
+        meta = {"id": req.rid, "finish_reason": reason, "weight_version": self.engine.weight_version,
+                "completion_tokens": len(output_ids)}
+        if not waiting_abort:
+            meta.update({"prompt_tokens": len(req.input_ids), "num_retractions": seq.num_retractions,
+                         "reasoning_tokens": 0, "cached_tokens": 0})
+        if req.return_logprob:
+            decode = self.engine.tokenizer.decode if req.return_text_in_logprobs else None
+            meta["input_token_logprobs"] = [
+                [lp, tok, decode([tok]) if decode else None]
+                for lp, tok in zip(seq.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):])
+            ] if req.logprob_start_len >= 0 else []
+            meta["output_token_logprobs"] = [[lp, tok, decode([tok]) if decode else None]
+                                             for lp, tok in zip(logprobs, output_ids)]
+            meta["output_token_logprobs_length"] = len(output_ids)
+        if final:
+            meta["e2e_latency"] = latency
+        meta["response_sent_to_client_ts"] = time.time()
+        return meta
+
+    def output_dict(self, seq: Sequence, latency: float, output: tuple | None = None, final: bool = True) -> dict:
+        if final:
+            text = self.engine.output_text(seq)
+            output_ids = list(seq.output_ids)
+        else:
+            output_ids = output[0]
+            text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=seq.request.params.skip_special_tokens)
+        return {"text": text, "output_ids": output_ids, "meta_info": self.meta_info(seq, latency, output, final)}

@@ -1,0 +1,78 @@
+"""Command-line flags of the embedded engine (SGLang's names where SGLang has the flag)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int = 64
+    mem_fraction_static: float = 0.8
+    chunked_prefill_size: int = 2048
+    tool_call_parser: str = "qwen25"
+    served_model_name: str | None = None
+    weight_version: str = "default"
+    random_seed: int = 0
+    health_check_timeout: float = 20.0
+    log_level: str = "warning"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("api_key")
+        return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slime.backends.embedded_engine",
+                                description="Embedded inference engine speaking SGLang's HTTP protocol.")
+    p.add_argument("--model-path", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback requires --api-key")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all paths but /health*)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="max prompt+output tokens per request (default: the model's max_position_embeddings)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache token budget (CPU sizing; default: max-running-requests x context length)")
+    p.add_argument("--max-running-requests", type=int, default=64, help="max requests decoding together")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8,
+                   help="CUDA: fraction of GPU memory for weights + KV cache")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="max prompt tokens per prefill forward")
+    p.add_argument("--tool-call-parser", default="qwen25", help="qwen25 or hermes (OpenAI endpoints)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--health-check-timeout", type=float, default=20.0)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    args = ServerArgs(**vars(ns))
+    validate_args(args)
+    return args
+
+
+def validate_args(args: ServerArgs) -> None:
+    if args.host not in LOOPBACK and not args.api_key:
+        raise SystemExit(f"--host {args.host} exposes the engine beyond this machine; pass --api-key too "
+                         "(or bind 127.0.0.1)")
+    if args.max_running_requests < 1:
+        raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if not 0 < args.mem_fraction_static <= 1:
+        raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")

@@ -1,0 +1,283 @@
+"""The engine loop: one thread that owns the model, the cache and the scheduler.
+
+Everything that touches engine state runs on that thread: request arrival, aborts, weight loads,
+cache flushes and pauses are posted as commands (:meth:`Engine.call`) and executed between steps,
+so a forward pass never sees half-updated weights. One step = admit waiting requests, prefill them
+(batched, in chunks of at most ``chunked_prefill_size`` tokens per forward), then decode one token
+for every running request in a single batched forward.
+
+Outputs leave through each sequence's ``on_event`` callback (called on the engine thread; the
+HTTP layer hops back to its event loop with ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from slime.backends.embedded_engine.io_struct import GenerateRequest
+from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+from slime.backends.embedded_engine.sampler import GREEDY_EPS, RowSampling, sample
+from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, chunked_prefill_size: int = 2048, weight_version: str = "default",
+                 seed: int = 0):
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.scheduler = Scheduler(runner.kv_cache.shape.num_slots, max_prefill_tokens=chunked_prefill_size)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.weight_version = weight_version
+        self.eos_token_ids = self._eos_ids()
+        self.generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self.paused = False
+        self.last_gen_throughput = 0.0
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.runner.model, "generation_config", None), self.runner.config):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ thread plumbing
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.call(lambda: self.abort(None, abort_all=True)).result(timeout)
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between steps; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # delivered to the caller, the loop keeps serving
+                    future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = self.paused or not self.scheduler.has_work()
+            try:
+                command = self._commands.get(timeout=0.5 if idle else 0)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                command()
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not self.paused and self.scheduler.has_work():
+                try:
+                    self.step()
+                except Exception:  # a broken step must not kill the server: fail the batch, keep serving
+                    logger.exception("engine step failed; aborting running requests")
+                    self.abort(None, abort_all=True, message="Internal error in engine step")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: GenerateRequest, on_event: Callable[[Sequence, bool], None]) -> Sequence:
+        """Engine thread only (post it with :meth:`call`)."""
+        capacity = self.runner.context_length - len(request.input_ids)
+        budget = capacity if request.params.max_new_tokens is None else min(request.params.max_new_tokens, capacity)
+        seq = Sequence(request=request, max_new_tokens=budget, on_event=on_event)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, rid: str | None, abort_all: bool = False, message: str | None = None) -> int:
+        targets = self.scheduler.select_abort(rid, abort_all)
+        for seq in targets:
+            reason = self.scheduler.abort_reason(seq)
+            if message:
+                reason["message"] = message
+            self._finish(seq, reason)
+        return len(targets)
+
+    def _finish(self, seq: Sequence, reason: dict) -> None:
+        self._apply_moves(self.scheduler.finish(seq, reason))
+        seq.on_event(seq, True)
+
+    def _apply_moves(self, moves: list[SlotMove]) -> None:
+        for move in moves:
+            self.runner.kv_cache.move_slot(move.src, move.dst, move.length)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        start = time.perf_counter()
+        admitted = self.scheduler.admit()
+        produced = self._prefill(admitted) if admitted else 0
+        if self.scheduler.running:  # everyone running now has a sampled token to feed
+            produced += self._decode()
+        elapsed = time.perf_counter() - start
+        if produced:
+            self.last_gen_throughput = produced / max(elapsed, 1e-9)
+
+    def _prefill(self, admitted: list[Sequence]) -> int:
+        """Fill the cache with each admitted sequence's prompt (+ output so far), then sample its next token."""
+        pending = list(admitted)
+        produced = 0
+        while pending:
+            chunk = max(1, self.chunked_prefill_size // len(pending))
+            rows = []
+            for seq in pending:
+                tokens = seq.fill_ids[seq.num_computed: seq.num_computed + chunk]
+                rows.append(ForwardRow(tokens, seq.num_computed, want_all_logits=self._wants_input_logprobs(seq)))
+            slots = [seq.slot for seq in pending]
+            last_logits, all_logits = self.runner.forward(slots, rows)
+            self.scheduler.stats.prefill_forwards += 1
+            done = []
+            for i, seq in enumerate(pending):
+                if all_logits[i] is not None:
+                    self._record_input_logprobs(seq, rows[i], all_logits[i])
+                seq.num_computed += len(rows[i].tokens)
+                if seq.num_computed >= len(seq.fill_ids):
+                    done.append((seq, last_logits[i]))
+            pending = [s for s in pending if s.num_computed < len(s.fill_ids)]
+            finished = [s for s, _ in done if len(s.output_ids) >= s.max_new_tokens]
+            for seq in finished:
+                self._finish(seq, {"type": "length", "length": seq.max_new_tokens})
+            ready = [(s, l) for s, l in done if s not in finished]
+            if ready:
+                produced += self._sample_and_append([s for s, _ in ready], torch.stack([l for _, l in ready]))
+        return produced
+
+    def _decode(self) -> int:
+        running = list(self.scheduler.running)
+        rows = [ForwardRow([seq.output_ids[-1]], seq.num_computed) for seq in running]
+        last_logits, _ = self.runner.forward(list(range(len(running))), rows)
+        for seq in running:
+            seq.num_computed += 1
+        stats = self.scheduler.stats
+        stats.decode_steps += 1
+        stats.max_running_batch = max(stats.max_running_batch, len(running))
+        return self._sample_and_append(running, last_logits)
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
+        settings = [self._row_sampling(seq) for seq in seqs]
+        tokens, logprobs = sample(logits, settings, self.generator)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.output_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif seq.request.stream:
+                seq.on_event(seq, False)
+        self.scheduler.stats.generated_tokens += len(seqs)
+        return len(seqs)
+
+    def _row_sampling(self, seq: Sequence) -> RowSampling:
+        params = seq.request.params
+        banned = ()
+        if len(seq.output_ids) < params.min_new_tokens and not params.ignore_eos:
+            banned = tuple(self._stop_token_ids(seq))
+        return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                           min_p=params.min_p, seed=params.sampling_seed, position=len(seq.output_ids),
+                           banned_token_ids=banned)
+
+    # ------------------------------------------------------------------ stopping
+    def _stop_token_ids(self, seq: Sequence) -> set[int]:
+        return self.eos_token_ids | set(seq.request.params.stop_token_ids or [])
+
+    def _finish_reason(self, seq: Sequence) -> dict | None:
+        """SGLang order: length first, then stop tokens, then stop strings."""
+        params = seq.request.params
+        last = seq.output_ids[-1]
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return {"type": "length", "length": seq.max_new_tokens}
+        if not params.ignore_eos and last in self._stop_token_ids(seq):
+            return {"type": "stop", "matched": last}
+        stops = params.stop_strings
+        if stops:
+            longest = max(len(s) for s in stops)
+            tail = self.tokenizer.decode(seq.output_ids[-(longest + 8):],
+                                         skip_special_tokens=params.skip_special_tokens)
+            for stop in stops:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def output_text(self, seq: Sequence) -> str:
+        """Decoded completion, stop-trimmed unless ``no_stop_trim``."""
+        params = seq.request.params
+        ids = seq.output_ids
+        matched = (seq.finish_reason or {}).get("matched")
+        if not params.no_stop_trim and isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if not params.no_stop_trim and isinstance(matched, str) and seq.finish_reason.get("type") == "stop":
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    # ------------------------------------------------------------------ prompt log-probs
+    @staticmethod
+    def _wants_input_logprobs(seq: Sequence) -> bool:
+        req = seq.request
+        return req.return_logprob and req.logprob_start_len >= 0 and not seq.input_logprobs
+
+    def _record_input_logprobs(self, seq: Sequence, row: ForwardRow, logits: torch.Tensor) -> None:
+        """Position p's logits score prompt token p+1; entries cover positions logprob_start_len.. (first null)."""
+        prompt = seq.prompt_ids
+        temperature = seq.request.params.temperature
+        scale = 1.0 if temperature < GREEDY_EPS else temperature
+        logprobs = torch.log_softmax(logits / scale, dim=-1)
+        store = seq.text_cache.setdefault("input_logprobs", {})
+        for j in range(len(row.tokens)):
+            target = row.start + j + 1
+            if target < len(prompt):
+                store[target] = float(logprobs[j, prompt[target]])
+        if row.start + len(row.tokens) >= len(prompt):
+            start = seq.request.logprob_start_len
+            seq.input_logprobs = [None] + [store.get(i) for i in range(start + 1, len(prompt))]
+            del seq.text_cache["input_logprobs"]
+
+    # ------------------------------------------------------------------ control (engine thread)
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept, so flushing only requires idleness (as SGLang reports)."""
+        return not self.scheduler.has_work()
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(None, abort_all=True)
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        elif mode != "in_place":
+            raise ValueError(f"pause_generation mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.paused = True
+
+    def load_info(self) -> dict:
+        sched = self.scheduler
+        shape = self.runner.kv_cache.shape
+        used = sum(s.num_computed for s in sched.running)
+        total = shape.num_slots * shape.slot_capacity
+        return {"num_running_reqs": len(sched.running), "num_waiting_reqs": len(sched.waiting),
+                "num_waiting_uncached_tokens": sum(len(s.fill_ids) for s in sched.waiting),
+                "num_used_tokens": used, "num_total_tokens": total, "max_total_num_tokens": total,
+                "max_running_requests": shape.num_slots, "token_usage": used / total if total else 0.0,
+                "gen_throughput": self.last_gen_throughput, "cache_hit_rate": 0.0,
+                "utilization": len(sched.running) / shape.num_slots}

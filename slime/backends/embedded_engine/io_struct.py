@@ -1,0 +1,204 @@
+"""Request records and validation for ``/generate`` (SGLang field names, defaults and errors).
+
+``parse_generate`` turns one JSON body into a list of :class:`GenerateRequest` (a batch, ``n``
+samples, or one). Validation raises :class:`RequestError` carrying the HTTP status SGLang uses:
+400 for invalid values, 500 for unknown keys inside ``sampling_params`` (SGLang splats the dict into
+a struct and the ``TypeError`` escapes). Unknown *top-level* keys are ignored, as SGLang does (the
+router adds some of its own).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+TOP_K_ALL = 1 << 30
+
+
+class RequestError(Exception):
+    """A request the server refuses; ``status`` is the HTTP status, ``shape`` the error envelope."""
+
+    def __init__(self, message: str, status: int = 400, shape: str = "native"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.shape = shape  # "native": {"error": {"message"}}, "openai": {"object": "error", ...}
+
+
+@dataclass
+class SamplingParams:
+    """SGLang ``SamplingParams`` (the subset this engine executes; others are refused, not ignored)."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: dict | None = None
+    custom_params: dict | None = None
+    stream_interval: int | None = None
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "SamplingParams":
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise RequestError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r} "
+                               f"(sampling_params keys: {sorted(known)})", status=500)
+        params = cls(**raw)
+        params.verify()
+        return params
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    def verify(self) -> None:
+        """Same checks (and messages naming the field) as SGLang's ``SamplingParams.verify``."""
+        if self.top_k == -1 or self.top_k is None:
+            self.top_k = TOP_K_ALL
+        checks = [
+            (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be non-negative, got {self.temperature}."),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
+            (isinstance(self.top_k, int) and self.top_k >= 1,
+             f"top_k must be -1 (disable), or at least 1, got {self.top_k}."),
+            (self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0),
+             f"max_new_tokens must be at least 0, got {self.max_new_tokens}."),
+            (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens
+             and (self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens),
+             f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}."),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+        unsupported = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop_regex": None,
+                       "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None}
+        for name, default in unsupported.items():
+            if getattr(self, name) not in (default, None) and not (name == "stop_regex" and not self.stop_regex):
+                raise RequestError(f"sampling_params.{name} is not supported by the embedded engine yet "
+                                   f"(got {getattr(self, name)!r}); leave it at its default")
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate (a batch or ``n > 1`` body becomes several)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _as_list(value, batch: int | None):
+    if batch is None:
+        return [value]
+    if isinstance(value, list):
+        if len(value) != batch:
+            raise RequestError(f"list field of length {len(value)} does not match the batch size {batch}")
+        return value
+    return [value] * batch
+
+
+def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) -> tuple[list[GenerateRequest], bool]:
+    """Validate a ``/generate`` body; return (requests, whether the answer is a list)."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", shape="openai")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError("Either text or input_ids should be provided.")
+    if body.get("input_embeds") is not None:
+        raise RequestError("input_embeds is not supported by the embedded engine yet")
+    is_batch = isinstance(text, list) if text is not None else bool(input_ids) and isinstance(input_ids[0], list)
+    batch = len(text if text is not None else input_ids) if is_batch else None
+    if batch == 0:
+        raise RequestError("text/input_ids: an empty batch was given")
+    prompts = _prompts(text, input_ids, batch, tokenize)
+    sampling = body.get("sampling_params") or {}
+    sampling_list = _as_list(sampling, batch)
+    rids = _rids(body.get("rid"), batch)
+    logprob_flags = _as_list(bool(body.get("return_logprob", False)), batch) if not isinstance(
+        body.get("return_logprob"), list) else _as_list(body["return_logprob"], batch)
+    start_lens = _as_list(body.get("logprob_start_len", -1), batch)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams.from_dict(sampling_list[i])
+        _check_prompt(prompt, params, vocab_size, context_length)
+        start_len = -1 if start_lens[i] is None else int(start_lens[i])
+        if logprob_flags[i] and start_len > len(prompt):
+            raise RequestError(f"logprob_start_len ({start_len}) is larger than the prompt ({len(prompt)} tokens).")
+        for k in range(params.n):
+            rid = rids[i] if params.n == 1 else uuid.uuid4().hex
+            requests.append(GenerateRequest(rid=rid, input_ids=list(prompt), params=params,
+                                            return_logprob=bool(logprob_flags[i]), logprob_start_len=start_len,
+                                            return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+                                            stream=bool(body.get("stream", False))))
+    return requests, is_batch or len(requests) > 1
+
+
+def _prompts(text, input_ids, batch, tokenize) -> list[list[int]]:
+    if input_ids is not None:
+        prompts = input_ids if batch is not None else [input_ids]
+        for prompt in prompts:
+            if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise RequestError("input_ids must be a list of ints or a list of lists of ints")
+        return prompts
+    texts = text if batch is not None else [text]
+    if not all(isinstance(t, str) for t in texts):
+        raise RequestError("text must be a string or a list of strings")
+    return [tokenize(t) for t in texts]
+
+
+def _rids(rid, batch) -> list[str]:
+    if batch is None:
+        return [str(rid) if rid is not None else uuid.uuid4().hex]
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(batch)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(batch)]
+    return [str(r) for r in _as_list(rid, batch)]
+
+
+def _check_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> None:
+    if not prompt:
+        raise RequestError("input_ids cannot be empty.")
+    bad = [t for t in prompt if t < 0 or t >= vocab_size]
+    if bad:
+        raise RequestError(f"input_ids: token id {bad[0]} is out of the vocabulary range [0, {vocab_size}).")
+    if len(prompt) >= context_length:
+        raise RequestError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                           f"({context_length} tokens).")
+    if params.max_new_tokens is not None and len(prompt) + params.max_new_tokens > context_length:
+        raise RequestError(f"Requested token count exceeds the model's maximum context length of {context_length} "
+                           f"tokens. You requested a total of {len(prompt) + params.max_new_tokens} tokens: "
+                           f"{len(prompt)} tokens from the input messages and {params.max_new_tokens} tokens for "
+                           f"the completion (sampling_params.max_new_tokens). Please reduce the number of tokens "
+                           f"in the input messages or the completion to fit within the limit.")

@@ -1,0 +1,105 @@
+"""Preallocated key/value cache: one fixed-size row ("slot") per running request.
+
+Layout per layer: ``keys[layer]`` and ``values[layer]`` of shape
+``[num_slots, num_kv_heads, slot_capacity, head_dim]``, allocated once at start-up. The running
+batch always occupies slots ``0 .. batch_size-1`` contiguously, so a decode step reads the cache as
+a *view* ``keys[layer][:batch_size, :, :max_len]`` (no gather); when a request leaves, the last
+row is copied into its slot (one row copy, see :meth:`SlotKVCache.move_slot`).
+
+Token accounting (``max_total_tokens``) is the scheduler's job; this module only holds memory.
+
+:class:`SlotCacheView` adapts the buffers to the ``Cache.update`` call that Hugging Face attention
+layers make: it writes the new keys/values of each row at that row's own positions and returns the
+cache rows of the step, whose padded/unused positions the caller masks out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Geometry of the cache buffers (one entry per attention layer)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_slots: int
+    slot_capacity: int  # tokens one request can hold (prompt + output), <= context length
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+class SlotKVCache:
+    """The preallocated buffers. ``release()``/``allocate()`` free and restore them (memory saver)."""
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device):
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    def allocate(self) -> None:
+        if self.allocated:
+            return
+        s = self.shape
+        dims = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
+        self.keys = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.values = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (batch compaction)."""
+        if src == dst or length == 0:
+            return
+        for buf in self.keys + self.values:
+            buf[dst, :, :length].copy_(buf[src, :, :length])
+
+
+class SlotCacheView:
+    """What one forward pass sees: the cache slots ``slots`` (row i of the batch is ``slots[i]``).
+
+    ``valid`` (bool ``[rows, q_len]``) says which query positions are real tokens (the rest is left
+    padding) and ``write_positions`` (1-D, one per valid token, row-major) where each goes.
+    ``kv_length`` is how many cache positions the attention reads. Consecutive slots (the decode
+    batch) are read as a view; other sets are gathered.
+    """
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], valid: torch.Tensor, write_positions: torch.Tensor,
+                 kv_length: int):
+        self.cache = cache
+        self.valid = valid
+        self.kv_length = kv_length
+        slot_tensor = torch.tensor(slots, dtype=torch.long, device=valid.device)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.read_rows = slice(slots[0], slots[0] + len(slots)) if contiguous else slot_tensor
+        self.write_slots = slot_tensor.unsqueeze(1).expand_as(valid)[valid]
+        self.write_positions = write_positions
+        self.is_compileable = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the step's keys/values ([rows, heads, q, dim]) and return the cache rows to attend to."""
+        for new, buf in ((key_states, self.cache.keys[layer_idx]), (value_states, self.cache.values[layer_idx])):
+            # [rows, heads, q, dim] -> [rows, q, heads, dim] -> valid tokens [n, heads, dim]
+            tokens = new.transpose(1, 2)[self.valid]
+            buf[self.write_slots, :, self.write_positions] = tokens.to(buf.dtype)
+        return (self.cache.keys[layer_idx][self.read_rows, :, : self.kv_length],
+                self.cache.values[layer_idx][self.read_rows, :, : self.kv_length])
+
+    def get_seq_length(self, *args, **kwargs) -> int:  # only used when position_ids are not given
+        return 0

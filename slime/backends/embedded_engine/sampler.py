@@ -1,0 +1,93 @@
+"""Token sampling with exact log-probs of the sampled tokens (SGLang semantics).
+
+For each row with temperature ``T`` (greedy rows use ``T = 1``):
+
+    logprob(token) = log_softmax(logits / T)[token]          over the full vocabulary
+
+evaluated *before* top-k / top-p / min-p truncation (no renormalisation), which is what SGLang
+returns in ``output_token_logprobs`` and what an RL trainer recomputes. The token itself is drawn
+from the truncated, renormalised distribution; greedy rows take the argmax of the raw logits.
+
+Sampling uses the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), so a row with a
+``sampling_seed`` draws its noise from its own generator and is reproducible whatever batch it
+runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling settings for one step (already validated)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None  # per-request sampling_seed; combined with the output position
+    position: int = 0  # index of the token being sampled in the output (for seeded noise)
+    banned_token_ids: tuple[int, ...] = ()  # stop ids suppressed before min_new_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
+           ) -> tuple[list[int], list[float]]:
+    """Pick one token per row of ``logits`` ([rows, vocab], fp32); return (token ids, log-probs)."""
+    logits = logits.float()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    temperatures = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
+    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        probs = _truncate(logprobs[idx].exp(), [rows[i] for i in sampled])
+        noise = _exponential_noise(probs.shape, [rows[i] for i in sampled], generator, logits.device)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p (the relative order is all that matters later)."""
+    vocab = probs.shape[1]
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=probs.device)
+    top_p = torch.tensor([r.top_p for r in rows], device=probs.device, dtype=probs.dtype)
+    min_p = torch.tensor([r.min_p for r in rows], device=probs.device, dtype=probs.dtype)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
+        cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (ranks >= top_k.unsqueeze(1)) | (cumulative_before > top_p.unsqueeze(1))
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+    if bool((min_p > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponential_noise(shape, rows: list[RowSampling], generator, device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.seed is not None:
+            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position)) & 0x7FFFFFFF)
+            noise[i] = torch.empty(shape[1], device=device).exponential_(generator=seeded)
+    return noise.clamp_min_(1e-20)
+
+
+def reference_logprob(logits: torch.Tensor, token: int, temperature: float) -> float:
+    """Slow, obvious reference for one position: log_softmax(logits / T)[token] (T=1 when greedy)."""
+    t = 1.0 if temperature < GREEDY_EPS else temperature
+    return float(torch.log_softmax(logits.double() / t, dim=-1)[token])

@@ -1,0 +1,148 @@
+"""Continuous-batching policy, in pure Python (no torch): who waits, who runs, who leaves.
+
+Invariant: ``running[i].slot == i``. Running requests occupy cache slots ``0..len(running)-1``
+contiguously, so the decode step reads the cache without a gather. When a request leaves, the
+last running request moves into its slot; the scheduler returns that move as a
+:class:`SlotMove` for the engine to apply to the KV cache.
+
+At every engine step, waiting requests join (FIFO) as long as a slot is free and the step's prefill
+token budget allows, then all running requests decode one token together. A full cache therefore
+makes new requests wait; they never push running ones out. ``retract_all`` (pause mode
+``retract``) sends running requests back to the front of the queue with their output kept; they are
+re-prefilled (prompt + output so far) when they rejoin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from slime.backends.embedded_engine.io_struct import GenerateRequest
+
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+@dataclass
+class Sequence:
+    """A request's state inside the engine."""
+
+    request: GenerateRequest
+    max_new_tokens: int  # effective budget (None in the request = what fits the slot)
+    on_event: Callable[["Sequence", bool], None] | None = None  # (sequence, finished) -> None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: dict | None = None
+    slot: int | None = None
+    num_computed: int = 0  # tokens of fill_ids whose keys/values are in the cache
+    num_retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    text_cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.input_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens that must be in the cache before the next token can be sampled."""
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class SlotMove:
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass
+class SchedulerStats:
+    max_running_batch: int = 0  # largest decode batch seen
+    joins_while_decoding: int = 0  # requests admitted while others were mid-generation
+    decode_steps: int = 0
+    prefill_forwards: int = 0
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_prefill_tokens: int):
+        self.num_slots = num_slots
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def rid_in_flight(self, rid: str) -> bool:
+        return any(s.rid == rid for s in list(self.waiting) + self.running)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into free slots (FIFO, bounded by the prefill token budget)."""
+        admitted, budget = [], self.max_prefill_tokens
+        decoding = any(s.output_ids for s in self.running)
+        while self.waiting and len(self.running) < self.num_slots:
+            seq = self.waiting[0]
+            need = len(seq.fill_ids)
+            if admitted and need > budget:
+                break
+            self.waiting.popleft()
+            seq.slot = len(self.running)
+            seq.num_computed = 0
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= need
+            if decoding:
+                self.stats.joins_while_decoding += 1
+        return admitted
+
+    def finish(self, seq: Sequence, reason: dict) -> list[SlotMove]:
+        """Mark ``seq`` finished and free its slot; return the cache move that keeps slots contiguous."""
+        seq.finish_reason = reason
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return []
+        return self._remove_running(seq)
+
+    def _remove_running(self, seq: Sequence) -> list[SlotMove]:
+        slot = seq.slot
+        last = self.running.pop()
+        seq.slot = None
+        if last is seq:
+            return []
+        self.running[slot] = last
+        last.slot = slot
+        return [SlotMove(src=len(self.running), dst=slot, length=last.num_computed)]
+
+    def select_abort(self, rid: str | None, abort_all: bool) -> list[Sequence]:
+        """Requests an abort applies to: all, or those whose rid starts with ``rid`` (SGLang semantics)."""
+        candidates = list(self.waiting) + list(self.running)
+        if abort_all:
+            return candidates
+        if not rid:
+            return []
+        return [s for s in candidates if s.rid.startswith(rid)]
+
+    def abort_reason(self, seq: Sequence) -> dict:
+        return dict(ABORT_WAITING if seq in self.waiting and not seq.output_ids else ABORT_RUNNING)
+
+    def retract_all(self) -> list[SlotMove]:
+        """Send every running request back to the front of the queue (its cache is dropped)."""
+        for seq in reversed(self.running):
+            seq.slot, seq.num_computed = None, 0
+            seq.num_retractions += 1
+            self.waiting.appendleft(seq)
+        self.running = []
+        return []
