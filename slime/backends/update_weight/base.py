@@ -1,0 +1,70 @@
+"""Engine admin calls and the choice of transport."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient:
+    """Blocking admin client for the engines' HTTP endpoints (one per trainer rank 0)."""
+
+    def __init__(self, engine_urls: list[str], api_key: str | None = None, timeout: float = 600.0):
+        self.engine_urls = list(engine_urls)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=timeout, headers=headers)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="engine-admin")
+
+    def post(self, url: str, path: str, payload: dict | None = None) -> dict:
+        response = self._client.post(url + path, json=payload or {})
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
+        body = response.json() if response.content else {}
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RuntimeError(f"POST {url}{path} reported failure: {body.get('message')}")
+        return body
+
+    def post_all(self, path: str, payloads: list[dict] | dict | None = None) -> list[dict]:
+        """POST to every engine concurrently (one payload each, or the same payload)."""
+        if not isinstance(payloads, list):
+            payloads = [payloads] * len(self.engine_urls)
+        futures = [self._pool.submit(self.post, url, path, p) for url, p in zip(self.engine_urls, payloads)]
+        return [f.result() for f in futures]
+
+    def submit_all(self, path: str, payload: dict):
+        """Start POSTs to every engine without waiting (for calls that block on a collective)."""
+        return [self._pool.submit(self.post, url, path, payload) for url in self.engine_urls]
+
+    def pause(self) -> None:
+        self.post_all("/pause_generation", {})
+        self.post_all("/flush_cache", {})
+
+    def resume(self) -> None:
+        self.post_all("/continue_generation", {})
+
+    def close(self) -> None:
+        self._client.close()
+        self._pool.shutdown(wait=False)
+
+
+def make_weight_updater(args, engine_urls: list[str], engine_gpu_counts: list[int], colocate: bool):
+    """Pick the transport: disk when asked; tensor handles when colocated; otherwise broadcast."""
+    if args.update_weight_transport == "disk":
+        if args.update_weight_mode == "delta":
+            raise NotImplementedError(
+                "--update-weight-mode delta is not supported yet; use --update-weight-mode full with the disk transport"
+            )
+        from slime.backends.update_weight.disk import DiskWeightUpdater
+
+        return DiskWeightUpdater(args, engine_urls)
+    if colocate:
+        from slime.backends.update_weight.tensor import TensorWeightUpdater
+
+        return TensorWeightUpdater(args, engine_urls, engine_gpu_counts)
+    from slime.backends.update_weight.distributed import DistributedWeightUpdater
+
+    return DistributedWeightUpdater(args, engine_urls, engine_gpu_counts)

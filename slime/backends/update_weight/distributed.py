@@ -1,0 +1,83 @@
+"""Disaggregated transport: a broadcast group between trainer rank 0 and every engine rank.
+
+``/init_weights_update_group`` once (rank 0 = trainer, engine *i* gets ranks
+``1 + Σ_{j<i} gpus_j ...``), then per bucket ``/update_weights_from_distributed`` with the names,
+dtypes and shapes, followed by one broadcast of the flattened bucket (``load_format
+"flattened_bucket"``). The HTTP calls block on the collective, so they are fired first and awaited
+after the broadcast. gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.embedded_engine.weight_loading import flatten_tensors, init_custom_process_group
+from slime.backends.update_weight.base import EngineClient
+
+GROUP_NAME = "slime"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class DistributedWeightUpdater:
+    def __init__(self, args, engine_urls: list[str], engine_gpu_counts: list[int]):
+        self.args = args
+        self.client = EngineClient(engine_urls)
+        self.engine_gpu_counts = engine_gpu_counts
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_only else torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.group = None
+
+    def connect(self) -> None:
+        host = "127.0.0.1" if all("127.0.0.1" in u or "localhost" in u for u in self.client.engine_urls) else socket.gethostbyname(socket.gethostname())
+        port = _free_port(host)
+        world_size = 1 + sum(self.engine_gpu_counts)
+        offsets = [1 + sum(self.engine_gpu_counts[:i]) for i in range(len(self.engine_gpu_counts))]
+        futures = [
+            self.client._pool.submit(self.client.post, url, "/init_weights_update_group", {
+                "master_address": host, "master_port": port, "rank_offset": offset, "world_size": world_size,
+                "group_name": GROUP_NAME, "backend": self.backend})
+            for url, offset in zip(self.client.engine_urls, offsets)
+        ]
+        self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world_size, 0, GROUP_NAME,
+                                               timeout=timedelta(minutes=self.args.distributed_timeout_minutes))
+        for future in futures:
+            future.result()
+
+    def update(self, buckets, weight_version: str) -> int:
+        if self.group is None:
+            self.connect()
+        total = 0
+        for bucket in buckets:
+            flat = flatten_tensors([(name, t.to(self.device)) for name, t in bucket])
+            payload = {
+                "names": [name for name, _ in bucket],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": GROUP_NAME, "flush_cache": False, "weight_version": weight_version,
+                "load_format": "flattened_bucket",
+            }
+            futures = self.client.submit_all("/update_weights_from_distributed", payload)
+            dist.broadcast(flat["flattened_tensor"], src=0, group=self.group)
+            for future in futures:
+                future.result()
+            total += flat["flattened_tensor"].numel()
+        return total
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.client.post_all("/destroy_weights_update_group", {"group_name": GROUP_NAME})
+            except Exception:  # engines may already be gone at shutdown
+                pass
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self.client.close()

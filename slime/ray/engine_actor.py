@@ -1,0 +1,91 @@
+"""One inference engine as a Ray actor: it holds the engine's devices and owns its server process.
+
+The server is the embedded engine (``--rollout-backend embedded``) or SGLang (``sglang``); either
+way the rest of slime talks to it over HTTP. The actor survives its server: ``alive()`` reports a
+dead process and ``restart()`` brings up a fresh one on the same devices and port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+# --sglang-* flags the embedded engine understands (SGLang names); others are SGLang-only.
+EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
+                         "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
+                         "random-seed", "log-level"}
+
+
+def embedded_engine_argv(args, gpu: bool) -> list[str]:
+    argv = ["--device", "cuda" if gpu else "cpu"]
+    forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
+    if args.embedded_engine_max_total_tokens is not None:
+        forwarded["max-total-tokens"] = args.embedded_engine_max_total_tokens
+    if args.embedded_engine_max_running_requests is not None:
+        forwarded["max-running-requests"] = args.embedded_engine_max_running_requests
+    if args.embedded_engine_dtype is not None:
+        forwarded["dtype"] = args.embedded_engine_dtype
+    if args.rollout_max_context_len is not None and "context-length" not in forwarded:
+        forwarded["context-length"] = args.rollout_max_context_len
+    for name, value in forwarded.items():
+        if name not in EMBEDDED_SGLANG_FLAGS:
+            logger.warning("--sglang-%s is an SGLang option the embedded engine does not have; ignored", name)
+            continue
+        if value is True:
+            argv.append(f"--{name}")
+        elif value not in (False, None):
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+@ray.remote
+class EngineActor:
+    def __init__(self, args, engine_index: int, num_gpus: int):
+        self.args, self.engine_index, self.num_gpus = args, engine_index, num_gpus
+        self.process = None
+        self.port = None
+
+    def start(self, timeout: float = 300.0) -> str:
+        from slime.ray.placement import use_gpu
+
+        gpu = use_gpu(self.args)
+        if self.args.rollout_backend == "embedded":
+            from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+
+            env = dict(os.environ)
+            if not gpu:
+                env["OMP_NUM_THREADS"] = env.get("SLIME_ENGINE_THREADS", "1")
+            self.process = EmbeddedEngineProcess(self.args.hf_checkpoint, port=self.port,
+                                                 extra_args=embedded_engine_argv(self.args, gpu), env=env)
+        else:
+            raise NotImplementedError(
+                "--rollout-backend sglang launching is not available in this build yet; use --rollout-backend "
+                "embedded, or start SGLang yourself and pass --rollout-external-engine-addrs"
+            )
+        self.process.start()
+        self.process.wait_healthy(timeout)
+        self.port = self.process.port
+        return self.process.url
+
+    def url(self) -> str | None:
+        return self.process.url if self.process is not None else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_running()
+
+    def restart(self, timeout: float = 300.0) -> str:
+        self.stop()
+        return self.start(timeout)
+
+    def kill_for_test(self) -> None:
+        """Kill the server process hard (fault-injection tests)."""
+        self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None

@@ -1,0 +1,189 @@
+"""What ``train.py`` and ``train_async.py`` share: start-up, the named steps of the loop, shutdown.
+
+Start-up order (INTERFACES Appendix B): Ray → placement groups → rollout manager (engines, router,
+data source) → trainers (checkpoint load decides the first rollout id) → data-source state → first
+weight sync. Shutdown order: trainers, then the rollout manager (router, then engines), then Ray —
+also after a crash or Ctrl-C (``with Job(args) as job:``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+
+from slime.ray.placement import create_placement_groups, init_ray
+from slime.ray.rollout_manager import RolloutManager
+from slime.ray.train_group import TrainGroup
+from slime.utils.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+class Job:
+    def __init__(self, args):
+        self.args = args
+        self.actor = self.critic = self.rollout_manager = None
+        self.tracker = Tracker(args)
+        self.timings: dict[str, float] = {}
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------ start-up
+
+    def __enter__(self) -> "Job":
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown()
+
+    def _start(self) -> None:
+        args = self.args
+        if not os.path.isdir(args.hf_checkpoint or ""):
+            raise FileNotFoundError(f"--hf-checkpoint {args.hf_checkpoint!r} is not a directory")
+        init_ray(args)
+        placements = create_placement_groups(args)
+        dp_size = 0 if args.debug_rollout_only else len(placements["actor"].bundle_indices)
+        self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"], max(dp_size, 1))
+        runtime = ray.get(self.rollout_manager.get_runtime_args.remote())
+        for key, value in runtime.items():
+            setattr(args, key, value)
+        if args.offload_rollout and not args.debug_train_only:
+            ray.get(self.rollout_manager.offload.remote())
+        start_rollout_id = None
+        if not args.debug_rollout_only:
+            self.actor = TrainGroup(args, placements["actor"], role="actor")
+            start_rollout_id = self.actor.init()
+            if args.use_critic:
+                self.critic = TrainGroup(args, placements["critic"], role="critic")
+                self.critic.init()
+        if args.start_rollout_id is None:
+            args.start_rollout_id = start_rollout_id or 0
+        if args.start_rollout_id > 0:
+            ray.get(self.rollout_manager.load.remote(args.start_rollout_id - 1))
+        # weight_version == number of rollout steps trained on: the first sync publishes start_rollout_id
+        self.weight_version = args.start_rollout_id - 1
+        if self.actor is not None and not args.debug_train_only:
+            engine_gpu_counts = ray.get(self.rollout_manager.engine_gpu_counts.remote())
+            self.actor.connect_rollout_engines(args.rollout_engine_urls, engine_gpu_counts)
+            self.update_weights()
+            if args.check_weight_update_equal:
+                mismatches = self.actor.check_weights_equal(args.rollout_engine_urls[0])
+                if mismatches:
+                    raise RuntimeError(f"--check-weight-update-equal: engine weights differ for {mismatches[:10]}")
+                logger.info("--check-weight-update-equal: engine weights equal the trainer's")
+
+    # ------------------------------------------------------------------ the loop's named steps
+
+    def _timed(self, name: str, fn, *args):
+        start = time.perf_counter()
+        result = fn(*args)
+        self.timings[name] = time.perf_counter() - start
+        return result
+
+    def generate(self, rollout_id: int):
+        data_refs, metrics = self._timed("rollout", lambda: ray.get(self.rollout_manager.generate.remote(rollout_id)))
+        self.tracker.log(metrics, rollout_id, "rollout")
+        return data_refs, metrics
+
+    def train(self, rollout_id: int, data_refs: list) -> dict:
+        if self.actor is None:
+            return {}
+        if self.args.offload_rollout:
+            ray.get(self.rollout_manager.offload.remote())
+        if self.args.offload_train:
+            self.actor.onload()
+        start = time.perf_counter()
+        metrics = {}
+        if self.critic is not None:
+            metrics.update(self.critic.train(rollout_id, data_refs))
+        if self.critic is None or rollout_id >= self.args.num_critic_only_steps:
+            metrics.update(self.actor.train(rollout_id, data_refs))
+        self.timings["train"] = time.perf_counter() - start
+        self.tracker.log(metrics, rollout_id, "train")
+        return metrics
+
+    def save(self, rollout_id: int) -> None:
+        if self.actor is not None:
+            self.actor.save(rollout_id)
+            if self.critic is not None:
+                self.critic.save(rollout_id)
+            if self.args.save_hf:
+                self.actor.save_hf(self.args.save_hf.format(rollout_id=rollout_id))
+        ray.get(self.rollout_manager.save.remote(rollout_id))
+
+    def update_weights(self) -> dict:
+        if self.actor is None or self.args.debug_train_only:
+            return {}
+        start = time.perf_counter()
+        if self.args.use_fault_tolerance:
+            restarted = ray.get(self.rollout_manager.check_engines.remote())
+            if restarted:
+                urls = ray.get(self.rollout_manager.get_runtime_args.remote())["rollout_engine_urls"]
+                self.args.rollout_engine_urls = urls
+                self.actor.connect_rollout_engines(urls, ray.get(self.rollout_manager.engine_gpu_counts.remote()))
+        if self.args.offload_train:
+            self.actor.offload()
+        if self.args.offload_rollout:
+            ray.get(self.rollout_manager.onload.remote(["weights"]))
+        self.weight_version += 1
+        metrics = self.actor.update_weights(self.weight_version)
+        if self.args.offload_rollout:
+            ray.get(self.rollout_manager.onload.remote(["kv_cache"]))
+        self.timings["update_weights"] = time.perf_counter() - start
+        return metrics
+
+    def evaluate(self, rollout_id: int) -> dict:
+        metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))
+        self.tracker.log(metrics, rollout_id, "eval")
+        self.tracker.console(rollout_id, metrics)
+        return metrics
+
+    def should_save(self, rollout_id: int) -> bool:
+        args = self.args
+        if args.save_interval is None:
+            return False
+        return (rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout
+
+    def should_eval(self, rollout_id: int) -> bool:
+        args = self.args
+        if args.eval_interval is None or args.debug_train_only:
+            return False
+        return (rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout
+
+    def eval_before_train(self, rollout_id: int) -> bool:
+        args = self.args
+        return rollout_id == 0 and args.eval_interval is not None and not args.skip_eval_before_train and not args.debug_train_only
+
+    def log_step(self, rollout_id: int, rollout_metrics: dict, train_metrics: dict, step_time: float, wait_time: float) -> None:
+        perf = {f"perf/{name}_time": seconds for name, seconds in self.timings.items()}
+        perf["perf/step_time"] = step_time
+        perf["perf/wait_time_ratio"] = wait_time / step_time if step_time > 0 else 0.0
+        self.tracker.log(perf, rollout_id, "perf")
+        self.tracker.console(rollout_id, {**rollout_metrics, **train_metrics, **perf})
+        self.timings = {}
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Trainers, then the rollout manager (router before engines), then Ray. Safe to call twice."""
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.shutdown()
+        self.actor = self.critic = None
+        if self.rollout_manager is not None:
+            try:
+                ray.get(self.rollout_manager.dispose.remote(), timeout=180)
+            except Exception as e:  # still stop Ray, which kills what is left
+                logger.warning("rollout manager did not shut down cleanly: %s", e)
+            ray.kill(self.rollout_manager)
+            self.rollout_manager = None
+        self.tracker.close()
+        if ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,83 @@
+"""Ray start-up and placement groups: GPUs where present, CPU bundles on a CPU machine.
+
+On a CPU machine a "GPU" in the resource flags means one process: ``--actor-num-gpus-per-node 2``
+starts two training ranks, ``--rollout-num-gpus 2`` two engines (each one bundle of logical CPUs).
+Logical CPUs are over-provisioned (Ray's CPU count is a scheduling token, not a core) so the whole
+loop fits on a 2-core laptop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+
+def use_gpu(args) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and not getattr(args, "cpu_only", False)
+
+
+def init_ray(args) -> None:
+    """Start (or attach to) Ray. Respects RAY_ADDRESS; otherwise starts a local instance."""
+    if ray.is_initialized():
+        return
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    env_vars.update(args.train_env_vars or {})
+    runtime_env = {"env_vars": env_vars}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        return
+    num_cpus = None
+    if not use_gpu(args):
+        wanted = args.actor_num_nodes * args.actor_num_gpus_per_node * (2 if args.use_critic else 1)
+        wanted += (args.rollout_num_gpus or 0) + 4
+        num_cpus = max(wanted, os.cpu_count() or 1)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
+             logging_level=logging.WARNING, configure_logging=True)
+
+
+@dataclass
+class Placement:
+    """A placement group and the bundle indices (in device order) the actors use."""
+
+    group: PlacementGroup | None
+    bundle_indices: list[int]
+    gpus_per_bundle: float
+
+    def strategy(self, i: int):
+        if self.group is None:
+            return None
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.bundle_indices[i])
+
+
+def _make_group(num_bundles: int, gpu: bool, name: str) -> Placement:
+    if num_bundles == 0:
+        return Placement(None, [], 0)
+    bundles = [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1} for _ in range(num_bundles)]
+    group = placement_group(bundles, strategy="PACK", name=name)
+    ray.get(group.ready(), timeout=600)
+    return Placement(group, list(range(num_bundles)), 1 if gpu else 0)
+
+
+def create_placement_groups(args) -> dict[str, Placement]:
+    """Actor (and critic) bundles; rollout bundles, shared with the actor's under --colocate."""
+    gpu = use_gpu(args)
+    actor_count = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.debug_rollout_only:
+        actor_count = 0
+    rollout_count = 0 if args.debug_train_only or args.rollout_external else (args.rollout_num_gpus or 0)
+    if args.colocate:
+        shared = _make_group(max(actor_count, rollout_count), gpu, "slime-colocated")
+        return {"actor": shared, "critic": shared, "rollout": shared}
+    actor = _make_group(actor_count, gpu, "slime-actor")
+    critic = _make_group(actor_count, gpu, "slime-critic") if args.use_critic else Placement(None, [], 0)
+    rollout = _make_group(rollout_count, gpu, "slime-rollout")
+    return {"actor": actor, "critic": critic, "rollout": rollout}

@@ -1,0 +1,147 @@
+"""One training rank as a Ray actor: sets up torch.distributed and hosts the backend's worker.
+
+The worker (``FSDPTrainWorker`` today, the Megatron worker later) holds the model; this actor adds
+what only the Ray layer knows: the rank layout, the device, and the weight transport to the engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@ray.remote
+class TrainRayActor:
+    def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
+        self.world_size, self.rank = world_size, rank
+        self.master_addr, self.master_port = master_addr, master_port
+        self.worker = None
+        self.weight_updater = None
+
+    def get_master_addr_and_port(self) -> tuple[str, int]:
+        addr = ray.util.get_node_ip_address()
+        return ("127.0.0.1" if addr in ("127.0.0.1", "localhost") else addr), _free_port()
+
+    def init(self, args, role: str, master_addr: str, master_port: int) -> int | None:
+        import torch
+        import torch.distributed as dist
+
+        from slime.ray.placement import use_gpu
+
+        self.args, self.role = args, role
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        gpu = use_gpu(args)
+        if gpu:
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, self.world_size)))
+        backend = "nccl" if gpu else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        torch.manual_seed(args.seed)
+        self.worker = self._make_worker(args, role)
+        return self.worker.init()
+
+    @staticmethod
+    def _make_worker(args, role: str):
+        if args.train_backend == "fsdp":
+            from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+
+            return FSDPTrainWorker(args, role=role)
+        raise NotImplementedError(
+            "--train-backend megatron is not available in this build yet; use --train-backend fsdp"
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, rollout_id: int, rollout_data_ref) -> dict:
+        rollout_data = ray.get(rollout_data_ref) if isinstance(rollout_data_ref, ray.ObjectRef) else rollout_data_ref
+        if isinstance(rollout_data, list):  # the driver passes [ref] so Ray does not resolve it early
+            rollout_data = ray.get(rollout_data[0])
+        return self.worker.train(rollout_id, rollout_data)
+
+    def compute_values(self, rollout_data_ref) -> list:
+        rollout_data = ray.get(rollout_data_ref[0]) if isinstance(rollout_data_ref, list) else rollout_data_ref
+        return self.worker.compute_values(rollout_data)
+
+    def save(self, rollout_id: int) -> None:
+        self.worker.save(rollout_id)
+
+    def save_hf(self, path: str) -> None:
+        self.worker.save_hf(path)
+
+    def offload(self) -> None:
+        self.worker.offload()
+
+    def onload(self) -> None:
+        self.worker.onload()
+
+    # ------------------------------------------------------------------ weights to engines
+
+    def connect_rollout_engines(self, engine_urls: list[str], engine_gpu_counts: list[int]) -> None:
+        if self.rank != 0:
+            return
+        from slime.backends.update_weight import make_weight_updater
+
+        if self.weight_updater is not None:
+            self.weight_updater.close()
+        self.weight_updater = make_weight_updater(self.args, engine_urls, engine_gpu_counts, colocate=self.args.colocate)
+
+    def update_weights(self, weight_version: int) -> dict:
+        """Collective over the training ranks (buckets are gathered on all); rank 0 sends them."""
+        start = time.perf_counter()
+        buckets = self.worker.iter_weight_buckets(self.args.update_weight_buffer_size)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return {}
+        self.weight_updater.client.pause()
+        try:
+            sent = self.weight_updater.update(buckets, str(weight_version))
+        finally:
+            self.weight_updater.client.resume()
+        seconds = time.perf_counter() - start
+        return {"perf/update_weights_bytes": sent, "perf/update_weights_gbytes_per_s": sent / max(seconds, 1e-9) / 1e9}
+
+    def check_weights_equal(self, engine_url: str, names: list[str] | None = None) -> list[str]:
+        """Compare engine weights with the trainer's (``--check-weight-update-equal``); returns mismatches."""
+        import httpx
+        import torch
+
+        mismatches = []
+        for bucket in self.worker.iter_weight_buckets(self.args.update_weight_buffer_size):
+            if self.rank != 0:
+                continue
+            for name, tensor in bucket:
+                if names is not None and name not in names:
+                    continue
+                response = httpx.post(f"{engine_url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=60)
+                response.raise_for_status()
+                engine_values = torch.tensor(response.json(), dtype=torch.float32).flatten()
+                mine = tensor.detach().float().cpu().flatten()[: engine_values.numel()]
+                if not torch.allclose(mine, engine_values, atol=1e-2 if tensor.dtype == torch.bfloat16 else 1e-6):
+                    mismatches.append(name)
+        return mismatches
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.weight_updater is not None:
+            self.weight_updater.close()
+            self.weight_updater = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
