@@ -75,7 +75,7 @@ class EngineActor:
         return self.process.url if self.process is not None else None
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.is_running()
+        return self.process is not None and self.process.process is not None and self.process.process.poll() is None
 
     def restart(self, timeout: float = 300.0) -> str:
         self.stop()
@@ -83,7 +83,8 @@ class EngineActor:
 
     def kill_for_test(self) -> None:
         """Kill the server process hard (fault-injection tests)."""
-        self.process.kill()
+        self.process.process.kill()
+        self.process.process.wait(10)
 
     def stop(self) -> None:
         if self.process is not None:

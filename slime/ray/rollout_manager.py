@@ -90,7 +90,8 @@ class RolloutManager:
         else:
             from slime.backends.router import RouterProcess
 
-            self.router = RouterProcess(worker_urls=self.engine_urls, extra_args=_router_argv(args))
+            policy, extra = _router_argv(args)
+            self.router = RouterProcess(policy=policy, worker_urls=self.engine_urls, extra_args=extra)
             self.router.start()
             self.router.wait_healthy(timeout=120)
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
@@ -223,13 +224,16 @@ class RolloutManager:
             self.engines = []
 
 
-def _router_argv(args) -> list[str]:
+def _router_argv(args) -> tuple[str, list[str]]:
+    """The routing policy (the router's own default unless --router-policy) and the other --router-* flags."""
+    forwarded = dict(getattr(args, "router_passthrough", {}) or {})
+    policy = forwarded.pop("policy", "cache_aware")
     argv = []
-    for name, value in (getattr(args, "router_passthrough", {}) or {}).items():
+    for name, value in forwarded.items():
         if value is True:
             argv.append(f"--{name}")
         elif isinstance(value, list):
             argv += [f"--{name}", *map(str, value)]
         else:
             argv += [f"--{name}", str(value)]
-    return argv
+    return policy, argv
