@@ -2,7 +2,7 @@
 # Creates (or reuses) the virtualenv .venv at the repository root and installs slime into it.
 # On a machine without an NVIDIA GPU the CPU build of PyTorch is pinned first, so that no
 # multi-GB CUDA build is pulled in by a dependency.
-# Usage: source-free; run as `bash scripts/setup-env.sh [extra,...]` (default extra: dev).
+# Usage: `bash scripts/setup-env.sh [core|dev|dev,wandb,...]` (default: dev = what the tests need).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -17,7 +17,8 @@ py=.venv/bin/python
 
 stamp=".venv/.slime-installed"
 want="$(sha1sum pyproject.toml | cut -d' ' -f1)-$extras"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# an install that covers more extras (dev) also covers the core one
+if [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want" ] || { [ "$extras" = "core" ] && [ "${want%-core}" = "$(cut -d- -f1 "$stamp")" ]; }; }; then
   echo "[setup] .venv is up to date"
   exit 0
 fi
@@ -29,7 +30,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -m pip install --quiet "torch==2.13.0"
   fi
 fi
-echo "[setup] installing slime[$extras]"
-"$py" -m pip install --quiet -e ".[$extras]"
+if [ "$extras" = "core" ]; then target="."; else target=".[$extras]"; fi
+echo "[setup] installing slime ($target)"
+"$py" -m pip install --quiet -e "$target"
 echo "$want" > "$stamp"
 echo "[setup] done: $("$py" -c 'import torch, transformers, ray; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__)')"
