@@ -420,3 +420,25 @@ def _validate_backends(args) -> None:
             args.multimodal_keys = json.loads(args.multimodal_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"--multimodal-keys must be a JSON object: {e}") from None
+
+
+def flag_reference_markdown() -> str:
+    """The flag table of docs/usage.md (slime's own and the training flags; pass-through excluded)."""
+    parser, _ = get_parser(parse_sglang=False)
+    lines = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        lines += [f"### {group.title}", "", "| flag | default | help |", "|---|---|---|"]
+        for action in actions:
+            flags = ", ".join(f"`{o}`" for o in action.option_strings)
+            default = "required" if action.required else f"`{action.default!r}`"
+            text = (action.help or "").replace("|", "\\|").replace("%%", "%")
+            lines.append(f"| {flags} | {default} | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m slime.utils.arguments  -> prints the flag reference
+    print(flag_reference_markdown())
