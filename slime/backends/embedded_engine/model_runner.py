@@ -132,8 +132,9 @@ class ModelRunner:
     @torch.inference_mode()
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the model's parameters/buffers; return how many were loaded."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # remove_duplicate=False: tied weights (lm_head / embed_tokens) are reachable under both names
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         count = 0
         for name, tensor in named_tensors:
             target = params.get(name)
@@ -158,7 +159,7 @@ class ModelRunner:
         return count
 
     def get_weight(self, name: str) -> torch.Tensor:
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         if name not in params:
             raise KeyError(f"no parameter named {name!r}")
         return params[name]

@@ -82,6 +82,8 @@ def add_openai_routes(app: FastAPI, state) -> None:
                 raise _openai_error(f"messages: the chat template failed: {exc}")
             prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
         params = _sampling(body, None)
+        if tools and tool_choice != "none":
+            params.skip_special_tokens = False  # the <tool_call> markers are special tokens; the parser needs them
         results = await client.generate(_requests(state, prompt_ids, params, body))
         parser = get_tool_parser(state.args.tool_call_parser) if tools and tool_choice != "none" else None
         choices = [_chat_choice(client, i, seq, latency, parser, tools, body) for i, (seq, latency) in enumerate(results)]

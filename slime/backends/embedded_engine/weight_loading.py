@@ -1,7 +1,7 @@
 """Weight-update payloads: the pickled tensor path, flattened buckets, and the broadcast group.
 
 * ``/update_weights_from_tensor``: each entry of ``serialized_named_tensors`` is (base64 of) a
-  ``torch.multiprocessing.reductions.ForkingPickler`` pickle. On CPU the tensors travel as shared
+  ``multiprocessing.reduction.ForkingPickler`` pickle (with torch's reductions registered). On CPU the tensors travel as shared
   memory files, which works between unrelated processes only with the ``file_system`` sharing
   strategy (both sides call :func:`use_file_system_sharing`). Unpickling goes through an allow-list
   (:class:`_AllowListUnpickler`), never plain ``pickle.loads``.
@@ -70,7 +70,9 @@ def unflatten_tensors(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata
 
 def serialize_for_engine(obj) -> str:
     """Sender helper: ForkingPickler bytes, base64 (what goes into ``serialized_named_tensors``)."""
-    from torch.multiprocessing.reductions import ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor/storage reductions)
 
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
