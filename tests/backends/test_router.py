@@ -1,0 +1,58 @@
+"""The real smg router in front of the embedded engine: registration, routing, routing keys."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+from slime.backends.router import RouterProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    proc = EmbeddedEngineProcess(tiny_model_dir, extra_args=["--context-length", "256"])
+    proc.start()
+    try:
+        proc.wait_healthy(timeout=120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _generate(url, headers=None):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True}
+    response = httpx.post(url + "/generate", json=body, headers=headers or {}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_router_with_worker_urls_and_consistent_hashing(engine):
+    direct = _generate(engine.url)
+    router = RouterProcess(policy="consistent_hashing", worker_urls=[engine.url])
+    router.start()
+    try:
+        router.wait_healthy(timeout=60)
+        routed = _generate(router.url, headers={"X-SMG-Routing-Key": "session-1"})
+        assert routed["output_ids"] == direct["output_ids"]
+        assert routed["meta_info"]["output_token_logprobs"] == direct["meta_info"]["output_token_logprobs"]
+        assert [w["url"] for w in router.list_workers()] == [engine.url]
+    finally:
+        assert router.stop() is not None
+    assert router.process.poll() is not None
+
+
+def test_router_register_and_remove_worker(engine):
+    router = RouterProcess(policy="round_robin")
+    router.start()
+    try:
+        router.wait_healthy(timeout=60)
+        router.add_worker(engine.url)
+        assert len(_generate(router.url)["output_ids"]) == 4
+        router.remove_worker(engine.url)
+        assert router.list_workers() == []
+    finally:
+        router.stop()
