@@ -23,7 +23,10 @@ class EngineClient:
         response = self._client.post(url + path, json=payload or {})
         if response.status_code != 200:
             raise RuntimeError(f"POST {url}{path} failed with {response.status_code}: {response.text[:500]}")
-        body = response.json() if response.content else {}
+        try:
+            body = response.json() if response.content else {}
+        except ValueError:  # e.g. /flush_cache answers plain text, as SGLang does
+            body = {"text": response.text}
         if isinstance(body, dict) and body.get("success") is False:
             raise RuntimeError(f"POST {url}{path} reported failure: {body.get('message')}")
         return body
