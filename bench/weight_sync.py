@@ -1,0 +1,129 @@
+"""Weight sync throughput: trainer → engine over the tensor (colocated) and distributed transports.
+
+Prints JSON (and writes bench/results/weight_sync-<machine>-<date>.json with --out bench/results):
+per transport and model, the bytes sent, seconds, GB/s and the fraction of the limit measured in the
+same run — memcpy bandwidth of this machine on CPU, device copy / NCCL broadcast on GPU.
+
+    python bench/weight_sync.py --models tiny qwen3-0.6b --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_result  # noqa: E402
+
+SHAPES = {  # Qwen3-0.6B architecture (random weights)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}
+
+
+def build_model_dir(name: str, root: str, dtype: torch.dtype) -> str:
+    from slime.utils.tiny_model import build_tiny_model
+
+    out = os.path.join(root, name)
+    build_tiny_model(out, size="tiny", seed=0)
+    if name == "tiny":
+        return out
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config.from_pretrained(out)
+    for key, value in SHAPES[name].items():
+        setattr(config, key, value)
+    config.tie_word_embeddings = True
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def memcpy_gbytes_per_s(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def buckets(state: dict, bucket_bytes: int):
+    bucket, size = [], 0
+    for name, tensor in state.items():
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, bucket_bytes: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.update_weight import make_weight_updater
+
+    state = {k: v.to(dtype) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
+             if k != "lm_head.weight"}
+    engine = EmbeddedEngineProcess(model_dir, extra_args=["--dtype", str(dtype).replace("torch.", ""),
+                                                          "--max-running-requests", "2", "--context-length", "256"])
+    engine.start()
+    try:
+        engine.wait_healthy(600)
+        args = SimpleNamespace(update_weight_transport=transport, update_weight_mode="full", distributed_timeout_minutes=10,
+                               cpu_only=not torch.cuda.is_available(), hf_checkpoint=model_dir)
+        updater = make_weight_updater(args, [engine.url], [1], colocate=colocate)
+        times = []
+        for version in range(repeats + 1):
+            start = time.perf_counter()
+            sent = updater.update(buckets(state, bucket_bytes), str(version + 1))
+            times.append(time.perf_counter() - start)
+        updater.close()
+    finally:
+        engine.stop()
+    seconds = min(times[1:])  # the first call pays for connecting the group
+    return {"bytes": sent, "seconds": seconds, "gbytes_per_s": sent / seconds / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    limit = memcpy_gbytes_per_s()
+    metrics = {"memcpy_gbytes_per_s": limit}
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.models:
+            model_dir = build_model_dir(name, root, dtype)
+            for label, transport, colocate in (("tensor", "nccl", True), ("distributed", "nccl", False)):
+                r = measure(model_dir, transport, colocate, dtype, args.bucket_mb << 20, args.repeats)
+                key = f"{name}/{label}"
+                metrics[f"{key}/gbytes_per_s"] = r["gbytes_per_s"]
+                metrics[f"{key}/seconds"] = r["seconds"]
+                metrics[f"{key}/bytes"] = r["bytes"]
+                metrics[f"{key}/fraction_of_limit"] = r["gbytes_per_s"] / limit
+    write_result("weight_sync", {"models": args.models, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                                 "limit": "memcpy (CPU, measured in this run)"}, metrics, args.out)
+
+
+if __name__ == "__main__":
+    main()
