@@ -100,11 +100,17 @@ class Job:
         if self.args.offload_train:
             self.actor.onload()
         start = time.perf_counter()
-        metrics = {}
+        metrics, extras = {}, None
         if self.critic is not None:
-            metrics.update(self.critic.train(rollout_id, data_refs))
+            # PPO: V_old from the critic (and π_old from the actor when KL shapes the reward) are
+            # computed once, then both sides train on the same values and advantages
+            extras = [{"values": values} for values in self.critic.compute_values(data_refs)]
+            if self.args.kl_coef != 0:
+                for extra, log_probs in zip(extras, self.actor.compute_log_probs(data_refs)):
+                    extra.update(log_probs)
+            metrics.update(self.critic.train(rollout_id, data_refs, extras))
         if self.critic is None or rollout_id >= self.args.num_critic_only_steps:
-            metrics.update(self.actor.train(rollout_id, data_refs))
+            metrics.update(self.actor.train(rollout_id, data_refs, extras))
         self.timings["train"] = time.perf_counter() - start
         self.tracker.log(metrics, rollout_id, "train")
         return metrics

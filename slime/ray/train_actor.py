@@ -68,15 +68,22 @@ class TrainRayActor:
 
     # ------------------------------------------------------------------ training
 
-    def train(self, rollout_id: int, rollout_data_ref) -> dict:
-        rollout_data = ray.get(rollout_data_ref) if isinstance(rollout_data_ref, ray.ObjectRef) else rollout_data_ref
-        if isinstance(rollout_data, list):  # the driver passes [ref] so Ray does not resolve it early
-            rollout_data = ray.get(rollout_data[0])
-        return self.worker.train(rollout_id, rollout_data)
+    @staticmethod
+    def _resolve(rollout_data_ref, extra: dict | None) -> dict:
+        # the driver passes [ref] so that Ray hands the ref over instead of resolving it in the caller
+        data = ray.get(rollout_data_ref[0]) if isinstance(rollout_data_ref, list) else rollout_data_ref
+        if extra:
+            data = {**data, **extra}
+        return data
+
+    def train(self, rollout_id: int, rollout_data_ref, extra: dict | None = None) -> dict:
+        return self.worker.train(rollout_id, self._resolve(rollout_data_ref, extra))
 
     def compute_values(self, rollout_data_ref) -> list:
-        rollout_data = ray.get(rollout_data_ref[0]) if isinstance(rollout_data_ref, list) else rollout_data_ref
-        return self.worker.compute_values(rollout_data)
+        return self.worker.compute_values(self._resolve(rollout_data_ref, None))
+
+    def compute_log_probs(self, rollout_data_ref) -> dict:
+        return self.worker.compute_log_probs(self._resolve(rollout_data_ref, None))
 
     def save(self, rollout_id: int) -> None:
         self.worker.save(rollout_id)

@@ -32,9 +32,11 @@ class TrainGroup:
         results = ray.get([a.init.remote(self.args, self.role, addr, port) for a in self.actors])
         return results[0]
 
-    def train(self, rollout_id: int, data_refs: list) -> dict:
-        """Train on per-rank data (one object ref per rank); return rank 0's metrics."""
-        results = ray.get([a.train.remote(rollout_id, [ref]) for a, ref in zip(self.actors, data_refs)])
+    def train(self, rollout_id: int, data_refs: list, extras: list[dict] | None = None) -> dict:
+        """Train on per-rank data (one object ref per rank, plus optional per-rank extra fields such as
+        the critic's values); return rank 0's metrics (already reduced over ranks)."""
+        extras = extras or [None] * len(self.actors)
+        results = ray.get([a.train.remote(rollout_id, [ref], extra) for a, ref, extra in zip(self.actors, data_refs, extras)])
         return results[0]
 
     def async_train(self, rollout_id: int, data_refs: list) -> list:
@@ -42,6 +44,9 @@ class TrainGroup:
 
     def compute_values(self, data_refs: list) -> list:
         return ray.get([a.compute_values.remote([ref]) for a, ref in zip(self.actors, data_refs)])
+
+    def compute_log_probs(self, data_refs: list) -> list[dict]:
+        return ray.get([a.compute_log_probs.remote([ref]) for a, ref in zip(self.actors, data_refs)])
 
     def save(self, rollout_id: int) -> None:
         ray.get([a.save.remote(rollout_id) for a in self.actors])

@@ -52,6 +52,9 @@ def get_parser(add_custom_arguments=None, *, parse_sglang: bool = True) -> tuple
         parser = add_custom_arguments(parser) or parser
     add_slime_arguments(parser)
     add_training_arguments(parser)
+    from slime.backends.fsdp_utils.arguments import add_fsdp_arguments
+
+    add_fsdp_arguments(parser)
     passthrough = PassThrough()
     if parse_sglang:
         add_sglang_arguments(parser, passthrough)
