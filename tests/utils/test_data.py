@@ -11,7 +11,6 @@ from slime.utils.data import Dataset, get_source, read_file
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
-from tests.rollout.conftest import tiny_model_dir  # noqa: F401  (session fixture)
 
 ROWS = [
     {"input": f"question {i}", "label": str(i), "metadata": {"source_name": "src"} if i % 2 else json.dumps({"k": i})}

@@ -1,0 +1,147 @@
+"""Rollout-manager-side metrics of a rollout step and of an evaluation (INTERFACES §5.9).
+
+``compute_rollout_metrics(args, samples, rollout_time)`` takes the flattened samples of one step:
+
+* ``rollout/response_len/{mean,median,max,min}`` — effective response length (loss-mask sum)
+* ``rollout/truncated_ratio``, ``rollout/aborted_ratio``, ``rollout/failed_ratio``
+* ``rollout/raw_reward/{mean,std,max,min}`` — scalar rewards (``--reward-key`` applied)
+* ``rollout/zero_std/count_<reward>`` — prompt groups (by ``group_index``) whose rewards are all
+  equal, counted per shared reward value (not for ``ppo``)
+* ``rollout/repetition_frac`` — share of responses whose tail repeats one chunk ≥ 4 times
+* ``rollout/prefix_cache_hit_rate``, ``rollout/avg_cached_tokens_per_sample``
+* ``rollout/spec_accept_rate``, ``rollout/spec_accept_length`` (speculative decoding only)
+* ``perf/rollout_time``, ``perf/tokens_per_gpu_per_sec``, ``perf/effective_tokens_per_gpu_per_sec``,
+  ``perf/longest_sample_tokens_per_sec``, ``perf/longest_effective_sample_tokens_per_sec``
+  (the longest sample's tokens over the step time), ``perf/non_generation_time/{mean,max}``
+
+``compute_eval_metrics(args, data)`` takes ``RolloutFnEvalOutput.data``: ``eval/<name>`` (mean reward),
+``eval/<name>-truncated_ratio``, ``eval/<name>/response_len/{mean,max,min}`` and, with
+``--log-passrate``, ``eval/<name>-pass@<k>`` for k = 1, 2, 4, ... ≤ n_samples_per_eval_prompt
+(unbiased estimator 1 - C(n-c, k)/C(n, k); a reward of exactly 1 is a pass).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from math import comb
+
+from slime.utils.types import Sample
+
+
+def _scalar_reward(args, sample: Sample, key_attr: str = "reward_key"):
+    key = getattr(args, key_attr, None)
+    reward = sample.reward
+    if key and isinstance(reward, dict):
+        reward = reward.get(key)
+    return float(reward) if isinstance(reward, (int, float)) else None
+
+
+def _stats(prefix: str, values: list[float], keys=("mean", "median", "max", "min")) -> dict:
+    if not values:
+        return {}
+    funcs = {"mean": statistics.fmean, "median": statistics.median, "max": max, "min": min,
+             "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0}  # fmt: skip
+    return {f"{prefix}/{k}": float(funcs[k](values)) for k in keys}
+
+
+def _has_repetition(text: str, min_repeats: int = 4) -> bool:
+    tail = text[-400:]
+    for size in range(1, min(50, len(tail) // min_repeats) + 1):
+        chunk = tail[-size:]
+        if chunk.strip() and tail.endswith(chunk * min_repeats):
+            return True
+    return False
+
+
+def _num_rollout_gpus(args) -> int:
+    gpus = getattr(args, "rollout_num_gpus", None)
+    if gpus:
+        return int(gpus)
+    from slime.rollout.sglang_rollout import get_num_engines
+
+    return get_num_engines(args) * int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+
+
+def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) -> dict:
+    """Metrics of one rollout step from its flattened samples and its wall time in seconds."""
+    if not samples:
+        return {"perf/rollout_time": rollout_time}
+    metrics: dict = {}
+    effective = [s.effective_response_length for s in samples]
+    metrics.update(_stats("rollout/response_len", effective))
+    n = len(samples)
+    metrics["rollout/truncated_ratio"] = sum(s.status == Sample.Status.TRUNCATED for s in samples) / n
+    metrics["rollout/aborted_ratio"] = sum(s.status == Sample.Status.ABORTED for s in samples) / n
+    metrics["rollout/failed_ratio"] = sum(s.status == Sample.Status.FAILED for s in samples) / n
+
+    rewards = [r for r in (_scalar_reward(args, s) for s in samples) if r is not None]
+    metrics.update(_stats("rollout/raw_reward", rewards, keys=("mean", "std", "max", "min")))
+
+    if getattr(args, "advantage_estimator", "grpo") != "ppo":
+        groups: dict = defaultdict(list)
+        for s in samples:
+            if s.group_index is not None:
+                groups[s.group_index].append(_scalar_reward(args, s))
+        for values in groups.values():
+            if len(values) > 1 and None not in values and len(set(values)) == 1:
+                key = f"rollout/zero_std/count_{values[0]:g}"
+                metrics[key] = metrics.get(key, 0) + 1
+
+    metrics["rollout/repetition_frac"] = sum(_has_repetition(s.response or "") for s in samples) / n
+    total_prompt = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
+    metrics["rollout/prefix_cache_hit_rate"] = (
+        sum(s.prefix_cache_info.cached_tokens for s in samples) / total_prompt if total_prompt else 0.0
+    )
+    metrics["rollout/avg_cached_tokens_per_sample"] = sum(s.prefix_cache_info.cached_tokens for s in samples) / n
+    if getattr(args, "sglang_speculative_algorithm", None):
+        metrics["rollout/spec_accept_rate"] = statistics.fmean(s.spec_info.spec_accept_rate for s in samples)
+        metrics["rollout/spec_accept_length"] = statistics.fmean(s.spec_info.spec_accept_length for s in samples)
+
+    metrics["perf/rollout_time"] = rollout_time
+    if rollout_time > 0:
+        gpus = max(1, _num_rollout_gpus(args))
+        metrics["perf/tokens_per_gpu_per_sec"] = sum(s.response_length for s in samples) / rollout_time / gpus
+        metrics["perf/effective_tokens_per_gpu_per_sec"] = sum(effective) / rollout_time / gpus
+        metrics["perf/longest_sample_tokens_per_sec"] = max(s.response_length for s in samples) / rollout_time
+        metrics["perf/longest_effective_sample_tokens_per_sec"] = max(effective) / rollout_time
+    non_generation = [s.non_generation_time for s in samples]
+    if any(non_generation):
+        metrics.update(_stats("perf/non_generation_time", non_generation, keys=("mean", "max")))
+    return metrics
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k estimator (Chen et al. 2021)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - comb(num_samples - num_correct, k) / comb(num_samples, k)
+
+
+def compute_eval_metrics(args, data: dict) -> dict:
+    """``eval/<name>...`` metrics of every dataset in an evaluation's ``data`` dict."""
+    metrics: dict = {}
+    for name, result in data.items():
+        rewards = [float(r) for r in result["rewards"]]
+        if not rewards:
+            continue
+        metrics[f"eval/{name}"] = statistics.fmean(rewards)
+        truncated = result.get("truncated") or []
+        if truncated:
+            metrics[f"eval/{name}-truncated_ratio"] = sum(map(bool, truncated)) / len(truncated)
+        samples = result.get("samples") or []
+        if samples:
+            lengths = [s.effective_response_length for s in samples]
+            metrics.update(_stats(f"eval/{name}/response_len", lengths, keys=("mean", "max", "min")))
+        if getattr(args, "log_passrate", False) and samples:
+            by_prompt: dict = defaultdict(list)
+            for sample, reward in zip(samples, rewards):
+                by_prompt[sample.group_index].append(reward == 1)
+            n = min(len(v) for v in by_prompt.values())
+            k = 1
+            while k <= n:
+                metrics[f"eval/{name}-pass@{k}"] = statistics.fmean(
+                    pass_at_k(len(v), sum(v), k) for v in by_prompt.values()
+                )
+                k *= 2
+    return metrics

@@ -1,0 +1,41 @@
+"""SFT "rollout": no generation, chat conversations turned into tokens and loss masks (INTERFACES §3.1).
+
+Each prompt group (size 1) holds a chat-message list; the loss-mask generator of ``--loss-mask-type``
+renders it with the tokenizer's template, and the response region runs from the first trainable
+token to the end (assistant turns trained, ``step_loss_mask: 0`` turns not).
+"""
+
+from __future__ import annotations
+
+from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+from slime.utils.processing_utils import load_tokenizer
+from slime.utils.types import Sample
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    if evaluation:
+        raise ValueError("the SFT rollout has no evaluation mode; set --eval-function-path to a generating rollout")
+    if not getattr(args, "rollout_global_dataset", True):
+        raise ValueError("the SFT rollout needs the global dataset (remove --disable-rollout-global-dataset)")
+    generator = MultiTurnLossMaskGenerator(
+        load_tokenizer(args.hf_checkpoint), tokenizer_type=getattr(args, "loss_mask_type", "qwen")
+    )
+    groups = data_source.get_samples(args.rollout_batch_size)
+    for group in groups:
+        if len(group) != 1:
+            raise ValueError(f"the SFT rollout needs --n-samples-per-prompt 1, got groups of {len(group)}")
+        sample = group[0]
+        if not isinstance(sample.prompt, list):
+            raise ValueError(
+                f"SFT sample {sample.index}: prompt must be a chat-message list (use --input-key messages and no "
+                f"--apply-chat-template); got {type(sample.prompt).__name__}"
+            )
+        token_ids, loss_mask = generator.get_loss_mask(sample.prompt, tools=sample.metadata.get("tools"))
+        response_length = generator.get_response_lengths([loss_mask])[0]
+        sample.tokens = token_ids
+        sample.response_length = response_length
+        sample.loss_mask = loss_mask[len(loss_mask) - response_length :]
+        sample.reward = 0
+        sample.status = Sample.Status.COMPLETED
+    return RolloutFnTrainOutput(samples=groups)

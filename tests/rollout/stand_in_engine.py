@@ -1,0 +1,154 @@
+"""A scripted stand-in for an SGLang engine: ``/generate`` and ``/abort_request`` with exact, chosen outputs.
+
+A test gives a ``script(payload) -> Reply`` deciding the tokens, log-probs, finish reason and
+per-token delay of each request. Tokens are "generated" one at a time (``delay_s`` apart), so an
+``/abort_request {"abort_all": true}`` arriving mid-way returns the partial output with
+``finish_reason.type == "abort"``, exactly as SGLang does. ``max_new_tokens`` is honoured
+(``finish_reason.type == "length"``). Every request (payload and headers) is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+
+@dataclass
+class Reply:
+    tokens: list[int]
+    logprobs: list[float] | None = None  # default: -0.01 * (position + 1)
+    finish: dict | None = None  # when all tokens are emitted; default stop on the last token
+    delay_s: float = 0.0  # per token
+    http_status: int = 200
+    error: dict | None = None  # body for a non-200 answer
+    extra_meta: dict = field(default_factory=dict)
+    omit_logprobs: bool = False  # answer like an engine that ignored return_logprob
+
+
+def default_detokenize(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+class StandInEngine:
+    def __init__(self, script: Callable[[dict], Reply], detokenize=default_detokenize, weight_version: str = "7"):
+        self.script = script
+        self.detokenize = detokenize
+        self.weight_version = weight_version
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.abort_calls = 0
+        self._in_flight: set[asyncio.Event] = set()
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        payload = await request.json()
+        self.requests.append(payload)
+        self.headers.append(dict(request.headers))
+        reply = self.script(payload)
+        if reply.http_status != 200:
+            return web.json_response(reply.error or {"error": {"message": "scripted error"}}, status=reply.http_status)
+        max_new = payload.get("sampling_params", {}).get("max_new_tokens")
+        logprobs = reply.logprobs or [-0.01 * (i + 1) for i in range(len(reply.tokens))]
+        abort = asyncio.Event()
+        self._in_flight.add(abort)
+        emitted: list[int] = []
+        finish = None
+        try:
+            for token in reply.tokens:
+                if max_new is not None and len(emitted) >= max_new:
+                    finish = {"type": "length", "length": max_new}
+                    break
+                if reply.delay_s:
+                    try:
+                        await asyncio.wait_for(abort.wait(), reply.delay_s)
+                    except asyncio.TimeoutError:
+                        pass
+                if abort.is_set():
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                    break
+                emitted.append(token)
+        finally:
+            self._in_flight.discard(abort)
+        if finish is None:
+            finish = reply.finish or {"type": "stop", "matched": emitted[-1] if emitted else None}
+        meta = {
+            "id": f"req-{next(self._ids)}",
+            "finish_reason": finish,
+            "prompt_tokens": len(payload["input_ids"]),
+            "completion_tokens": len(emitted),
+            "cached_tokens": 1,
+            "weight_version": self.weight_version,
+            "e2e_latency": 0.01,
+            "output_token_logprobs": [[logprobs[i], t, None] for i, t in enumerate(emitted)],
+            "output_token_logprobs_length": len(emitted),
+            **reply.extra_meta,
+        }
+        if reply.omit_logprobs:
+            del meta["output_token_logprobs"], meta["output_token_logprobs_length"]
+        return web.json_response({"text": self.detokenize(emitted), "output_ids": emitted, "meta_info": meta})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("abort_all"):
+            self.abort_calls += 1
+            for event in list(self._in_flight):
+                event.set()
+        return web.Response(status=200)
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"timestamp": "", "version": "stand-in", "loads": [
+                {"dp_rank": 0, "num_running_reqs": len(self._in_flight), "num_waiting_reqs": 0}]}
+        )  # fmt: skip
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "stand-in", "weight_version": self.weight_version})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "StandInEngine":
+        started = threading.Event()
+
+        def serve():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            app = web.Application()
+            app.router.add_post("/generate", self._generate)
+            app.router.add_post("/abort_request", self._abort)
+            app.router.add_get("/v1/loads", self._loads)
+            for path in ("/health", "/health_generate", "/server_info", "/model_info", "/version"):
+                app.router.add_get(path, self._ok)
+            self._runner = web.AppRunner(app, access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="stand-in-engine", daemon=True)
+        self._thread.start()
+        started.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
