@@ -1,0 +1,187 @@
+"""Models for the FSDP2 trainer: loading, sharding, and the packed (padding-free) forward.
+
+Packing: the samples of a micro-batch are concatenated into one row ``[1, T]``; position ids restart
+at 0 for every sample, and attention never crosses samples:
+
+* ``flash_attention_2`` (GPU, when installed): transformers detects the packed layout from the
+  position ids and runs varlen flash attention (no mask tensor);
+* ``sdpa`` / ``eager`` (CPU and GPU fallback): an explicit block-diagonal causal mask ``[1, 1, T, T]``
+  (the exact masked path; tested equal to per-sample forwards).
+
+Only the positions that predict response tokens go through the LM head (``logits_to_keep``), so
+the vocabulary projection costs Σ response lengths, not T.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slime.utils import ppo_utils
+
+__all__ = ["PackedBatch", "pack_samples", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
+
+
+@dataclass
+class PackedBatch:
+    """One packed micro-batch.
+
+    input_ids / position_ids: ``[1, T]`` int64; lengths: per-sample total lengths;
+    response_lengths: per-sample response lengths; predict_positions: ``[K]`` positions whose
+    logits predict the K = Σ response tokens; targets: ``[K]`` those tokens; cu_seqlens: ``[n+1]``.
+    ``dummy`` marks a zero-weight placeholder micro-batch (a rank with no samples in it).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: list[int]
+    response_lengths: list[int]
+    predict_positions: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    dummy: bool = False
+
+
+def pack_samples(tokens: list[torch.Tensor], response_lengths: list[int], device, pad_token_id: int = 0) -> PackedBatch:
+    """Concatenate samples; an empty list gives a one-token dummy batch."""
+    if not tokens:
+        one = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return PackedBatch(one, torch.zeros_like(one), [1], [0], empty, empty,
+                           torch.tensor([0, 1], dtype=torch.int32, device=device), dummy=True)
+    lengths = [int(t.numel()) for t in tokens]
+    input_ids = torch.cat([t.long() for t in tokens]).to(device)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).to(device)
+    predict, offset = [], 0
+    for n, r in zip(lengths, response_lengths):
+        if r > n - 1:
+            raise ValueError(f"response_length {r} needs at least one prompt token before it (sample length {n})")
+        predict.append(torch.arange(offset + n - r - 1, offset + n - 1, dtype=torch.long))
+        offset += n
+    predict_positions = torch.cat(predict).to(device)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return PackedBatch(
+        input_ids[None], position_ids[None], lengths, [int(r) for r in response_lengths],
+        predict_positions, input_ids[predict_positions + 1], cu.to(device),
+    )
+
+
+def block_causal_mask(lengths: list[int], device, attn_implementation: str, dtype=torch.float32) -> torch.Tensor:
+    """``[1, 1, T, T]`` mask: token q attends to k iff same sample and k ≤ q. Bool (True = attend)
+    for sdpa; additive float (0 / −inf-like) for eager."""
+    sample_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    total = sample_of.numel()
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    allowed = causal & (sample_of[:, None] == sample_of[None, :])
+    if attn_implementation == "eager":
+        mask = torch.zeros(total, total, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+    return allowed[None, None]
+
+
+def resolve_attn_implementation(requested: str, device_type: str) -> str:
+    if requested != "auto":
+        return requested
+    if device_type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.float32) -> dict:
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if attn_implementation != "flash_attention_2":
+        inputs["attention_mask"] = block_causal_mask(packed.lengths, packed.input_ids.device, attn_implementation, dtype)
+    return inputs
+
+
+def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implementation: str, full: bool = False):
+    """Logits ``[K, V]`` at the positions predicting response tokens (``[T, V]`` with ``full``).
+
+    With no response token (a dummy micro-batch) one row is still computed, so the caller can
+    build a zero loss ``logits.sum() * 0`` whose backward reaches every parameter (FSDP collectives
+    stay matched across ranks); check ``packed.predict_positions.numel()`` before using it.
+    """
+    if full:
+        keep = 0
+    elif packed.predict_positions.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=packed.input_ids.device)
+    else:
+        keep = packed.predict_positions
+    out = model(**model_inputs(packed, attn_implementation), logits_to_keep=keep)
+    return out.logits[0] if hasattr(out, "logits") else out[0]
+
+
+def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    log_probs = ppo_utils.compute_log_probs(logits, targets, temperature)
+    entropy = ppo_utils.compute_entropy(logits, temperature) if with_entropy else None
+    return log_probs, entropy
+
+
+class CriticModel(nn.Module):
+    """A causal-LM backbone with a scalar value head: V at position p estimates the return of the
+    token at p + 1 (the same positions that predict response tokens). Values are not temperature-scaled."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1, bias=True)
+
+    def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False, logits_to_keep=None):
+        hidden = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        return self.value_head(hidden).squeeze(-1)
+
+
+def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.Module:
+    """The HF model at ``path`` in float32 (actor: CausalLM; critic: backbone + value head).
+    A critic checkpoint directory written by :meth:`save_hf` carries ``value_head.safetensors``."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if role == "actor":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    config = AutoConfig.from_pretrained(path)
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    critic = CriticModel(backbone, config.hidden_size)
+    nn.init.normal_(critic.value_head.weight, std=0.02)
+    nn.init.zeros_(critic.value_head.bias)
+    head = os.path.join(path, "value_head.safetensors")
+    if os.path.exists(head):
+        from safetensors.torch import load_file
+
+        critic.value_head.load_state_dict(load_file(head))
+    return critic
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    inner = model.model if hasattr(model, "model") else model
+    inner = inner.model if hasattr(inner, "model") and hasattr(inner.model, "layers") else inner
+    if not hasattr(inner, "layers"):
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__}: expected .model.layers")
+    return list(inner.layers)
+
+
+def shard_model(model: nn.Module, mesh, mixed_precision: bool, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root (embeddings, norm, head; tied
+    weights stay in the root group). bf16 parameters with fp32 gradient reduction when
+    ``mixed_precision``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
