@@ -419,7 +419,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
                     coro = generate_and_rm_group(args, group, copy.deepcopy(state.sampling_params))
                     pending.add(asyncio.create_task(coro, name=name))
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            done_groups = [task.result() for task in sorted(done, key=lambda t: t.get_name())]
+            done_groups = sorted((task.result() for task in done), key=_first_index)
             for position, group in enumerate(done_groups):
                 if len(kept) >= target:
                     surplus.append(group)

@@ -84,5 +84,7 @@ def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path):
             tokens, earlier = partial[sample.index]
             assert sample.tokens[: len(tokens)] == tokens and sample.response_length >= earlier
             assert sample.metadata["start_rollout_id"] == 0
+    continued = [s.index for g in second.samples for s in g if s.index in partial]
+    print(f"partial samples recycled: {len(partial)}; continued and kept in step 1: {continued}")
     metrics = compute_rollout_metrics(args, [s for g in second.samples for s in g], rollout_time=1.0)
     assert metrics["rollout/response_len/max"] > 0
