@@ -99,14 +99,12 @@ class ModelRunner:
         """Run the model on ``rows`` (row i lives in cache slot ``slots[i]``); return fp32 last-token logits
         ``[rows, vocab]`` and, per row that asked for it, fp32 logits of all its new tokens ``[n_i, vocab]``."""
         q_len = max(len(r.tokens) for r in rows)
-        input_ids = torch.zeros((len(rows), q_len), dtype=torch.long)
-        positions = torch.zeros((len(rows), q_len), dtype=torch.long)
-        valid = torch.zeros((len(rows), q_len), dtype=torch.bool)
-        for i, row in enumerate(rows):
-            n = len(row.tokens)
-            input_ids[i, q_len - n:] = torch.tensor(row.tokens, dtype=torch.long)
-            positions[i, q_len - n:] = torch.arange(row.start, row.start + n)
-            valid[i, q_len - n:] = True
+        pads = [q_len - len(r.tokens) for r in rows]
+        # Built as Python lists and converted once: per-row tensor ops dominate small decode steps.
+        input_ids = torch.tensor([[0] * pad + r.tokens for pad, r in zip(pads, rows)], dtype=torch.long)
+        positions = torch.tensor([[0] * pad + list(range(r.start, r.start + len(r.tokens))) for pad, r in zip(pads, rows)],
+                                 dtype=torch.long)
+        valid = torch.tensor([[False] * pad + [True] * len(r.tokens) for pad, r in zip(pads, rows)], dtype=torch.bool)
         kv_length = max(r.start + len(r.tokens) for r in rows)
         input_ids, positions, valid = (t.to(self.device) for t in (input_ids, positions, valid))
         mask = self._attention_mask(positions, valid, kv_length)
