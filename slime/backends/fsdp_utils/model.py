@@ -140,7 +140,7 @@ class CriticModel(nn.Module):
         ).last_hidden_state
         if isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[:, logits_to_keep]
-        return self.value_head(hidden).squeeze(-1)
+        return self.value_head(hidden).squeeze(-1).clone()  # FSDP2 output hooks must not see a view
 
 
 def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.Module:

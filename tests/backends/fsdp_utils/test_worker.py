@@ -1,0 +1,240 @@
+"""FSDP2 trainer worker on the tiny model (CPU, gloo): exactness of packing, accumulation and DP,
+first-step invariants, learning, checkpoints, HF export, weight buckets, PPO critic."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+from tests.backends.fsdp_utils.fsdp_test_utils import (
+    free_port,
+    make_args,
+    make_samples,
+    rank_data,
+    spawned_step_gradients,
+    step_zero_gradients,
+)
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+LOSS_FLAGS = ("--num-steps-per-rollout", "1", "--use-kl-loss", "--kl-loss-coef", "0.1", "--entropy-coef", "0.01",
+              "--rollout-temperature", "0.8")
+
+
+def new_worker(args):
+    worker = FSDPTrainWorker(args)
+    worker.init()
+    return worker
+
+
+def test_packed_log_probs_equal_unpacked(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--rollout-temperature", "0.7", rbs=3)
+    worker = new_worker(args)
+    data = rank_data(args, make_samples(6))
+    n = len(data["tokens"])
+    packed, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [list(range(n))]})
+    single, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [[i] for i in range(n)]})
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for i in range(n):
+        tokens, r = data["tokens"][i], int(data["response_lengths"][i])
+        with torch.no_grad():
+            logits = reference(tokens[None]).logits[0].float() / 0.7
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - r - 1, len(tokens) - 1), tokens[-r:]]
+        torch.testing.assert_close(packed[i], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(single[i], expected, atol=1e-5, rtol=0)
+
+
+def _assert_same_step(a, b):
+    (metrics_a, grads_a), (metrics_b, grads_b) = a, b
+    assert metrics_a.keys() == metrics_b.keys()
+    for key in metrics_a:
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-7), key
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_loss_and_grads_independent_of_micro_batching(tiny_model_dir, per_token):
+    extra = LOSS_FLAGS + (("--calculate-per-token-loss",) if per_token else ())
+    worker = new_worker(make_args(tiny_model_dir, *extra, rbs=4))
+    results, counts = [], []
+    for batching in (("--micro-batch-size", "8"), ("--micro-batch-size", "1"),
+                     ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")):
+        args = make_args(tiny_model_dir, *extra, *batching, rbs=4)
+        data = rank_data(args, make_samples(8, seed=1))
+        counts.append(len(data["micro_batch_indices"]))
+        results.append(step_zero_gradients(worker, data))
+    assert counts[0] == 1 and counts[1] == 8 and 1 < counts[2] < 8
+    _assert_same_step(results[0], results[1])
+    _assert_same_step(results[0], results[2])
+
+
+def test_one_vs_two_gloo_ranks(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    extra = LOSS_FLAGS + ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")
+    args = make_args(tiny_model_dir, *extra, rbs=4)
+    single = step_zero_gradients(new_worker(args), rank_data(args, make_samples(8, seed=1)))
+    out = tmp_path / "two_ranks.pt"
+    mp.spawn(spawned_step_gradients, args=(2, free_port(), str(tiny_model_dir), extra, 8, 4, str(out)), nprocs=2, join=True)
+    two = torch.load(out, weights_only=False)
+    _assert_same_step(single, (two["reduced"], two["grads"]))
+
+
+def test_first_step_invariants(tiny_model_dir):
+    args = make_args(tiny_model_dir, *LOSS_FLAGS)
+    worker = new_worker(args)
+    data = rank_data(args, make_samples(4))
+    computed = worker.compute_log_probs(data)
+    for old, ref in zip(computed["log_probs"], computed["ref_log_probs"]):
+        assert torch.equal(old, ref)
+    metrics = worker.train(0, data)
+    assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
+    assert metrics["train/kl_loss"] == 0.0
+    for key in ("train/pg_loss", "train/entropy_loss", "train/grad_norm", "train/lr-pg_0", "rollout/log_probs",
+                "rollout/ref_log_probs", "rollout/advantages", "perf/actor_train_tok_per_s", "perf/actor_train_tflops"):
+        assert key in metrics, key
+    assert metrics["train/ppo_kl"] == 0.0
+
+
+def test_grpo_steps_raise_rewarded_log_probs(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "2e-3", "--clip-grad", "10")
+    worker = new_worker(args)
+    data = rank_data(args, make_samples(4, rewards=[1.0, 0.0, 0.0, 1.0]))
+    before_params = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
+    before = [lp.sum() for lp in worker.compute_log_probs(data)["log_probs"]]
+    for rollout_id in range(3):
+        worker.train(rollout_id, data)
+    after = [lp.sum() for lp in worker.compute_log_probs(data)["log_probs"]]
+    assert after[0] > before[0] and after[3] > before[3]
+    assert after[1] < before[1] and after[2] < before[2]
+    changed = [k for k, v in worker.model.state_dict().items() if not torch.equal(v.full_tensor(), before_params[k])]
+    assert len(changed) > len(before_params) // 2
+
+
+def test_save_load_resumes_bit_identical(tiny_model_dir, tmp_path):
+    extra = ("--num-steps-per-rollout", "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--lr", "1e-3",
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
+    save_dir = str(tmp_path / "ckpt")
+    args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
+    data = rank_data(args, make_samples(4))
+    worker = new_worker(args)
+    worker.train(0, data)
+    worker.save(0)
+    assert open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read() == "0"
+    expected = worker.train(1, copy.copy(data))
+    resumed_args = make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2)
+    resumed = FSDPTrainWorker(resumed_args)
+    assert resumed.init() == 1
+    got = resumed.train(1, copy.copy(data))
+    for key, value in expected.items():
+        if not key.startswith("perf/"):
+            assert got[key] == value, key
+    for (name, a), (_, b) in zip(worker.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
+def test_hf_export_reloads_with_same_logits(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "1e-3")
+    worker = new_worker(args)
+    worker.train(0, rank_data(args, make_samples(4)))
+    out = tmp_path / "hf"
+    worker.save_hf(str(out))
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    AutoTokenizer.from_pretrained(out)
+    tokens = torch.tensor([[5, 17, 42, 99, 7, 300]])
+    with torch.no_grad():
+        ours = worker.model(input_ids=tokens).logits
+        theirs = reloaded(input_ids=tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(original(input_ids=tokens).logits, theirs)
+
+
+def test_weight_buckets_are_full_hf_named_tensors(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1")
+    worker = new_worker(args)
+    reference = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    limit = 200_000
+    buckets = list(worker.iter_weight_buckets(limit))
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert sorted(names) == sorted(reference)
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= limit or len(bucket) == 1
+        for name, tensor in bucket:
+            assert torch.equal(tensor.cpu(), reference[name]), name
+
+
+def test_ppo_critic_value_loss_falls(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--advantage-estimator", "ppo", "--num-steps-per-rollout", "1", "--lr", "1e-3",
+                     "--critic-lr", "3e-3", "--value-clip", "10")
+    critic = FSDPTrainWorker(args, role="critic")
+    critic.init()
+    actor = new_worker(args)
+    data = rank_data(args, make_samples(4, rewards=[1.0, -1.0, 0.5, 2.0]))
+    losses = []
+    for rollout_id in range(10):
+        values = critic.compute_values(data)
+        assert [v.numel() for v in values] == [int(n) for n in data["response_lengths"]]
+        losses.append(critic.train(rollout_id, {**data, "values": values})["train/critic-value_loss"])
+    assert losses[-1] < 0.3 * losses[0], losses
+    metrics = actor.train(0, {**data, "values": critic.compute_values(data)})
+    assert metrics["train/ppo_kl"] == 0.0 and "rollout/values" in metrics
+
+
+def test_hooks_are_called_with_documented_signatures(tiny_model_dir, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    module = types.ModuleType("_fsdp_hooks")
+    module.postprocess = lambda args, rollout_id, rollout_data: calls.append(("post", rollout_id, "advantages" in rollout_data))
+    module.before_step = lambda args, rollout_id, step_id, model, optimizer, sched: calls.append(("step", rollout_id, step_id))
+
+    def reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+        calls.append(("reducer", len(total_lengths)))
+        return lambda x: x.sum() * 0.0
+
+    def custom_loss(args, batch, logits, sum_of_sample_mean):
+        calls.append(("loss", tuple(logits.shape[:2]), len(batch["unconcat_tokens"])))
+        value = sum_of_sample_mean(torch.zeros(sum(batch["response_lengths"])) + logits.mean())
+        return value, {"custom": value.detach()}
+
+    module.reducer, module.custom_loss = reducer, custom_loss
+    monkeypatch.setitem(sys.modules, "_fsdp_hooks", module)
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "2", "--rollout-data-postprocess-path", "_fsdp_hooks.postprocess",
+                     "--custom-megatron-before-train-step-hook-path", "_fsdp_hooks.before_step",
+                     "--custom-pg-loss-reducer-function-path", "_fsdp_hooks.reducer")
+    worker = new_worker(args)
+    data = rank_data(args, make_samples(4))
+    metrics = worker.train(3, data)
+    assert ("post", 3, True) in calls and ("step", 3, 0) in calls and ("step", 3, 1) in calls
+    assert any(c[0] == "reducer" for c in calls) and metrics["train/pg_loss"] == 0.0
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--loss-type", "custom_loss",
+                     "--custom-loss-function-path", "_fsdp_hooks.custom_loss")
+    metrics = new_worker(args).train(0, rank_data(args, make_samples(4)))
+    assert "train/custom" in metrics and any(c[0] == "loss" for c in calls)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_offload_onload(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1")
+    worker = new_worker(args)
+    assert worker.mixed_precision
+    worker.train(0, rank_data(args, make_samples(4)))
+    before = torch.cuda.memory_allocated()
+    worker.offload()
+    assert torch.cuda.memory_allocated() < before
+    worker.onload()
+    worker.train(1, rank_data(args, make_samples(4)))
