@@ -381,7 +381,7 @@ class FSDPTrainWorker:
                 )
         (loss * scale).backward()
         tokens = int(packed.input_ids.numel())
-        return metrics, tokens, self._flops(packed.lengths)
+        return metrics, tokens, self._flops(packed.lengths, int(packed.predict_positions.numel()))
 
     def _pg_reducer(self, batch: dict):
         path = getattr(self.args, "custom_pg_loss_reducer_function_path", None)
@@ -397,15 +397,21 @@ class FSDPTrainWorker:
         path = getattr(args, "custom_tis_function_path", None)
         return load_function(path) if path else ppo_utils.vanilla_tis_function
 
-    def _flops(self, lengths: list[int]) -> float:
-        """Training FLOPs (forward + backward): 6·N per token plus causal attention 6·L·d·s² per sample."""
+    def _flops(self, lengths: list[int], num_predicted: int) -> float:
+        """Training FLOPs (forward + backward) of a packed micro-batch: 6·N_body per token (N_body:
+        parameters outside the embedding), 6·V·H per predicted token for the LM head (only response
+        positions are projected), causal attention 6·L·d·s² per sample."""
         if not hasattr(self, "_flop_shape"):
             config = getattr(self.model, "config", None) or self.model.model.config
-            n_params = float(sum(p.numel() for p in self.model.parameters()))  # DTensor numel is global
+            total = float(sum(p.numel() for p in self.model.parameters()))  # DTensor numel is global
+            embed = float(config.vocab_size * config.hidden_size)
             attn_dim = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-            self._flop_shape = (n_params, config.num_hidden_layers, attn_dim)
-        n_params, layers, attn_dim = self._flop_shape
-        return sum(6.0 * n_params * s + 6.0 * layers * attn_dim * s * s for s in lengths)
+            head = embed if self.role == "actor" else float(config.hidden_size)
+            self._flop_shape = (total - embed - (0.0 if getattr(config, "tie_word_embeddings", False) or self.role != "actor" else embed),
+                                head, config.num_hidden_layers, attn_dim)
+        body, head, layers, attn_dim = self._flop_shape
+        attention = sum(6.0 * layers * attn_dim * s * s for s in lengths)
+        return 6.0 * body * sum(lengths) + 6.0 * head * num_predicted + attention
 
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""
