@@ -63,8 +63,7 @@ class FSDPTrainWorker:
             raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainWorker needs torch.distributed initialised (gloo on CPU, NCCL on GPU)")
-        if getattr(args, "keep_old_actor", False):
-            raise NotImplementedError("--keep-old-actor is not supported by --train-backend fsdp yet")
+        _reject_unsupported(args)
         self.args, self.role = args, role
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -83,8 +82,12 @@ class FSDPTrainWorker:
 
         return init_device_mesh(self.device.type, (self.world_size,))
 
-    def _build(self, path: str) -> torch.nn.Module:
+    def _build(self, path: str, trainable: bool = True) -> torch.nn.Module:
         model = load_model(path, self.role, self.attn_implementation, self.args.seed)
+        if trainable:
+            _apply_freeze_lists(model, self.args)
+        else:
+            model.requires_grad_(False)
         if getattr(self.args, "gradient_checkpointing", False):
             model.gradient_checkpointing_enable() if self.role == "actor" else model.model.gradient_checkpointing_enable()
         model.to(self.device)
@@ -117,7 +120,7 @@ class FSDPTrainWorker:
         self.scheduler = LRScheduler(self.optimizer, args, lr, total_steps)
         if self.role == "actor" and (args.use_kl_loss or args.kl_coef != 0):
             ref = args.ref_load if ckpt.is_hf_dir(getattr(args, "ref_load", None)) else args.hf_checkpoint
-            self.ref_model = self._build(ref)
+            self.ref_model = self._build(ref, trainable=False)
             self.ref_model.eval()
             self._park_ref()
         start = None
@@ -266,6 +269,8 @@ class FSDPTrainWorker:
         args = self.args
         if self.role == "actor" and getattr(args, "ref_update_interval", None) and (rollout_id + 1) % args.ref_update_interval == 0:
             self.update_ref_model()
+        if getattr(args, "reset_optimizer_states", False):
+            self.optimizer.state.clear()
         return metrics
 
     def step_normaliser(self, rollout_data: dict, step_id: int) -> float:
@@ -507,3 +512,36 @@ class FSDPTrainWorker:
             torch.cuda.synchronize()
             if torch.device(device).type == "cpu":
                 torch.cuda.empty_cache()
+
+
+def _reject_unsupported(args) -> None:
+    """Flags whose semantics this backend does not implement yet: fail early, naming them."""
+    unsupported = {
+        "--opd-type megatron (teacher model inside the trainer)": getattr(args, "use_opd", False)
+        and getattr(args, "opd_type", None) == "megatron",
+        "--rollout-top-p != 1 (log-probs renormalised over the engine's nucleus)": getattr(args, "rollout_top_p", 1.0) != 1.0,
+        "--use-routing-replay / --use-rollout-routing-replay (MoE)": getattr(args, "use_routing_replay", False),
+        "--keep-old-actor": getattr(args, "keep_old_actor", False),
+        "--enable-mtp-training": getattr(args, "enable_mtp_training", False),
+        "--multimodal-keys (multimodal training inputs)": bool(getattr(args, "multimodal_keys", None)),
+    }
+    names = [name for name, active in unsupported.items() if active]
+    if names:
+        raise NotImplementedError(f"--train-backend fsdp does not support {', '.join(names)} yet")
+
+
+def _apply_freeze_lists(model: torch.nn.Module, args) -> None:
+    """``--only-train-params-name-list`` / ``--freeze-params-name-list``: regexes on HF parameter names."""
+    import re
+
+    only = getattr(args, "only_train_params_name_list", None)
+    freeze = getattr(args, "freeze_params_name_list", None)
+    if not only and not freeze:
+        return
+    for name, param in model.named_parameters():
+        if only:
+            param.requires_grad_(any(re.search(p, name) for p in only))
+        else:
+            param.requires_grad_(not any(re.search(p, name) for p in freeze))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("--only-train-params-name-list / --freeze-params-name-list left no trainable parameter")

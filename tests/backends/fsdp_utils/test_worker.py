@@ -238,3 +238,17 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
     assert torch.cuda.memory_allocated() < before
     worker.onload()
     worker.train(1, rank_data(args, make_samples(4)))
+
+
+def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "1e-3", "--only-train-params-name-list", r"layers\.0\.mlp")
+    worker = new_worker(args)
+    before = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
+    worker.train(0, rank_data(args, make_samples(4, rewards=[1.0, 0.0, 1.0, 0.0])))
+    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v.full_tensor(), before[k])}
+    assert changed and all("layers.0.mlp" in k for k in changed)
+
+
+def test_unsupported_flags_fail_naming_them(tiny_model_dir):
+    with pytest.raises(NotImplementedError, match="--rollout-top-p"):
+        FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--rollout-top-p", "0.9"))
