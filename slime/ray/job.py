@@ -29,6 +29,7 @@ class Job:
         self.tracker = Tracker(args)
         self.timings: dict[str, float] = {}
         self.weight_version = 0
+        self.owns_ray = False  # a Ray instance started by someone else (tests, notebooks) is left running
 
     # ------------------------------------------------------------------ start-up
 
@@ -47,8 +48,9 @@ class Job:
         args = self.args
         if not os.path.isdir(args.hf_checkpoint or ""):
             raise FileNotFoundError(f"--hf-checkpoint {args.hf_checkpoint!r} is not a directory")
+        self.owns_ray = not ray.is_initialized()
         init_ray(args)
-        placements = create_placement_groups(args)
+        self.placements = placements = create_placement_groups(args)
         dp_size = 0 if args.debug_rollout_only else len(placements["actor"].bundle_indices)
         self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"], max(dp_size, 1))
         runtime = ray.get(self.rollout_manager.get_runtime_args.remote())
@@ -191,5 +193,12 @@ class Job:
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
         self.tracker.close()
-        if ray.is_initialized():
+        for placement in getattr(self, "placements", {}).values():
+            if placement.group is not None:
+                try:
+                    ray.util.remove_placement_group(placement.group)
+                except Exception:
+                    pass
+        self.placements = {}
+        if self.owns_ray and ray.is_initialized():
             ray.shutdown()

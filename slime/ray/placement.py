@@ -29,7 +29,9 @@ def init_ray(args) -> None:
     """Start (or attach to) Ray. Respects RAY_ADDRESS; otherwise starts a local instance."""
     if ray.is_initialized():
         return
-    env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    # plugins named by dotted path may live in the job's working directory (INTERFACES §2.0)
+    python_path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PYTHONPATH": python_path}
     env_vars.update(args.train_env_vars or {})
     runtime_env = {"env_vars": env_vars}
     if os.environ.get("RAY_ADDRESS"):

@@ -15,8 +15,10 @@ class TrainGroup:
         if world_size == 0:
             raise ValueError(f"no devices for the {role}: set --actor-num-gpus-per-node (processes per node on CPU)")
         self.actors = []
+        # colocated: each bundle also hosts an engine actor (0.1 CPU, 0.2 GPU), so leave room for it
+        share = 0.8 if args.colocate else 1.0
         for rank in range(world_size):
-            options = {"num_cpus": 1, "num_gpus": placement.gpus_per_bundle}
+            options = {"num_cpus": 0.5 if args.colocate else 1, "num_gpus": placement.gpus_per_bundle * share}
             strategy = placement.strategy(rank)
             if strategy is not None:
                 options["scheduling_strategy"] = strategy
@@ -28,7 +30,11 @@ class TrainGroup:
 
     def init(self) -> int | None:
         """Initialise every rank; return the rollout id to resume from (None = no checkpoint)."""
-        addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote())
+        try:
+            addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the {self.role} ranks could not be scheduled within 600 s: not enough free "
+                               f"CPUs/GPUs in the placement group (see `ray status`)") from None
         results = ray.get([a.init.remote(self.args, self.role, addr, port) for a in self.actors])
         return results[0]
 
