@@ -54,7 +54,7 @@ def check_learning(run_dir, min_rise=0.15):
     ppo_kl = by_kind(records, "train", "train/ppo_kl")
     assert ppo_kl and ppo_kl[0] == 0.0
     diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
-    assert not diff or diff[0] < 1e-3, f"trainer vs engine log-probs differ by {diff[:1]} at the first step"
+    assert diff and diff[0] < 1e-3, f"trainer vs engine log-probs differ by {diff[:1]} at the first step"
     assert max(rewards[-2:]) - rewards[0] >= min_rise, f"reward did not rise: {rewards}"
     return records
 
@@ -90,7 +90,7 @@ def test_disk_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
                         "--update-weight-disk-dir", tmp_path / "weights"))
     check_learning(tmp_path / "run")
     versions = sorted(os.listdir(tmp_path / "weights"))
-    assert versions == ["weight_v000004"], versions  # older versions are removed unless asked to keep them
+    assert versions == ["weight_v000005"], versions  # older versions are removed unless asked to keep them
 
 
 def test_debug_rollout_only_then_train_only_replay(tiny_model_dir, tiny_task_data, tmp_path):
