@@ -130,6 +130,7 @@ class Job:
         if self.actor is None or self.args.debug_train_only:
             return {}
         start = time.perf_counter()
+        restarted = []
         if self.args.use_fault_tolerance:
             restarted = ray.get(self.rollout_manager.check_engines.remote())
             if restarted:
@@ -142,9 +143,13 @@ class Job:
             ray.get(self.rollout_manager.onload.remote(["weights"]))
         self.weight_version += 1
         metrics = self.actor.update_weights(self.weight_version)
+        if self.args.use_fault_tolerance:
+            metrics["perf/engines_restarted"] = len(restarted)
         if self.args.offload_rollout:
             ray.get(self.rollout_manager.onload.remote(["kv_cache"]))
         self.timings["update_weights"] = time.perf_counter() - start
+        if self.weight_version > self.args.start_rollout_id:  # not the initial sync
+            self.tracker.log(metrics, self.weight_version - 1, "perf")
         return metrics
 
     def evaluate(self, rollout_id: int) -> dict:

@@ -127,7 +127,11 @@ class RolloutManager:
                 self.engine_urls[i] = ray.get(self.engines[i].restart.remote())
                 restarted.append(i)
         if restarted and self.router is not None:
-            for i in restarted:
+            for i in restarted:  # re-register: resets the router's health and circuit-breaker state
+                try:
+                    self.router.remove_worker(self.engine_urls[i])
+                except KeyError:
+                    pass
                 self.router.add_worker(self.engine_urls[i])
         return restarted
 

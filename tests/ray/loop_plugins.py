@@ -8,3 +8,37 @@ async def even_first_token_reward(args, sample, **kwargs) -> float:
     GRPO has signal from the first step and the reward visibly rises within a few steps."""
     response_tokens = sample.tokens[len(sample.tokens) - sample.response_length:]
     return 1.0 if response_tokens and response_tokens[0] in REWARDED_TOKENS else 0.0
+
+
+# ---------------------------------------------------------------- fault injection
+
+_calls = {"n": 0}
+
+
+def _kill_engine_serving(url: str) -> int:
+    """SIGKILL the embedded-engine process listening on ``url``'s port; return its pid."""
+    import os
+    import signal
+
+    port = url.rsplit(":", 1)[1]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"slime.backends.embedded_engine" in cmdline and port.encode() in cmdline:
+            os.kill(int(pid), signal.SIGKILL)
+            return int(pid)
+    raise RuntimeError(f"no engine process found for {url}")
+
+
+async def generate_and_kill_engine_once(args, sample, sampling_params):
+    """The default generate, except that the 6th call of rollout step 1 first kills engine 0."""
+    from slime.rollout.sample_hooks import get_current_rollout_id
+    from slime.rollout.sglang_rollout import generate
+
+    if get_current_rollout_id() == 1:
+        _calls["n"] += 1
+        if _calls["n"] == 6:
+            _kill_engine_serving(args.rollout_engine_urls[0])
+    return await generate(args, sample, sampling_params)

@@ -138,3 +138,25 @@ def test_kill_and_resume_continues_data_and_metrics(tiny_model_dir, tiny_task_da
         assert [s.index for s in resumed] == [s.index for s in reference]
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert steps == [0, 1, 2, 3]
+
+
+def test_killed_engine_is_detected_restarted_and_resynced(tiny_model_dir, tiny_task_data, tmp_path):
+    """Engine 0 is SIGKILLed in the middle of rollout step 1: its requests are retried on engine 1
+    through the router, the step completes with every sample, engine 0 is restarted before the next
+    weight update and receives the current weights (the trainer's recomputed log-probs still match
+    the engines' at step 2, whichever engine served a sample)."""
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--rollout-num-gpus", "2",
+                        "--use-fault-tolerance", "--router-policy", "round_robin",
+                        "--custom-generate-function-path", "loop_plugins.generate_and_kill_engine_once",
+                        "--save-debug-rollout-data", tmp_path / "dump" / "{rollout_id}.pt", steps=3))
+    from slime.observability.rollout_data_utils import load_debug_rollout_data
+    from slime.utils.types import Sample
+
+    records = read_metrics(tmp_path / "run")
+    assert by_kind(records, None, "perf/engines_restarted") == [0, 1, 0]
+    for rollout_id in range(3):
+        samples = load_debug_rollout_data(str(tmp_path / "dump" / "{rollout_id}.pt"), rollout_id=rollout_id)
+        assert len(samples) == 32 and len({s.index for s in samples}) == 32
+        assert all(s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED) for s in samples), rollout_id
+    diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
+    assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
