@@ -1,24 +1,59 @@
-"""Decode throughput of the embedded engine over HTTP vs HF ``model.generate`` in one padded batch.
+"""Decode throughput of the embedded engine over HTTP vs HF ``model.generate`` on the same prompts.
 
-    python bench/engine_decode.py [--model-path DIR] [--device cpu] [--num-requests 64] [--out]
+    python bench/engine_decode.py [--model tiny] [--device cpu] [--num-requests 64] [--out]       # CPU
+    python bench/engine_decode.py --model qwen3-0.6b --num-requests 128 --prompt-len 256 \\
+        --max-new-tokens 512 --out                                                               # H200
 
-N concurrent ``/generate`` requests (prompt lengths and output lengths varied, ``ignore_eos``) are
-sent at once; throughput = generated tokens / wall time. The HF baseline generates the same
-prompts left-padded in one batch up to the longest requested length; its figure counts only the
-tokens the requests asked for (the rest of the padded batch is waste the engine avoids). On CUDA,
-``roofline_fraction`` compares decode-step weight+KV traffic to the device copy bandwidth measured
-in the same run.
+``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
+``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
+(hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
+embeddings for 0.6B) with random bf16 weights and the tiny model's tokenizer (prompts are random
+token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``--model-path``
+uses an existing HF directory instead.
+
+Workload: N concurrent ``/generate`` requests sent at once, all with ``ignore_eos`` and temperature 1
+so output lengths are exact. ``--prompt-len`` / ``--max-new-tokens`` fix every prompt / output
+length; without them prompts are 8–64 tokens and outputs 16–128 (the CPU default).
+
+Metrics:
+
+* ``engine_output_tokens_per_s``: generated tokens / wall time of the whole burst (prefill included).
+* ``hf_generate_output_tokens_per_s``: the same prompts through ``model.generate`` (same dtype,
+  device and sampling: temperature 1, no top-k), left-padded, up to the longest requested output;
+  only the tokens the requests asked for count (``hf_generate_padded_batch_tokens_per_s`` counts the
+  whole padded batch). By default all prompts go in ONE batch; ``--hf-batch-size K`` (or a CUDA
+  out-of-memory, which halves K and retries) runs ``ceil(N/K)`` batches back to back and the time is
+  their sum — ``config.hf_batch_size`` records which.
+* ``speedup_vs_hf`` = engine / HF output tokens/s.
+* Decode-only figures from the server's own counters (``/get_server_info`` → ``batch_stats``,
+  differences over the measured burst): ``decode_seconds`` (wall time of decode forwards +
+  sampling; sampling ends in a device→host copy, so on CUDA it includes the device work),
+  ``decode_steps``, ``decode_kv_tokens`` (Σ over decode steps of the running rows' lengths).
+* On CUDA, ``roofline_fraction``::
+
+      bytes_per_step  = weight_bytes + kv_bytes_per_token × mean_batch × mean_length
+      total_bytes     = decode_steps × weight_bytes + decode_kv_tokens × kv_bytes_per_token
+                      (= Σ over steps of bytes_per_step: the batch's KV at its own lengths)
+      roofline_fraction = total_bytes / decode_seconds / 4.8e12      (H200 HBM3e spec)
+
+  ``weight_bytes`` is the server's parameter bytes (tied embedding counted once, read once by the
+  LM head), ``kv_bytes_per_token`` its KV cache bytes / token capacity (2·layers·kv_heads·head_dim·2
+  for bf16). Activations and padding reads are not counted, so this is a lower bound on traffic.
+  ``roofline_fraction_vs_measured_copy`` divides by the one-way device copy bandwidth measured in
+  this run instead (``measured_copy_bytes_per_s``, read+write / 2).
+
+``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
+import math
 import platform
 import random
-import subprocess
+import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -29,18 +64,56 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import write_result  # noqa: E402
 
-def make_workload(n: int, vocab: int, seed: int):
+H200_HBM_BYTES_PER_S = 4.8e12
+
+# Public Qwen3 architectures (shapes only; weights are random).
+ARCHITECTURES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def build_checkpoint(model: str, out_dir: str) -> str:
+    """An HF directory for ``model``: the tiny model, or a Qwen3 architecture with random bf16 weights
+    and the tiny model's tokenizer and generation config."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out_dir, size=model if model in ("tiny", "small") else "tiny", seed=0)
+    if model in ("tiny", "small"):
+        return str(path)
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    generation_config = GenerationConfig.from_pretrained(path)
+    config = Qwen3Config(**ARCHITECTURES[model], max_position_embeddings=40960, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    qwen = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    qwen.generation_config = generation_config
+    for old in path.glob("*.safetensors"):
+        old.unlink()
+    qwen.save_pretrained(path, safe_serialization=True)  # config.json, generation_config.json, weights
+    return str(path)
+
+
+def make_workload(n: int, vocab: int, seed: int, prompt_len: int | None, max_new_tokens: int | None):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(8, 64))] for _ in range(n)]
-    lengths = [rng.randint(16, 128) for _ in range(n)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len or rng.randint(8, 64))] for _ in range(n)]
+    lengths = [max_new_tokens or rng.randint(16, 128) for _ in range(n)]
     return prompts, lengths
 
 
 async def run_engine(url: str, prompts, lengths) -> float:
     import httpx
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    # No connection-pool cap (httpx's default is 100): every request must reach the server at once.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         async def one(prompt, n):
             body = {"input_ids": prompt, "return_logprob": True,
                     "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
@@ -55,88 +128,184 @@ async def run_engine(url: str, prompts, lengths) -> float:
     return sum(counts) / elapsed
 
 
-@torch.inference_mode()
-def run_hf(model_path: str, device: str, prompts, lengths) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM
+def server_info(url: str) -> dict:
+    import httpx
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, do_sample=True, pad_token_id=0)
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, max_new_tokens=max(lengths),
-                   do_sample=True, temperature=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    return httpx.get(url + "/get_server_info", timeout=60).json()
+
+
+def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return sum(lengths) / elapsed, len(prompts) * max(lengths) / elapsed
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+class HFBaseline:
+    """``model.generate`` on the same prompts, one padded batch (or chunks of ``batch_size``)."""
+
+    def __init__(self, model_path: str, device: str, batch_size: int | None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def _generate(self, prompts, max_new_tokens: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                  eos_token_id=None, pad_token_id=0)
+        if out.shape[1] - width != max_new_tokens:  # a stop token ended every row: the timing would flatter HF
+            raise RuntimeError(f"HF generate produced {out.shape[1] - width} tokens, expected {max_new_tokens}")
+
+    def warmup(self, prompts) -> None:
+        self._generate([p[:8] for p in prompts[:2]], 4)
+        sync(self.device)
+
+    def run(self, prompts, lengths) -> tuple[float, float]:
+        """(requested output tokens / s, padded batch tokens / s); halves the batch on CUDA OOM."""
+        n = len(prompts)
+        while True:
+            size = self.batch_size or n
+            try:
+                sync(self.device)
+                start = time.perf_counter()
+                for i in range(0, n, size):
+                    self._generate(prompts[i:i + size], max(lengths[i:i + size]))
+                sync(self.device)
+                elapsed = time.perf_counter() - start
+                break
+            except torch.OutOfMemoryError:
+                if size == 1:
+                    raise
+                self.batch_size = max(1, size // 2)
+                print(f"HF generate: out of memory with batch {size}, retrying with {self.batch_size}", file=sys.stderr)
+                torch.cuda.empty_cache()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()  # give the engine process back what generate cached
+        padded = sum(len(range(i, min(i + size, n))) * max(lengths[i:i + size]) for i in range(0, n, size))
+        return sum(lengths) / elapsed, padded / elapsed
+
+
+def measured_copy_bytes_per_s() -> float:
+    """One-way device copy bandwidth: 1 GiB device-to-device copies, (read + write) / 2 per second, best of 5."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = max(best, src.numel() / (time.perf_counter() - start))
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", default=None, help="HF dir (default: build the tiny model)")
+    parser.add_argument("--model", default="tiny", choices=["tiny", "small", *ARCHITECTURES],
+                        help="checkpoint to build in a temporary directory (ignored with --model-path)")
+    parser.add_argument("--model-path", default=None, help="an existing HF directory instead of --model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=None, help="every prompt this long (default: 8-64)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="every output this long (default: 16-128)")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="HF generate in chunks of this many prompts (default: all in one batch)")
+    parser.add_argument("--engine-args", default="", help="extra engine flags, e.g. '--chunked-prefill-size 8192'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best is reported")
-    parser.add_argument("--out", action="store_true", help="write bench/results/engine_decode-<device>-<date>.json")
+    parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")
+    parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
+                        help="write engine_decode-<machine>-<date>.json into this folder (default bench/results) "
+                             "or to this .json path")
     args = parser.parse_args()
+
+    from transformers import AutoConfig, AutoTokenizer
 
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 
+    tmp = None
     model_path = args.model_path
     if model_path is None:
-        from slime.utils.tiny_model import build_tiny_model
-
-        model_path = str(build_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"), size="tiny", seed=0))
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    prompts, lengths = make_workload(args.num_requests, vocab, args.seed)
-    engine = EmbeddedEngineProcess(model_path, extra_args=[
-        "--device", args.device, "--max-running-requests", str(args.num_requests), "--context-length", "512"])
-    engine.start()
+        tmp = tempfile.mkdtemp(prefix=f"bench-{args.model}-")
+        started = time.perf_counter()
+        model_path = build_checkpoint(args.model, tmp)
+        print(f"built {args.model} in {time.perf_counter() - started:.0f}s at {model_path}", file=sys.stderr)
     try:
-        engine.wait_healthy(timeout=300)
-        asyncio.run(run_engine(engine.url, prompts[:4], [4] * 4))  # warm-up
-        # Alternate the two and keep each one's best run: the CPU machine is shared and noisy.
-        engine_runs, hf_runs = [], []
-        for _ in range(args.repeats):
-            engine_runs.append(asyncio.run(run_engine(engine.url, prompts, lengths)))
-            hf_runs.append(run_hf(model_path, args.device, prompts, lengths))
+        vocab = min(AutoConfig.from_pretrained(model_path).vocab_size, len(AutoTokenizer.from_pretrained(model_path)))
+        prompts, lengths = make_workload(args.num_requests, vocab, args.seed, args.prompt_len, args.max_new_tokens)
+        context = max(512, max(len(p) + n for p, n in zip(prompts, lengths)))
+        engine = EmbeddedEngineProcess(model_path, extra_args=[
+            "--device", args.device, "--max-running-requests", str(args.num_requests),
+            "--context-length", str(context), *shlex.split(args.engine_args)])
+        hf = None if args.skip_hf else HFBaseline(model_path, args.device, args.hf_batch_size)
+        engine.start()
+        try:
+            engine.wait_healthy(timeout=600)
+            asyncio.run(run_engine(engine.url, prompts[:4], [4] * len(prompts[:4])))  # warm-up
+            if hf is not None:
+                hf.warmup(prompts)
+            # Alternate the two and keep each one's best run (the CPU machine is shared and noisy).
+            engine_runs, hf_runs = [], []
+            for _ in range(args.repeats):
+                before = server_info(engine.url)["batch_stats"]
+                tps = asyncio.run(run_engine(engine.url, prompts, lengths))
+                info = server_info(engine.url)
+                delta = {k: info["batch_stats"][k] - before[k]
+                         for k in ("decode_seconds", "decode_steps", "decode_rows", "decode_kv_tokens")}
+                engine_runs.append((tps, delta, info))
+                if hf is not None:
+                    hf_runs.append(hf.run(prompts, lengths))
+        finally:
+            engine.stop()
     finally:
-        engine.stop()
-    engine_tps = max(engine_runs)
-    hf_tps, hf_padded_tps = max(hf_runs)
-    metrics = {"engine_output_tokens_per_s": engine_tps, "hf_generate_output_tokens_per_s": hf_tps,
-               "hf_generate_padded_batch_tokens_per_s": hf_padded_tps,
-               "speedup_vs_hf": engine_tps / hf_tps}
-    machine = "nvidia-h200" if args.device == "cuda" else f"cpu-{torch.get_num_threads()}core"
-    result = {"benchmark": "engine_decode", "date": datetime.date.today().isoformat(), "machine": machine,
-              "command": "python " + " ".join(sys.argv), "git_commit": git_commit(),
-              "config": {"model": model_path if args.model_path else "tiny (slime.utils.tiny_model, seed 0)",
-                         "device": args.device, "num_requests": args.num_requests, "prompt_len": "8-64",
-                         "output_len": "16-128", "total_output_tokens": sum(lengths), "temperature": 1.0, "repeats": args.repeats,
-                         "python": platform.python_version(), "torch": torch.__version__},
-              "metrics": metrics}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        path = ROOT / "bench" / "results" / f"engine_decode-{args.device}-{datetime.date.today():%Y%m%d}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    engine_tps, decode, info = max(engine_runs, key=lambda r: r[0])
+    memory = info["internal_states"][0]["memory_usage"]
+    weight_bytes = memory["weight"] * 2**30
+    kv_bytes_per_token = memory["kvcache"] * 2**30 / memory["token_capacity"]
+    metrics = {"engine_output_tokens_per_s": engine_tps}
+    if hf_runs:
+        hf_tps, hf_padded_tps = max(hf_runs)
+        metrics.update({"hf_generate_output_tokens_per_s": hf_tps,
+                        "hf_generate_padded_batch_tokens_per_s": hf_padded_tps, "speedup_vs_hf": engine_tps / hf_tps})
+    steps = decode["decode_steps"]
+    metrics.update({"decode_seconds": decode["decode_seconds"], "decode_steps": steps,
+                    "decode_steps_per_s": steps / decode["decode_seconds"],
+                    "decode_mean_batch": decode["decode_rows"] / steps,
+                    "decode_mean_length": decode["decode_kv_tokens"] / decode["decode_rows"],
+                    "decode_output_tokens_per_s": decode["decode_rows"] / decode["decode_seconds"]})
+    if args.device == "cuda":
+        traffic = (steps * weight_bytes + decode["decode_kv_tokens"] * kv_bytes_per_token) / decode["decode_seconds"]
+        copy_bw = measured_copy_bytes_per_s()
+        metrics.update({"decode_hbm_bytes_per_s": traffic, "roofline_fraction": traffic / H200_HBM_BYTES_PER_S,
+                        "measured_copy_bytes_per_s": copy_bw, "roofline_fraction_vs_measured_copy": traffic / copy_bw})
+    config = {"model": args.model_path or (args.model + (" (slime.utils.tiny_model, seed 0)" if args.model in
+                                                          ("tiny", "small") else " architecture, random bf16 weights, tiny tokenizer")),
+              "device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
+              "num_requests": args.num_requests,
+              "prompt_len": args.prompt_len or "8-64", "output_len": args.max_new_tokens or "16-128",
+              "total_output_tokens": sum(lengths), "temperature": 1.0, "ignore_eos": True, "repeats": args.repeats,
+              "context_length": context, "engine_args": args.engine_args,
+              "hf_batch_size": None if hf is None else (hf.batch_size or args.num_requests),
+              "hf_batches": None if hf is None else math.ceil(args.num_requests / (hf.batch_size or args.num_requests)),
+              "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+              "python": platform.python_version(), "torch": torch.__version__}
+    if args.device == "cuda":
+        config["gpu"] = torch.cuda.get_device_name(0)
+        config["hbm_peak_bytes_per_s"] = H200_HBM_BYTES_PER_S
+    write_result("engine_decode", config, metrics, args.out)
 
 
 if __name__ == "__main__":

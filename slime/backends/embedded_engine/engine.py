@@ -165,6 +165,7 @@ class Engine:
         return produced
 
     def _decode(self) -> int:
+        start = time.perf_counter()
         running = list(self.scheduler.running)
         rows = [ForwardRow([seq.output_ids[-1]], seq.num_computed) for seq in running]
         last_logits, _ = self.runner.forward(list(range(len(running))), rows)
@@ -173,7 +174,11 @@ class Engine:
         stats = self.scheduler.stats
         stats.decode_steps += 1
         stats.max_running_batch = max(stats.max_running_batch, len(running))
-        return self._sample_and_append(running, last_logits)
+        stats.decode_rows += len(running)
+        stats.decode_kv_tokens += sum(seq.num_computed for seq in running)
+        produced = self._sample_and_append(running, last_logits)  # ends in .tolist(): a device sync
+        stats.decode_seconds += time.perf_counter() - start
+        return produced
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
         settings = [self._row_sampling(seq) for seq in seqs]

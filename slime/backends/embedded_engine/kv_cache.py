@@ -59,6 +59,9 @@ class SlotKVCache:
 
     def release(self) -> None:
         self.keys, self.values = [], []
+        if self.device.type == "cuda":
+            # Hand the freed blocks back to the driver, or other processes (and mem_get_info) never see them.
+            torch.cuda.empty_cache()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

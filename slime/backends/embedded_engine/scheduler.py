@@ -70,6 +70,13 @@ class SchedulerStats:
     decode_steps: int = 0
     prefill_forwards: int = 0
     generated_tokens: int = 0
+    # Decode-only accounting (benchmarks: roofline of the decode forward). ``decode_seconds`` is the
+    # wall time of the decode forward + sampling (sampling ends in a host copy, so on CUDA the time
+    # includes the device work); ``decode_rows`` sums the batch size over decode steps and
+    # ``decode_kv_tokens`` the cache positions the running rows hold (their lengths) at each step.
+    decode_seconds: float = 0.0
+    decode_rows: int = 0
+    decode_kv_tokens: int = 0
 
 
 class Scheduler:

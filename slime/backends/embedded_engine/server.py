@@ -169,9 +169,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "max_total_num_tokens": shape.num_slots * shape.slot_capacity, "max_req_input_len":
             runner.context_length - 1, "max_running_requests": shape.num_slots, "version": VERSION,
             "kv_events": None, "engine": "slime-embedded",
-            "batch_stats": {"max_running_batch": stats.max_running_batch,
-                            "joins_while_decoding": stats.joins_while_decoding, "decode_steps": stats.decode_steps,
-                            "prefill_forwards": stats.prefill_forwards, "generated_tokens": stats.generated_tokens},
+            "batch_stats": vars(stats).copy(),  # SchedulerStats: batching and decode-time counters
         })
         info["internal_states"] = [{**info, "last_gen_throughput": engine.last_gen_throughput,
                                     "memory_usage": _memory_usage(runner),
