@@ -22,6 +22,20 @@ from slime.utils.tracking import Tracker
 logger = logging.getLogger(__name__)
 
 
+def _raise_on_sigterm() -> None:
+    """Turn SIGTERM (schedulers, `kill`) into SystemExit so the shutdown order still runs."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class Job:
     def __init__(self, args):
         self.args = args
@@ -50,6 +64,7 @@ class Job:
             raise FileNotFoundError(f"--hf-checkpoint {args.hf_checkpoint!r} is not a directory")
         self.owns_ray = not ray.is_initialized()
         init_ray(args)
+        _raise_on_sigterm()  # after ray.init, which installs a handler of its own
         self.placements = placements = create_placement_groups(args)
         dp_size = 0 if args.debug_rollout_only else len(placements["actor"].bundle_indices)
         self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"], max(dp_size, 1))
