@@ -105,11 +105,11 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     else:
         from tests.backends.fsdp_utils.fsdp_test_utils import free_port
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
 

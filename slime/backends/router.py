@@ -32,7 +32,8 @@ class RouterProcess(ServerProcess):
 
     def command(self) -> list[str]:
         smg = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
-        cmd = [smg, "launch", "--host", self.host, "--port", str(self.port), "--policy", self.policy]
+        launcher = [smg] if os.path.exists(smg) else [sys.executable, "-m", "smg"]  # installed without scripts
+        cmd = [*launcher, "launch", "--host", self.host, "--port", str(self.port), "--policy", self.policy]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
         return cmd + self.extra_args

@@ -49,7 +49,7 @@ class TrainRayActor:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, self.world_size)))
-        backend = "nccl" if gpu else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"  # CPU tensors (metrics) reduce over gloo
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
         torch.manual_seed(args.seed)

@@ -449,8 +449,9 @@ class FSDPTrainWorker:
         dist.all_gather_object(gathered, keys)
         if any(g != keys for g in gathered):
             raise RuntimeError(f"ranks disagree on rollout_data keys: {gathered}")
-        reduced = torch.tensor(values, dtype=torch.float64)
+        reduced = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(reduced)
+        reduced = reduced.cpu()
         out = {}
         for i, key in enumerate(keys):
             total, count = reduced[2 * i], reduced[2 * i + 1]
