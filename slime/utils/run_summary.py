@@ -30,16 +30,17 @@ def phase_times(records: list[dict]) -> dict[str, float]:
     return {k: mean(r[k] for r in perf if k in r) for k in keys if any(k in r for r in perf)}
 
 
-def summarise(sft_run: str | None, grpo_run: str, eval_name: str) -> dict:
+def summarise(sft_run: str | None, grpo_run: str, eval_names: list[str]) -> dict:
     records = read_metrics(grpo_run)
-    curve = eval_curve(records, eval_name)
-    if not curve:
-        raise ValueError(f"{grpo_run}: no eval/{eval_name} records; was --eval-interval set?")
-    summary = {"eval_before": curve[0][1], "eval_after": curve[-1][1], "eval_curve": curve,
-               "times": phase_times(records), "grpo_run": grpo_run}
-    train = [r for r in records if r["kind"] == "rollout" and "rollout/raw_reward" in r]
-    if train:
-        summary["train_reward_first"], summary["train_reward_last"] = train[0]["rollout/raw_reward"], train[-1]["rollout/raw_reward"]
+    summary = {"eval": {}, "times": phase_times(records), "grpo_run": grpo_run}
+    for name in eval_names:
+        curve = eval_curve(records, name)
+        if not curve:
+            raise ValueError(f"{grpo_run}: no eval/{name} records; was --eval-interval set?")
+        summary["eval"][name] = {"before": curve[0][1], "after": curve[-1][1], "curve": curve}
+    train = [r["rollout/raw_reward/mean"] for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
+    if len(train) >= 10:  # means over the first and last 10 steps: single steps are noisy
+        summary["train_reward_first"], summary["train_reward_last"] = mean(train[:10]), mean(train[-10:])
     if sft_run:
         sft = [r for r in read_metrics(sft_run) if r["kind"] == "train" and "train/loss" in r]
         if sft:
@@ -51,28 +52,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-run", default=None)
     parser.add_argument("--grpo-run", required=True)
-    parser.add_argument("--eval-name", required=True)
+    parser.add_argument("--eval-name", nargs="+", required=True, help="eval dataset names (--eval-prompt-data)")
     args = parser.parse_args(argv)
     s = summarise(args.sft_run, args.grpo_run, args.eval_name)
     rows = []
     if "sft_loss_first" in s:
         rows.append(("SFT loss (first -> last step)", f"{s['sft_loss_first']:.3f} -> {s['sft_loss_last']:.3f}"))
-    rows.append((f"eval/{args.eval_name} after SFT (before GRPO)", f"{s['eval_before']:.3f}"))
-    rows.append((f"eval/{args.eval_name} after GRPO", f"{s['eval_after']:.3f}"))
-    rows.append(("eval curve (step: reward)", ", ".join(f"{step}: {value:.2f}" for step, value in s["eval_curve"])))
+    for name, e in s["eval"].items():
+        rows.append((f"eval/{name}: after SFT -> after GRPO", f"{e['before']:.3f} -> {e['after']:.3f}"))
+        rows.append((f"eval/{name} curve (step: reward)", ", ".join(f"{step}: {value:.2f}" for step, value in e["curve"])))
     if "train_reward_first" in s:
-        rows.append(("train reward (first -> last rollout)", f"{s['train_reward_first']:.3f} -> {s['train_reward_last']:.3f}"))
+        rows.append(("rollout reward, mean of first -> last 10 steps", f"{s['train_reward_first']:.3f} -> {s['train_reward_last']:.3f}"))
     for key, label in (("perf/rollout_time", "rollout"), ("perf/train_time", "train"),
                        ("perf/update_weights_time", "weight update"), ("perf/step_time", "whole step")):
         if key in s["times"]:
             rows.append((f"time per step: {label}", f"{s['times'][key]:.2f} s"))
     rows.append(("metrics", os.path.join(args.grpo_run, "metrics.jsonl")))
+    rows.append(("runs, logs and checkpoints", os.path.dirname(os.path.dirname(os.path.abspath(args.grpo_run)))))
     width = max(len(r[0]) for r in rows)
     print("-" * (width + 40))
     for label, value in rows:
         print(f"{label.ljust(width)}  {value}")
     print("-" * (width + 40))
-    print(json.dumps({k: v for k, v in s.items() if k != "eval_curve"}))
+    print(json.dumps({"eval": {k: {"before": v["before"], "after": v["after"]} for k, v in s["eval"].items()},
+                      "times": s["times"]}))
 
 
 if __name__ == "__main__":
