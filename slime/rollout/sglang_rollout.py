@@ -399,6 +399,9 @@ async def _abort_in_flight(args, pending: set[asyncio.Task]) -> list:
     return collected
 
 
+MAX_DRAW_FACTOR = 20  # a rollout step draws at most this many times its batch before giving up
+
+
 async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[RolloutFnTrainOutput, list]:
     """One training rollout step; returns the output and the groups collected after the abort."""
     state = GenerateState(args)
@@ -411,9 +414,17 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
     kept, finished, surplus = [], [], []
     drop_reasons: Counter = Counter()
     pending: set[asyncio.Task] = set()
+    drawn, max_drawn = 0, MAX_DRAW_FACTOR * max(target, over_sampling)
     try:
         while len(kept) < target:
             if len(kept) + len(pending) < target:
+                if drawn >= max_drawn:  # a filter that drops (nearly) everything would loop forever
+                    raise RuntimeError(
+                        f"dynamic sampling kept {len(kept)} of {target} groups after drawing {drawn} prompt groups "
+                        f"(--dynamic-sampling-filter-path {filter_path}; drops: {dict(drop_reasons)}). The filter "
+                        f"rejects almost every group: check the reward function or relax the filter."
+                    )
+                drawn += over_sampling
                 for group in data_source.get_samples(over_sampling):
                     name = f"generate_and_rm_group[{_first_index(group)}]"
                     coro = generate_and_rm_group(args, group, copy.deepcopy(state.sampling_params))

@@ -179,6 +179,15 @@ def test_dynamic_sampling_fallback_keeps_when_insufficient(tiny_model_dir, tmp_p
     assert len(out.samples) == 2 and out.metrics is None
 
 
+def test_dynamic_sampling_that_drops_everything_fails_clearly(tiny_model_dir, tmp_path, engine):
+    path = write_prompts(tmp_path / "k.jsonl", [{"input": "q", "label": "x", "metadata": {"kind": "f"}}] * 4)
+    args = make_args(tiny_model_dir, path, engine, "--custom-rm-path", "tests.rollout.test_sglang_rollout.kind_reward",
+                     "--dynamic-sampling-filter-path",
+                     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")  # fmt: skip
+    with pytest.raises(RuntimeError, match="kept 0 of 2 groups after drawing 40 prompt groups"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+
+
 SLOW_TOKENS = [1, 2, 3, 4, 5, 6, 7]
 
 
