@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 
-from slime.backends.embedded_engine.launch import ServerProcess
+from slime.backends.embedded_engine.launch import ServerProcess, find_free_port
 
 
 class RouterProcess(ServerProcess):
@@ -36,6 +36,12 @@ class RouterProcess(ServerProcess):
         cmd = [*launcher, "launch", "--host", self.host, "--port", str(self.port), "--policy", self.policy]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
+        # smg's Prometheus endpoint defaults to 0.0.0.0:29000: bind it like the router, on a free port,
+        # so it is not exposed and two routers on one machine do not collide
+        if not any(a.startswith("--prometheus-host") for a in self.extra_args):
+            cmd += ["--prometheus-host", self.host]
+        if not any(a.startswith("--prometheus-port") for a in self.extra_args):
+            cmd += ["--prometheus-port", str(find_free_port(self.host))]
         return cmd + self.extra_args
 
     def wait_healthy(self, timeout: float = 60.0) -> None:

@@ -98,11 +98,24 @@ def test_debug_rollout_only_then_train_only_replay(tiny_model_dir, tiny_task_dat
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "gen", "--debug-rollout-only",
                         "--save-debug-rollout-data", dump, steps=2))
     assert sorted(os.listdir(tmp_path / "dump")) == ["0.pt", "1.pt"]
+    train_dump = str(tmp_path / "train" / "{rollout_id}.pt")
     for name in ("a", "b"):
-        run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / name, "--load-debug-rollout-data", dump, steps=2))
+        run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / name, "--load-debug-rollout-data", dump,
+                            "--save-debug-train-data", train_dump, steps=2))
     losses_a = by_kind(read_metrics(tmp_path / "a"), "train", "train/pg_loss")
     losses_b = by_kind(read_metrics(tmp_path / "b"), "train", "train/pg_loss")
     assert len(losses_a) == 2 and losses_a == losses_b
+    # the train dump (format 2) joins the rollout dump on sample_index <-> Sample.index
+    import torch
+
+    from slime.observability.rollout_data_utils import load_debug_rollout_data
+
+    train_payload = torch.load(train_dump.format(rollout_id=1), weights_only=False)
+    rollout_samples = load_debug_rollout_data(dump, rollout_id=1)
+    assert train_payload["format_version"] == 2 and train_payload["rollout_id"] == 1
+    assert [s["sample_index"] for s in train_payload["samples"]] == sorted(s.index for s in rollout_samples)
+    first = train_payload["samples"][0]
+    assert first["advantages"].shape == first["log_probs"].shape == (first["response_lengths"],)
 
 
 def test_sft_path(tiny_model_dir, tiny_task_data, tmp_path):

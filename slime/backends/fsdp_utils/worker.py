@@ -264,6 +264,10 @@ class FSDPTrainWorker:
         ``critic-`` tag (``train/critic-value_loss``).
         """
         rollout_data = self.prepare(rollout_id, rollout_data)
+        if self.role == "actor" and getattr(self.args, "save_debug_train_data", None):
+            from slime.observability.train_data_utils import save_debug_train_data
+
+            save_debug_train_data(self.args.save_debug_train_data, rollout_id, rollout_data)
         metrics = self._rollout_metrics(rollout_data) if self.role == "actor" else {}
         metrics.update(self._train_steps(rollout_id, rollout_data))
         args = self.args
