@@ -22,29 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import write_result  # noqa: E402
 
-SHAPES = {  # Qwen3-0.6B architecture (random weights)
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
-}
+def build_model_dir(name: str, root: str) -> str:
+    """The tiny model, or a Qwen3 architecture with random bf16 weights (bench.engine_decode)."""
+    from bench.engine_decode import build_checkpoint
 
-
-def build_model_dir(name: str, root: str, dtype: torch.dtype) -> str:
-    from slime.utils.tiny_model import build_tiny_model
-
-    out = os.path.join(root, name)
-    build_tiny_model(out, size="tiny", seed=0)
-    if name == "tiny":
-        return out
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config.from_pretrained(out)
-    for key, value in SHAPES[name].items():
-        setattr(config, key, value)
-    config.tie_word_embeddings = True
-    with torch.device("cpu"):
-        model = Qwen3ForCausalLM(config).to(dtype)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return build_checkpoint(name, os.path.join(root, name))
 
 
 def memcpy_gbytes_per_s(nbytes: int = 1 << 30) -> float:
@@ -113,7 +95,7 @@ def main() -> None:
     metrics = {"memcpy_gbytes_per_s": limit}
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
-            model_dir = build_model_dir(name, root, dtype)
+            model_dir = build_model_dir(name, root)
             for label, transport, colocate in (("tensor", "nccl", True), ("distributed", "nccl", False)):
                 r = measure(model_dir, transport, colocate, dtype, args.bucket_mb << 20, args.repeats)
                 key = f"{name}/{label}"
