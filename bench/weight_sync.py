@@ -42,23 +42,11 @@ def memcpy_gbytes_per_s(nbytes: int = 1 << 30) -> float:
     return nbytes / best / 1e9
 
 
-def buckets(state: dict, bucket_bytes: int):
-    bucket, size = [], 0
-    for name, tensor in state.items():
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
-
-
 def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, bucket_bytes: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
-    from slime.backends.update_weight import make_weight_updater
+    from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
 
     state = {k: v.to(dtype) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
              if k != "lm_head.weight"}
@@ -73,7 +61,7 @@ def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, 
         times = []
         for version in range(repeats + 1):
             start = time.perf_counter()
-            sent = updater.update(buckets(state, bucket_bytes), str(version + 1))
+            sent = updater.update(bucket_named_tensors(state.items(), bucket_bytes), str(version + 1))
             times.append(time.perf_counter() - start)
         updater.close()
     finally:

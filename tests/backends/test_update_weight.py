@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
-from slime.backends.update_weight import make_weight_updater
+from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
 
 
 def _greedy_hf(model, prompt, n):
@@ -32,18 +32,6 @@ def _engine_greedy(url, prompt, n):
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
     response = httpx.post(url + "/generate", json=body, timeout=60).json()
     return response["output_ids"], response["meta_info"]["weight_version"]
-
-
-def _buckets(state_dict, bucket_bytes):
-    bucket, size = [], 0
-    for name, tensor in state_dict.items():
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 def _args(tmp_path, transport):
@@ -70,7 +58,7 @@ def test_transport_updates_engine(engine, tiny_model_dir, tmp_path, transport, c
     version = str(abs(hash(transport + str(colocate))) % 1000 + 1)
     try:
         updater.client.pause()
-        sent = updater.update(_buckets(new_state, 200_000), version)
+        sent = updater.update(bucket_named_tensors(new_state.items(), 200_000), version)
         updater.client.resume()
     finally:
         updater.close()

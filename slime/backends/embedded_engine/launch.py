@@ -52,7 +52,7 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define command(): the server's command line")
 
     def start(self) -> "ServerProcess":
         env = dict(os.environ, **(self.env or {}))

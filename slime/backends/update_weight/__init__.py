@@ -13,6 +13,6 @@ Engines are paused and their caches flushed around an update, and every bucket c
 ``weight_version`` so samples record the policy that produced them.
 """
 
-from slime.backends.update_weight.base import EngineClient, make_weight_updater
+from slime.backends.update_weight.base import EngineClient, bucket_named_tensors, make_weight_updater
 
-__all__ = ["EngineClient", "make_weight_updater"]
+__all__ = ["EngineClient", "bucket_named_tensors", "make_weight_updater"]

@@ -54,6 +54,19 @@ class EngineClient:
         self._pool.shutdown(wait=False)
 
 
+def bucket_named_tensors(named_tensors, bucket_bytes: int):
+    """Group ``(name, tensor)`` pairs, in order, into lists of about ``bucket_bytes`` bytes."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def make_weight_updater(args, engine_urls: list[str], engine_gpu_counts: list[int], colocate: bool):
     """Pick the transport: disk when asked; tensor handles when colocated; otherwise broadcast."""
     if args.update_weight_transport == "disk":
