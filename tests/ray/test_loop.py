@@ -173,3 +173,14 @@ def test_killed_engine_is_detected_restarted_and_resynced(tiny_model_dir, tiny_t
         assert all(s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED) for s in samples), rollout_id
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+
+
+def test_ppo_with_critic(tiny_model_dir, tiny_task_data, tmp_path):
+    """PPO through the loop: a critic group (its own FSDP2 rank) computes values that both trainers
+    use; its value loss falls while the actor trains."""
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--advantage-estimator", "ppo",
+                        "--critic-lr", "1e-2", "--num-steps-per-rollout", "2", steps=4))
+    records = read_metrics(tmp_path / "run")
+    value_loss = by_kind(records, "train", "train/critic-value_loss")
+    assert len(value_loss) == 4 and value_loss[-1] < value_loss[0], value_loss
+    assert by_kind(records, "train", "train/pg_loss") and by_kind(records, "train", "rollout/values")
