@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from slime.backends.embedded_engine.weight_loading import flatten_tensors, serialize_for_engine, use_file_system_sharing
+from slime.backends.embedded_engine.weight_loading import (
+    FlattenedTensorMetadata,
+    flatten_tensors,
+    serialize_for_engine,
+    use_file_system_sharing,
+)
 from slime.backends.update_weight.base import EngineClient
 
 
@@ -18,22 +23,38 @@ class TensorWeightUpdater:
         self.args = args
         self.client = EngineClient(engine_urls)
         self.engine_gpu_counts = engine_gpu_counts
+        self._staging: torch.Tensor | None = None  # CPU: one shared-memory buffer reused for every bucket
         use_file_system_sharing()
+
+    def _stage_on_cpu(self, bucket) -> dict:
+        """Copy the bucket once into a persistent shared-memory buffer. Reusing the same storage lets the
+        engine keep its mapping of it (torch caches received shared storages), so each update costs one
+        copy on each side instead of concatenate + move-to-shared + fresh page faults."""
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        total = sum(sizes)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8).share_memory_()
+        metadata, offset = [], 0
+        for (name, tensor), size in zip(bucket, sizes):
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._staging[offset:offset + size].copy_(raw)
+            metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + size, size))
+            offset += size
+        return {"flattened_tensor": self._staging[:total], "metadata": metadata}
 
     def update(self, buckets, weight_version: str) -> int:
         """Send every bucket; return the number of bytes sent to each engine."""
         total = 0
         for bucket in buckets:
-            flat = flatten_tensors(bucket)
-            if not flat["flattened_tensor"].is_cuda:
-                flat["flattened_tensor"].share_memory_()
+            on_gpu = any(t.is_cuda for _, t in bucket)
+            flat = flatten_tensors(bucket) if on_gpu else self._stage_on_cpu(bucket)
             payload = serialize_for_engine(flat)
             requests = [
                 {"serialized_named_tensors": [payload] * count, "load_format": "flattened_bucket",
                  "flush_cache": False, "weight_version": weight_version}
                 for count in self.engine_gpu_counts
             ]
-            self.client.post_all("/update_weights_from_tensor", requests)
+            self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer
             total += flat["flattened_tensor"].numel()
             del flat
         if torch.cuda.is_available():
@@ -41,4 +62,5 @@ class TensorWeightUpdater:
         return total
 
     def close(self) -> None:
+        self._staging = None
         self.client.close()
