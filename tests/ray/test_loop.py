@@ -34,7 +34,7 @@ def grpo_args(model_dir, data, run_dir, *extra, steps=5):
         "--rollout-num-gpus", "1", "--hf-checkpoint", model_dir, "--prompt-data", data["train"],
         "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
         "--custom-rm-path", "loop_plugins.even_first_token_reward",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
         "--num-rollout", str(steps), "--num-steps-per-rollout", "1", "--lr", "5e-2", "--adam-beta2", "0.99",
         "--weight-decay", "0", "--seed", "1", "--run-dir", str(run_dir), *map(str, extra)])
 
@@ -48,14 +48,20 @@ def by_kind(records, kind, key):
     return [r[key] for r in records if (kind is None or r["kind"] == kind) and key in r]
 
 
-def check_learning(run_dir, min_rise=0.15):
+def rise(rewards):
+    """Mean reward of the last two steps minus the first step's (64 samples a step: the std of one
+    step's mean is about 0.06, so a rise of 0.12 is not noise)."""
+    return (rewards[-1] + rewards[-2]) / 2 - rewards[0]
+
+
+def check_learning(run_dir, min_rise=0.12):
     records = read_metrics(run_dir)
     rewards = by_kind(records, "rollout", "rollout/raw_reward/mean")
     ppo_kl = by_kind(records, "train", "train/ppo_kl")
     assert ppo_kl and ppo_kl[0] == 0.0
     diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
     assert diff and diff[0] < 1e-3, f"trainer vs engine log-probs differ by {diff[:1]} at the first step"
-    assert max(rewards[-2:]) - rewards[0] >= min_rise, f"reward did not rise: {rewards}"
+    assert rise(rewards) >= min_rise, f"reward did not rise: {rewards}"
     return records
 
 
@@ -79,10 +85,10 @@ def test_sync_colocated_tensor_weights(tiny_model_dir, tiny_task_data, tmp_path)
 def test_async_one_step_off_policy(tiny_model_dir, tiny_task_data, tmp_path):
     from train_async import train_async
 
-    train_async(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", steps=5))
+    train_async(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", steps=7))
     records = read_metrics(tmp_path / "run")
     rewards = by_kind(records, "rollout", "rollout/raw_reward/mean")
-    assert len(rewards) == 5 and max(rewards[-2:]) - rewards[0] >= 0.15, rewards
+    assert len(rewards) == 7 and rise(rewards) >= 0.12, rewards  # one step off-policy: learns a step later
 
 
 def test_disk_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
@@ -169,7 +175,7 @@ def test_killed_engine_is_detected_restarted_and_resynced(tiny_model_dir, tiny_t
     assert by_kind(records, None, "perf/engines_restarted") == [0, 1, 0]
     for rollout_id in range(3):
         samples = load_debug_rollout_data(str(tmp_path / "dump" / "{rollout_id}.pt"), rollout_id=rollout_id)
-        assert len(samples) == 32 and len({s.index for s in samples}) == 32
+        assert len(samples) == 64 and len({s.index for s in samples}) == 64
         assert all(s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED) for s in samples), rollout_id
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
