@@ -182,11 +182,14 @@ def test_killed_engine_is_detected_restarted_and_resynced(tiny_model_dir, tiny_t
 
 
 def test_ppo_with_critic(tiny_model_dir, tiny_task_data, tmp_path):
-    """PPO through the loop: a critic group (its own FSDP2 rank) computes values that both trainers
-    use; its value loss falls while the actor trains."""
+    """PPO through the loop: a critic group (its own FSDP2 rank) computes the values both trainers use,
+    and trains on the returns while the actor trains. (That the critic fits a fixed target is tested in
+    tests/backends/fsdp_utils; here the target moves with the policy, so only the plumbing is asserted.)"""
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--advantage-estimator", "ppo",
                         "--critic-lr", "1e-2", "--num-steps-per-rollout", "2", steps=4))
     records = read_metrics(tmp_path / "run")
     value_loss = by_kind(records, "train", "train/critic-value_loss")
-    assert len(value_loss) == 4 and value_loss[-1] < value_loss[0], value_loss
-    assert by_kind(records, "train", "train/pg_loss") and by_kind(records, "train", "rollout/values")
+    assert len(value_loss) == 4 and all(0 < v < float("inf") for v in value_loss), value_loss
+    values = by_kind(records, "train", "rollout/values")
+    assert len(values) == 4 and len(set(values)) > 1, values  # the critic's predictions move as it trains
+    assert len(by_kind(records, "train", "train/pg_loss")) == 4
