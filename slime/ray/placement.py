@@ -32,8 +32,8 @@ def init_ray(args) -> None:
     # plugins named by dotted path may live in the job's working directory (INTERFACES §2.0)
     python_path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PYTHONPATH": python_path}
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES"):
-        if name in os.environ and name != "CUDA_VISIBLE_DEVICES":  # Ray assigns devices itself
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        if name in os.environ:  # NVLink multicast stays off in every worker too
             env_vars[name] = os.environ[name]
     env_vars.update(args.train_env_vars or {})
     runtime_env = {"env_vars": env_vars}

@@ -224,6 +224,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_weight_update(args)
     _validate_sglang_side(args)
     _validate_backends(args)
+    _parse_json_flags(args)
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     return args
@@ -389,22 +390,8 @@ def _validate_sglang_side(args) -> None:
         raise ValueError("--sglang-router-ip and --sglang-router-port must be given together")
 
 
-def _validate_backends(args) -> None:
-    """Fail at start, with the install command, when a chosen backend's library is missing."""
-    import importlib.util
-
-    if not args.debug_rollout_only and args.train_backend == "megatron" and importlib.util.find_spec("megatron") is None:
-        raise ValueError(
-            "--train-backend megatron (the default) needs Megatron-Core, which is not installed. Install it with "
-            "`pip install -e '.[megatron]'`, or pass --train-backend fsdp (runs on CPU and GPU)."
-        )
-    needs_engine = not args.debug_train_only and not args.rollout_external and args.rollout_num_gpus != 0
-    if needs_engine and args.rollout_backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise ValueError(
-            "--rollout-backend sglang (the default) needs SGLang, which is not installed. Install it with "
-            "`pip install -e '.[sglang]'` on a GPU machine, or pass --rollout-backend embedded (slime's own engine; "
-            "runs on CPU and GPU)."
-        )
+def _parse_json_flags(args) -> None:
+    """JSON-valued flags become Python objects; a malformed value names its flag."""
     if args.train_env_vars:
         try:
             env = json.loads(args.train_env_vars) if isinstance(args.train_env_vars, str) else args.train_env_vars
@@ -423,6 +410,24 @@ def _validate_backends(args) -> None:
             args.multimodal_keys = json.loads(args.multimodal_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"--multimodal-keys must be a JSON object: {e}") from None
+
+
+def _validate_backends(args) -> None:
+    """Fail at start, with the install command, when a chosen backend's library is missing."""
+    import importlib.util
+
+    if not args.debug_rollout_only and args.train_backend == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ValueError(
+            "--train-backend megatron (the default) needs Megatron-Core, which is not installed. Install it with "
+            "`pip install -e '.[megatron]'`, or pass --train-backend fsdp (runs on CPU and GPU)."
+        )
+    needs_engine = not args.debug_train_only and not args.rollout_external and args.rollout_num_gpus != 0
+    if needs_engine and args.rollout_backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise ValueError(
+            "--rollout-backend sglang (the default) needs SGLang, which is not installed. Install it with "
+            "`pip install -e '.[sglang]'` on a GPU machine, or pass --rollout-backend embedded (slime's own engine; "
+            "runs on CPU and GPU)."
+        )
 
 
 def flag_reference_markdown() -> str:

@@ -78,8 +78,7 @@ class Tracker:
         for key in sorted(metrics):
             if any(key.startswith(prefix) for prefix in CONSOLE_KEYS) and _scalar(metrics[key]) is not None:
                 parts.append(f"{key}={_scalar(metrics[key]):.4g}")
-        logger.info(" | ".join(parts))
-        print(" | ".join(parts), flush=True)
+        print(" | ".join(parts), flush=True)  # once: a logger line as well doubled every step on the console
 
     def close(self) -> None:
         self._file.close()
