@@ -1,0 +1,8 @@
+"""Old home of the trace helpers (seed docs, slime ≤ v0.3.1): the same module as
+:mod:`slime.observability.trace_utils` (INTERFACES §0 row 4), so either import path sees one state."""
+
+import sys
+
+from slime.observability import trace_utils as _trace_utils
+
+sys.modules[__name__] = _trace_utils
