@@ -33,7 +33,8 @@ def build_server(args: ServerArgs):
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
                          num_slots=args.max_running_requests, slot_capacity=args.context_length,
                          mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
-                         max_total_tokens=args.max_total_tokens)
+                         max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
+                         cuda_graph_max_bs=args.cuda_graph_max_bs)
     engine = Engine(runner, chunked_prefill_size=args.chunked_prefill_size, weight_version=args.weight_version,
                     seed=args.random_seed)
     engine.start()

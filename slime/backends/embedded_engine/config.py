@@ -19,6 +19,8 @@ class ServerArgs:
     max_running_requests: int = 64
     mem_fraction_static: float = 0.8
     chunked_prefill_size: int = 2048
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     tool_call_parser: str = "qwen25"
     served_model_name: str | None = None
     weight_version: str = "default"
@@ -49,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", type=float, default=0.8,
                    help="CUDA: fraction of GPU memory for weights + KV cache")
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="max prompt tokens per prefill forward")
+    p.add_argument("--disable-cuda-graph", action="store_true", default=False,
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="CUDA: largest decode batch run through a CUDA graph (default: --max-running-requests)")
     p.add_argument("--tool-call-parser", default="qwen25", help="qwen25 or hermes (OpenAI endpoints)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")

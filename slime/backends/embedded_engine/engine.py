@@ -23,6 +23,7 @@ import torch
 
 from slime.backends.embedded_engine.io_struct import GenerateRequest
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+from slime.backends.embedded_engine.profiler import EngineProfiler
 from slime.backends.embedded_engine.sampler import GREEDY_EPS, RowSampling, sample
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
 
@@ -41,6 +42,7 @@ class Engine:
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self.paused = False
         self.last_gen_throughput = 0.0
+        self.profiler = EngineProfiler(runner.device.type)  # /start_profile, /stop_profile
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -117,6 +119,7 @@ class Engine:
         return len(targets)
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
+        seq.finished = time.monotonic()
         self._apply_moves(self.scheduler.finish(seq, reason))
         seq.on_event(seq, True)
 
@@ -128,9 +131,17 @@ class Engine:
     def step(self) -> None:
         start = time.perf_counter()
         admitted = self.scheduler.admit()
-        produced = self._prefill(admitted) if admitted else 0
+        produced = 0
+        if admitted:
+            now = time.monotonic()
+            for seq in admitted:
+                seq.admitted = seq.admitted or now  # a retracted request keeps its first admission
+            with self.profiler.stage("prefill"):
+                produced = self._prefill(admitted)
         if self.scheduler.running:  # everyone running now has a sampled token to feed
-            produced += self._decode()
+            with self.profiler.stage("decode"):
+                produced += self._decode()
+        self.profiler.step_done()
         elapsed = time.perf_counter() - start
         if produced:
             self.last_gen_throughput = produced / max(elapsed, 1e-9)
@@ -167,8 +178,9 @@ class Engine:
     def _decode(self) -> int:
         start = time.perf_counter()
         running = list(self.scheduler.running)
-        rows = [ForwardRow([seq.output_ids[-1]], seq.num_computed) for seq in running]
-        last_logits, _ = self.runner.forward(list(range(len(running))), rows)
+        # The running batch sits in slots 0..B-1 (the scheduler keeps it compact).
+        last_logits = self.runner.decode([seq.output_ids[-1] for seq in running],
+                                         [seq.num_computed for seq in running])
         for seq in running:
             seq.num_computed += 1
         stats = self.scheduler.stats
@@ -183,7 +195,9 @@ class Engine:
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
         settings = [self._row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
+        now = time.monotonic()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.first_token = seq.first_token or now
             seq.output_ids.append(token)
             seq.output_logprobs.append(logprob)
             reason = self._finish_reason(seq)

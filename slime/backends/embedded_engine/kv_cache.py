@@ -106,3 +106,31 @@ class SlotCacheView:
 
     def get_seq_length(self, *args, **kwargs) -> int:  # only used when position_ids are not given
         return 0
+
+
+class DecodeCacheView:
+    """One decode step over the running batch in slots ``0 .. B-1``: row i writes its new key/value at
+    ``positions[i]`` and reads the first ``kv_length`` positions of its slot.
+
+    Unlike :class:`SlotCacheView` there is no boolean indexing (which waits for the device to count
+    the selected elements): the writes are an ``index_put`` with fixed-size index tensors, so the
+    whole step runs without a host sync and can be captured in a CUDA graph.
+    """
+
+    def __init__(self, cache: SlotKVCache, rows: torch.Tensor, positions: torch.Tensor, kv_length: int):
+        self.cache = cache
+        self.rows = rows  # [B] slot of each row (0..B-1)
+        self.positions = positions  # [B] absolute position of each row's new token
+        self.kv_length = kv_length
+        self.batch = int(rows.shape[0])
+        self.is_compileable = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        # [B, heads, 1, dim] -> [B, heads, dim] written at (slot, :, position)
+        keys[self.rows, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
+        values[self.rows, :, self.positions] = value_states[:, :, 0].to(values.dtype)
+        return keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0

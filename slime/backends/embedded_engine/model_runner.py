@@ -17,7 +17,8 @@ from typing import Iterable
 
 import torch
 
-from slime.backends.embedded_engine.kv_cache import CacheShape, SlotCacheView, SlotKVCache
+from slime.backends.embedded_engine import attention
+from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotCacheView, SlotKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,15 @@ class ModelRunner:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
-                 max_total_tokens: int | None = None):
+                 max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                          attn_implementation=attention.register())
         self.model.to(self.device).eval()
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -58,6 +60,8 @@ class ModelRunner:
         self.context_length = shape.slot_capacity  # a request (prompt + output) must fit one slot
         logger.info("KV cache: %d slots x %d tokens, %.1f MB", shape.num_slots, shape.slot_capacity,
                     self.kv_cache.nbytes() / 2**20)
+        self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
+                                   max_batch=min(cuda_graph_max_bs or shape.num_slots, shape.num_slots))
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
@@ -116,6 +120,28 @@ class ModelRunner:
         all_logits = [logits[i, q_len - len(r.tokens):] if r.want_all_logits else None for i, r in enumerate(rows)]
         return logits[:, -1], all_logits
 
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of the running batch, which sits in slots ``0 .. B-1``: row i feeds
+        ``tokens[i]`` at absolute position ``positions[i]``. Returns fp32 logits ``[B, vocab]``.
+
+        On CUDA the step replays a CUDA graph captured for (batch bucket, KV-length bucket); the
+        padding rows of a bucket use free slots (``B .. bucket-1``), whose contents nobody reads.
+        """
+        return self.graphs.run(tokens, positions)
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
+        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable)."""
+        batch = input_ids.shape[0]
+        key_pos = torch.arange(kv_length, device=self.device).view(1, 1, 1, -1)
+        mask = torch.zeros((batch, 1, 1, kv_length), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(key_pos > positions.view(batch, 1, 1, 1), torch.finfo(self.dtype).min)
+        rows = torch.arange(batch, device=self.device)
+        view = DecodeCacheView(self.kv_cache, rows, positions.view(-1), kv_length)
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: view})
+        return out.logits[:, -1].float()
+
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;
         padding queries see position 0 only (their output is discarded)."""
@@ -165,11 +191,106 @@ class ModelRunner:
     def release_weights(self) -> None:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
         if self.device.type == "cuda" and self.weights_on_device:
+            self.graphs.clear()  # they point at the parameters' device memory
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self.weights_on_device = False
 
     def resume_weights(self) -> None:
         if self.device.type == "cuda" and not self.weights_on_device:
+            self.graphs.clear()
             self.model.to(self.device)
         self.weights_on_device = True
+
+
+def _buckets(limit: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to ``limit`` (and ``limit``)."""
+    sizes = [b for b in (1, 2, 4) if b < limit] + list(range(8, limit, 8)) + [limit]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward, captured lazily per (batch bucket, KV-length bucket).
+
+    Inputs live in static device buffers (token ids and positions of every slot); a replay reads
+    them, writes the new keys/values into the cache and leaves the logits in the graph's output
+    tensor, which the caller consumes before the next replay. All graphs share one memory pool.
+    KV-length buckets are powers of two from 128 (capped at the slot capacity), so a step reads at
+    most twice the keys it needs. Without CUDA (or with graphs disabled) the same forward runs
+    eagerly at the exact length.
+    """
+
+    MIN_KV_BUCKET = 128
+
+    def __init__(self, runner: ModelRunner, enabled: bool, max_batch: int):
+        self.runner = runner
+        self.enabled = enabled
+        self.batch_buckets = _buckets(max_batch) if enabled else []
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.ids = self.positions = self.host = None
+        self.captures = 0
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def _bucket(self, batch: int, need: int) -> tuple[int, int] | None:
+        if not self.enabled or batch > self.batch_buckets[-1]:
+            return None
+        capacity = self.runner.kv_cache.shape.slot_capacity
+        length = self.MIN_KV_BUCKET
+        while length < need:
+            length *= 2
+        return next(b for b in self.batch_buckets if b >= batch), min(length, capacity)
+
+    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        runner = self.runner
+        batch = len(tokens)
+        key = self._bucket(batch, max(positions) + 1)
+        if key is None:
+            ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1).to(runner.device)
+            pos = torch.tensor(positions, dtype=torch.long).view(-1, 1).to(runner.device)
+            return runner.decode_forward(ids, pos, max(positions) + 1)
+        padded, length = key
+        self._fill(tokens, positions, padded)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(padded, length)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:batch]
+
+    def _fill(self, tokens: list[int], positions: list[int], padded: int) -> None:
+        """Copy this step's inputs into the static buffers (padding rows: token 0 at position 0)."""
+        if self.ids is None:
+            slots = self.runner.kv_cache.shape.num_slots
+            self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
+            self.positions = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
+            self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=True)
+        batch = len(tokens)
+        # The previous step ended in a device->host sync, so the pinned buffer is free to reuse.
+        self.host[:, :padded] = 0
+        self.host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
+        self.host[1, :batch] = torch.tensor(positions, dtype=torch.long)
+        self.ids[:padded, 0].copy_(self.host[0, :padded], non_blocking=True)
+        self.positions[:padded, 0].copy_(self.host[1, :padded], non_blocking=True)
+
+    def _capture(self, padded: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        runner = self.runner
+        ids, pos = self.ids[:padded], self.positions[:padded]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # Warm-up on a side stream (lazy initialisations must not land in the graph). It writes the
+        # same keys/values the replay will write, so running it on the real inputs is harmless.
+        stream = torch.cuda.Stream(device=runner.device)
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                runner.decode_forward(ids, pos, length)
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = runner.decode_forward(ids, pos, length)
+        self.captures += 1
+        logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
+        return graph, logits

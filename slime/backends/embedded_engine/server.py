@@ -21,6 +21,7 @@ from slime.backends.embedded_engine.async_engine import AsyncEngine
 from slime.backends.embedded_engine.config import ServerArgs
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import RequestError, parse_generate
+from slime.backends.embedded_engine.profiler import add_profile_routes
 from slime.backends.embedded_engine import weight_loading
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
     from slime.backends.embedded_engine.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
+    add_profile_routes(app, state)
     return app
 
 
@@ -173,7 +175,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         })
         info["internal_states"] = [{**info, "last_gen_throughput": engine.last_gen_throughput,
                                     "memory_usage": _memory_usage(runner),
-                                    "effective_max_running_requests_per_dp": shape.num_slots}]
+                                    "effective_max_running_requests_per_dp": shape.num_slots,
+                                    "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures}]
         return info
 
     app.get("/server_info")(server_info)
@@ -300,6 +303,7 @@ async def _memory_op(state: ServerState, body: dict, release: bool):
             if tag == "weights":
                 runner.release_weights() if release else runner.resume_weights()
             elif tag == "kv_cache" and runner.device.type == "cuda":
+                runner.graphs.clear()  # captured against the old buffers
                 runner.kv_cache.release() if release else runner.kv_cache.allocate()
             (state.released_tags.add if release else state.released_tags.discard)(tag)
         engine.paused = bool(state.released_tags & {"weights", "kv_cache"}) or engine.paused and release

@@ -5,6 +5,8 @@ at 0 for every sample, and attention never crosses samples:
 
 * ``flash_attention_2`` (GPU, when installed): transformers detects the packed layout from the
   position ids and runs varlen flash attention (no mask tensor);
+* ``slime_varlen`` (GPU without ``flash_attn``): PyTorch's varlen flash attention over the samples'
+  cumulative lengths (:mod:`slime.backends.fsdp_utils.varlen_attention`), no mask tensor;
 * ``sdpa`` / ``eager`` (CPU and GPU fallback): an explicit block-diagonal causal mask ``[1, 1, T, T]``
   (the exact masked path; tested equal to per-sample forwards).
 
@@ -92,12 +94,20 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
 
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
+        from slime.backends.fsdp_utils import varlen_attention
+
+        if varlen_attention.available():
+            return varlen_attention.register()
     return "sdpa"
 
 
 def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.float32) -> dict:
     inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
-    if attn_implementation != "flash_attention_2":
+    if attn_implementation == "slime_varlen":
+        longest = max(packed.lengths) if packed.lengths else 1
+        inputs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+                      max_length_q=longest, max_length_k=longest)
+    elif attn_implementation != "flash_attention_2":
         inputs["attention_mask"] = block_causal_mask(packed.lengths, packed.input_ids.device, attn_implementation, dtype)
     return inputs
 
@@ -134,9 +144,9 @@ class CriticModel(nn.Module):
         self.model = backbone
         self.value_head = nn.Linear(hidden_size, 1, bias=True)
 
-    def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False, logits_to_keep=None):
+    def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False, logits_to_keep=None, **kwargs):
         hidden = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
         ).last_hidden_state
         if isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[:, logits_to_keep]
@@ -149,6 +159,10 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if attn_implementation == "slime_varlen":
+        from slime.backends.fsdp_utils import varlen_attention
+
+        varlen_attention.register()
     if role == "actor":
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     config = AutoConfig.from_pretrained(path)

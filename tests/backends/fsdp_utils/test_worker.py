@@ -240,6 +240,30 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
     worker.train(1, rank_data(args, make_samples(4)))
 
 
+@pytest.mark.gpu
+def test_gpu_packed_varlen_attention_matches_unpacked_fp32(tiny_model_dir):
+    """On GPU the packed micro-batch runs PyTorch's varlen flash attention (no [T, T] mask); its
+    log-probs match per-sample fp32 HF forwards within bf16 tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils import varlen_attention
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", rbs=4)
+    worker = new_worker(args)
+    if varlen_attention.available():
+        assert worker.attn_implementation == "slime_varlen"
+    data = rank_data(args, make_samples(8))
+    n = len(data["tokens"])
+    packed, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [list(range(n))]})
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
+    for i in range(n):
+        tokens, r = data["tokens"][i].cuda(), int(data["response_lengths"][i])
+        with torch.no_grad():
+            logits = reference(tokens[None]).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - r - 1, len(tokens) - 1), tokens[-r:]]
+        torch.testing.assert_close(packed[i].float().cuda(), expected, atol=0.05, rtol=0)
+
+
 def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "1e-3", "--only-train-params-name-list", r"layers\.0\.mlp")
     worker = new_worker(args)

@@ -1,0 +1,76 @@
+"""The engine's attention function, registered with transformers as ``slime_slot``.
+
+Prefill (several query tokens per row) goes to transformers' own SDPA implementation. Decode (one
+query token per row) is memory-bound: what matters is reading each row's cached keys and values
+once. SDPA with an explicit mask falls back to repeating the key/value heads for grouped-query
+attention (a full copy of the step's KV per layer), so decode uses two batched matmuls over the
+key/value heads instead::
+
+    q  [B, H, 1, D] -> [B*Hkv, G, D]        (G = H / Hkv query heads share one KV head)
+    s  = q @ K^T * scale + mask             [B*Hkv, G, L]   (fp32 softmax)
+    o  = softmax(s) @ V                      [B*Hkv, G, D] -> [B, 1, H, D]
+
+K and V are the cache rows of the batch as strided views (no copy); the mask is the additive
+``[B, 1, 1, L]`` mask of the model runner (a position is visible iff it is <= the row's position).
+Every operation has static shapes, so the decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTENTION_NAME = "slime_slot"
+_registered = False
+
+
+def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    if query.shape[2] != 1 or attention_mask is None or kwargs.get("softcap") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return decode_attention(query, key, value, attention_mask, scaling), None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """One query token per row: ``query [B, H, 1, D]``, ``key/value [B, Hkv, L, D]``, additive
+    ``mask [B, 1, 1, L]`` -> ``[B, 1, H, D]`` (the layout transformers' attention modules expect)."""
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scaling is None else scaling
+    q = query.reshape(batch * kv_heads, groups, dim)
+    k = _flat_heads(key)
+    v = _flat_heads(value)
+    scores = torch.bmm(q, k.transpose(1, 2)).float().view(batch, kv_heads, groups, length)
+    scores = scores * scale + mask.float()  # mask [B, 1, 1, L] broadcasts over heads and groups
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch * kv_heads, groups, length)
+    out = torch.bmm(probs, v).view(batch, heads, 1, dim)
+    return out.transpose(1, 2)
+
+
+def _flat_heads(t: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, L, D]`` -> ``[B*Hkv, L, D]``: a view when the cache rows allow it (they do for slot
+    views: each row's heads are consecutive), else a copy."""
+    batch, kv_heads, length, dim = t.shape
+    try:
+        return t.view(batch * kv_heads, length, dim)
+    except RuntimeError:
+        return t.reshape(batch * kv_heads, length, dim)
+
+
+def register() -> str:
+    """Make ``attn_implementation="slime_slot"`` known to transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTENTION_NAME, slot_attention_forward)
+        # The runner always passes its own 4-D mask; the mask interface only has to know the name.
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _registered = True
+    return ATTENTION_NAME

@@ -1,0 +1,55 @@
+"""The engine's decode attention (grouped matmuls over the slot cache) against PyTorch's SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.backends.embedded_engine.attention import decode_attention
+from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotKVCache
+
+
+def reference(query, key, value, positions, scale):
+    """SDPA per row with the key/value heads repeated and the row's cache cut at its position."""
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    for i, pos in enumerate(positions):
+        k = key[i: i + 1, :, : pos + 1].repeat_interleave(groups, dim=1)
+        v = value[i: i + 1, :, : pos + 1].repeat_interleave(groups, dim=1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(query[i: i + 1], k, v, scale=scale))
+    return torch.cat(outs).transpose(1, 2)  # [B, 1, H, D]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_decode_attention_matches_sdpa(heads, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    batch, dim, capacity = 5, 16, 40
+    positions = [0, 3, 17, 39, 8]
+    length = max(positions) + 1
+    cache = SlotKVCache(CacheShape(1, kv_heads, dim, num_slots=8, slot_capacity=capacity), torch.float32,
+                        torch.device("cpu"))
+    cache.keys[0].normal_(generator=gen)
+    cache.values[0].normal_(generator=gen)
+    key, value = cache.keys[0][:batch, :, :length], cache.values[0][:batch, :, :length]  # strided views
+    query = torch.randn(batch, heads, 1, dim, generator=gen)
+    pos = torch.tensor(positions)
+    mask = torch.zeros(batch, 1, 1, length)
+    mask.masked_fill_(torch.arange(length).view(1, 1, 1, -1) > pos.view(-1, 1, 1, 1), torch.finfo(torch.float32).min)
+    out = decode_attention(query, key, value, mask, scaling=0.3)
+    assert out.shape == (batch, 1, heads, dim)
+    torch.testing.assert_close(out, reference(query, key, value, positions, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_cache_view_writes_each_row_at_its_position():
+    cache = SlotKVCache(CacheShape(2, 2, 4, num_slots=4, slot_capacity=10), torch.float32, torch.device("cpu"))
+    rows, positions = torch.arange(3), torch.tensor([0, 5, 9])
+    view = DecodeCacheView(cache, rows, positions, kv_length=10)
+    new_k = torch.randn(3, 2, 1, 4)
+    new_v = torch.randn(3, 2, 1, 4)
+    keys, values = view.update(new_k, new_v, layer_idx=1)
+    for i, p in enumerate([0, 5, 9]):
+        torch.testing.assert_close(cache.keys[1][i, :, p], new_k[i, :, 0])
+        torch.testing.assert_close(cache.values[1][i, :, p], new_v[i, :, 0])
+    assert keys.shape == (3, 2, 10, 4) and values.shape == (3, 2, 10, 4)
+    assert cache.keys[0].abs().sum() == 0  # other layers untouched
+    assert cache.keys[1][3].abs().sum() == 0  # the slot outside the batch untouched
