@@ -32,6 +32,8 @@ import uuid
 import weakref
 from collections import Counter
 
+from slime.observability.trace_utils import (bind_trace, build_sglang_meta_trace_attrs, inherit_trace, trace_event,
+                                             trace_next_attempt, trace_span)
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.engine_control import abort_all, get_engine_urls, router_base_url, wait_until_idle
 from slime.rollout.filter_hub.base_types import as_dynamic_filter_output, should_drop_dynamic_filter_output
@@ -198,17 +200,19 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
         headers = {"X-SMG-Routing-Key": sample.session_id}
 
-    try:
-        output = await post(get_model_url(args, "default"), payload, headers=headers)
-    except HTTPRequestError as e:
-        if e.status_code is None:
-            raise
-        logger.error("generate for sample %s rejected: %s", sample.index, e)
-        sample.status = Sample.Status.FAILED
-        sample.metadata["generate_error"] = str(e)
-        return sample
-
-    meta_info = output["meta_info"]
+    async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
+        try:
+            output = await post(get_model_url(args, "default"), payload, headers=headers)
+        except HTTPRequestError as e:
+            if e.status_code is None:
+                raise
+            logger.error("generate for sample %s rejected: %s", sample.index, e)
+            sample.status = Sample.Status.FAILED
+            sample.metadata["generate_error"] = str(e)
+            trace_event(sample, "generate_rejected", attrs={"status_code": e.status_code, "error": str(e)[:500]})
+            return sample
+        meta_info = output["meta_info"]
+        span.update(build_sglang_meta_trace_attrs(meta_info))
     token_logprobs = meta_info.get("output_token_logprobs") or []
     if output.get("output_ids") and not token_logprobs:
         raise ValueError("engine answered output_ids without meta_info.output_token_logprobs (return_logprob=True)")
@@ -273,22 +277,27 @@ def _mark_reward_failure(args, samples: list[Sample], error: BaseException, eval
 
 
 async def _reward_one(args, sample: Sample, evaluation: bool) -> None:
-    try:
-        sample.reward = await async_rm(args, sample)
-    except Exception as e:  # a reward function that raises marks the sample FAILED; the run goes on
-        _mark_reward_failure(args, [sample], e, evaluation)
+    async with trace_span(sample, "reward_model") as span:
+        try:
+            sample.reward = await async_rm(args, sample)
+        except Exception as e:  # a reward function that raises marks the sample FAILED; the run goes on
+            _mark_reward_failure(args, [sample], e, evaluation)
+            span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
+        span.set("reward", sample.reward)
 
 
 async def _reward_batch(args, samples: list[Sample], evaluation: bool) -> None:
     if not samples:
         return
-    try:
-        rewards = await batched_async_rm(args, samples)
-    except Exception as e:  # same policy for batch reward functions
-        _mark_reward_failure(args, samples, e, evaluation)
-        return
-    for sample, reward in zip(samples, rewards):
-        sample.reward = reward
+    async with trace_span(samples, "group_reward_model", attrs={"num_samples": len(samples)}) as span:
+        try:
+            rewards = await batched_async_rm(args, samples)
+        except Exception as e:  # same policy for batch reward functions
+            _mark_reward_failure(args, samples, e, evaluation)
+            span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
+            return
+        for sample, reward in zip(samples, rewards):
+            sample.reward = reward
 
 
 async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation: bool = False):
@@ -296,17 +305,33 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
     Returns the Sample or, for fan-out generate functions, the list of Samples.
     """
+    if sample.status == Sample.Status.ABORTED and getattr(sample, "trace", None):
+        trace_next_attempt(sample, attrs={"response_length": sample.response_length})  # continued partial rollout
+    async with trace_span(sample, "generate_and_rm", attrs={"evaluation": evaluation}) as span:
+        result = await _generate_and_rm(args, sample, sampling_params, evaluation, span)
+        leaves = _leaves(result)
+        if leaves:
+            span.update({"status": leaves[0].status.value, "response_length": leaves[0].response_length,
+                         "reward": leaves[0].reward, "num_samples": len(leaves)})
+    return result
+
+
+async def _generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation: bool, span):
     state = GenerateState(args)
     if sample.status in (Sample.Status.PENDING, Sample.Status.ABORTED):
         async with state.semaphore:
             if state.aborted:
                 sample.status = Sample.Status.ABORTED
+                trace_event(sample, "aborted_before_start")
                 return sample
             result = await _call_generate(args, sample, sampling_params, evaluation)
         result = await apply_rollout_sample_hooks(args, result, evaluation=evaluation)
     else:  # finished earlier (recycled by partial rollout): returned as is, rewarded if still unscored
         result = sample
 
+    if isinstance(result, list):  # fan-out: every emitted sample continues the trace on its own copy
+        inherit_trace(sample, _leaves(result))
+        span.retarget(_leaves(result))
     if getattr(args, "group_rm", False) and not evaluation:
         return result
     if isinstance(result, list):
@@ -336,21 +361,25 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
         return group
     if evaluation and getattr(args, "group_rm", False):
         raise ValueError("--group-rm is not supported for evaluation")
-    tasks = []
-    for slot, sample in enumerate(group):
-        if sample.session_id is None:
-            sample.session_id = str(uuid.uuid4())
-        params = copy.deepcopy(sampling_params)
-        if getattr(args, "sglang_enable_deterministic_inference", False):
-            params["sampling_seed"] = args.rollout_seed + slot
-        name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
-        tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation), name=name))
-    group = await _gather_tasks(tasks)
+    for sample in _leaves(group):
+        bind_trace(sample)
+    async with trace_span(_leaves(group), "generate_and_rm_group", attrs={"group_size": len(group)}) as span:
+        tasks = []
+        for slot, sample in enumerate(group):
+            if sample.session_id is None:
+                sample.session_id = str(uuid.uuid4())
+            params = copy.deepcopy(sampling_params)
+            if getattr(args, "sglang_enable_deterministic_inference", False):
+                params["sampling_seed"] = args.rollout_seed + slot
+            name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
+            tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation), name=name))
+        group = await _gather_tasks(tasks)
+        span.retarget(_leaves(group))  # fan-out slots continue on their emitted samples
 
-    if getattr(args, "group_rm", False) and not evaluation:
-        leaves = _leaves(group)
-        if not any(s.status == Sample.Status.ABORTED for s in leaves):
-            await _reward_batch(args, [s for s in leaves if s.reward is None], evaluation)
+        if getattr(args, "group_rm", False) and not evaluation:
+            leaves = _leaves(group)
+            if not any(s.status == Sample.Status.ABORTED for s in leaves):
+                await _reward_batch(args, [s for s in leaves if s.reward is None], evaluation)
     return group
 
 
@@ -371,6 +400,8 @@ def _recycle_partial_groups(args, rollout_id: int, groups: list, data_source) ->
             logger.warning("dropping aborted fan-out group %s: a fan-out result cannot be resumed", _first_index(group))
             continue
         for sample in _leaves(group):
+            trace_event(sample, "recycled_for_partial_rollout", attrs={"rollout_step": rollout_id,
+                                                                       "status": sample.status})
             if sample.status == Sample.Status.ABORTED and sample.response_length > 0:
                 sample.metadata.setdefault("start_rollout_id", rollout_id)
                 if getattr(args, "mask_offpolicy_in_partial_rollout", False):
@@ -439,7 +470,10 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
                 if dynamic_filter is not None:
                     verdict = as_dynamic_filter_output(dynamic_filter(args, group))
                     remaining = len(kept) + len(pending) + len(done_groups) - position
-                    if should_drop_dynamic_filter_output(verdict, remaining_batch_size=remaining, target_data_size=target):
+                    drop = should_drop_dynamic_filter_output(verdict, remaining_batch_size=remaining,
+                                                             target_data_size=target)
+                    trace_event(_leaves(group), "dynamic_filter", attrs={"keep": not drop, "reason": verdict.reason})
+                    if drop:
                         if verdict.reason:
                             drop_reasons[verdict.reason] += 1
                         continue
@@ -457,6 +491,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
     kept.sort(key=_first_index)
     if getattr(args, "rollout_sample_filter_path", None):
         load_function(args.rollout_sample_filter_path)(args, kept)
+        for sample in _leaves(kept):
+            trace_event(sample, "rollout_sample_filter", attrs={"remove_sample": sample.remove_sample})
     if getattr(args, "rollout_all_samples_process_path", None):
         load_function(args.rollout_all_samples_process_path)(args, sorted(finished, key=_first_index), data_source)
     metrics = {f"rollout/dynamic_filter/drop_{reason}": count for reason, count in drop_reasons.items()}
