@@ -367,6 +367,20 @@ def _add_embedded_engine_args(parser) -> None:
                    help="Engine dtype (default: float32 on CPU, bfloat16 on CUDA).")
 
 
+def _moe_layer_freq(text: str):
+    """Megatron's --moe-layer-freq: an int, or a list expression of 0/1 such as ``([0]*1+[1]*47)``."""
+    import re
+
+    if re.fullmatch(r"\d+", text.strip()):
+        return int(text)
+    if not re.fullmatch(r"[\s\d\[\]\(\)\*\+,]+", text):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: expected an int or a 0/1 list like '([0]*1+[1]*47)'")
+    value = eval(text, {"__builtins__": {}})  # digits, brackets, * and + only (checked above)
+    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} must give a list of 0/1")
+    return value
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Training flags spelled as Megatron names them (accepted by both backends)."""
     g = parser.add_argument_group("training (Megatron-named flags)")
@@ -444,3 +458,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=False,
+                   help="Top-k of the full softmax without renormalising (HF norm_topk_prob false).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true", default=False, help="Sigmoid gate on the shared expert.")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+                   help="Every N-th layer is MoE, or a 0/1 list per layer, e.g. '([0]*1+[1]*47)'.")
+    g.add_argument("--use-rope-scaling", action="store_true", default=False, help="Llama 3.1 RoPE frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.1 RoPE scaling factor.")

@@ -1,0 +1,162 @@
+"""Model-shape flags (Megatron spelling) <-> the Hugging Face config at ``--hf-checkpoint``.
+
+The seed's ``scripts/models/*.sh`` presets spell a model's shape as Megatron flags
+(``--num-layers``, ``--hidden-size``, ``--rotary-base`` ...). A preset that does not match the
+checkpoint trains a different network than the one the engine serves, and nothing fails until the
+log-probs disagree; :func:`hf_validate_args` turns that into an error at start-up that names every
+mismatching field. :func:`model_args_from_hf_config` is the other direction: the flags a preset
+would set, read from a config (used when no preset is given, and to write presets).
+
+Pure Python: reads ``config.json`` as a dict; no Megatron or transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["load_hf_config", "rope_theta", "model_args_from_hf_config", "hf_validate_args", "fill_model_args",
+           "MODEL_SHAPE_FLAGS"]
+
+#: argparse destinations of the shape flags a preset sets (filled from the HF config when unset).
+MODEL_SHAPE_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "kv_channels", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+    "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "vocab_size",
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax", "moe_shared_expert_gate", "moe_layer_freq", "use_rope_scaling", "rope_scaling_factor",
+)
+
+
+def load_hf_config(path: str) -> dict:
+    """``config.json`` of an HF checkpoint directory as a dict (error names the path)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"--hf-checkpoint {path!r} has no config.json")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def rope_theta(config: dict) -> float | None:
+    """``rope_theta`` at the top level (transformers 4) or inside ``rope_parameters`` (transformers 5)."""
+    if config.get("rope_theta") is not None:
+        return float(config["rope_theta"])
+    params = config.get("rope_parameters") or {}
+    return float(params["rope_theta"]) if params.get("rope_theta") is not None else None
+
+
+def _rope_scaling(config: dict) -> dict | None:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    return scaling if kind == "llama3" else None
+
+
+def _num_experts(config: dict) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def model_args_from_hf_config(config: dict) -> dict[str, Any]:
+    """The Megatron shape flags (argparse destinations) that describe ``config``."""
+    model_type = config.get("model_type")
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    experts = _num_experts(config) if str(model_type).endswith("_moe") else 0
+    out: dict[str, Any] = {
+        "num_layers": int(config["num_hidden_layers"]),
+        "hidden_size": int(config["hidden_size"]),
+        "ffn_hidden_size": int(config["intermediate_size"]),
+        "num_attention_heads": heads,
+        "group_query_attention": kv_heads != heads,
+        "num_query_groups": kv_heads,
+        "kv_channels": int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        "rotary_base": rope_theta(config) or 10000.0,
+        "normalization": "RMSNorm",
+        "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        "swiglu": config.get("hidden_act", "silu") == "silu",
+        "disable_bias_linear": True,
+        "add_qkv_bias": model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
+        "untie_embeddings_and_output_weights": not bool(config.get("tie_word_embeddings", False)),
+        "vocab_size": int(config["vocab_size"]),
+        "num_experts": experts or None,
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]) if experts else None,
+        "moe_router_topk": int(config.get("num_experts_per_tok", 2)) if experts else 2,
+        "moe_shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0) or None,
+        # top-k of a full softmax without renormalisation (norm_topk_prob false) is Megatron's pre-softmax router
+        "moe_router_pre_softmax": bool(experts) and not bool(config.get("norm_topk_prob", False)),
+        "moe_shared_expert_gate": model_type == "qwen2_moe" and bool(config.get("shared_expert_intermediate_size")),
+        "moe_layer_freq": 1,
+        "use_rope_scaling": _rope_scaling(config) is not None,
+        "rope_scaling_factor": float(_rope_scaling(config)["factor"]) if _rope_scaling(config) else 8.0,
+    }
+    if experts:
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        dense = set(config.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(out["num_layers"])]
+        out["moe_layer_freq"] = 1 if all(pattern) else pattern
+    return out
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def hf_validate_args(args, config: dict | None = None) -> None:
+    """Raise ``AssertionError("hf_validate_args failed: ...")`` listing every shape flag that
+    disagrees with ``--hf-checkpoint``'s config.json (e.g. ``--rotary-base 10000.0 but config.json
+    rope_theta 1000000.0``). Flags left unset (None) are not compared."""
+    if config is None:
+        config = load_hf_config(args.hf_checkpoint)
+    expected = model_args_from_hf_config(config)
+    experts = _num_experts(config) if str(config.get("model_type")).endswith("_moe") else 0
+    all_moe = bool(experts) and expected["moe_layer_freq"] == 1
+    checks = [
+        ("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
+        ("num_attention_heads", "num_attention_heads"), ("vocab_size", "vocab_size"),
+        ("kv_channels", "head_dim"), ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"),
+        ("untie_embeddings_and_output_weights", "tie_word_embeddings"), ("qk_layernorm", "model_type"),
+        ("add_qkv_bias", "model_type/attention_bias"), ("swiglu", "hidden_act"),
+    ]
+    if not all_moe:
+        checks.append(("ffn_hidden_size", "intermediate_size"))
+    if expected["group_query_attention"] or getattr(args, "group_query_attention", False):
+        checks.append(("num_query_groups", "num_key_value_heads"))
+    if experts:
+        checks += [("num_experts", "num_experts"), ("moe_ffn_hidden_size", "moe_intermediate_size"),
+                   ("moe_router_topk", "num_experts_per_tok"),
+                   ("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size")]
+    problems = []
+    for dest, hf_key in checks:
+        given = getattr(args, dest, None)
+        if given is None:
+            continue
+        want = expected[dest]
+        same = abs(float(given) - float(want)) <= 1e-12 * max(1.0, abs(float(want))) if isinstance(want, float) else given == want
+        if not same:
+            hf_value = _hf_value(config, hf_key, want)
+            problems.append(f"{_flag(dest)} {given} but config.json {hf_key} {hf_value}")
+    if problems:
+        raise AssertionError(f"hf_validate_args failed ({args.hf_checkpoint}): " + "; ".join(problems))
+
+
+def _hf_value(config: dict, key: str, derived):
+    if key == "rope_theta":
+        return rope_theta(config)
+    if key == "head_dim":
+        return config.get("head_dim", derived)
+    if key in ("model_type", "model_type/attention_bias"):
+        return config.get("model_type")
+    return config.get(key, derived)
+
+
+def fill_model_args(args, config: dict) -> list[str]:
+    """When no shape flag was given (no preset sourced), set them all from ``config``; returns
+    the flags set. With a preset, nothing is changed (:func:`hf_validate_args` checks it)."""
+    if getattr(args, "num_layers", None) is not None:
+        return []
+    filled = []
+    for dest, value in model_args_from_hf_config(config).items():
+        setattr(args, dest, value)
+        filled.append(_flag(dest))
+    return filled

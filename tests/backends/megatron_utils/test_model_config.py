@@ -1,0 +1,126 @@
+"""scripts/models presets <-> HF configs: the shape check names every mismatching field (CPU)."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, model_args_from_hf_config
+from slime.utils.arguments import get_parser
+
+PRESETS = Path(__file__).resolve().parents[3] / "scripts" / "models"
+
+# The published config.json fields of each preset's model (the ones the check reads).
+QWEN = dict(rms_norm_eps=1e-6, hidden_act="silu")
+PUBLISHED = {
+    "qwen2.5-0.5B": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                         tie_word_embeddings=True, **QWEN),
+    "qwen2.5-1.5B": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                         tie_word_embeddings=True, **QWEN),
+    "qwen2.5-7B": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+                       tie_word_embeddings=False, **QWEN),
+    "qwen3-0.6B": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, head_dim=128,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=151936, rope_theta=1000000,
+                       tie_word_embeddings=True, **QWEN),
+    "qwen3-1.7B": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, head_dim=128,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=151936, rope_theta=1000000,
+                       tie_word_embeddings=True, **QWEN),
+    "qwen3-4B": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=2560, intermediate_size=9728, head_dim=128,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, rope_theta=1000000,
+                     tie_word_embeddings=True, **QWEN),
+    "qwen3-8B": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, head_dim=128,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, rope_theta=1000000,
+                     tie_word_embeddings=False, **QWEN),
+    "qwen3-30B-A3B": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                          head_dim=128, num_attention_heads=32, num_key_value_heads=4, vocab_size=151936,
+                          rope_theta=1000000.0, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          **QWEN),
+    "llama3.1-8B": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+                        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+}
+
+BASE = ["--rollout-batch-size", "1", "--num-rollout", "1"]
+
+
+def preset_args(name: str) -> list[str]:
+    """MODEL_ARGS of a preset, as bash expands it."""
+    out = subprocess.run(["bash", "-c", f'source {shlex.quote(str(PRESETS / (name + ".sh")))} && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def parse(argv: list[str]):
+    parser, _ = get_parser(parse_sglang=False)
+    return parser.parse_args(BASE + argv)
+
+
+def test_every_preset_is_checked():
+    assert {p.stem for p in PRESETS.glob("*.sh")} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_matches_published_config(name):
+    args = parse(preset_args(name))
+    args.hf_checkpoint = f"/models/{name}"
+    hf_validate_args(args, PUBLISHED[name])
+    # and every shape flag a preset sets is what the config says
+    expected = model_args_from_hf_config(PUBLISHED[name])
+    for dest in ("num_layers", "hidden_size", "num_query_groups", "kv_channels", "vocab_size", "qk_layernorm",
+                 "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rope_scaling"):
+        assert getattr(args, dest) == expected[dest], dest
+
+
+def test_mismatches_are_named():
+    args = parse(preset_args("qwen3-0.6B") + ["--rotary-base", "10000", "--num-query-groups", "4"])
+    args.hf_checkpoint = "/models/qwen3-0.6B"
+    with pytest.raises(AssertionError) as info:
+        hf_validate_args(args, PUBLISHED["qwen3-0.6B"])
+    message = str(info.value)
+    assert message.startswith("hf_validate_args failed")
+    assert "--rotary-base 10000.0 but config.json rope_theta 1000000" in message
+    assert "--num-query-groups 4 but config.json num_key_value_heads 8" in message
+
+
+def test_wrong_family_preset_fails():
+    """A Qwen2.5 preset (no qk-layernorm, qkv bias, tied) against a Qwen3 config."""
+    args = parse(preset_args("qwen2.5-1.5B"))
+    args.hf_checkpoint = "/models/qwen3-1.7B"
+    with pytest.raises(AssertionError, match="--qk-layernorm False but config.json model_type qwen3"):
+        hf_validate_args(args, PUBLISHED["qwen3-1.7B"])
+
+
+def test_rope_theta_inside_rope_parameters_and_moe_fields():
+    config = dict(PUBLISHED["qwen3-30B-A3B"])
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    args = parse(preset_args("qwen3-30B-A3B"))
+    args.hf_checkpoint = "/models/qwen3-30B-A3B"
+    hf_validate_args(args, config)
+    args.moe_router_topk = 2
+    with pytest.raises(AssertionError, match="--moe-router-topk 2 but config.json num_experts_per_tok 8"):
+        hf_validate_args(args, config)
+
+
+def test_without_preset_the_shape_comes_from_the_config():
+    args = parse([])
+    filled = fill_model_args(args, PUBLISHED["qwen2.5-7B"])
+    assert "--num-layers" in filled and args.num_layers == 28 and args.add_qkv_bias and args.untie_embeddings_and_output_weights
+    args.hf_checkpoint = "/models/qwen2.5-7B"
+    hf_validate_args(args, PUBLISHED["qwen2.5-7B"])
+    # a preset given: nothing is overwritten
+    args = parse(preset_args("qwen3-4B"))
+    assert fill_model_args(args, PUBLISHED["qwen2.5-7B"]) == []
+
+
+def test_moe_layer_freq_flag():
+    assert parse(["--moe-layer-freq", "([0]*1+[1]*3)"]).moe_layer_freq == [0, 1, 1, 1]
+    assert parse(["--moe-layer-freq", "2"]).moe_layer_freq == 2
+    with pytest.raises(SystemExit):
+        parse(["--moe-layer-freq", "__import__('os')"])
