@@ -15,6 +15,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 
+# SGLang's argument code, for the CPU tests that check --sglang-* pass-through against the real
+# ServerArgs parser. It lives in its own directory, NOT on the default import path: on a CPU machine
+# slime must not believe SGLang is installed (it cannot run here). Installed without dependencies,
+# plus the few modules `sglang.srt.server_args` imports (triton is imported by sglang.srt.utils;
+# no CUDA build of torch and no kernels are pulled). Tests put it on PYTHONPATH in a subprocess.
+sglang_version="0.5.23"
+sglang_args_dir=".venv/sglang-args"
+if [ "$extras" != "core" ] && [ ! -f "$sglang_args_dir/.installed-$sglang_version" ]; then
+  echo "[setup] installing SGLang $sglang_version's argument code into $sglang_args_dir (no dependencies)"
+  rm -rf "$sglang_args_dir"
+  "$py" -m pip install --quiet --no-deps --target "$sglang_args_dir" "sglang==$sglang_version" \
+    "triton==3.9.0" "orjson==3.13.0" "psutil==7.2.2" "pybase64==1.5.1" "msgspec==0.23.0" "pyzmq==27.3.0" \
+    "ipython==9.18.1" "traitlets==5.16.1"
+  touch "$sglang_args_dir/.installed-$sglang_version"
+fi
+
 stamp=".venv/.slime-installed"
 want="$(sha1sum pyproject.toml | cut -d' ' -f1)-$extras"
 # an install that covers more extras (dev) also covers the core one

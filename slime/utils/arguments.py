@@ -21,7 +21,7 @@ import os
 import sys
 
 from slime.utils.arguments_groups import add_slime_arguments, add_training_arguments
-from slime.utils.passthrough import PassThrough, add_router_arguments, add_sglang_arguments
+from slime.utils.passthrough import PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def parse_args(args_list: list[str] | None = None, add_custom_arguments=None) ->
         _fail_unknown(parser, leftover)
     args.sglang_passthrough = passthrough.forwarded(args)
     args.router_passthrough = passthrough.router_forwarded(args)
+    args.sglang_server_fields = passthrough.server_fields()
     if skip_sglang:
         args.sglang_passthrough = {}
     validate_args(args)
@@ -94,6 +95,10 @@ def _fail_unknown(parser: argparse.ArgumentParser, leftover: list[str]) -> None:
             continue
         previous_was_flag = True
         name = token.split("=", 1)[0]
+        owned = owned_flag_message(name)
+        if owned:
+            messages.append(owned)
+            continue
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         messages.append(f"unknown flag {name}{hint}")
@@ -381,6 +386,13 @@ def _validate_sglang_side(args) -> None:
             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} must be divisible by --sglang-pp-size {pp}"
         )
     args.sglang_tp_size = args.rollout_num_gpus_per_engine // int(pp)
+    for short, long in (("dp_size", "data_parallel_size"), ("pp_size", "pipeline_parallel_size"),
+                        ("ep_size", "expert_parallel_size"), ("moe_dp_size", "moe_data_parallel_size")):
+        value = getattr(args, f"sglang_{short}", None)
+        value = getattr(args, f"sglang_{long}", None) if value is None else value
+        if value is not None:  # SGLang versions differ in which spelling is the dest: keep both
+            setattr(args, f"sglang_{short}", value)
+            setattr(args, f"sglang_{long}", value)
     dp = getattr(args, "sglang_dp_size", None) or getattr(args, "sglang_data_parallel_size", None) or 1
     if int(dp) > 1 and not getattr(args, "sglang_enable_dp_attention", False):
         raise ValueError(f"--sglang-dp-size {dp} > 1 requires --sglang-enable-dp-attention")
@@ -422,12 +434,21 @@ def _validate_backends(args) -> None:
             "`pip install -e '.[megatron]'`, or pass --train-backend fsdp (runs on CPU and GPU)."
         )
     needs_engine = not args.debug_train_only and not args.rollout_external and args.rollout_num_gpus != 0
-    if needs_engine and args.rollout_backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise ValueError(
-            "--rollout-backend sglang (the default) needs SGLang, which is not installed. Install it with "
-            "`pip install -e '.[sglang]'` on a GPU machine, or pass --rollout-backend embedded (slime's own engine; "
-            "runs on CPU and GPU)."
-        )
+    if needs_engine and args.rollout_backend == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise ValueError(
+                "--rollout-backend sglang (the default) needs SGLang, which is not installed. Install it with "
+                "`pip install -e '.[sglang]'` on a GPU machine, or pass --rollout-backend embedded (slime's own "
+                "engine; runs on CPU and GPU)."
+            )
+        import torch
+
+        if not torch.cuda.is_available():  # SGLang's package can be importable (e.g. for its flags) yet not run
+            raise ValueError(
+                "--rollout-backend sglang (the default) needs CUDA GPUs, and this machine has none. Pass "
+                "--rollout-backend embedded (slime's own engine; runs on CPU and GPU), or point at running SGLang "
+                "servers with --rollout-external-engine-addrs."
+            )
 
 
 def flag_reference_markdown() -> str:

@@ -10,22 +10,62 @@ can be forwarded to an engine. The router's flags come from the installed smg (o
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 
 logger = logging.getLogger(__name__)
 
-# ServerArgs fields slime controls itself (never passed through).
-SGLANG_EXCLUDED = {
-    "model_path", "config", "trust_remote_code", "random_seed", "enable_memory_saver", "tp_size",
-    "tensor_parallel_size", "port", "host", "nnodes", "node_rank", "dist_init_addr", "gpu_id_step",
-    "base_gpu_id", "nccl_port", "skip_server_warmup", "enable_return_routed_experts",
+# ServerArgs fields slime controls itself (never passed through), and where the value comes from.
+SGLANG_OWNED_BY_SLIME = {
+    "model_path": "--hf-checkpoint",
+    "config": "slime (use --sglang-config for slime's engine YAML)",
+    "trust_remote_code": "slime (always on)",
+    "random_seed": "--seed (seed + engine rank x GPUs per node)",
+    "enable_memory_saver": "--offload-rollout (colocated engines release memory while training)",
+    "tp_size": "--rollout-num-gpus-per-engine (divided by --sglang-pp-size)",
+    "tensor_parallel_size": "--rollout-num-gpus-per-engine (divided by --sglang-pp-size)",
+    "port": "slime (a free port per engine)",
+    "host": "slime (the engine's node IP)",
+    "nnodes": "slime (engines larger than --num-gpus-per-node span several nodes)",
+    "node_rank": "slime (engines larger than --num-gpus-per-node span several nodes)",
+    "dist_init_addr": "slime (a free port on the engine's first node)",
+    "gpu_id_step": "slime (always 1)",
+    "base_gpu_id": "slime (the engine's first GPU on its node)",
+    "nccl_port": "slime (a free port per engine)",
+    "skip_server_warmup": "slime (always on)",
+    "enable_return_routed_experts": "--use-rollout-routing-replay",
 }
+SGLANG_EXCLUDED = set(SGLANG_OWNED_BY_SLIME)
 # slime's own flags that happen to start with --sglang- (§4.3.16): not SGLang server flags.
 SLIME_OWNED_SGLANG = {
     "sglang_router_ip", "sglang_router_port", "sglang_router_request_timeout_secs",
     "sglang_server_concurrency", "sglang_config",
 }
+# router flags slime fills itself: the worker list and the prefill/decode wiring come from the engines
+ROUTER_EXCLUDED = {"worker_urls", "router_prefill", "router_decode", "router_encode", "router_host", "router_port"}
 ROUTER_DEFAULT_OVERRIDES = {"router_log_level": "warn", "router_balance_abs_threshold": 10, "router_balance_rel_threshold": 1.2}
+
+
+def owned_flag_message(flag: str) -> str | None:
+    """``--sglang-tp-size`` -> why the flag is not accepted and which slime flag sets the value."""
+    if not flag.startswith("--sglang-"):
+        return None
+    field = flag[len("--sglang-"):].split("=", 1)[0].replace("-", "_")
+    source = SGLANG_OWNED_BY_SLIME.get(field)
+    if source is None:
+        return None
+    return f"{flag} is set by slime for every engine, from {source}; it cannot be passed through"
+
+
+class _PrefixedBooleanOptional(argparse.Action):
+    """``--sglang-x`` / ``--sglang-no-x`` for SGLang's ``--x`` / ``--no-x`` (BooleanOptionalAction)."""
+
+    def __init__(self, option_strings, dest, negative_strings=(), **kwargs):
+        self.negative_strings = set(negative_strings)
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.negative_strings)
 
 
 class PassThrough:
@@ -36,6 +76,7 @@ class PassThrough:
         self.router_dests: dict[str, object] = {}  # dest -> router's own default
         self.sglang_verbatim: dict[str, object] = {}  # flag name (no prefix) -> value, SGLang not installed
         self.router_verbatim: dict[str, object] = {}
+        self.sglang_negatable: set[str] = set()  # dests with a --sglang-no-<flag> form
         self.sglang_introspected = False
         self.router_introspected = False
 
@@ -79,8 +120,17 @@ class PassThrough:
         for dest, default in self.sglang_dests.items():
             value = getattr(args, dest, default)
             if value != default:
-                result[dest[len("sglang_"):].replace("_", "-")] = value
+                name = dest[len("sglang_"):].replace("_", "-")
+                if value is False and dest in self.sglang_negatable:  # SGLang spells it --no-<flag>
+                    name, value = f"no-{name}", True
+                result[name] = value
         return result
+
+    def server_fields(self) -> set[str] | None:
+        """ServerArgs field names of the installed SGLang (None without SGLang)."""
+        if not self.sglang_introspected:
+            return None
+        return {dest[len("sglang_"):] for dest in self.sglang_dests} | SGLANG_EXCLUDED
 
     def router_forwarded(self, args: argparse.Namespace) -> dict[str, object]:
         """Router flags to pass to ``smg launch`` (values that differ from the router's own defaults)."""
@@ -102,6 +152,8 @@ def _typed(value: str):
 
 
 def add_sglang_arguments(parser: argparse.ArgumentParser, state: PassThrough) -> None:
+    """Re-register every SGLang ``ServerArgs`` flag as ``--sglang-<flag>`` (dest ``sglang_<dest>``)
+    with SGLang's own action, type, choices, nargs and default; aliases are prefixed too."""
     try:
         from sglang.srt.server_args import ServerArgs  # noqa: F401
     except Exception:  # SGLang absent (CPU machines) or its optional kernels missing
@@ -121,19 +173,17 @@ def add_sglang_arguments(parser: argparse.ArgumentParser, state: PassThrough) ->
         options = [opt for opt in options if opt not in existing]
         if not options:
             continue
-        kwargs = {"dest": f"sglang_{action.dest}", "default": action.default, "help": action.help}
-        if isinstance(action, argparse._StoreTrueAction):
-            kwargs["action"] = "store_true"
-        elif isinstance(action, argparse._StoreFalseAction):
-            kwargs["action"] = "store_false"
-        elif isinstance(action, (argparse._StoreAction, argparse._AppendAction)):
-            if isinstance(action, argparse._AppendAction):
-                kwargs["action"] = "append"
-            kwargs.update(type=action.type, choices=action.choices, nargs=action.nargs)
-        else:
-            continue
-        group.add_argument(*options, **{k: v for k, v in kwargs.items() if v is not None or k == "default"})
-        state.sglang_dests[f"sglang_{action.dest}"] = action.default
+        dest = f"sglang_{action.dest}"
+        if isinstance(action, argparse.BooleanOptionalAction):
+            negative = [o for o in options if o.startswith("--sglang-no-")]
+            prefixed = _PrefixedBooleanOptional(options, dest, negative_strings=negative, default=action.default,
+                                                help=action.help)
+            state.sglang_negatable.add(dest)
+        else:  # SGLang's own action class (store, store_true, deprecated aliases, LoRA paths ...)
+            prefixed = copy.copy(action)
+            prefixed.option_strings, prefixed.dest, prefixed.container = options, dest, group
+        group._add_action(prefixed)
+        state.sglang_dests[dest] = action.default
     state.sglang_introspected = True
 
 
@@ -152,7 +202,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, state: PassThrough) ->
     group = parser.add_argument_group("router flags (--router-<flag>, from the installed smg)")
     existing = {opt for action in parser._actions for opt in action.option_strings}
     for action in source._actions:
-        if not action.option_strings or action.dest == "help":
+        if not action.option_strings or action.dest == "help" or action.dest in ROUTER_EXCLUDED:
             continue
         options = [opt for opt in action.option_strings if opt not in existing]
         if not options:
