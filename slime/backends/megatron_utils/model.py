@@ -1,0 +1,347 @@
+"""Megatron-Core GPT models built from the flags / an HF config, HF weights in and out of them.
+
+* :func:`transformer_config` — ``TransformerConfig`` from slime's Megatron-named flags (shape flags
+  from a ``scripts/models`` preset, or filled from ``--hf-checkpoint`` when no preset is given).
+* :func:`model_provider` — ``GPTModel`` with Transformer Engine layers when TE imports, else the
+  local spec (Megatron-Core's own modules; runs on GPU under ``torch.autocast(bfloat16)``).
+* :func:`load_hf_weights` — HF safetensors straight into the (TP/PP/EP-sharded) model: each rank
+  reads only the tensors of its layers and keeps only its shard.
+* :func:`iter_hf_weights` — the model's parameters as HF-named, HF-shaped full tensors: TP shards
+  all-gathered, experts all-gathered over EP, pipeline stages broadcast, vocabulary padding removed.
+* :func:`forward_logits` — logits at the positions that predict response tokens, for a micro-batch
+  of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec (its attention
+  has no packed mode; causal attention never looks at the padding on the right, so both are exact).
+
+Megatron is imported inside functions: this module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron_utils import weight_mapping as wm
+
+__all__ = ["have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
+           "iter_hf_weights", "forward_logits", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(args, **overrides):
+    """``TransformerConfig`` from the parsed flags (parallel sizes, shape, MoE, precision)."""
+    from megatron.core.transformer import TransformerConfig
+
+    bf16 = not getattr(args, "fp16", False)
+    moe = bool(getattr(args, "num_experts", None))
+    kwargs = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or (1 if moe else args.tensor_model_parallel_size),
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        # fp32 master parameters; the matmuls run in bf16 under autocast (DEVICE.md: no TE/Apex needed)
+        params_dtype=torch.float32, bf16=False, fp16=False,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float16,
+        autocast_dtype=torch.bfloat16 if bf16 else torch.float16,
+        variable_seq_lengths=True, attention_softmax_in_fp32=True,
+        # fused kernels that need Apex / TE / compiled extensions
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=False,
+    )
+    if moe:
+        kwargs.update(
+            num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax, moe_router_score_function=args.moe_router_score_function,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type if args.moe_token_dispatcher_type != "allgather" else "alltoall",
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype="fp32",
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(args, config, vp_stage: int | None):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = have_transformer_engine()
+    if getattr(args, "num_experts", None):
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                          vp_stage=vp_stage)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+
+
+def model_provider(args, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None, config=None):
+    """The ``GPTModel`` of this rank's pipeline stage (``--custom-model-provider-path`` replaces it)."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config(args)
+    return GPTModel(
+        config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length, pre_process=pre_process,
+        post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope", rotary_percent=args.rotary_percent, rotary_base=int(args.rotary_base),
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor, vp_stage=vp_stage,
+    )
+
+
+def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
+    """A single-rank CPU GPTModel of ``hf_config`` (local spec), to compare parameter names and
+    shapes with the mapping; sets up a one-process gloo group and model-parallel state if needed."""
+    import argparse
+
+    from megatron.core import parallel_state
+
+    from slime.backends.megatron_utils.model_config import model_args_from_hf_config
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    args = argparse.Namespace(**model_args_from_hf_config(hf_config))
+    args.__dict__.update(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1,
+                         pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
+                         expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None,
+                         recompute_method=None, recompute_num_layers=None, moe_router_score_function="softmax",
+                         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                         moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+                         padded_vocab_size=layout.padded_vocab_size, max_position_embeddings=256, seq_length=256,
+                         rotary_percent=1.0, fp16=False)
+    config = transformer_config(args, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+                                variable_seq_lengths=False)
+    spec = _layer_spec(args, config, None)
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size, max_sequence_length=256,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type="rope", rotary_base=int(args.rotary_base))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def layout_for(args, hf_config: dict) -> wm.ModelLayout:
+    """The weight-mapping layout of the model this process builds (TE fused norms when TE is used)."""
+    return wm.ModelLayout.from_hf_config(hf_config, padded_vocab=args.padded_vocab_size,
+                                         te_fused_norms=have_transformer_engine(),
+                                         grouped_experts=have_transformer_engine() and args.moe_grouped_gemm)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+# --------------------------------------------------------------------------- HF weights in
+
+class HFCheckpointReader:
+    """Lazy tensor reader over an HF directory's ``*.safetensors`` (sharded or not)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no *.safetensors weights")
+        self.path = path
+        self._handles = {f: safe_open(os.path.join(path, f), framework="pt") for f in files}
+        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+def _rank_info():
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+    )
+
+
+def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, ep_size: int) -> dict[str, str]:
+    """Local parameter name -> global name (layer offsets from each layer's ``layer_number``)."""
+    gpt = unwrap(model)
+    layer_offset = {}
+    if hasattr(gpt, "decoder"):
+        for local, layer in enumerate(gpt.decoder.layers):
+            layer_offset[local] = layer.layer_number - 1 - local
+    experts_per_rank = layout.num_experts // ep_size if layout.num_experts else 0
+    out = {}
+    for name, _ in gpt.named_parameters():
+        offset = 0
+        if name.startswith("decoder.layers."):
+            offset = layer_offset[int(name.split(".")[2])]
+        out[name] = wm.globalize_name(name, offset, ep_rank * experts_per_rank)
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_path: str, layout: wm.ModelLayout) -> int:
+    """Copy the HF checkpoint at ``hf_path`` into this rank's shards; returns tensors loaded."""
+    ranks = _rank_info()
+    reader = HFCheckpointReader(hf_path)
+    gpt = unwrap(model)
+    names = _global_names(gpt, layout, ranks["ep_rank"], ranks["ep_size"])
+    count = 0
+    for local_name, param in gpt.named_parameters():
+        global_name = names[local_name]
+        full = wm.hf_to_megatron_tensor(global_name, reader, layout)
+        if wm.is_expert_param(global_name):
+            shard = wm.tp_split(global_name, full, ranks["etp_size"])[ranks["etp_rank"]]
+        else:
+            shard = wm.tp_split(global_name, full, ranks["tp_size"])[ranks["tp_rank"]]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"{hf_path}: {global_name} gives a shard of shape {tuple(shard.shape)}, the model's "
+                             f"{local_name} is {tuple(param.shape)} (does the preset match the checkpoint?)")
+        param.copy_(shard.to(device=param.device, dtype=param.dtype))
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- HF weights out
+
+def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+@torch.no_grad()
+def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch.dtype | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, full and HF-shaped, on every rank. Collective over all ranks
+    (TP all-gathers, EP all-gathers, and a broadcast per pipeline stage): every rank must iterate
+    to the end."""
+    from megatron.core import parallel_state as ps
+
+    ranks = _rank_info()
+    gpt = unwrap(model)
+    names = _global_names(gpt, layout, 0, 1)  # expert indices stay local here; EP gather below renumbers
+    experts_per_rank = layout.num_experts // ranks["ep_size"] if layout.num_experts else 0
+    local: list[tuple[str, torch.Tensor]] = []
+    for local_name, param in gpt.named_parameters():
+        name = names[local_name]
+        tensor = param.detach()
+        if wm.is_expert_param(name):
+            full = wm.tp_merge(name, _gather(tensor, ps.get_expert_tensor_parallel_group()))
+            for ep_rank, part in enumerate(_gather(full, ps.get_expert_model_parallel_group())):
+                local.append((wm.globalize_name(name, 0, ep_rank * experts_per_rank), part))
+        else:
+            local.append((name, wm.tp_merge(name, _gather(tensor, ps.get_tensor_model_parallel_group()))))
+    for name, tensor in _broadcast_pipeline(local):
+        for hf_name, hf_tensor in wm.megatron_to_hf_tensors(name, tensor, layout):
+            yield hf_name, (hf_tensor.to(dtype) if dtype is not None else hf_tensor).contiguous()
+
+
+def _broadcast_pipeline(local: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each pipeline stage's tensors, in stage order, on every rank of the pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        yield from local
+        return
+    metadata: list = [None] * size
+    dist.all_gather_object(metadata, [(n, tuple(t.shape), t.dtype) for n, t in local], group=group)
+    me = dist.get_rank(group)
+    mine = dict(local)
+    device = next(iter(mine.values())).device if mine else torch.device("cuda", torch.cuda.current_device())
+    for stage, entries in enumerate(metadata):
+        source = dist.get_global_rank(group, stage)
+        for name, shape, dtype in entries:
+            tensor = mine[name] if stage == me else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=source, group=group)
+            yield name, tensor
+
+
+# --------------------------------------------------------------------------- forward
+
+def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_lengths: list[int], device,
+                   packed: bool | None = None) -> torch.Tensor:
+    """Logits ``[K, V]`` (full vocabulary, TP-gathered) at the K = Σ response positions, samples in
+    order — the same rows as the FSDP backend's ``forward_response_logits``."""
+    if packed is None:
+        packed = have_transformer_engine()
+    lengths = [int(t.numel()) for t in tokens]
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        input_ids = torch.cat([t.long() for t in tokens]).to(device)[None]
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        cu = cu.to(device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_kv=max(lengths))
+        logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params, runtime_gather_output=True)
+        logits = logits[0]
+        starts = [int(c) for c in cu[:-1]]
+    else:
+        longest = max(lengths)
+        input_ids = torch.zeros(len(tokens), longest, dtype=torch.long, device=device)
+        for i, t in enumerate(tokens):
+            input_ids[i, : lengths[i]] = t.to(device)
+        position_ids = torch.arange(longest, device=device)[None].expand(len(tokens), -1)
+        logits = model(input_ids, position_ids, attention_mask=None, runtime_gather_output=True)
+        logits = logits.reshape(-1, logits.shape[-1])
+        starts = [i * longest for i in range(len(tokens))]
+    rows = [torch.arange(s + n - r - 1, s + n - 1, device=logits.device) for s, n, r in zip(starts, lengths, response_lengths)]
+    return logits[torch.cat(rows)] if rows else logits[:0]
+
+
+def response_targets(tokens: list[torch.Tensor], response_lengths: list[int]) -> torch.Tensor:
+    return torch.cat([t[len(t) - r:].long() for t, r in zip(tokens, response_lengths)]) if tokens else torch.zeros(0, dtype=torch.long)
+
