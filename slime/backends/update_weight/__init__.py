@@ -6,7 +6,8 @@ them to every engine over SGLang's weight-update endpoints:
 ==============  ============================================================================
 ``tensor``      colocated: ``/update_weights_from_tensor`` (shared memory on CPU, CUDA IPC on GPU)
 ``distributed`` disaggregated: ``/init_weights_update_group`` + ``/update_weights_from_distributed``
-``disk``        ``/update_weights_from_disk`` on an HF checkpoint written per version
+``disk``        ``/update_weights_from_disk`` on an HF checkpoint written per version (full mode), or on
+                a host-local checkpoint that ``/pull_weights`` keeps in sync with published deltas
 ==============  ============================================================================
 
 Engines are paused and their caches flushed around an update, and every bucket carries the new

@@ -69,11 +69,7 @@ def bucket_named_tensors(named_tensors, bucket_bytes: int):
 
 def make_weight_updater(args, engine_urls: list[str], engine_gpu_counts: list[int], colocate: bool):
     """Pick the transport: disk when asked; tensor handles when colocated; otherwise broadcast."""
-    if args.update_weight_transport == "disk":
-        if args.update_weight_mode == "delta":
-            raise NotImplementedError(
-                "--update-weight-mode delta is not supported yet; use --update-weight-mode full with the disk transport"
-            )
+    if args.update_weight_transport == "disk":  # full or delta mode
         from slime.backends.update_weight.disk import DiskWeightUpdater
 
         return DiskWeightUpdater(args, engine_urls)

@@ -1,21 +1,30 @@
-"""Disk transport, full mode: every version is an ordinary HF checkpoint in
-``<update_weight_disk_dir>/weight_v{N:06d}/`` that engines load with ``/update_weights_from_disk``.
+"""Disk transport: every version is a directory ``<update_weight_disk_dir>/weight_v{N:06d}/``.
 
-The trainer writes safetensors shards (one per bucket) plus ``model.safetensors.index.json``,
-``config.json`` and the tokenizer copied from ``--hf-checkpoint``; ``--custom-update-weight-post-write-path``
-runs after the files are written and before engines read them. Older versions are deleted unless
-``--update-weight-disk-keep-files``.
+Full mode: an ordinary HF checkpoint that engines load with ``/update_weights_from_disk``; older
+versions are deleted unless ``--update-weight-disk-keep-files``.
+
+Delta mode (:mod:`delta_writer`, :mod:`pull`): the version holds only the changed bytes of each
+tensor (or is a full checkpoint now and then); each engine is asked to ``/pull_weights`` it into its
+host-local ``--update-weight-local-checkpoint-dir`` and then loads that directory with
+``/update_weights_from_disk``. Versions older than the newest full one are deleted unless
+``--update-weight-disk-keep-files`` (a late-joining host needs that full version and the deltas after it).
+
+Either way the trainer writes into ``weight_v{N:06d}.tmp`` and renames it when complete, copies
+``config.json`` and the tokenizer from ``--hf-checkpoint``, and calls
+``--custom-update-weight-post-write-path`` after the files are written and before engines read them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 from safetensors.torch import save_file
 
 from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.weight_files import version_dir_name
 from slime.utils.misc import load_function
 
 _COPY_FROM_HF = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -29,41 +38,73 @@ class DiskWeightUpdater:
         self.root = args.update_weight_disk_dir
         os.makedirs(self.root, exist_ok=True)
         self.previous_dir: str | None = None
+        self.delta_writer = None
+        if args.update_weight_mode == "delta":
+            from slime.backends.update_weight.delta_writer import DeltaVersionWriter
 
-    def write_version(self, buckets, version: int) -> tuple[str, int]:
-        version_dir = os.path.join(self.root, f"weight_v{version:06d}")
+            self.delta_writer = DeltaVersionWriter(args.hf_checkpoint, args.update_weight_delta_encoding,
+                                                   args.update_weight_delta_checksum)
+
+    def write_version(self, buckets, version: int) -> tuple[str, int, str]:
+        """Write one version atomically; returns (its directory, bytes written, "full" or "delta")."""
+        version_dir = os.path.join(self.root, version_dir_name(version))
         tmp_dir = version_dir + ".tmp"
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir)
-        weight_map, total, shard_names = {}, 0, []
-        for index, bucket in enumerate(buckets):
-            shard = f"model-{index + 1:05d}.safetensors"
-            tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
-            save_file(tensors, os.path.join(tmp_dir, shard), metadata={"format": "pt"})
-            for name, tensor in tensors.items():
-                weight_map[name] = shard
-                total += tensor.numel() * tensor.element_size()
-            shard_names.append(shard)
-        with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total, "weight_version": version}, "weight_map": weight_map}, f)
+        if self.delta_writer is not None:
+            kind, total = self.delta_writer.write(buckets, version, tmp_dir)
+        else:
+            kind, total = "full", self._write_full(buckets, version, tmp_dir)
         for name in _COPY_FROM_HF:
             src = os.path.join(self.args.hf_checkpoint, name)
             if os.path.isfile(src):
                 shutil.copy(src, tmp_dir)
         shutil.rmtree(version_dir, ignore_errors=True)
         os.replace(tmp_dir, version_dir)  # readers never see a half-written version
-        return version_dir, total
+        return version_dir, total, kind
+
+    @staticmethod
+    def _write_full(buckets, version: int, directory: str) -> int:
+        weight_map, total = {}, 0
+        for index, bucket in enumerate(buckets):
+            shard = f"model-{index + 1:05d}.safetensors"
+            tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
+            save_file(tensors, os.path.join(directory, shard), metadata={"format": "pt"})
+            for name, tensor in tensors.items():
+                weight_map[name] = shard
+                total += tensor.numel() * tensor.element_size()
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total, "weight_version": version}, "weight_map": weight_map}, f)
+        return total
 
     def update(self, buckets, weight_version: str) -> int:
-        version_dir, total = self.write_version(buckets, int(weight_version))
+        """Publish a version and have every engine load it; returns the bytes written."""
+        version = int(weight_version)
+        version_dir, total, kind = self.write_version(buckets, version)
         if self.args.custom_update_weight_post_write_path:
             load_function(self.args.custom_update_weight_post_write_path)(self.args, version_dir, self.client.engine_urls)
-        self.client.post_all("/update_weights_from_disk", {"model_path": version_dir, "weight_version": weight_version,
+        model_path = version_dir
+        if self.delta_writer is not None:
+            model_path = self.args.update_weight_local_checkpoint_dir
+            self.client.post_all("/pull_weights", {"local_checkpoint_dir": model_path, "source_dir": self.root,
+                                                   "target_version": version})
+        self.client.post_all("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version,
                                                            "flush_cache": False})
-        if self.previous_dir and not self.args.update_weight_disk_keep_files:
-            shutil.rmtree(self.previous_dir, ignore_errors=True)
+        if not self.args.update_weight_disk_keep_files:
+            if self.delta_writer is None and self.previous_dir:
+                shutil.rmtree(self.previous_dir, ignore_errors=True)
+            elif kind == "full":
+                self._remove_versions_before(version)
         self.previous_dir = version_dir
         return total
 
+    def _remove_versions_before(self, version: int) -> None:
+        for name in os.listdir(self.root):
+            match = re.fullmatch(r"weight_v(\d{6,})", name)
+            if match and int(match.group(1)) < version:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
     def close(self) -> None:
+        if self.delta_writer is not None:
+            self.delta_writer.close()
         self.client.close()
