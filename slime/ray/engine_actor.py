@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 # --sglang-* flags the embedded engine understands (SGLang names); others are SGLang-only.
 EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
-                         "random-seed", "log-level"}
+                         "random-seed", "log-level", "custom-pull-weights-pre-read-hook"}
 
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:

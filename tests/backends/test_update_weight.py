@@ -1,6 +1,7 @@
 """The trainer side of each weight transport, against a real embedded engine: after an update the
 engine generates exactly what HF generates with the new weights, and reports the new version."""
 
+import os
 from types import SimpleNamespace
 
 import httpx
@@ -66,3 +67,44 @@ def test_transport_updates_engine(engine, tiny_model_dir, tmp_path, transport, c
     output, engine_version = _engine_greedy(engine.url, prompt, 8)
     assert output == expected
     assert engine_version == version
+
+
+def test_disk_delta_updates_engine_through_pull_weights(engine, tiny_model_dir, tmp_path):
+    """Delta mode: the engine pulls each version into its local checkpoint and loads it; a corrupt
+    version is refused with a 400 that names the tensor, and the engine keeps serving the last one."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    args = _args(tmp_path / "published", "disk")
+    vars(args).update(update_weight_mode="delta", hf_checkpoint=tiny_model_dir, update_weight_delta_encoding="xor",
+                update_weight_delta_checksum="xxh3-128", update_weight_local_checkpoint_dir=str(tmp_path / "local"))
+    updater = make_weight_updater(args, [engine.url], [1], colocate=False)
+    prompt = [1, 315, 207, 25, 26, 19, 27, 28]
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for version in ("1", "2"):
+            state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+            model.load_state_dict(state, strict=False)
+            updater.client.pause()
+            updater.update(bucket_named_tensors(state.items(), 200_000), version)
+            updater.client.resume()
+            assert _engine_greedy(engine.url, prompt, 8) == (_greedy_hf(model, prompt, 8), version)
+        # version 3 gets a byte flipped between writing and reading (by the post-write hook)
+        args.custom_update_weight_post_write_path = f"{__name__}.corrupt_last_payload"
+        updater.client.pause()
+        with pytest.raises(RuntimeError, match=r"/pull_weights failed with 400: .*version 3: .*tensor model\."):
+            updater.update(bucket_named_tensors(state.items(), 200_000), "3")
+        updater.client.resume()
+    finally:
+        updater.close()
+    assert _engine_greedy(engine.url, prompt, 8)[1] == "2"
+
+
+def corrupt_last_payload(args, version_dir, engine_urls):
+    shard = os.path.join(version_dir, "model-00001.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -27,6 +27,7 @@ class ServerArgs:
     random_seed: int = 0
     health_check_timeout: float = 20.0
     log_level: str = "warning"
+    custom_pull_weights_pre_read_hook: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--health-check-timeout", type=float, default=20.0)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--custom-pull-weights-pre-read-hook", default=None,
+                   help="module.attr of hook(source_dir, target_version), called by /pull_weights before it reads "
+                        "a published version (e.g. to refresh an object-store mount)")
     return p
 
 

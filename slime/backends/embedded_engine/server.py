@@ -23,6 +23,7 @@ from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import RequestError, parse_generate
 from slime.backends.embedded_engine.profiler import add_profile_routes
 from slime.backends.embedded_engine import weight_loading
+from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,26 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         if not body.get("model_path"):
             raise RequestError("model_path is required", shape="openai")
         return await update(body, lambda: runner.load_from_disk(body["model_path"]))
+
+    @app.post("/pull_weights")
+    async def pull_weights(request: Request):
+        """[slime-patch] Bring a host-local checkpoint to a published version (delta disk sync);
+        the caller then loads it with /update_weights_from_disk."""
+        from slime.backends.update_weight.pull import PullError, pull_weights as pull
+
+        body = await read_json(request)
+        missing = [k for k in ("local_checkpoint_dir", "source_dir", "target_version") if body.get(k) is None]
+        if missing:
+            return JSONResponse({"success": False, "message": f"missing required field(s): {missing}"}, status_code=400)
+        hook = state.args.custom_pull_weights_pre_read_hook
+        try:
+            message = await asyncio.to_thread(pull, body["local_checkpoint_dir"], body["source_dir"],
+                                              int(body["target_version"]), base_checkpoint=state.args.model_path,
+                                              pre_read_hook=load_function(hook) if hook else None)
+        except (PullError, OSError, ValueError) as exc:
+            logger.warning("pull_weights failed: %s", exc)
+            return JSONResponse({"success": False, "message": f"Failed to pull weights: {exc}"}, status_code=400)
+        return {"success": True, "message": message}
 
     @app.post("/update_weights_from_tensor")
     async def from_tensor(request: Request):
