@@ -400,6 +400,10 @@ def _validate_sglang_side(args) -> None:
         args.sglang_router_ip = f"[{args.sglang_router_ip}]"
     if (args.sglang_router_ip is None) != (args.sglang_router_port is None):
         raise ValueError("--sglang-router-ip and --sglang-router-port must be given together")
+    if args.sglang_config is not None and not args.debug_train_only:
+        from slime.backends.sglang_utils.sglang_config import models_from_args
+
+        models_from_args(args)  # errors name the file, key path and value; fills --rollout-num-gpus
 
 
 def _parse_json_flags(args) -> None:

@@ -45,7 +45,7 @@ class ServerGroup:
 
     @property
     def num_engines(self) -> int:
-        return self.num_gpus // self.num_gpus_per_engine
+        return 0 if self.worker_type == "placeholder" else self.num_gpus // self.num_gpus_per_engine
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _parse_group(data, source, path, default_gpus_per_engine, known_fields, owne
     num_gpus = _positive_int(data["num_gpus"], source, f"{path}.num_gpus")
     per_engine = _positive_int(data.get("num_gpus_per_engine", default_gpus_per_engine), source,
                                f"{path}.num_gpus_per_engine")
-    if num_gpus % per_engine:
+    if num_gpus % per_engine and worker_type != "placeholder":
         _fail(source, f"{path}.num_gpus", f"{num_gpus} is not a multiple of num_gpus_per_engine {per_engine}")
     overrides = data.get("overrides") or {}
     if not isinstance(overrides, dict):
@@ -183,8 +183,15 @@ def models_from_args(args) -> list[ModelConfig]:
     per_engine = args.rollout_num_gpus_per_engine
     if getattr(args, "sglang_config", None):
         known = getattr(args, "sglang_server_fields", None)
-        return load_sglang_config(args.sglang_config, default_model_path=args.hf_checkpoint,
-                                  default_gpus_per_engine=per_engine, known_fields=known, owned_fields=SGLANG_EXCLUDED)
+        models = load_sglang_config(args.sglang_config, default_model_path=args.hf_checkpoint,
+                                    default_gpus_per_engine=per_engine, known_fields=known, owned_fields=SGLANG_EXCLUDED)
+        total = sum(m.num_gpus for m in models)
+        if args.rollout_num_gpus is None:
+            args.rollout_num_gpus = total
+        elif args.rollout_num_gpus != total:
+            raise ValueError(f"--sglang-config {args.sglang_config} uses {total} GPUs (placeholders included) but "
+                             f"--rollout-num-gpus is {args.rollout_num_gpus}; make them equal or drop --rollout-num-gpus")
+        return models
     total = args.rollout_num_gpus or 0
     if getattr(args, "prefill_num_servers", None):
         prefill = args.prefill_num_servers * per_engine
