@@ -139,8 +139,25 @@ class AsyncEngine:
             meta["output_token_logprobs_length"] = len(output_ids)
         if final:
             meta["e2e_latency"] = latency
+            meta.update(self.phase_times(seq))
         meta["response_sent_to_client_ts"] = time.time()
         return meta
+
+    @staticmethod
+    def phase_times(seq: Sequence) -> dict:
+        """Where the request's time went on this server (seconds): waiting for a slot, prefill up to the
+        first token, decode of the rest (what the trace viewer draws as lanes)."""
+        times = {}
+        if seq.admitted is not None:
+            times["queue_time"] = seq.admitted - seq.created
+            if seq.first_token is not None:
+                times["prefill_duration"] = seq.first_token - seq.admitted
+                if seq.finished is not None:
+                    decode = seq.finished - seq.first_token
+                    times["decode_duration"] = decode
+                    if decode > 0 and len(seq.output_ids) > 1:
+                        times["decode_throughput"] = (len(seq.output_ids) - 1) / decode
+        return times
 
     def output_dict(self, seq: Sequence, latency: float, output: tuple | None = None, final: bool = True) -> dict:
         if final:

@@ -40,6 +40,9 @@ class Sequence:
     num_computed: int = 0  # tokens of fill_ids whose keys/values are in the cache
     num_retractions: int = 0
     created: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # time.monotonic() of the first admission (end of queueing)
+    first_token: float | None = None  # first sampled token (end of prefill)
+    finished: float | None = None
     text_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
