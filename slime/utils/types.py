@@ -40,6 +40,14 @@ def _decode_int32_list(value) -> list[int]:
     return _to_int_list(value)
 
 
+def _first_of(meta_info: dict, *names: str):
+    """The first of ``names`` present (not None) in ``meta_info``, else 0."""
+    for name in names:
+        if meta_info.get(name) is not None:
+            return meta_info[name]
+    return 0
+
+
 @dataclass
 class Sample:
     """One generated response (or one segment of a multi-turn rollout) and everything known about it.
@@ -72,8 +80,13 @@ class Sample:
             return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0
 
         def add(self, meta_info: dict) -> None:
-            self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num") or 0)
-            self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num") or 0)
+            # SGLang >= 0.5.15 names the counters spec_num_correct_drafts / spec_num_proposed_drafts (aliases
+            # spec_accepted_drafts / spec_proposed_drafts); older and patched builds spec_accept_token_num /
+            # spec_draft_token_num (SGLANG_PROTOCOL §2.4, §13)
+            self.spec_accept_token_num += int(_first_of(meta_info, "spec_accept_token_num", "spec_num_correct_drafts",
+                                                        "spec_accepted_drafts"))
+            self.spec_draft_token_num += int(_first_of(meta_info, "spec_draft_token_num", "spec_num_proposed_drafts",
+                                                       "spec_proposed_drafts"))
             self.spec_verify_ct += int(meta_info.get("spec_verify_ct") or 0)
             self.completion_token_num += int(meta_info.get("completion_tokens") or 0)
 
