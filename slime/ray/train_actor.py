@@ -1,6 +1,6 @@
 """One training rank as a Ray actor: sets up torch.distributed and hosts the backend's worker.
 
-The worker (``FSDPTrainWorker`` today, the Megatron worker later) holds the model; this actor adds
+The worker (``FSDPTrainWorker`` or ``MegatronTrainWorker``) holds the model; this actor adds
 what only the Ray layer knows: the rank layout, the device, and the weight transport to the engines.
 """
 
@@ -62,9 +62,11 @@ class TrainRayActor:
             from slime.backends.fsdp_utils.worker import FSDPTrainWorker
 
             return FSDPTrainWorker(args, role=role)
-        raise NotImplementedError(
-            "--train-backend megatron is not available in this build yet; use --train-backend fsdp"
-        )
+        if args.train_backend == "megatron":
+            from slime.backends.megatron_utils.worker import MegatronTrainWorker
+
+            return MegatronTrainWorker(args, role=role)
+        raise ValueError(f"unknown --train-backend {args.train_backend!r} (fsdp or megatron)")
 
     # ------------------------------------------------------------------ training
 

@@ -1,0 +1,440 @@
+"""The Megatron-Core training worker: one per rank, hosted by ``slime.ray.train_actor.TrainRayActor``.
+
+It keeps the FSDP worker's train-data contract and algorithm flow (forward-only passes, KL,
+advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by subclassing
+:class:`~slime.backends.fsdp_utils.worker.FSDPTrainWorker` and replacing what is Megatron-specific:
+
+* model: ``GPTModel`` from :func:`~slime.backends.megatron_utils.model.model_provider` (or
+  ``--custom-model-provider-path``), wrapped in Megatron's ``DistributedDataParallel``; weights from
+  an HF directory or a torch_dist checkpoint (:mod:`~slime.backends.megatron_utils.checkpoint`);
+* forward: fp32 parameters, bf16 autocast; micro-batches packed (thd) with Transformer Engine,
+  right-padded with the local spec (:func:`~slime.backends.megatron_utils.model.forward_logits`);
+* optimizer: Megatron's distributed optimizer (``--optimizer-cpu-offload`` passed through) and
+  ``OptimizerParamScheduler``; gradient clipping inside ``optimizer.step()``;
+* hooks: ``--custom-megatron-init-path`` after set-up, the before-log-prob hook before every
+  forward-only pass, the before-train-step hook before every optimizer step (INTERFACES §2.19);
+* ``--megatron-config-path``: a YAML with ``actor:`` / ``critic:`` sections of flag overrides
+  (argparse names) applied to this role's copy of ``args``;
+* offload/onload for colocation: ``torch_memory_saver`` when installed, else parameters and
+  optimizer state copied to host memory and the device storage freed.
+
+Parallelism supported by this worker today: data parallel and expert parallel. Tensor, pipeline
+and context parallelism are supported by the model, the weight loading and the HF export (tested on
+GPU), but the trainer-side data replication over TP/PP/CP peers is not written yet: the worker
+refuses those sizes with an explicit error.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+from slime.backends.megatron_utils import checkpoint as ckpt
+from slime.backends.megatron_utils import model as mm
+from slime.backends.megatron_utils import weight_mapping as wm
+from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, load_hf_config
+from slime.utils import ppo_utils
+from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronTrainWorker", "apply_megatron_config"]
+
+
+def apply_megatron_config(args, role: str):
+    """``--megatron-config-path`` YAML: ``{actor: {flag: value}, critic: {...}}`` (argparse names,
+    dashes or underscores) applied to a copy of ``args`` for ``role``; unknown flags are errors."""
+    path = getattr(args, "megatron_config_path", None)
+    if not path:
+        return args
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict) or not set(config) <= {"actor", "critic"}:
+        raise ValueError(f"--megatron-config-path {path}: expected a mapping with 'actor' and/or 'critic' sections, got {list(config) if isinstance(config, dict) else type(config).__name__}")
+    args = copy.copy(args)
+    for key, value in (config.get(role) or {}).items():
+        dest = key.lstrip("-").replace("-", "_")
+        if not hasattr(args, dest):
+            raise ValueError(f"--megatron-config-path {path}: {role}.{key} is not a flag")
+        setattr(args, dest, value)
+    return args
+
+
+class MegatronTrainWorker(FSDPTrainWorker):
+    """One rank of the Megatron actor (``role="actor"``) or critic (``role="critic"``, not yet)."""
+
+    def __init__(self, args, role: str = "actor"):
+        if role != "actor":
+            raise NotImplementedError("--train-backend megatron: the PPO critic is not built yet; use --train-backend fsdp for ppo")
+        args = apply_megatron_config(args, role)
+        too_parallel = {name: getattr(args, name) for name in
+                        ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+                        if getattr(args, name) > 1}
+        if too_parallel:
+            raise NotImplementedError(
+                f"--train-backend megatron trains with data and expert parallelism today; {too_parallel} needs the "
+                f"data replication over model-parallel peers, which is not written yet (the model, weight loading and "
+                f"HF export already support it)")
+        if not torch.cuda.is_available():
+            raise RuntimeError("--train-backend megatron needs CUDA GPUs; on CPU use --train-backend fsdp")
+        super().__init__(args, role)
+        self.attn_implementation = "megatron"
+        self.ddp_model = None
+        self.layout: wm.ModelLayout | None = None
+        self._host_copies: dict = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def _init_parallel_state(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        args = self.args
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(
+                args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                context_parallel_size=args.context_parallel_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
+                distributed_timeout_minutes=args.distributed_timeout_minutes,
+            )
+        model_parallel_cuda_manual_seed(args.seed)
+
+    def _build_model(self, trainable: bool):
+        from megatron.core import parallel_state as ps
+
+        args = self.args
+        path = getattr(args, "custom_model_provider_path", None)
+        pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        if path:
+            provider = load_function(path)
+            model = provider(pre_process=pre, post_process=post)
+        else:
+            model = mm.model_provider(args, pre_process=pre, post_process=post)
+        model.cuda()
+        if not trainable:
+            model.requires_grad_(False)
+            return model.eval()
+        from slime.backends.fsdp_utils.worker import _apply_freeze_lists
+
+        _apply_freeze_lists(model, args)
+        return model
+
+    def _wrap_ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+            bucket_size=None, average_in_collective=False,
+        )
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        args = self.args
+        config = OptimizerConfig(
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+            use_distributed_optimizer=True, params_dtype=torch.float32, bf16=False,
+            optimizer_cpu_offload=args.optimizer_cpu_offload,
+            overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+            use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        )
+        optimizer = get_megatron_optimizer(config, [self.ddp_model])
+        steps_per_rollout = max(args.rollout_batch_size * args.n_samples_per_prompt // max(args.global_batch_size, 1), 1)
+        total = (getattr(args, "num_rollout", None) or 1) * steps_per_rollout
+        warmup = args.lr_warmup_iters if not args.lr_warmup_fraction else int(args.lr_warmup_fraction * total)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=args.lr_decay_iters or total, lr_decay_style=args.lr_decay_style,
+            start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    def _load_weights(self, model, load: str | None, ckpt_step: int | None, finetune: bool,
+                      optimizer=None, scheduler=None) -> int | None:
+        """Weights (and, when resuming, optimizer/scheduler/RNG); returns the resumed iteration."""
+        args = self.args
+        choice = ckpt.resolve_checkpoint(load, ckpt_step, finetune)
+        if choice.kind == "none":
+            choice = ckpt.CheckpointChoice("hf", args.hf_checkpoint)
+        if choice.kind == "hf":
+            mm.load_hf_weights(model, choice.path, self.layout)
+            return None
+        extra = ckpt.load_checkpoint(choice, model, optimizer if choice.resume and not args.no_load_optim else None,
+                                     scheduler, load_rng=not args.no_load_rng)
+        if extra:
+            self.global_step = int(extra.get("global_step", 0))
+        return choice.iteration if choice.resume else None
+
+    def init(self) -> int | None:
+        args = self.args
+        if getattr(args, "hf_checkpoint", None) is None:
+            raise ValueError("--train-backend megatron needs --hf-checkpoint (config, tokenizer, and the HF weight names)")
+        self._init_parallel_state()
+        hf_config = load_hf_config(args.hf_checkpoint)
+        filled = fill_model_args(args, hf_config)
+        if filled:
+            logger.info("no model preset given: shape flags from %s/config.json", args.hf_checkpoint)
+        hf_validate_args(args, hf_config)
+        if getattr(args, "padded_vocab_size", None) is None:
+            args.padded_vocab_size = wm.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                          args.tensor_model_parallel_size)
+        self.hf_config = hf_config
+        self.layout = mm.layout_for(args, hf_config)
+        model = self._build_model(trainable=True)
+        self.ddp_model = self._wrap_ddp(model)
+        self.model = self.ddp_model
+        self.optimizer, self.scheduler = self._build_optimizer()
+        start_iteration = self._load_weights(model, args.load, args.ckpt_step, args.finetune, self.optimizer, self.scheduler)
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()  # main params of the distributed optimizer follow the loaded weights
+        if args.use_kl_loss or args.kl_coef != 0:
+            self.ref_model = self._build_model(trainable=False)
+            ref = args.ref_load or args.hf_checkpoint
+            self._load_weights(self.ref_model, ref, getattr(args, "ref_ckpt_step", None), True)
+            self._park_ref()
+        hook = getattr(args, "custom_megatron_init_path", None)
+        if hook:
+            load_function(hook)(args)
+        dist.barrier()
+        return None if start_iteration is None else start_iteration + 1
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _logits(self, model, rollout_data: dict, micro_batch: list[int], full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = [rollout_data["tokens"][i] for i in micro_batch]
+        responses = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
+        if full:
+            responses = [int(t.numel()) - 1 for t in tokens]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = mm.forward_logits(model, tokens, responses, self.device)
+        return logits.float(), mm.response_targets(tokens, responses).to(self.device)
+
+    @torch.no_grad()
+    def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
+        if values:
+            raise NotImplementedError("values need the critic, which the Megatron backend does not build yet")
+        hook = getattr(self.args, "custom_megatron_before_log_prob_hook_path", None)
+        if hook:
+            load_function(hook)(self.args, model, "ref_" if model is self.ref_model else "")
+        model.eval()
+        n = len(rollout_data["tokens"])
+        out: list = [torch.zeros(0)] * n
+        entropy_out: list = [torch.zeros(0)] * n
+        for micro_batch in self._micro_batches(rollout_data):
+            if not micro_batch:
+                continue
+            logits, targets = self._logits(model, rollout_data, micro_batch)
+            lengths = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
+            log_probs = ppo_utils.compute_log_probs(logits, targets, self.args.rollout_temperature)
+            for j, piece in zip(micro_batch, torch.split(log_probs, lengths)):
+                out[j] = piece.float().cpu()
+            if with_entropy:
+                entropy = ppo_utils.compute_entropy(logits, self.args.rollout_temperature)
+                for j, piece in zip(micro_batch, torch.split(entropy, lengths)):
+                    entropy_out[j] = piece.float().cpu()
+        if model is self.model:
+            model.train()
+        return out, (entropy_out if with_entropy else None)
+
+    def _park_ref(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model.to("cpu")
+
+    def compute_log_probs(self, rollout_data: dict) -> dict[str, list[torch.Tensor]]:
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+        try:
+            return super().compute_log_probs(rollout_data)
+        finally:
+            self._park_ref()
+
+    # ------------------------------------------------------------------ training
+
+    def _train_micro_batch(self, rollout_data: dict, micro_batch: list[int], normaliser: float):
+        """Forward + backward of one micro-batch; the loss is S(ℓ)·dp/normaliser because Megatron's
+        DDP averages gradients over the data-parallel ranks."""
+        from megatron.core import parallel_state as ps
+
+        args = self.args
+        dp = ps.get_data_parallel_world_size()
+        if not micro_batch:  # a rank without samples in this step still joins the gradient reduction
+            return {}, 0, 0.0
+        custom_loss = args.loss_type == "custom_loss"
+        logits, targets = self._logits(self.model, rollout_data, micro_batch, full=custom_loss)
+        batch = self._micro_batch_fields(rollout_data, micro_batch)
+        masks = [m.to(self.device) for m in batch["loss_masks"]]
+        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], masks, batch["rollout_mask_sums"],
+                                                    args.calculate_per_token_loss)
+        if custom_loss:
+            loss, metrics = load_function(args.custom_loss_function_path)(args, batch, logits[None], reducer)
+        else:
+            need_entropy = args.entropy_coef != 0
+            log_probs = ppo_utils.compute_log_probs(logits, targets, args.rollout_temperature)
+            if need_entropy:
+                entropy = ppo_utils.compute_entropy(logits, args.rollout_temperature)
+            else:
+                with torch.no_grad():
+                    entropy = ppo_utils.compute_entropy(logits.detach(), args.rollout_temperature)
+            if args.loss_type == "sft_loss":
+                loss, metrics = ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
+            else:
+                loss, metrics = ppo_utils.policy_loss_function(args, batch, log_probs, entropy, reducer,
+                                                               self._pg_reducer(batch), self._tis_function())
+        (loss * dp / normaliser).backward()
+        lengths = [int(rollout_data["tokens"][i].numel()) for i in micro_batch]
+        return metrics, sum(lengths), self._flops(lengths, int(targets.numel()))
+
+    def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+        import time
+
+        args = self.args
+        hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
+        hook = load_function(hook) if hook else None
+        start, tokens_done, flops_done = time.perf_counter(), 0, 0.0
+        step_results = []
+        self.model.train()
+        for step_id in range(len(rollout_data["num_microbatches"])):
+            if hook is not None:
+                hook(args, rollout_id, step_id, self.model, self.optimizer, self.scheduler)
+            self.ddp_model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            sums, tokens, flops = self.forward_backward(rollout_data, step_id)
+            tokens_done, flops_done = tokens_done + tokens, flops_done + flops
+            self.ddp_model.finish_grad_sync()
+            succeeded, grad_norm, _ = self.optimizer.step()
+            if not succeeded:
+                raise RuntimeError(f"optimizer step {step_id} of rollout {rollout_id} failed (non-finite gradients)")
+            self.scheduler.step(increment=1)
+            reduced = self._all_reduce_sums(sums, self.step_normaliser(rollout_data, step_id))
+            metrics = {f"train/{k}": v for k, v in reduced.items()}
+            metrics["train/grad_norm"] = float(grad_norm or 0.0)
+            for k, group in enumerate(self.optimizer.param_groups):
+                metrics[f"train/lr-pg_{k}"] = float(group["lr"])
+            metrics["train/step"] = float(self.global_step)
+            self.global_step += 1
+            step_results.append(metrics)
+        self.step_metrics = step_results
+        elapsed = time.perf_counter() - start
+        totals = torch.tensor([tokens_done, flops_done], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        out = {k: sum(s[k] for s in step_results) / len(step_results) for k in step_results[0] if k != "train/step"}
+        out["perf/actor_train_time"] = elapsed
+        out["perf/actor_train_tok_per_s"] = float(totals[0]) / elapsed
+        out["perf/actor_train_tflops"] = float(totals[1]) / elapsed / self.world_size / 1e12
+        return out
+
+    def _flops(self, lengths: list[int], num_predicted: int) -> float:
+        """Same estimate as the FSDP backend (6·N_body per token, LM head per predicted token,
+        causal attention), from the HF config."""
+        c = self.hf_config
+        hidden, layers = c["hidden_size"], c["num_hidden_layers"]
+        head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+        attn_dim = c["num_attention_heads"] * head_dim
+        kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+        experts = self.layout.num_experts
+        ffn = (c.get("moe_intermediate_size", 0) * c.get("num_experts_per_tok", 0) + (c.get("shared_expert_intermediate_size") or 0)) \
+            if experts else c["intermediate_size"]
+        body = layers * (hidden * (attn_dim + 2 * kv) + attn_dim * hidden + 3 * hidden * ffn)
+        head = c["vocab_size"] * hidden
+        attention = sum(6.0 * layers * attn_dim * s * s for s in lengths)
+        return 6.0 * body * sum(lengths) + 6.0 * head * num_predicted + attention
+
+    def update_ref_model(self) -> None:
+        if self.ref_model is None:
+            return
+        with torch.no_grad():
+            ref = dict(mm.unwrap(self.ref_model).named_parameters())
+            for name, param in mm.unwrap(self.model).named_parameters():
+                ref[name].copy_(param.to(ref[name].device))
+
+    # ------------------------------------------------------------------ checkpoints and weights
+
+    def save(self, rollout_id: int) -> None:
+        if not self.args.save:
+            raise ValueError("save needs --save (the checkpoint directory)")
+        ckpt.save_checkpoint(self.args.save, rollout_id, self.ddp_model,
+                             None if self.args.no_save_optim else self.optimizer, self.scheduler, self.global_step)
+
+    def save_hf(self, path: str) -> None:
+        """HF directory (safetensors + config + tokenizer) written by rank 0; collective."""
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer
+
+        state = {name: tensor.cpu() for name, tensor in mm.iter_hf_weights(self.model, self.layout, torch.bfloat16)}
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            AutoConfig.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
+            AutoTokenizer.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
+        dist.barrier()
+
+    def iter_weight_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = torch.bfloat16
+                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors in buckets (collective; every rank receives every tensor)."""
+        limit = bucket_bytes or self.args.update_weight_buffer_size
+        bucket, size = [], 0
+        for name, tensor in mm.iter_hf_weights(self.model, self.layout, dtype):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------ colocation
+
+    def offload(self) -> None:
+        """Free the device memory of parameters, gradients and optimizer state (host copies kept)."""
+        if self.offloaded:
+            return
+        try:
+            import torch_memory_saver  # noqa: F401  (pause/resume would need allocation inside its region)
+        except ImportError:
+            pass
+        self.ddp_model.offload_grad_buffers(synchronize=True, empty_cache=False)
+        for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
+            self._host_copies[("param", i)] = buffer.param_data.to("cpu", non_blocking=True)
+            buffer.param_data.untyped_storage().resize_(0)
+        for state in self._optimizer_states():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    state[key] = value.to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
+            host = self._host_copies.pop(("param", i))
+            buffer.param_data.untyped_storage().resize_(host.numel() * host.element_size())
+            buffer.param_data.copy_(host, non_blocking=True)
+        self.ddp_model.restore_grad_buffers(synchronize=True)
+        for state in self._optimizer_states():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not value.is_cuda and key != "step":
+                    state[key] = value.to(self.device, non_blocking=True)
+        torch.cuda.synchronize()
+        self.offloaded = False
+
+    def _optimizer_states(self):
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            if inner is not None:
+                yield from inner.state.values()
