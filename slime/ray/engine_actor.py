@@ -1,7 +1,8 @@
 """One inference engine as a Ray actor: it holds the engine's devices and owns its server process.
 
-The server is the embedded engine (``--rollout-backend embedded``) or SGLang (``sglang``); either
-way the rest of slime talks to it over HTTP. The actor survives its server: ``alive()`` reports a
+The server is the embedded engine (``--rollout-backend embedded``) or SGLang (``sglang``, one actor
+per node of an engine, running the command line of its launch plan); either way the rest of slime
+talks to it over HTTP. The actor survives its server: ``alive()`` reports a
 dead process and ``restart()`` brings up a fresh one on the same devices and port.
 """
 
@@ -42,10 +43,46 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
     return argv
 
 
+def node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def find_free_port(start: int, count: int = 1, host: str = "") -> int:
+    """The first port >= ``start`` that begins ``count`` consecutive ports free on this node."""
+    import socket
+
+    port = start
+    while port + count < 65536:
+        for offset in range(count):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port + offset))
+                except OSError:
+                    break
+        else:
+            return port
+        port += offset + 1
+    raise RuntimeError(f"no {count} consecutive free ports from {start} on {node_ip()}")
+
+
+@ray.remote(num_cpus=0)
+def probe_bundle() -> tuple[str, list[int]]:
+    """(node IP, GPU ids Ray gave this bundle) — where a rollout GPU is."""
+    return node_ip(), [int(g) for g in ray.get_gpu_ids()]
+
+
+@ray.remote(num_cpus=0)
+def probe_free_port(start: int, count: int) -> int:
+    return find_free_port(start, count)
+
+
 @ray.remote
 class EngineActor:
-    def __init__(self, args, engine_index: int, num_gpus: int):
+    """One engine (embedded), or one node's process of an SGLang engine (``process_plan``)."""
+
+    def __init__(self, args, engine_index: int, num_gpus: int, process_plan=None):
         self.args, self.engine_index, self.num_gpus = args, engine_index, num_gpus
+        self.process_plan = process_plan  # launch_plan.EngineProcess for --rollout-backend sglang
         self.process = None
         self.port = None
 
@@ -62,10 +99,13 @@ class EngineActor:
             self.process = EmbeddedEngineProcess(self.args.hf_checkpoint, port=self.port,
                                                  extra_args=embedded_engine_argv(self.args, gpu), env=env)
         else:
-            raise NotImplementedError(
-                "--rollout-backend sglang launching is not available in this build yet; use --rollout-backend "
-                "embedded, or start SGLang yourself and pass --rollout-external-engine-addrs"
-            )
+            from slime.backends.sglang_utils.sglang_server import SGLangServerProcess
+
+            if self.process_plan is None:
+                raise ValueError(f"engine {self.engine_index}: an SGLang engine process needs its launch plan")
+            self.process = SGLangServerProcess(self.process_plan)
+            logger.info("engine %d node rank %d: %s", self.engine_index, self.process_plan.node_rank,
+                        " ".join(self.process_plan.argv))
         self.process.start()
         self.process.wait_healthy(timeout)
         self.port = self.process.port

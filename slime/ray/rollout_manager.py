@@ -49,6 +49,7 @@ class RolloutManager:
 
         self.args, self.dp_size = args, dp_size
         self.engines, self.engine_urls, self.router = [], [], None
+        self.engine_plans, self.routers, self.gpu_counts = [], {}, []
         if not args.debug_train_only:
             self._start_engines_and_router(rollout_placement)
         http_utils.init_http_client(args)
@@ -68,75 +69,176 @@ class RolloutManager:
     # ------------------------------------------------------------------ engines and router
 
     def _start_engines_and_router(self, placement) -> None:
+        args = self.args
+        self.engine_plans = []  # launch_plan.EnginePlan per SGLang engine
+        self.gpu_counts: list[int] = []
+        self.routers = {}  # model name -> RouterProcess launched here
+        if args.rollout_external:
+            from slime.backends.sglang_utils.external import describe_external_engines
+
+            self.engine_urls, self.gpu_counts, layout = describe_external_engines(args.rollout_external_engine_addrs)
+            args.rollout_num_gpus_per_engine = self.gpu_counts[0]
+            logger.info("external engines %s (layout %s)", self.engine_urls, layout)
+        elif args.rollout_backend == "sglang":
+            self._launch_sglang(placement)
+        else:
+            self._launch_embedded(placement)
+        args.rollout_engine_urls = list(self.engine_urls)
+        args.rollout_num_engines = len(self.engine_urls)
+        self._start_or_join_routers()
+        logger.info("engines %s behind router %s:%s", self.engine_urls, args.sglang_router_ip, args.sglang_router_port)
+
+    def _launch_embedded(self, placement) -> None:
         from slime.ray.engine_actor import EngineActor
 
         args = self.args
-        if args.rollout_external:
-            self.engine_urls = [a if a.startswith("http") else f"http://{a}" for a in args.rollout_external_engine_addrs]
-        else:
-            per_engine = args.rollout_num_gpus_per_engine
-            num_engines = (args.rollout_num_gpus or 0) // per_engine
-            for i in range(num_engines):
-                options = {"num_cpus": 0.1, "num_gpus": 0.2 if placement.gpus_per_bundle and args.colocate else placement.gpus_per_bundle}
-                strategy = placement.strategy(i * per_engine)
-                if strategy is not None:
-                    options["scheduling_strategy"] = strategy
-                self.engines.append(EngineActor.options(**options).remote(args, i, per_engine))
-            self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
-        args.rollout_engine_urls = list(self.engine_urls)
-        args.rollout_num_engines = len(self.engine_urls)
-        if args.sglang_router_ip is not None:
-            self._register_with_external_router()
-        else:
-            from slime.backends.router import RouterProcess
+        if args.sglang_config or args.prefill_num_servers:
+            raise ValueError("--sglang-config and --prefill-num-servers describe SGLang servers: they need "
+                             "--rollout-backend sglang")
+        per_engine = args.rollout_num_gpus_per_engine
+        num_engines = (args.rollout_num_gpus or 0) // per_engine
+        for i in range(num_engines):
+            options = {"num_cpus": 0.1, "num_gpus": 0.2 if placement.gpus_per_bundle and args.colocate else placement.gpus_per_bundle}
+            strategy = placement.strategy(i * per_engine)
+            if strategy is not None:
+                options["scheduling_strategy"] = strategy
+            self.engines.append([EngineActor.options(**options).remote(args, i, per_engine)])
+        self.engine_urls = ray.get([engine[0].start.remote() for engine in self.engines])
+        self.gpu_counts = [per_engine] * len(self.engine_urls)
 
-            policy, extra = _router_argv(args)
+    def _launch_sglang(self, placement) -> None:
+        """Launch plan from the layout and where each rollout GPU is; one actor per engine process."""
+        from slime.backends.sglang_utils.launch_plan import PortAllocator, plan_launch
+        from slime.backends.sglang_utils.sglang_config import models_from_args
+        from slime.ray.engine_actor import EngineActor, node_ip, probe_bundle, probe_free_port
+
+        args = self.args
+        models = models_from_args(args)
+        num_gpus = sum(m.num_gpus for m in models)
+        bundles = [placement.strategy(i) for i in range(num_gpus)]
+        located = ray.get([probe_bundle.options(scheduling_strategy=b, num_gpus=0.01 if placement.gpus_per_bundle else 0).remote()
+                           for b in bundles])
+        single_node = len({ip for ip, _ in located}) == 1 and located[0][0] == node_ip()
+        # one machine: serve on loopback (nothing exposed); several: each engine on its node's address
+        device_map = [("127.0.0.1" if single_node else ip, gpus[0] if gpus else i % args.num_gpus_per_node)
+                      for i, (ip, gpus) in enumerate(located)]
+        first_bundle = {}
+        for i, (ip, _) in enumerate(device_map):
+            first_bundle.setdefault(ip, bundles[i])
+
+        def find_free(ip: str, start: int, count: int) -> int:
+            return ray.get(probe_free_port.options(scheduling_strategy=first_bundle[ip]).remote(start, count))
+
+        plan = plan_launch(args, models, device_map, PortAllocator(find_free))
+        for index, engine in enumerate(plan.engines):
+            actors = []
+            for process in engine.processes:
+                options = {"num_cpus": 0.1, "num_gpus": 0.2 if placement.gpus_per_bundle else 0,
+                           "scheduling_strategy": bundles[process.rollout_gpu_index]}
+                actors.append(EngineActor.options(**options).remote(args, index, engine.num_gpus, process))
+            self.engines.append(actors)
+        self.engine_plans = plan.engines
+        started = [[a.start.remote(1800.0) for a in actors] for actors in self.engines]
+        for refs in started:
+            ray.get(refs)
+        # weights go to the trained model's engines; frozen models keep theirs
+        updated = [e for e in plan.engines if e.update_weights]
+        self.engine_urls = [e.url for e in updated]
+        self.gpu_counts = [e.num_gpus for e in updated]
+
+    def _start_or_join_routers(self) -> None:
+        """A router per model (or the external one for the trained model); fills the router addresses."""
+        from slime.backends.sglang_utils.router_launch import launch_router, register_workers
+
+        args = self.args
+        by_model: dict[str, list] = {}
+        for engine in self.engine_plans:
+            by_model.setdefault(engine.model, []).append(engine)
+        default_model = next((e.model for e in self.engine_plans if e.update_weights), None)
+        external_router = args.sglang_router_ip is not None
+        if external_router:
+            base = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+            bodies = ([e.registration() for e in by_model.get(default_model, [])] if self.engine_plans
+                      else [{"url": url, "worker_type": "regular"} for url in self.engine_urls])
+            register_workers(base, bodies)
+        elif not self.engine_plans:  # embedded or external engines: one router in front of them
+            from slime.backends.router import RouterProcess
+            from slime.backends.sglang_utils.router_launch import router_argv
+
+            policy, extra = router_argv(args)
             self.router = RouterProcess(policy=policy, worker_urls=self.engine_urls, extra_args=extra)
             self.router.start()
             self.router.wait_healthy(timeout=120)
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
-        logger.info("engines %s behind router %s:%s", self.engine_urls, args.sglang_router_ip, args.sglang_router_port)
-
-    def _register_with_external_router(self) -> None:
-        import httpx
-
-        base = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
-        for url in self.engine_urls:
-            response = httpx.post(f"{base}/workers", json={"url": url}, timeout=60)
-            if response.status_code >= 400 and "WORKER_ALREADY_EXISTS" not in response.text:
-                raise RuntimeError(f"registering engine {url} with the router at {base} failed: {response.text[:300]}")
+        routers = {}
+        for name, engines in by_model.items():
+            if external_router and name == default_model:
+                routers[name] = (args.sglang_router_ip, args.sglang_router_port)
+                continue
+            host = "127.0.0.1" if all(e.host == "127.0.0.1" for e in engines) else _node_address()
+            self.routers[name] = launch_router(args, engines, host=host)
+            routers[name] = (self.routers[name].host, self.routers[name].port)
+        if routers:
+            args.sglang_model_routers = routers
+            if not external_router:
+                args.sglang_router_ip, args.sglang_router_port = routers[default_model or next(iter(routers))]
+                self.router = self.routers.get(default_model)
 
     def get_runtime_args(self) -> dict:
-        """What the driver must learn back: router address, engine URLs, derived num_rollout."""
+        """What the driver must learn back: router addresses, engine URLs, derived num_rollout."""
         return {"sglang_router_ip": self.args.sglang_router_ip, "sglang_router_port": self.args.sglang_router_port,
+                "sglang_model_routers": getattr(self.args, "sglang_model_routers", None),
                 "rollout_engine_urls": self.engine_urls, "rollout_num_engines": len(self.engine_urls),
+                "rollout_num_gpus_per_engine": self.args.rollout_num_gpus_per_engine,
                 "num_rollout": self.args.num_rollout}
 
     def engine_gpu_counts(self) -> list[int]:
-        return [self.args.rollout_num_gpus_per_engine] * len(self.engine_urls)
+        """GPUs of each engine whose weights are updated (the ranks of the weight-update group)."""
+        return list(self.gpu_counts)
 
     def check_engines(self) -> list[int]:
-        """Restart dead engines (fault tolerance); return the indices that were restarted."""
+        """Restart dead engines (fault tolerance); return the indices that were restarted. The caller
+        then pushes the current weights to them (``Job.update_weights``)."""
         if not self.engines:
             return []
-        alive = ray.get([engine.alive.remote() for engine in self.engines])
+        alive = [ray.get([a.alive.remote() for a in actors]) for actors in self.engines]
         restarted = []
-        for i, ok in enumerate(alive):
-            if not ok:
-                logger.warning("engine %d (%s) is dead; restarting it", i, self.engine_urls[i])
-                self.engine_urls[i] = ray.get(self.engines[i].restart.remote())
-                restarted.append(i)
-        if restarted and self.router is not None:
-            for i in restarted:  # re-register: resets the router's health and circuit-breaker state
-                try:
-                    self.router.remove_worker(self.engine_urls[i])
-                except KeyError:
-                    pass
-                self.router.add_worker(self.engine_urls[i])
+        for i, flags in enumerate(alive):
+            if all(flags):
+                continue
+            logger.warning("engine %d is dead (processes alive: %s); restarting it", i, flags)
+            for actor in self.engines[i]:
+                ray.get(actor.stop.remote())
+            urls = ray.get([a.start.remote(1800.0) for a in self.engines[i]])
+            restarted.append(i)
+            if i < len(self.engine_urls) and not self.engine_plans:
+                self.engine_urls[i] = urls[0]
+        if restarted:
+            self._reregister(restarted)
         return restarted
 
+    def _reregister(self, restarted: list[int]) -> None:
+        """Re-register restarted engines: resets the router's health and circuit-breaker state."""
+        from slime.backends.sglang_utils.router_launch import register_workers
+
+        for i in restarted:
+            if self.engine_plans:
+                engine = self.engine_plans[i]
+                router = self.routers.get(engine.model)
+                body = engine.registration()
+            else:
+                router, body = self.router, {"url": self.engine_urls[i]}
+            if router is None:
+                register_workers(f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}", [body])
+                continue
+            try:
+                router.remove_worker(body["url"])
+            except KeyError:
+                pass
+            router.add_worker(**body)
+
     def kill_engine_for_test(self, index: int) -> None:
-        ray.get(self.engines[index].kill_for_test.remote())
+        ray.get(self.engines[index][0].kill_for_test.remote())
 
     def _post_engines(self, path: str, payload: dict | None = None) -> None:
         import httpx
@@ -220,24 +322,13 @@ class RolloutManager:
 
     def dispose(self) -> None:
         """Router first, so nothing new is routed to an engine that is going away; then engines."""
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
+        for router in {id(r): r for r in [self.router, *getattr(self, "routers", {}).values()] if r is not None}.values():
+            router.stop()
+        self.router, self.routers = None, {}
         if self.engines:
-            ray.get([engine.stop.remote() for engine in self.engines], timeout=120)
+            ray.get([actor.stop.remote() for actors in self.engines for actor in actors], timeout=120)
             self.engines = []
 
 
-def _router_argv(args) -> tuple[str, list[str]]:
-    """The routing policy (the router's own default unless --router-policy) and the other --router-* flags."""
-    forwarded = dict(getattr(args, "router_passthrough", {}) or {})
-    policy = forwarded.pop("policy", "cache_aware")
-    argv = []
-    for name, value in forwarded.items():
-        if value is True:
-            argv.append(f"--{name}")
-        elif isinstance(value, list):
-            argv += [f"--{name}", *map(str, value)]
-        else:
-            argv += [f"--{name}", str(value)]
-    return policy, argv
+def _node_address() -> str:
+    return ray.util.get_node_ip_address()
