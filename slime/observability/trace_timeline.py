@@ -10,6 +10,7 @@ Times are seconds relative to the earliest record of the dump.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -109,8 +110,19 @@ def _json_default(value):
     return str(value)
 
 
+def _finite(value):
+    """NaN and infinities (a failed reward, say) become null: the page parses the data with JSON.parse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def timeline_json(timeline: dict) -> str:
-    return json.dumps(timeline, default=_json_default, allow_nan=False)
+    return json.dumps(_finite(timeline), default=_json_default, allow_nan=False)
 
 
 def render_html(timeline: dict) -> str:

@@ -1,5 +1,7 @@
 """The viewer's data model on small dumps: rows, lanes, open spans, untraced samples, bad files."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from slime.utils.types import Sample
 
 
 def traced_sample(index, group):
-    sample = Sample(index=index, group_index=group, tokens=[1], status=Sample.Status.COMPLETED, reward=1.0)
+    sample = Sample(index=index, group_index=group, tokens=[1], status=Sample.Status.COMPLETED, reward=float("nan"))
     with tu.trace_span(sample, "generate_and_rm"):
         with tu.trace_span(sample, "sglang_generate") as span:
             span.update(tu.build_sglang_meta_trace_attrs({"queue_time": 0.01, "prefill_duration": 0.02,
@@ -39,7 +41,8 @@ def test_rows_lanes_open_spans_and_untraced(tmp_path):
     assert first["events"][0]["name"] == "dynamic_filter" and first["events"][0]["attrs"] == {"keep": True}
     (open_span,) = second["spans"]
     assert open_span.get("open") is True and open_span["end"] == pytest.approx(timeline["duration"])
-    assert "__TIMELINE_JSON__" not in page.read_text()
+    assert json.loads(cache.read_text())["rows"][0]["reward"] is None  # NaN reward: null for JSON.parse
+    assert "__TIMELINE_JSON__" not in page.read_text() and "NaN" not in cache.read_text()
 
 
 def test_bad_dumps_are_named(tmp_path):
