@@ -99,6 +99,23 @@ def test_disk_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
     assert versions == ["weight_v000005"], versions  # older versions are removed unless asked to keep them
 
 
+def test_disk_delta_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
+    from slime.backends.update_weight.weight_files import read_version
+
+    local = tmp_path / "host" / "checkpoint"
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--update-weight-transport", "disk",
+                        "--update-weight-mode", "delta", "--update-weight-disk-dir", tmp_path / "weights",
+                        "--update-weight-local-checkpoint-dir", local, "--check-weight-update-equal", steps=3))
+    # the engines generate with exactly the trainer's weights after every version, not just the first
+    diffs = by_kind(read_metrics(tmp_path / "run"), "train", "train/train_rollout_logprob_abs_diff")
+    assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+    assert json.loads((local / "slime_weight_version.json").read_text())["version"] == 3
+    # lr 5e-2 moves every fp32 weight, so a model's worth of deltas piles up and a full version follows;
+    # the versions before the newest full one are deleted
+    kinds = [read_version(str(tmp_path / "weights" / name)).kind for name in sorted(os.listdir(tmp_path / "weights"))]
+    assert kinds[0] == "full" and set(kinds[1:]) <= {"delta"} and len(kinds) < 4, kinds
+
+
 def test_debug_rollout_only_then_train_only_replay(tiny_model_dir, tiny_task_data, tmp_path):
     dump = str(tmp_path / "dump" / "{rollout_id}.pt")
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "gen", "--debug-rollout-only",
