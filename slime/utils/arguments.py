@@ -380,6 +380,9 @@ def _validate_sglang_side(args) -> None:
     chosen = [k for k, v in exclusive.items() if v]
     if len(chosen) > 1:
         raise ValueError(f"{' and '.join(chosen)} are mutually exclusive")
+    if args.rollout_external and args.colocate:
+        raise ValueError("--rollout-external-engine-addrs engines run on their own GPUs: they cannot be combined with "
+                         "--colocate (tensor weight updates need engines sharing the trainer's devices)")
     pp = getattr(args, "sglang_pp_size", None) or getattr(args, "sglang_pipeline_parallel_size", None) or 1
     if args.rollout_num_gpus_per_engine % int(pp) != 0:
         raise ValueError(

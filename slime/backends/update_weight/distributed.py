@@ -47,10 +47,18 @@ class DistributedWeightUpdater:
                 "group_name": GROUP_NAME, "backend": self.backend})
             for url, offset in zip(self.client.engine_urls, offsets)
         ]
-        self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world_size, 0, GROUP_NAME,
-                                               timeout=timedelta(minutes=self.args.distributed_timeout_minutes))
-        for future in futures:
-            future.result()
+        try:
+            self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world_size, 0, GROUP_NAME,
+                                                   timeout=timedelta(minutes=self.args.distributed_timeout_minutes))
+            for future in futures:
+                future.result()
+        except Exception as e:
+            raise RuntimeError(
+                f"could not form the weight-update process group between this trainer ({host}:{port}) and the "
+                f"engines {self.client.engine_urls}: {e}. Engines that cannot reach the trainer (e.g. external "
+                f"engines on another network) need --update-weight-transport disk --update-weight-disk-dir DIR on a "
+                f"filesystem both sides see."
+            ) from e
 
     def update(self, buckets, weight_version: str) -> int:
         if self.group is None:

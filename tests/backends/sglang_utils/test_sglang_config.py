@@ -91,3 +91,9 @@ def test_flags_and_file_are_one_layout(tmp_path):
         parse_args(base + ["--sglang-config", str(path), "--rollout-external-engine-addrs", "h:1"])
     with pytest.raises(FileNotFoundError, match="--sglang-config '/no/such.yaml' does not exist"):
         models_from_args(parse_args(base + ["--sglang-config", "/no/such.yaml"]))
+
+
+def test_external_engines_cannot_be_colocated():
+    with pytest.raises(ValueError, match="cannot be combined with --colocate"):
+        parse_args(["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp",
+                    "--rollout-external-engine-addrs", "10.0.0.5:30000", "--colocate"])
