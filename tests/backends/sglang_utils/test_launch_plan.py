@@ -148,3 +148,16 @@ def test_layout_errors_name_the_engine():
     args = args_of("--rollout-num-gpus", 4)
     with pytest.raises(ValueError, match="needs 8 GPUs but only 4"):
         plan(args, models=[ModelConfig("m", "/m", True, [ServerGroup("regular", 8, 1)])])
+
+
+def test_free_port_search_skips_ports_in_use():
+    import socket
+
+    from slime.ray.engine_actor import find_free_port
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        taken = busy.getsockname()[1]
+        busy.listen()
+        port = find_free_port(taken, 2)
+        assert port > taken  # a block of 2 free ports that does not start on the taken one
