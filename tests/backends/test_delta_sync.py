@@ -45,6 +45,21 @@ def test_round_trip_is_byte_exact(encoding, dtype_name):
     assert target.tobytes() == (old if encoding == "xor" else new).tobytes()
 
 
+def test_tensor_larger_than_a_chunk_round_trips_and_rejects_a_short_payload():
+    """xor streams tensors above delta.CHUNK_BYTES piece by piece."""
+    gen = torch.Generator().manual_seed(5)
+    old = torch.randn(3 * delta.CHUNK_BYTES // 2 + 3, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new[::101] = new[::101] * 2
+    old_bytes, new_bytes = old.view(torch.uint8).numpy().copy(), new.view(torch.uint8).numpy()
+    payload = delta.encode("xor", new_bytes, old_bytes, 2)
+    target = old_bytes.copy()
+    delta.apply("xor", target, payload, 2)
+    assert target.tobytes() == new_bytes.tobytes()
+    with pytest.raises(delta.DeltaError, match="corrupt zstd payload|xor payload holds"):
+        delta.apply("xor", old_bytes.copy(), payload[:len(payload) // 2], 2)
+
+
 @pytest.mark.parametrize("encoding", ["xor", "overwrite"])
 def test_no_change_and_all_changed(encoding):
     old = np.arange(1000, dtype=np.uint16).view(np.uint8)
@@ -57,7 +72,7 @@ def test_no_change_and_all_changed(encoding):
 def test_corrupt_and_mismatched_payloads_are_rejected():
     old, new, _ = _byte_patterns("bfloat16", seed=3)
     payload = bytearray(delta.encode("xor", new, old, 2))
-    with pytest.raises(delta.DeltaError, match="xor payload holds more than the tensor.s 8196 bytes"):
+    with pytest.raises(delta.DeltaError, match="xor payload holds 8198 bytes, the tensor has 8196"):
         delta.apply("xor", old[:-2].copy(), bytes(payload), 2)
     payload[len(payload) // 2] ^= 0xFF
     target = old.copy()

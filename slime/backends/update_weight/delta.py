@@ -17,6 +17,7 @@ Every payload is compressed with zstd level 1. ``checksum`` digests a tensor's n
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -49,14 +50,28 @@ def checksum(data: np.ndarray, algorithm: str) -> str:
     raise ValueError(f"unknown checksum {algorithm!r}; valid: {', '.join(CHECKSUMS)}")
 
 
+_contexts = threading.local()  # zstd contexts are not thread-safe; one pair per thread, reused across tensors
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_contexts, "compressor"):
+        _contexts.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return _contexts.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
+
+
 def _compress(data) -> bytes:
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    return _compressor().compress(data)
 
 
 def _decompress(payload, expected_size: int) -> np.ndarray:
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(payload) if not isinstance(payload, bytes) else payload,
-                                                      max_output_size=expected_size)
+        raw = _decompressor().decompress(memoryview(payload), max_output_size=expected_size)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"corrupt zstd payload: {exc}") from exc
     return np.frombuffer(raw, dtype=np.uint8)
@@ -90,8 +105,10 @@ def encode_xor(new: np.ndarray, old: np.ndarray) -> bytes:
     new, old = _as_bytes(new), _as_bytes(old)
     if new.nbytes != old.nbytes:
         raise ValueError(f"xor needs equal sizes, got {new.nbytes} and {old.nbytes} bytes")
+    if new.nbytes <= CHUNK_BYTES:
+        return _compress(np.bitwise_xor(new, old))
     # chunk by chunk: the xor stays in cache and no tensor-sized temporary is allocated
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=new.nbytes)
+    compressor = _compressor().compressobj(size=new.nbytes)
     scratch = np.empty(min(CHUNK_BYTES, new.nbytes), dtype=np.uint8)
     parts = []
     for start in range(0, new.nbytes, CHUNK_BYTES):
@@ -107,7 +124,19 @@ def apply_xor(target: np.ndarray, payload) -> None:
     """``target ^= decompressed payload``, in place (a corrupt payload may leave ``target`` half-applied;
     callers apply to a private copy)."""
     target = _as_bytes(target)
-    reader = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=False)
+    if target.nbytes <= CHUNK_BYTES:
+        try:
+            declared = zstandard.frame_content_size(memoryview(payload))
+        except zstandard.ZstdError as exc:
+            raise DeltaError(f"corrupt zstd payload: {exc}") from exc
+        if declared >= 0 and declared != target.nbytes:
+            raise DeltaError(f"xor payload holds {declared} bytes, the tensor has {target.nbytes}")
+        diff = _decompress(payload, target.nbytes)
+        if diff.nbytes != target.nbytes:
+            raise DeltaError(f"xor payload holds {diff.nbytes} bytes, the tensor has {target.nbytes}")
+        np.bitwise_xor(target, diff, out=target)
+        return
+    reader = _decompressor().stream_reader(memoryview(payload), read_across_frames=False)
     scratch = np.empty(min(CHUNK_BYTES, max(target.nbytes, 1)), dtype=np.uint8)
     position = 0
     try:
