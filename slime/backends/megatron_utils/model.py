@@ -66,14 +66,21 @@ def transformer_config(args, **overrides):
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=False,
+        # Megatron rejects its default "allgather" dispatcher with variable sequence lengths, even
+        # for dense models; "alltoall" needs CUDA streams, so CPU builds (tools, layout checks) use
+        # allgather with fixed lengths
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
     )
+    if not torch.cuda.is_available():
+        kwargs["variable_seq_lengths"] = False
     if moe:
         kwargs.update(
             num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
             moe_router_pre_softmax=args.moe_router_pre_softmax, moe_router_score_function=args.moe_router_score_function,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=args.moe_shared_expert_gate, moe_layer_freq=args.moe_layer_freq,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type if args.moe_token_dispatcher_type != "allgather" else "alltoall",
+            moe_token_dispatcher_type=kwargs["moe_token_dispatcher_type"] if args.moe_token_dispatcher_type == "allgather"
+            else args.moe_token_dispatcher_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype="fp32",
         )

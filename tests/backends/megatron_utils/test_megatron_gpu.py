@@ -111,3 +111,61 @@ def test_qwen3_moe_logprobs_and_roundtrip(qwen3_moe, tmp_path, tp, ep):
 @pytest.mark.parametrize("hf", ["qwen3_dense", "qwen3_moe"])
 def test_pipeline_parallel_roundtrip(hf, request, tmp_path):
     _assert_roundtrip(_run(request.getfixturevalue(hf), tmp_path, pp=2))
+
+
+# --------------------------------------------------------------------------- the trainer and the tools
+
+WORKER = Path(__file__).with_name("megatron_worker_check.py")
+
+
+def _torchrun(script: Path, nproc: int, *argv: str, timeout: int = 900) -> None:
+    pytest.importorskip("megatron.core")
+    if _gpus() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(script), *argv]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), size="tiny", seed=0))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, tmp_path, nproc):
+    """Two rollout steps (2 optimizer steps each): ppo_kl is exactly 0 at each rollout's first step;
+    offload/onload between them and a resume from the saved checkpoint give the same rollout 1."""
+    save = tmp_path / "ckpt"
+    first, resumed = tmp_path / "first.json", tmp_path / "resumed.json"
+    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload")
+    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume")
+    a, b = json.loads(first.read_text()), json.loads(resumed.read_text())
+    print(json.dumps({k: v for k, v in a.items() if k != "weights"}), json.dumps({k: v for k, v in b.items() if k != "weights"}))
+    assert a["start"] is None and b["start"] == 1
+    assert len(a["rollout0_ppo_kl"]) == 2 and a["rollout0_ppo_kl"][0] == 0.0 and a["rollout1_ppo_kl"][0] == 0.0
+    assert a["rollout0_ppo_kl"][1] != 0.0  # the second step sees updated weights
+    assert a["offload_freed_bytes"] > 0
+    assert b["rollout1"] == a["rollout1"]
+    assert b["weights"] == a["weights"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "0"
+
+
+def test_conversion_tools_round_trip(tiny_dir, tmp_path):
+    """tools/convert_hf_to_torch_dist.py then tools/convert_torch_dist_to_hf.py gives back the same tensors."""
+    from safetensors.torch import load_file
+
+    dist_dir, back = tmp_path / "dist", tmp_path / "back"
+    _torchrun(ROOT / "tools" / "convert_hf_to_torch_dist.py", 1, "--hf-checkpoint", tiny_dir, "--save", str(dist_dir))
+    assert (dist_dir / "latest_checkpointed_iteration.txt").read_text() == "0"
+    _torchrun(ROOT / "tools" / "convert_torch_dist_to_hf.py", 1, "--input-dir", str(dist_dir), "--output-dir", str(back),
+              "--origin-hf-dir", tiny_dir)
+    original, converted = load_file(os.path.join(tiny_dir, "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(converted) == set(original) - {"lm_head.weight"} or set(converted) == set(original)
+    for name, tensor in converted.items():
+        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
