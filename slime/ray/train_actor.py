@@ -117,6 +117,11 @@ class TrainRayActor:
         if self.rank != 0:
             for _ in buckets:
                 pass
+            if self.args.update_weight_transport == "disk" and self.args.custom_update_weight_post_write_path:
+                from slime.backends.update_weight.disk import run_post_write_hook
+
+                # §2.20: the hook runs on every rank, after rank 0 wrote the files, before engines read them
+                run_post_write_hook(self.args, None, list(getattr(self.args, "rollout_engine_urls", None) or []))
             return {}
         self.weight_updater.client.pause()
         try:

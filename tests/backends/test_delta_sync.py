@@ -310,3 +310,55 @@ def test_pre_read_hook_runs_before_reading(trainer, tmp_path):
     pull_weights(str(tmp_path / "ckpt"), str(trainer.source), 0, base_checkpoint=str(trainer.hf),
                  pre_read_hook=lambda source_dir, version: calls.append((source_dir, version)))
     assert calls == [(str(trainer.source), 0)]
+
+
+# ---------------------------------------------------------------- post-write hook on every rank
+def record_hook(args, version_dir, engine_urls):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    complete = os.path.isfile(os.path.join(version_dir, "model.safetensors.index.json"))
+    with open(os.path.join(args.record_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{version_dir} {complete}")
+    if args.fail_on_rank == rank:
+        raise ValueError("upload failed")
+
+
+def _hook_rank(rank, world_size, port, args):
+    import torch.distributed as dist
+
+    from slime.backends.update_weight.disk import run_post_write_hook
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        if rank == 0:
+            updater = DiskWeightUpdater(args, [])
+            updater.update([list(_initial_state().items())], "3")
+        else:
+            run_post_write_hook(args, None, [])
+    except RuntimeError as exc:
+        with open(os.path.join(args.record_dir, f"error{rank}"), "w") as f:
+            f.write(str(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail_on_rank", [None, 1])
+def test_post_write_hook_runs_on_every_rank_after_the_files_are_written(tmp_path, fail_on_rank):
+    import torch.multiprocessing as mp
+
+    from slime.backends.embedded_engine.launch import find_free_port
+
+    args = SimpleNamespace(update_weight_mode="full", update_weight_disk_dir=str(tmp_path / "published"),
+                           hf_checkpoint=str(tmp_path), update_weight_disk_keep_files=False,
+                           custom_update_weight_post_write_path=f"{__name__}.record_hook",
+                           record_dir=str(tmp_path), fail_on_rank=fail_on_rank)
+    mp.start_processes(_hook_rank, args=(2, find_free_port(), args), nprocs=2, start_method="spawn")
+    expected = f"{tmp_path / 'published' / version_dir_name(3)} True"
+    assert (tmp_path / "rank0").read_text() == expected and (tmp_path / "rank1").read_text() == expected
+    errors = sorted(p.name for p in tmp_path.glob("error*"))
+    if fail_on_rank is None:
+        assert errors == []
+    else:  # the failure on rank 1 is raised on both ranks, naming the rank and the hook's error
+        assert errors == ["error0", "error1"]
+        assert "rank 1: ValueError('upload failed')" in (tmp_path / "error0").read_text()

@@ -80,9 +80,14 @@ class DiskWeightUpdater:
     def update(self, buckets, weight_version: str) -> int:
         """Publish a version and have every engine load it; returns the bytes written."""
         version = int(weight_version)
-        version_dir, total, kind = self.write_version(buckets, version)
+        try:
+            version_dir, total, kind = self.write_version(buckets, version)
+        except BaseException as exc:
+            if self.args.custom_update_weight_post_write_path:
+                run_post_write_hook(self.args, None, self.client.engine_urls, failure=f"writing version {version}: {exc}")
+            raise
         if self.args.custom_update_weight_post_write_path:
-            load_function(self.args.custom_update_weight_post_write_path)(self.args, version_dir, self.client.engine_urls)
+            run_post_write_hook(self.args, version_dir, self.client.engine_urls)
         model_path = version_dir
         if self.delta_writer is not None:
             model_path = self.args.update_weight_local_checkpoint_dir
@@ -108,3 +113,38 @@ class DiskWeightUpdater:
         if self.delta_writer is not None:
             self.delta_writer.close()
         self.client.close()
+
+
+def run_post_write_hook(args, version_dir: str | None, engine_urls: list[str], failure: str | None = None) -> None:
+    """``--custom-update-weight-post-write-path`` on every training rank (INTERFACES §2.20).
+
+    Trainer rank 0 writes the version and calls this with its directory; the other ranks call it with
+    ``None`` once they have produced their share of the buckets (``TrainRayActor.update_weights``) and
+    learn the directory from rank 0. Every rank returns only when the hook finished on all of them, so
+    engines read nothing before that; a hook that raises on any rank raises on every rank. ``failure``
+    (rank 0 could not write) releases the other ranks without running the hook."""
+    import torch.distributed as dist
+
+    hook = load_function(args.custom_update_weight_post_write_path)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is None:
+            hook(args, version_dir, engine_urls)
+        return
+    box = [(version_dir, failure)]
+    dist.broadcast_object_list(box, src=0)
+    version_dir, failure = box[0]
+    if failure is not None:
+        if dist.get_rank() != 0:
+            raise RuntimeError(f"disk weight sync failed on trainer rank 0 ({failure})")
+        return
+    error = None
+    try:
+        hook(args, version_dir, engine_urls)
+    except Exception as exc:  # reported on every rank below, so that no rank waits forever
+        error = f"rank {dist.get_rank()}: {exc!r}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        raise RuntimeError(f"--custom-update-weight-post-write-path {args.custom_update_weight_post_write_path} "
+                           f"failed for {version_dir}: {'; '.join(failed)}")
