@@ -82,10 +82,14 @@ class DistributedWeightUpdater:
 
     def close(self) -> None:
         if self.group is not None:
-            try:
-                self.client.post_all("/destroy_weights_update_group", {"group_name": GROUP_NAME})
-            except Exception:  # engines may already be gone at shutdown
-                pass
+            # Both sides tear the communicator down together: NCCL's destroy waits for the peers, so a
+            # blocking request first (then the local destroy) would hang on GPU.
+            futures = self.client.submit_all("/destroy_weights_update_group", {"group_name": GROUP_NAME})
             dist.destroy_process_group(self.group)
             self.group = None
+            for future in futures:
+                try:
+                    future.result(timeout=120)
+                except Exception:  # engines may already be gone at shutdown
+                    pass
         self.client.close()

@@ -218,8 +218,13 @@ def test_update_weights_from_distributed_nccl(tiny_model_dir, flattened):
         new_model = hf_cuda(tiny_model_dir, torch.float32, {k: v.cpu() for k, v in state.items()})
         for prompt, out in zip(PROMPTS, new_outs):
             check_against_hf(new_model, prompt, out, 0.0, FP32_TOL)
-        destroyed = httpx.post(engine.url + "/destroy_weights_update_group", json={"group_name": group_name}, timeout=60)
-        assert destroyed.json()["success"]
+        # NCCL's communicator destroy waits for the peer: both sides at once.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            destroyed = pool.submit(httpx.post, engine.url + "/destroy_weights_update_group",
+                                    json={"group_name": group_name}, timeout=60)
+            dist.destroy_process_group(group)
+            group = None
+            assert destroyed.result(timeout=90).json()["success"]
     finally:
         if group is not None:
             dist.destroy_process_group(group)
