@@ -106,6 +106,9 @@ class TrainRayActor:
             return
         from slime.backends.update_weight import make_weight_updater
 
+        if self.weight_updater is not None and hasattr(self.weight_updater, "set_engines"):
+            self.weight_updater.set_engines(engine_urls)  # disk: keep the published chain (delta snapshot)
+            return
         if self.weight_updater is not None:
             self.weight_updater.close()
         self.weight_updater = make_weight_updater(self.args, engine_urls, engine_gpu_counts, colocate=self.args.colocate)

@@ -45,6 +45,12 @@ class DiskWeightUpdater:
             self.delta_writer = DeltaVersionWriter(args.hf_checkpoint, args.update_weight_delta_encoding,
                                                    args.update_weight_delta_checksum)
 
+    def set_engines(self, engine_urls: list[str]) -> None:
+        """New engine URLs (engines restarted): published versions and the delta snapshot stay valid, since
+        a restarted engine pulls from the same chain."""
+        self.client.close()
+        self.client = EngineClient(engine_urls)
+
     def write_version(self, buckets, version: int) -> tuple[str, int, str]:
         """Write one version atomically; returns (its directory, bytes written, "full" or "delta")."""
         version_dir = os.path.join(self.root, version_dir_name(version))
