@@ -139,17 +139,19 @@ class AsyncEngine:
             meta["output_token_logprobs_length"] = len(output_ids)
         if final:
             meta["e2e_latency"] = latency
-            meta.update(self.phase_times(seq))
+            meta.update(self.phase_times(seq, latency))
         meta["response_sent_to_client_ts"] = time.time()
         return meta
 
     @staticmethod
-    def phase_times(seq: Sequence) -> dict:
-        """Where the request's time went on this server (seconds): waiting for a slot, prefill up to the
+    def phase_times(seq: Sequence, latency: float) -> dict:
+        """Where the request's time went on this server (seconds): queueing (from the HTTP handler's
+        submit until the first admission, so waiting for the engine thread counts), prefill up to the
         first token, decode of the rest (what the trace viewer draws as lanes)."""
         times = {}
         if seq.admitted is not None:
-            times["queue_time"] = seq.admitted - seq.created
+            served = (seq.finished or time.monotonic()) - seq.admitted  # prefill + decode
+            times["queue_time"] = max(latency - served, seq.admitted - seq.created, 0.0)
             if seq.first_token is not None:
                 times["prefill_duration"] = seq.first_token - seq.admitted
                 if seq.finished is not None:
