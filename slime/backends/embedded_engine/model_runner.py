@@ -215,8 +215,8 @@ class DecodeGraphs:
     Inputs live in static device buffers (token ids and positions of every slot); a replay reads
     them, writes the new keys/values into the cache and leaves the logits in the graph's output
     tensor, which the caller consumes before the next replay. All graphs share one memory pool.
-    KV-length buckets are powers of two from 128 (capped at the slot capacity), so a step reads at
-    most twice the keys it needs. Without CUDA (or with graphs disabled) the same forward runs
+    KV-length buckets go from 128 in four steps per octave (128, 160, 192, 224, 256, 320, ..., capped
+    at the slot capacity), so a step reads at most 25% more keys than it needs. Without CUDA (or with graphs disabled) the same forward runs
     eagerly at the exact length.
     """
 
@@ -228,20 +228,22 @@ class DecodeGraphs:
         self.batch_buckets = _buckets(max_batch) if enabled else []
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.ids = self.positions = self.host = None
+        self.ids = self.positions = self.host = self.logits = None
         self.captures = 0
 
     def clear(self) -> None:
         self.graphs.clear()
         self.pool = None
+        self.logits = None
 
     def _bucket(self, batch: int, need: int) -> tuple[int, int] | None:
         if not self.enabled or batch > self.batch_buckets[-1]:
             return None
         capacity = self.runner.kv_cache.shape.slot_capacity
         length = self.MIN_KV_BUCKET
-        while length < need:
-            length *= 2
+        while length < need:  # four steps per octave: 128, 160, 192, 224, 256, 320, ...
+            octave = 1 << (length.bit_length() - 1)
+            length += octave // 4
         return next(b for b in self.batch_buckets if b >= batch), min(length, capacity)
 
     def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -288,9 +290,11 @@ class DecodeGraphs:
             for _ in range(2):
                 runner.decode_forward(ids, pos, length)
         torch.cuda.current_stream(runner.device).wait_stream(stream)
+        if self.logits is None:  # one output buffer for every graph: graphs keep no live memory of their own
+            self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = runner.decode_forward(ids, pos, length)
+            self.logits[:padded].copy_(runner.decode_forward(ids, pos, length))
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
-        return graph, logits
+        return graph, self.logits[:padded]

@@ -41,22 +41,39 @@ class RowSampling:
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
            ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` ([rows, vocab], fp32); return (token ids, log-probs)."""
+    """Pick one token per row of ``logits`` ([rows, vocab], fp32); return (token ids, log-probs).
+
+    The common RL case (every row sampled at one temperature, no truncation) costs a handful of
+    passes over the logits and no host round trip before the final copy of the results.
+    """
     logits = logits.float()
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
-    temperatures = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
-    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
-    tokens = logits.argmax(dim=-1)
+    temperatures = [1.0 if r.greedy else r.temperature for r in rows]
+    if all(t == temperatures[0] for t in temperatures):
+        scaled = logits if temperatures[0] == 1.0 else logits / temperatures[0]
+    else:
+        scaled = logits / torch.tensor(temperatures, device=logits.device).unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        probs = _truncate(logprobs[idx].exp(), [rows[i] for i in sampled])
-        noise = _exponential_noise(probs.shape, [rows[i] for i in sampled], generator, logits.device)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+    if len(sampled) == len(rows):
+        tokens = _draw(logprobs, rows, generator)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            tokens[idx] = _draw(logprobs[idx], [rows[i] for i in sampled], generator)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens.tolist(), chosen.tolist()
+
+
+def _draw(logprobs: torch.Tensor, rows: list[RowSampling], generator) -> torch.Tensor:
+    """Exponential race ``argmax(p / E)``, evaluated as ``argmax(log p - log E)`` when nothing is truncated."""
+    noise = _exponential_noise(logprobs.shape, rows, generator, logprobs.device)
+    if any(0 < r.top_k < logprobs.shape[1] or r.top_p < 1.0 or r.min_p > 0 for r in rows):
+        return (_truncate(logprobs.exp(), rows) / noise).argmax(dim=-1)
+    return (logprobs - noise.log_()).argmax(dim=-1)
 
 
 def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
