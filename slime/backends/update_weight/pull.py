@@ -38,6 +38,7 @@ from slime.backends.update_weight.weight_files import (
     DTYPE_SIZES,
     INDEX_NAME,
     SINGLE_FILE_NAME,
+    Shard,
     VersionInfo,
     checkpoint_weight_map,
     read_shard,
@@ -126,11 +127,8 @@ def _copy_full(version: VersionInfo, staging: str, pool: ThreadPoolExecutor) -> 
         list(pool.map(check, [n for n in version.tensors if version.weight_map[n] == file_name]))
 
 
-def _apply_delta(directory: str, version: VersionInfo, pool: ThreadPoolExecutor) -> None:
-    """Apply one delta version to the checkpoint in ``directory``: all changed files or none."""
-    local_map = checkpoint_weight_map(directory)
-    tensors = version.tensors
-    for name, info in tensors.items():
+def _check_version(directory: str, version: VersionInfo, local_map: dict[str, str]) -> None:
+    for name, info in version.tensors.items():
         if info["encoding"] not in ("raw", *delta.ENCODINGS):
             raise PullError(f"version {version.version}: tensor {name} has unknown encoding {info['encoding']!r}")
         if info["encoding"] != "raw" and name not in local_map:
@@ -138,76 +136,95 @@ def _apply_delta(directory: str, version: VersionInfo, pool: ThreadPoolExecutor)
                             f"checkpoint {directory} has no such tensor")
         if name not in version.weight_map:
             raise PullError(f"version {version.version}: tensor {name} is not in the weight_map of {version.path}")
-    payload_shards = {}
-    for file_name in sorted(set(version.weight_map[name] for name in tensors)):
+
+
+def _read_payloads(version: VersionInfo) -> dict[str, Shard]:
+    shards = {}
+    for file_name in sorted(set(version.weight_map[name] for name in version.tensors)):
         try:
-            payload_shards[file_name] = read_shard(os.path.join(version.path, file_name))
+            shards[file_name] = read_shard(os.path.join(version.path, file_name))
         except (OSError, ValueError) as exc:
             raise PullError(f"version {version.version}: {exc}") from exc
-    added = [name for name in tensors if name not in local_map]
-    removed = [name for name in version.removed if name in local_map]
-    first_file = min(local_map.values(), default=SINGLE_FILE_NAME)
-    touched: dict[str, list[str]] = {}
-    for name in list(tensors) + removed:
-        touched.setdefault(local_map.get(name, first_file), []).append(name)
+    return shards
 
+
+def _new_tensor(name: str, shard: Shard | None, payloads: dict[str, Shard], version: VersionInfo) -> np.ndarray:
+    """The tensor's bytes in the new version, verified against the published checksum."""
+    info = version.tensors[name]
+    payload_file = payloads[version.weight_map[name]]
+    if name not in payload_file.entries:
+        raise PullError(f"version {version.version}: tensor {name} is missing from {payload_file.path}")
+    payload = payload_file.tensor(name)
+    if info["encoding"] == "raw":
+        new = payload
+    else:
+        entry = shard.entries[name]
+        if entry.dtype != info["dtype"] or entry.shape != info["shape"]:
+            raise PullError(f"version {version.version}: tensor {name} is {entry.dtype} {entry.shape} in the local "
+                            f"checkpoint, the delta is for {info['dtype']} {info['shape']}")
+        new = shard.tensor(name)  # the shard is a private copy: apply in place
+        try:
+            delta.apply(info["encoding"], new, payload, DTYPE_SIZES[info["dtype"]])
+        except (delta.DeltaError, ValueError) as exc:
+            raise PullError(f"version {version.version}: tensor {name} in {payload_file.path}: {exc}") from exc
+    _verify(name, new, info, version, f"after applying {payload_file.path} to {shard.path if shard else 'nothing'}; "
+            f"the local checkpoint is not version {version.base_version} or the delta is corrupt")
+    return new
+
+
+def _rewrite_shard(path: str, names: list[str], added: list[str], removed: list[str], payloads: dict[str, Shard],
+                   version: VersionInfo, pool: ThreadPoolExecutor) -> str:
+    """Write the new content of one local shard to a temporary file next to it; returns that file."""
+    if os.path.exists(path):
+        try:
+            shard = read_shard(path)
+        except (OSError, ValueError) as exc:
+            raise PullError(f"local checkpoint: {exc}") from exc
+    elif added and set(names) <= set(added):
+        shard = None  # an empty checkpoint receiving its first tensors
+    else:
+        raise PullError(f"local checkpoint: {path} is listed in its index but does not exist")
+    changed = [name for name in names if name in version.tensors]
+    new_bytes = dict(zip(changed, pool.map(lambda name: _new_tensor(name, shard, payloads, version), changed)))
+    tensors = []
+    for name, entry in (shard.entries.items() if shard else []):
+        info = version.tensors.get(name)
+        if name in removed:
+            continue
+        if info is not None and info["encoding"] == "raw":  # may change dtype or shape
+            tensors.append((name, info["dtype"], info["shape"], new_bytes[name]))
+        else:
+            tensors.append((name, entry.dtype, entry.shape, new_bytes.get(name, shard.tensor(name))))
+    tensors += [(name, version.tensors[name]["dtype"], version.tensors[name]["shape"], new_bytes[name])
+                for name in names if name in added]
+    write_shard(path + TMP_SUFFIX, tensors, shard.metadata if shard else None)
+    return path + TMP_SUFFIX
+
+
+def _apply_delta(directory: str, version: VersionInfo, pool: ThreadPoolExecutor) -> None:
+    """Apply one delta version to the checkpoint in ``directory``: all changed files or none."""
+    local_map = checkpoint_weight_map(directory)
+    _check_version(directory, version, local_map)
+    payloads = _read_payloads(version)
+    added = [name for name in version.tensors if name not in local_map]
+    removed = [name for name in version.removed if name in local_map]
+    first_file = min(local_map.values(), default=SINGLE_FILE_NAME)  # where new tensors go
+    touched: dict[str, list[str]] = {}
+    for name in list(version.tensors) + removed:
+        touched.setdefault(local_map.get(name, first_file), []).append(name)
+    index_path = os.path.join(directory, INDEX_NAME)
     written: list[tuple[str, str]] = []
     try:
-        for file_name, names in sorted(touched.items()):
+        for file_name, names in sorted(touched.items()):  # one local shard in memory at a time
             path = os.path.join(directory, file_name)
-            try:
-                shard = read_shard(path) if os.path.exists(path) else None
-            except (OSError, ValueError) as exc:
-                raise PullError(f"local checkpoint: {exc}") from exc
-            entries = shard.entries if shard is not None else {}
-
-            def apply_one(name):
-                info = tensors[name]
-                payload_file = payload_shards[version.weight_map[name]]
-                if name not in payload_file.entries:
-                    raise PullError(f"version {version.version}: tensor {name} is missing from {payload_file.path}")
-                payload = payload_file.tensor(name)
-                if info["encoding"] == "raw":
-                    new = payload
-                else:
-                    entry = entries[name]
-                    if entry.dtype != info["dtype"] or entry.shape != info["shape"]:
-                        raise PullError(f"version {version.version}: tensor {name} is {entry.dtype} {entry.shape} in "
-                                        f"the local checkpoint, the delta is for {info['dtype']} {info['shape']}")
-                    new = shard.tensor(name)  # the shard is a private copy: apply in place
-                    try:
-                        delta.apply(info["encoding"], new, payload, DTYPE_SIZES[info["dtype"]])
-                    except (delta.DeltaError, ValueError) as exc:
-                        raise PullError(f"version {version.version}: tensor {name} in {payload_file.path}: {exc}") from exc
-                _verify(name, new, info, version, f"after applying {payload_file.path} to {path}; the local "
-                        f"checkpoint is not version {version.base_version} or the delta is corrupt")
-                return new
-
-            changed = [name for name in names if name in tensors]
-            new_bytes = dict(zip(changed, pool.map(apply_one, changed)))
-            out = []
-            for name, entry in entries.items():
-                if name in removed:
-                    continue
-                info = tensors.get(name)
-                if info is not None and info["encoding"] == "raw":
-                    out.append((name, info["dtype"], info["shape"], new_bytes[name]))
-                else:
-                    out.append((name, entry.dtype, entry.shape, new_bytes.get(name, shard.tensor(name) if shard else None)))
-            out += [(name, tensors[name]["dtype"], tensors[name]["shape"], new_bytes[name]) for name in names
-                    if name in added]
-            write_shard(path + TMP_SUFFIX, out, shard.metadata if shard else None)
-            written.append((path + TMP_SUFFIX, path))
-        if (added or removed) and os.path.isfile(os.path.join(directory, INDEX_NAME)):
-            index_path = os.path.join(directory, INDEX_NAME)
+            written.append((_rewrite_shard(path, names, added, removed, payloads, version, pool), path))
+        if (added or removed) and os.path.isfile(index_path):
             with open(index_path) as f:
                 index = json.load(f)
             for name in removed:
                 index["weight_map"].pop(name, None)
-            for name in added:
-                index["weight_map"][name] = first_file
-            with open(index_path + TMP_SUFFIX, "w") as f:
-                json.dump(index, f)
+            index["weight_map"].update({name: first_file for name in added})
+            write_json_atomic(index_path + TMP_SUFFIX, index)
             written.append((index_path + TMP_SUFFIX, index_path))
     except BaseException:
         for tmp, _ in written:
