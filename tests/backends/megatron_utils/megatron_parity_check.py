@@ -86,16 +86,25 @@ def main() -> None:
             if mm.have_transformer_engine():
                 packed = mm.forward_logits(model, tokens, responses, torch.device("cuda"), packed=True)
                 result["packed_vs_padded_max_abs"] = float((ppo_utils.compute_log_probs(packed.float(), targets, 1.0) - megatron_lp).abs().max())
+        with torch.no_grad():  # fp32 end to end: the layouts must agree to float rounding
+            logits32 = mm.forward_logits(model, tokens, responses, torch.device("cuda"), packed=False)
+            megatron_lp32 = ppo_utils.compute_log_probs(logits32.float(), targets, 1.0)
         hf = AutoModelForCausalLM.from_pretrained(cli.hf_dir, dtype=torch.float32).cuda().eval()
-        hf_lp = []
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            for t, r in zip(tokens, responses):
-                out = hf(t[None].cuda()).logits[0].float()
-                hf_lp.append(ppo_utils.compute_log_probs(out[len(t) - r - 1: len(t) - 1], t[len(t) - r:].cuda(), 1.0))
-        hf_lp = torch.cat(hf_lp)
-        diff = (megatron_lp - hf_lp).abs()
+
+        def hf_log_probs(autocast: bool) -> torch.Tensor:
+            pieces = []
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                for t, r in zip(tokens, responses):
+                    out = hf(t[None].cuda()).logits[0].float()
+                    pieces.append(ppo_utils.compute_log_probs(out[len(t) - r - 1: len(t) - 1], t[len(t) - r:].cuda(), 1.0))
+            return torch.cat(pieces)
+
+        hf_lp, hf_lp32 = hf_log_probs(True), hf_log_probs(False)
+        diff, diff32 = (megatron_lp - hf_lp).abs(), (megatron_lp32 - hf_lp32).abs()
         result.update(logprob_max_abs=float(diff.max()), logprob_mean_abs=float(diff.mean()),
-                      logprob_mean=float(hf_lp.mean()), num_tokens=int(diff.numel()))
+                      logprob_fp32_max_abs=float(diff32.max()), logprob_fp32_mean_abs=float(diff32.mean()),
+                      hf_bf16_vs_fp32_mean_abs=float((hf_lp - hf_lp32).abs().mean()),
+                      logprob_mean=float(hf_lp32.mean()), logprob_std=float(hf_lp32.std()), num_tokens=int(diff.numel()))
     if dist.get_rank() == 0:
         with open(cli.out, "w") as f:
             json.dump(result, f, indent=1)
