@@ -1,20 +1,22 @@
 """Reward of the tool-use task (``--custom-rm-path examples.tool_use.reward.reward``).
 
-1.0 when the episode's final answer is the product *and* the answer came after a ``multiply`` call
-with the right operands; 0.0 otherwise. The generate function stores what it saw in each sample's
-metadata (``final_answer``, ``tool_calls``); fan-out lists are scored once per list, every segment of
-an episode gets the episode's reward.
+0.5 for calling ``multiply`` with the question's operands (in either order), plus 0.5 when the final
+answer is then the product; 0.0 otherwise (no answer without the tool gets credit: the tiny model
+cannot multiply, and the point is to learn to use the tool). The generate function stores what it
+saw in each sample's metadata (``final_answer``, ``tool_calls``); a fan-out list is scored in one
+call and every segment of an episode gets the episode's reward.
 """
 
 from __future__ import annotations
 
 
 def score(label: str, final_answer: str | None, tool_calls: list[dict]) -> float:
-    if final_answer is None or final_answer.strip() != str(label):
+    called_right = any(c.get("name") == "multiply" and isinstance(c.get("arguments"), dict)
+                       and _product(c["arguments"]) == int(label) for c in tool_calls)
+    if not called_right:
         return 0.0
-    a_times_b = [c for c in tool_calls if c.get("name") == "multiply"
-                 and isinstance(c.get("arguments"), dict) and _product(c["arguments"]) == int(label)]
-    return 1.0 if a_times_b else 0.0
+    answered_right = final_answer is not None and final_answer.strip() == str(label)
+    return 1.0 if answered_right else 0.5
 
 
 def _product(arguments: dict) -> int | None:

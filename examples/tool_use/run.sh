@@ -25,7 +25,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-60}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-200}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO: each slot is an agent episode through the OpenAI adapter"

@@ -285,7 +285,7 @@ def test_loopback_adapter_serves_implicit_sessions(serve):
     body = {"model": "policy", "messages": [{"role": "user", "content": ASK_ADD}], "max_tokens": 2}
     assert httpx.post(handle.url + "/v1/chat/completions", json=body,
                       headers={"Authorization": "Bearer implicit-1"}).status_code == 200
-    assert adapter.manager.turn_count("implicit-1") == 1
+    assert adapter.turn_counts["implicit-1"] == 1 and not adapter.store["implicit-1"].opened
 
 
 def test_session_id_is_the_routing_key(serve, engine):

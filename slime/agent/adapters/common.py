@@ -346,21 +346,24 @@ class BaseAdapter:
         messages, tools = translate(body)
         self.turn_counts[sid] = count + 1
         prompt_ids = self.render(messages, tools)
+        # The turn stays in flight until it is recorded (after the reply is flushed), so that a
+        # finish_session called as soon as the client has its answer still sees this turn.
         entry = (asyncio.get_running_loop(), asyncio.current_task())
         self.inflight.setdefault(sid, set()).add(entry)
         try:
             turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid)
+            parsed = self.parse(self.decode_output(turn.output_ids), tools)
+            turn = replace(turn, ill_formed=parsed.ill_formed)
+            reply = build_reply(parsed, turn, messages, tools, body)
+            try:
+                response = await write_reply(request, reply, body, turn)
+            except ConnectionResetError:
+                logger.warning("session %s: client went away before the reply was sent; the turn is not recorded", sid)
+                return web.Response(status=499)
+            self.manager.record_turn(sid, turn=turn, prompt_messages=messages,
+                                     response_message=reply.manager_message, metadata={"sid": sid})
         finally:
             self.inflight[sid].discard(entry)
-        parsed = self.parse(self.decode_output(turn.output_ids), tools)
-        turn = replace(turn, ill_formed=parsed.ill_formed)
-        reply = build_reply(parsed, turn, messages, tools, body)
-        response = await write_reply(request, reply, body, turn)
-        if request.transport is None or request.transport.is_closing():
-            logger.warning("session %s: client went away before the reply was sent; the turn is not recorded", sid)
-            return response
-        self.manager.record_turn(sid, turn=turn, prompt_messages=messages, response_message=reply.manager_message,
-                                 metadata={"sid": sid})
         if self.debug_callback is not None:
             try:
                 self.debug_callback(sid, messages, tools, reply.manager_message, turn)
