@@ -1,96 +1,14 @@
-"""Fixtures of the agent-adapter tests: a tiny model taught a short tool-use script, served by the
-embedded engine, and helpers to serve adapters in front of it.
-
-The script (greedy decoding reproduces it exactly, checked at build time):
-* "What is 3+4? Use the add tool." → a well-formed ``add`` call; after the tool answers "7" → "7".
-* "Think, then add 5 and 6." → a ``<think>`` block, then an ``add`` call (the chat template drops the
-  reasoning when it re-renders history, so the next prompt does not extend the sampled tokens).
-* "Add two and three." → an ``add`` call whose arguments are a string, not a JSON object.
-"""
-
-from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
+"""Fixtures of the agent-adapter tests: the tiny model taught the tool-use script of
+``agent_script.py``, served by the embedded engine for the whole session."""
 
 import pytest
-import torch
 
-ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-              "required": ["a", "b"]}
-ADD_DESCRIPTION = "Add two integers."
-CHAT_TOOLS = [{"type": "function", "function": {"name": "add", "description": ADD_DESCRIPTION,
-                                                "parameters": ADD_SCHEMA}}]
-ANTHROPIC_TOOLS = [{"name": "add", "description": ADD_DESCRIPTION, "input_schema": ADD_SCHEMA}]
-
-ASK_ADD = "What is 3+4? Use the add tool."
-ASK_THINK = "Think, then add 5 and 6."
-ASK_BAD = "Add two and three."
-
-
-def call_text(arguments) -> str:
-    return '<tool_call>\n{"name": "add", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
-
-
-def canonical_call(arguments: dict) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": arguments}}]}
-
-
-SCRIPT = [  # (messages, reply) pairs the model is taught
-    ([{"role": "user", "content": ASK_ADD}], call_text({"a": 3, "b": 4}) + "<|im_end|>"),
-    ([{"role": "user", "content": ASK_ADD}, canonical_call({"a": 3, "b": 4}), {"role": "tool", "content": "7"}],
-     "7<|im_end|>"),
-    ([{"role": "user", "content": ASK_THINK}], "<think>\nuse add\n</think>\n" + call_text({"a": 5, "b": 6}) + "<|im_end|>"),
-    ([{"role": "user", "content": ASK_BAD}], call_text("two and three") + "<|im_end|>"),
-]
-
-
-def render_ids(tokenizer, messages, tools=CHAT_TOOLS) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _teach_script(model_dir: str, out_dir: Path) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pairs = [(render_ids(tokenizer, messages), tokenizer.encode(reply, add_special_tokens=False))
-             for messages, reply in SCRIPT]
-    width = max(len(p) + len(r) for p, r in pairs)
-    ids = torch.zeros(len(pairs), width, dtype=torch.long)
-    labels = torch.full((len(pairs), width), -100)
-    attention = torch.zeros(len(pairs), width, dtype=torch.long)
-    for row, (prompt, reply) in enumerate(pairs):
-        n = len(prompt) + len(reply)
-        ids[row, :n] = torch.tensor(prompt + reply)
-        labels[row, len(prompt):n] = torch.tensor(reply)
-        attention[row, :n] = 1
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(200):
-        loss = model(ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.02:
-            break
-    model.eval()
-    with torch.no_grad():
-        for prompt, reply in pairs:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=len(reply), do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-            assert out[0, len(prompt):].tolist() == reply, f"the tiny model did not learn the script (loss {loss.item()})"
-    shutil.copytree(model_dir, out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+from agent_script import teach_script
 
 
 @pytest.fixture(scope="session")
 def scripted_model_dir(tiny_model_dir, tmp_path_factory):
-    return str(_teach_script(tiny_model_dir, tmp_path_factory.mktemp("agent") / "scripted_model"))
+    return str(teach_script(tiny_model_dir, tmp_path_factory.mktemp("agent") / "scripted_model"))
 
 
 @pytest.fixture(scope="session")

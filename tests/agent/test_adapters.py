@@ -15,7 +15,7 @@ import httpx
 import pytest
 from aiohttp import ClientSession, web
 
-from conftest import (ANTHROPIC_TOOLS, ASK_ADD, ASK_BAD, ASK_THINK, CHAT_TOOLS, ADD_DESCRIPTION, ADD_SCHEMA,
+from agent_script import (ANTHROPIC_TOOLS, ASK_ADD, ASK_BAD, ASK_THINK, CHAT_TOOLS, ADD_DESCRIPTION, ADD_SCHEMA,
                       call_text, canonical_call, render_ids)
 from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
