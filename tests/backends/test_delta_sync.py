@@ -362,3 +362,40 @@ def test_post_write_hook_runs_on_every_rank_after_the_files_are_written(tmp_path
     else:  # the failure on rank 1 is raised on both ranks, naming the rank and the hook's error
         assert errors == ["error0", "error1"]
         assert "rank 1: ValueError('upload failed')" in (tmp_path / "error0").read_text()
+
+
+def test_engines_of_one_host_apply_a_version_once(trainer, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    trainer.publish(0, trainer.state)
+    local = str(tmp_path / "shared-host-ckpt")
+    with ThreadPoolExecutor(4) as pool:  # four engines of one host, each with its own lock handle
+        messages = list(pool.map(lambda _: pull_weights(local, str(trainer.source), 0, base_checkpoint=str(trainer.hf)),
+                                 range(4)))
+    assert sum("seeded from" in m for m in messages) == 1
+    assert sum(m == "local checkpoint already at version 0" for m in messages) == 3
+    _assert_local_is(local, trainer.published[0])
+
+
+def test_seeding_needs_the_base_checkpoint_or_a_full_version(trainer, tmp_path):
+    trainer.publish(0, trainer.state)
+    local = tmp_path / "ckpt"
+    with pytest.raises(PullError, match=r"version 0 applies on top of the --hf-checkpoint \(version -1\) but this "
+                                        r"engine has no local copy of it"):
+        pull_weights(str(local), str(trainer.source), 0, base_checkpoint=None)
+    assert not local.exists()
+    with pytest.raises(PullError, match=r"version 7 is not in"):
+        pull_weights(str(local), str(trainer.source), 7, base_checkpoint=str(trainer.hf))
+
+
+def test_truncated_full_version_is_refused_when_seeding(tmp_path):
+    trainer = Trainer(tmp_path)
+    trainer.updater.delta_writer.snapshot = None  # as after a failed write: the next version is full
+    assert trainer.publish(0, trainer.state) == "full"
+    shard = trainer.source / version_dir_name(0) / "model-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    local = tmp_path / "ckpt"
+    with pytest.raises(PullError, match=r"version 0: .*model-00001\.safetensors: truncated"):
+        pull_weights(str(local), str(trainer.source), 0)
+    assert not local.exists() and not list(tmp_path.glob("ckpt.staging*"))
+    trainer.updater.close()
