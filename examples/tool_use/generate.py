@@ -4,11 +4,11 @@ client, that the OpenAI adapter turns into exact-token training samples.
 
 Per slot: open an adapter session (id = API key; slime's sampling params as defaults, the context
 budget from ``--rollout-max-context-len``), run the agent — ask the model, execute each tool call
-with the calculator, answer the model, until it replies without a tool call or ``MAX_TURNS`` is
+with the weather service, answer the model, until it replies without a tool call or ``MAX_TURNS`` is
 reached — then ``finish_session`` returns the session's samples (a fan-out list sharing one
 ``rollout_id``). The reward is left to ``--custom-rm-path examples.tool_use.reward.reward``, which
 reads the episode summary stored in each sample's metadata. In evaluation one sample per episode is
-returned, so ``eval/<name>`` is a per-episode success rate.
+returned, so ``eval/<name>`` is a per-episode mean reward.
 
 One adapter per rollout process, served on 127.0.0.1 on a thread of its own and pointed at slime's
 router (tool-call parser from ``--sglang-tool-call-parser``, default ``qwen25``).
@@ -46,20 +46,20 @@ def agent_server(args) -> tuple[OpenAIAdapter, str]:
         return entry[0], entry[1].url
 
 
-def run_tool(name: str, arguments: str) -> tuple[str, dict | None]:
-    """The calculator: ``(answer for the model, parsed arguments or None when ill-formed)``."""
+def run_tool(name: str, arguments: str, forecast: dict) -> tuple[str, dict | None]:
+    """The weather service: ``(answer for the model, parsed arguments or None when not JSON)``."""
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError:
         parsed = None
-    if name != "multiply":
-        return f"error: unknown tool {name!r}; the only tool is multiply", parsed
-    if not isinstance(parsed, dict) or not all(isinstance(parsed.get(k), int) for k in ("a", "b")):
-        return 'error: multiply needs integer arguments a and b, e.g. {"a": 12, "b": 34}', parsed
-    return str(parsed["a"] * parsed["b"]), parsed
+    if name != "get_weather":
+        return f"error: unknown tool {name!r}; the only tool is get_weather", parsed
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("city"), str):
+        return 'error: get_weather needs a string argument city, e.g. {"city": "Paris"}', parsed
+    return forecast.get(parsed["city"], f"error: no forecast for {parsed['city']!r}"), parsed
 
 
-async def run_episode(client, messages: list[dict], tools: list[dict]) -> dict:
+async def run_episode(client, messages: list[dict], tools: list[dict], forecast: dict) -> dict:
     """The agent: plain OpenAI Chat Completions with tools. Returns the episode summary."""
     tool_calls, final_answer, turns = [], None, 0
     for _ in range(MAX_TURNS):
@@ -72,7 +72,7 @@ async def run_episode(client, messages: list[dict], tools: list[dict]) -> dict:
         messages.append({"role": "assistant", "content": message.content,
                          "tool_calls": [call.model_dump() for call in message.tool_calls]})
         for call in message.tool_calls:
-            answer, parsed = run_tool(call.function.name, call.function.arguments)
+            answer, parsed = run_tool(call.function.name, call.function.arguments, forecast)
             tool_calls.append({"name": call.function.name, "arguments": parsed})
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
     return {"final_answer": final_answer, "tool_calls": tool_calls, "turns": turns}
@@ -88,7 +88,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
                          max_context_tokens=getattr(args, "rollout_max_context_len", None) or 0)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=sid, max_retries=0)
     try:
-        episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [])
+        episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [],
+                                    sample.metadata.get("forecast") or {})
+        episode["city"] = sample.metadata.get("city")
         samples = await adapter.finish_session(sid, base_sample=sample, reward=None, extra_metadata=episode)
     except Exception as e:  # an episode that breaks is dropped from training, the run goes on
         logger.error("tool-use episode of sample %s failed: %s: %s", sample.index, type(e).__name__, e)

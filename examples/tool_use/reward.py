@@ -1,27 +1,21 @@
 """Reward of the tool-use task (``--custom-rm-path examples.tool_use.reward.reward``).
 
-0.5 for calling ``multiply`` with the question's operands (in either order), plus 0.5 when the final
-answer is then the product; 0.0 otherwise (no answer without the tool gets credit: the tiny model
-cannot multiply, and the point is to learn to use the tool). The generate function stores what it
-saw in each sample's metadata (``final_answer``, ``tool_calls``); a fan-out list is scored in one
-call and every segment of an episode gets the episode's reward.
+0.5 for calling ``get_weather`` with the asked city, plus 0.5 when the final answer is then that
+city's weather; 0.0 otherwise (an answer without the right lookup gets no credit: the forecast is
+only reachable through the tool). The generate function stores what it saw in each sample's
+metadata (``final_answer``, ``tool_calls``, ``city``); a fan-out list is scored in one call and every
+segment of an episode gets the episode's reward.
 """
 
 from __future__ import annotations
 
 
-def score(label: str, final_answer: str | None, tool_calls: list[dict]) -> float:
-    called_right = any(c.get("name") == "multiply" and isinstance(c.get("arguments"), dict)
-                       and _product(c["arguments"]) == int(label) for c in tool_calls)
-    if not called_right:
+def score(label: str, city: str, final_answer: str | None, tool_calls: list[dict]) -> float:
+    looked_up = any(c.get("name") == "get_weather" and isinstance(c.get("arguments"), dict)
+                    and c["arguments"].get("city") == city for c in tool_calls)
+    if not looked_up:
         return 0.0
-    answered_right = final_answer is not None and final_answer.strip() == str(label)
-    return 1.0 if answered_right else 0.5
-
-
-def _product(arguments: dict) -> int | None:
-    a, b = arguments.get("a"), arguments.get("b")
-    return a * b if isinstance(a, int) and isinstance(b, int) else None
+    return 1.0 if final_answer is not None and final_answer.strip() == label else 0.5
 
 
 async def reward(args, sample_or_samples, **kwargs):
@@ -34,4 +28,5 @@ async def reward(args, sample_or_samples, **kwargs):
 def _sample_score(sample) -> float:
     if sample.remove_sample:
         return 0.0
-    return score(sample.label, sample.metadata.get("final_answer"), sample.metadata.get("tool_calls", []))
+    metadata = sample.metadata
+    return score(sample.label, metadata.get("city"), metadata.get("final_answer"), metadata.get("tool_calls", []))

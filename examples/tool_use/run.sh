@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tool-use example end to end on CPU: a tiny Qwen3 model, a calculator task, an SFT warm start on
+# The tool-use example end to end on CPU: a tiny Qwen3 model, a weather-lookup task, an SFT warm start on
 # tool-call transcripts, then GRPO where every rollout slot is an agent episode run with the official
 # openai client through slime's OpenAI adapter (Ray, the smg router, the embedded engine, FSDP2).
 #   bash examples/tool_use/run.sh          (outputs under outputs/tool-use; OUT=dir to change)
@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="
 out="${OUT:-outputs/tool-use}"
 rm -rf "$out" && mkdir -p "$out"
 
-echo "== 1/4 tiny model and the calculator task"
+echo "== 1/4 tiny model and the weather-lookup task"
 $py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
 $py -m examples.tool_use.task --out "$out/data" --seed 0 --num-train 64 --num-eval 32 --num-sft 256
 
@@ -25,7 +25,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-200}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-40}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO: each slot is an agent episode through the OpenAI adapter"
@@ -34,7 +34,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-generate-function-path examples.tool_use.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 40 --rollout-max-context-len 512 \
+  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 32 --rollout-max-context-len 512 \
   --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-12}" --num-steps-per-rollout 1 --lr 5e-4 --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 4 --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --run-dir "$out/runs/grpo"

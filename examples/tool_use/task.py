@@ -1,12 +1,13 @@
-"""The tool-use task: multiply two numbers with a calculator tool the model must call, then answer.
+"""The tool-use task: a weather lookup the model must call before it can answer.
 
-Each prompt is one user message ("Use the calculator: 47*86") with one tool, ``multiply(a, b)``.
-A correct episode is two model turns: a ``<tool_call>`` with the operands copied from the question,
-then the product copied from the tool's answer. The tiny model cannot multiply, so the reward
-(``reward.py``) is only reachable through the tool. Files (slime's prompt format, §7.1):
+Each prompt is one user message ("What is the weather in Oslo?") and one tool,
+``get_weather(city)``. Every problem has its own forecast (a weather per city, drawn at random), kept
+in the row's ``metadata`` where only the tool can read it, so the answer cannot be memorised: a
+correct episode is a ``get_weather`` call with the asked city, then the tool's answer repeated.
+Files (slime's prompt format, INTERFACES §7.1):
 
-* ``train.jsonl`` / ``eval.jsonl``: ``{"messages": [user], "tools": [multiply], "label": "4042"}``
-  (eval problems are disjoint from train and SFT problems);
+* ``train.jsonl`` / ``eval.jsonl``: ``{"messages": [user], "tools": [get_weather], "label": "rainy",
+  "metadata": {"city": "Oslo", "forecast": {"Paris": "sunny", ...}}}``;
 * ``sft.jsonl``: full transcripts (user, assistant tool call, tool result, assistant answer) with the
   same ``tools`` field, for the SFT warm start that teaches the call format.
 
@@ -20,57 +21,48 @@ import json
 import random
 from pathlib import Path
 
-MULTIPLY_TOOL = {"type": "function", "function": {
-    "name": "multiply", "description": "a*b",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
-TOOLS = [MULTIPLY_TOOL]
+CITIES = ("Paris", "Tokyo", "Berlin", "Lima", "Oslo")
+WEATHERS = ("sunny", "rainy", "cloudy", "windy", "snowy")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOLS = [WEATHER_TOOL]
 
 
-def question(a: int, b: int) -> str:
-    return f"Use the calculator: {a}*{b}"
+def question(city: str) -> str:
+    return f"What is the weather in {city}?"
 
 
-def transcript(a: int, b: int) -> list[dict]:
-    """The conversation a perfect agent has for ``a*b`` (what the SFT warm start imitates)."""
+def transcript(city: str, weather: str) -> list[dict]:
+    """The conversation a perfect agent has (what the SFT warm start imitates)."""
     return [
-        {"role": "user", "content": question(a, b)},
+        {"role": "user", "content": question(city)},
         {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]},
-        {"role": "tool", "content": str(a * b)},
-        {"role": "assistant", "content": str(a * b)},
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]},
+        {"role": "tool", "content": weather},
+        {"role": "assistant", "content": weather},
     ]
 
 
-def _pairs(rng: random.Random, count: int, low: int, high: int, exclude: set) -> list[tuple[int, int]]:
-    pairs: list[tuple[int, int]] = []
-    while len(pairs) < count:
-        pair = (rng.randint(low, high), rng.randint(low, high))
-        if pair not in exclude:
-            exclude.add(pair)
-            pairs.append(pair)
-    return pairs
+def make_row(rng: random.Random, with_transcript: bool) -> dict:
+    forecast = {city: rng.choice(WEATHERS) for city in CITIES}
+    city = rng.choice(CITIES)
+    if with_transcript:
+        return {"messages": transcript(city, forecast[city]), "tools": TOOLS}
+    return {"messages": [{"role": "user", "content": question(city)}], "tools": TOOLS, "label": forecast[city],
+            "metadata": {"city": city, "forecast": forecast}}
 
 
-def build(out_dir: str | Path, seed: int = 0, num_train: int = 64, num_eval: int = 32, num_sft: int = 256,
-          low: int = 10, high: int = 99) -> dict[str, str]:
+def build(out_dir: str | Path, seed: int = 0, num_train: int = 64, num_eval: int = 32, num_sft: int = 256) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if num_train + num_eval + num_sft > (high - low + 1) ** 2:
-        raise ValueError(f"not enough distinct problems in [{low}, {high}] for {num_train}+{num_eval}+{num_sft}")
-    rng, seen = random.Random(seed), set()
-    splits = {name: _pairs(rng, n, low, high, seen)
-              for name, n in (("eval", num_eval), ("train", num_train), ("sft", num_sft))}
     paths = {}
-    for name, pairs in splits.items():
+    for offset, (name, count) in enumerate((("train", num_train), ("eval", num_eval), ("sft", num_sft))):
+        rng = random.Random(seed * 1000 + offset)  # each split its own draws
         path = out / f"{name}.jsonl"
         with open(path, "w") as f:
-            for a, b in pairs:
-                row = {"messages": transcript(a, b) if name == "sft" else [{"role": "user", "content": question(a, b)}],
-                       "tools": TOOLS}
-                if name != "sft":
-                    row["label"] = str(a * b)
-                f.write(json.dumps(row) + "\n")
+            for _ in range(count):
+                f.write(json.dumps(make_row(rng, with_transcript=name == "sft")) + "\n")
         paths[name] = str(path)
     return paths
 

@@ -1,6 +1,6 @@
 """The tool-use example's generate function inside one real rollout step (``generate_rollout``).
 
-The engine serves the scripted tiny model (it has not learnt the multiply task), so the episodes
+The engine serves the scripted tiny model (it has not learnt the weather task), so the episodes
 are whatever it samples; what is checked is the plumbing a training step relies on: fan-out lists of
 exact-token samples, one rollout id per episode, the example's reward on every segment.
 """
