@@ -103,6 +103,11 @@ def resolve_checkpoint(load: str | None, ckpt_step: int | None = None, finetune:
 
 # --------------------------------------------------------------------------- torch_dist save / load
 
+# Megatron-Core 0.19's default optimizer layout ("fully_sharded_model_space") needs flattened
+# ShardedTensor ranges that its own validation rejects; "dp_reshardable" saves each buffer's shard
+# (model weights stay freely reshardable; optimizer state needs the same TP/PP to resume)
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
 def _rng_state() -> dict:
     import numpy as np
 
@@ -139,7 +144,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, scheduler=
     dist.barrier()
     state = {"model": unwrap(model).sharded_state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, directory)
     extra = {"iteration": iteration, "global_step": global_step, "rng": _rng_state(),
              "scheduler": scheduler.state_dict() if scheduler is not None else None}
@@ -151,6 +156,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, scheduler=
     return directory
 
 
+@torch.no_grad()  # the optimizer copies into views of the parameters
 def load_checkpoint(choice: CheckpointChoice, model, optimizer=None, scheduler=None, load_rng: bool = True) -> dict:
     """Collective load of a ``"megatron"`` choice; optimizer/scheduler/RNG only when ``choice.resume``.
     Returns the extra state (``iteration``, ``global_step``) or {}."""
@@ -161,7 +167,12 @@ def load_checkpoint(choice: CheckpointChoice, model, optimizer=None, scheduler=N
     gpt = unwrap(model)
     state = {"model": gpt.sharded_state_dict()}
     if choice.resume and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)
+        # a fresh Adam has no state to load into; Megatron fills it with one zero-gradient step
+        # (the model and optimizer tensors are then overwritten by the checkpoint)
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+                inner._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, choice.path, strict="assume_ok_unexpected")
     gpt.load_state_dict(loaded["model"], strict=False)
     if "optimizer" in loaded:
