@@ -1,0 +1,42 @@
+"""MegatronTrainWorker's CPU-checkable behaviour: role overrides and refusals with clear messages."""
+
+import argparse
+
+import pytest
+
+from slime.backends.megatron_utils.worker import MegatronTrainWorker, apply_megatron_config
+
+
+def _args(**kw):
+    base = dict(megatron_config_path=None, lr=1e-6, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_megatron_config_path_overrides_per_role(tmp_path):
+    path = tmp_path / "roles.yaml"
+    path.write_text("actor:\n  lr: 2.0e-6\n  --tensor-model-parallel-size: 2\ncritic:\n  lr: 1.0e-5\n")
+    args = _args(megatron_config_path=str(path))
+    actor, critic = apply_megatron_config(args, "actor"), apply_megatron_config(args, "critic")
+    assert (actor.lr, actor.tensor_model_parallel_size) == (2e-6, 2)
+    assert (critic.lr, critic.tensor_model_parallel_size) == (1e-5, 1)
+    assert args.lr == 1e-6  # the shared args are not modified
+
+
+def test_megatron_config_path_errors_name_the_problem(tmp_path):
+    bad_key = tmp_path / "bad_key.yaml"
+    bad_key.write_text("actor:\n  no_such_flag: 1\n")
+    with pytest.raises(ValueError, match="actor.no_such_flag is not a flag"):
+        apply_megatron_config(_args(megatron_config_path=str(bad_key)), "actor")
+    bad_role = tmp_path / "bad_role.yaml"
+    bad_role.write_text("policy:\n  lr: 1\n")
+    with pytest.raises(ValueError, match="'actor' and/or 'critic'.*policy"):
+        apply_megatron_config(_args(megatron_config_path=str(bad_role)), "actor")
+
+
+def test_unsupported_layouts_are_refused_before_any_gpu_work():
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size.*2"):
+        MegatronTrainWorker(_args(tensor_model_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="critic"):
+        MegatronTrainWorker(_args(), role="critic")
