@@ -40,7 +40,7 @@ import torch
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelLayout", "padded_vocab_size", "megatron_param_names", "hf_param_names",
     "hf_to_megatron_tensor", "megatron_to_hf_tensors", "hf_to_megatron", "megatron_to_hf", "tp_split", "tp_merge",
-    "tp_kind", "pp_layer_range", "localize_name", "globalize_name", "expert_owner",
+    "tp_kind", "pp_layer_range", "localize_name", "globalize_name", "expert_owner", "fuse_experts_for_transformers",
 ]
 
 #: HF ``model_type`` values this mapping knows (dense and MoE decoder-only families).
@@ -442,3 +442,32 @@ def expert_index(name: str) -> int | None:
 def iter_hf_names(names: Iterable[str], layout: ModelLayout) -> Iterable[str]:
     for name in names:
         yield from _hf_sources(name, layout)
+
+
+_HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts_for_transformers(named_tensors: Iterable[tuple[str, torch.Tensor]], layout: ModelLayout
+                                  ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoint-named expert tensors -> the 3-D parameters transformers 5 keeps in memory
+    (``mlp.experts.gate_up_proj`` ``[E, 2·I, H]`` = per expert ``[gate; up]``, and
+    ``mlp.experts.down_proj`` ``[E, H, I]``), for engines that load by module parameter name
+    (the embedded engine). Streaming: a layer's experts are held until all of them have arrived;
+    every other tensor passes through unchanged."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        m = _HF_EXPERT.match(name)
+        if not m:
+            yield name, tensor
+            continue
+        prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        layer = pending.setdefault(prefix, {})
+        layer[(expert, kind)] = tensor
+        if len(layer) == 3 * layout.num_experts:
+            experts = range(layout.num_experts)
+            yield prefix + ".gate_up_proj", torch.stack([torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]]) for e in experts])
+            yield prefix + ".down_proj", torch.stack([layer[(e, "down_proj")] for e in experts])
+            del pending[prefix]
+    if pending:
+        missing = {prefix: 3 * layout.num_experts - len(layer) for prefix, layer in pending.items()}
+        raise ValueError(f"expert tensors missing for {missing} (expected gate/up/down of {layout.num_experts} experts)")

@@ -382,10 +382,15 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     def iter_weight_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = torch.bfloat16
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full tensors in buckets (collective; every rank receives every tensor)."""
+        """HF-named full tensors in buckets (collective; every rank receives every tensor). MoE
+        experts carry checkpoint names (SGLang), or transformers' fused 3-D names for the embedded engine."""
         limit = bucket_bytes or self.args.update_weight_buffer_size
         bucket, size = [], 0
-        for name, tensor in mm.iter_hf_weights(self.model, self.layout, dtype):
+        named = mm.iter_hf_weights(self.model, self.layout, dtype)
+        if self.layout.num_experts and getattr(self.args, "rollout_backend", None) == "embedded":
+            # the embedded engine loads by transformers' in-memory names (3-D expert tensors)
+            named = wm.fuse_experts_for_transformers(named, self.layout)
+        for name, tensor in named:
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > limit:
                 yield bucket

@@ -154,3 +154,20 @@ def test_names_and_shapes_match_a_real_megatron_model(tmp_path):
         model = build_model_for_layout_check(config, layout)
         expected = {n: tuple(t.shape) for n, t in wm.hf_to_megatron(hf_state, layout).items()}
         assert {n: tuple(p.shape) for n, p in model.named_parameters()} == expected
+
+
+def test_fused_expert_layout_matches_transformers(tmp_path):
+    """What the embedded engine loads: transformers 5 keeps a layer's experts as 3-D tensors."""
+    from transformers import AutoModelForCausalLM
+
+    config, hf_state = _tiny_checkpoint(tmp_path, "qwen3_moe")
+    layout = wm.ModelLayout.from_hf_config(config)
+    model_state = AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3_moe"), dtype=torch.float32).state_dict()
+    exported = wm.megatron_to_hf(wm.hf_to_megatron(hf_state, layout), layout)
+    fused = dict(wm.fuse_experts_for_transformers(exported.items(), layout))
+    assert set(fused) == set(model_state)
+    for name, tensor in fused.items():
+        assert torch.equal(tensor, model_state[name]), name
+    partial = [(n, t) for n, t in exported.items() if ".experts.3." not in n]
+    with pytest.raises(ValueError, match="expert tensors missing"):
+        list(wm.fuse_experts_for_transformers(partial, layout))
