@@ -144,9 +144,10 @@ def test_unknown_family_is_named():
 
 def test_names_and_shapes_match_a_real_megatron_model(tmp_path):
     """The mapping's names are exactly the parameters of a Megatron-Core GPTModel built with the
-    local spec (runs where megatron-core imports; construction needs no GPU)."""
+    local spec, and HF weights load into it and export back bit-exactly (runs where megatron-core
+    imports; construction needs no GPU; the forward does, see test_megatron_gpu.py)."""
     pytest.importorskip("megatron.core")
-    from slime.backends.megatron_utils.model import build_model_for_layout_check
+    from slime.backends.megatron_utils.model import build_model_for_layout_check, iter_hf_weights, load_hf_weights
 
     for model_type in ("qwen2", "qwen3_moe"):
         config, hf_state = _tiny_checkpoint(tmp_path, model_type)
@@ -154,6 +155,12 @@ def test_names_and_shapes_match_a_real_megatron_model(tmp_path):
         model = build_model_for_layout_check(config, layout)
         expected = {n: tuple(t.shape) for n, t in wm.hf_to_megatron(hf_state, layout).items()}
         assert {n: tuple(p.shape) for n, p in model.named_parameters()} == expected
+        # and the safetensors go into that model and come back out unchanged
+        assert load_hf_weights(model, str(tmp_path / model_type), layout) == len(expected)
+        exported = dict(iter_hf_weights(model, layout))
+        assert set(exported) == set(hf_state)
+        for name, tensor in hf_state.items():
+            assert torch.equal(exported[name], tensor), name
 
 
 def test_fused_expert_layout_matches_transformers(tmp_path):
