@@ -440,6 +440,12 @@ def _validate_backends(args) -> None:
             "--train-backend megatron (the default) needs Megatron-Core, which is not installed. Install it with "
             "`pip install -e '.[megatron]'`, or pass --train-backend fsdp (runs on CPU and GPU)."
         )
+    if (not args.debug_rollout_only and args.train_backend == "megatron" and args.num_layers is not None
+            and _is_hf_dir(args.hf_checkpoint)):
+        # a model preset was given: its shape must be the checkpoint's (INTERFACES §4.2)
+        from slime.backends.megatron_utils.model_config import hf_validate_args
+
+        hf_validate_args(args)
     needs_engine = not args.debug_train_only and not args.rollout_external and args.rollout_num_gpus != 0
     if needs_engine and args.rollout_backend == "sglang":
         if importlib.util.find_spec("sglang") is None:

@@ -124,3 +124,24 @@ def test_moe_layer_freq_flag():
     assert parse(["--moe-layer-freq", "2"]).moe_layer_freq == 2
     with pytest.raises(SystemExit):
         parse(["--moe-layer-freq", "__import__('os')"])
+
+
+def test_parse_args_checks_a_preset_against_the_checkpoint(tmp_path, monkeypatch):
+    """With --train-backend megatron, a preset that disagrees with --hf-checkpoint fails at parse time."""
+    import importlib.util
+    import json
+
+    from slime.utils.arguments import parse_args
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # the parse-time check needs no Megatron install
+                        lambda name, *a: object() if name == "megatron" else real_find_spec(name, *a))
+    hf = tmp_path / "qwen3-0.6B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(PUBLISHED["qwen3-0.6B"]))
+    base = ["--train-backend", "megatron", "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "1",
+            "--rollout-batch-size", "1", "--hf-checkpoint", str(hf)]
+    parse_args(base + preset_args("qwen3-0.6B"))
+    with pytest.raises(AssertionError, match="--hidden-size 2048 but config.json hidden_size 1024"):
+        parse_args(base + preset_args("qwen3-1.7B"))
+    parse_args(base)  # no preset: the shape is taken from the config later
