@@ -15,6 +15,11 @@ diffed against the previous one (one sync per step, as in the loop). Per encodin
 * ``wire_fraction``: compressed delta bytes / bf16 checkpoint bytes;
 * ``encode_gbytes_per_s``: checkpoint bytes / (encode + xxh3-128 checksum time), one thread;
 * ``apply_gbytes_per_s``: checkpoint bytes / (decompress + apply + checksum verify time), one thread.
+
+With ``--files DIR`` the last sync also goes through the real files: the trainer-side writer publishes
+it under DIR (safetensors payloads + index) and ``pull_weights`` applies it to a host checkpoint
+seeded from the previous export (``publish_seconds``, ``pull_seconds``: whole calls, default thread
+pools, including reading and writing every local shard).
 """
 
 from __future__ import annotations
@@ -107,6 +112,40 @@ def measure(before: dict, after: dict, encoding: str, checksum: str = "xxh3-128"
             "checkpoint_bytes": total_bytes, "wire_bytes": wire}
 
 
+def measure_files(before: dict, after: dict, encoding: str, root: str) -> dict:
+    """Publish ``after`` as a delta on ``before`` and pull it into a host checkpoint, on real files."""
+    import shutil
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from slime.backends.update_weight.disk import DiskWeightUpdater
+    from slime.backends.update_weight.pull import pull_weights
+
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.join(root, "hf"))
+    save_file(before, os.path.join(root, "hf", "model.safetensors"), metadata={"format": "pt"})
+    args = SimpleNamespace(update_weight_mode="delta", update_weight_disk_dir=os.path.join(root, "published"),
+                           hf_checkpoint=os.path.join(root, "hf"), update_weight_delta_encoding=encoding,
+                           update_weight_delta_checksum="xxh3-128", update_weight_disk_keep_files=True,
+                           update_weight_local_checkpoint_dir=None, custom_update_weight_post_write_path=None)
+    updater = DiskWeightUpdater(args, [])  # no engines: publish only
+    local = os.path.join(root, "host")
+    try:
+        updater.update([list(before.items())], "0")  # an empty delta; the host seeds from its HF copy
+        pull_weights(local, args.update_weight_disk_dir, 0, base_checkpoint=args.hf_checkpoint)
+        start = time.perf_counter()
+        wire = updater.update([list(after.items())], "1")
+        publish_s = time.perf_counter() - start
+        start = time.perf_counter()
+        pull_weights(local, args.update_weight_disk_dir, 1)
+        pull_s = time.perf_counter() - start
+    finally:
+        updater.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"publish_seconds": publish_s, "pull_seconds": pull_s, "published_bytes": wire}
+
+
 def run_model(name: str, args) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(name)
@@ -122,6 +161,9 @@ def run_model(name: str, args) -> dict:
         sync = {"step": step, "reward_mean": reward, "train_seconds": time.perf_counter() - start}
         for encoding in delta.ENCODINGS:
             sync[encoding] = measure(previous, current, encoding)
+        if args.files and step == args.steps - 1:
+            for encoding in delta.ENCODINGS:
+                sync[encoding]["files"] = measure_files(previous, current, encoding, os.path.join(args.files, name))
         results["syncs"].append(sync)
         print(f"{name} step {step}: {sync}", file=sys.stderr, flush=True)
         previous = current
@@ -140,6 +182,7 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for training (default: torch's)")
+    parser.add_argument("--files", default=None, help="also publish and pull the last sync through files here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -156,6 +199,11 @@ def main() -> None:
                 "encode_gbytes_per_s": nbytes / sum(s["checkpoint_bytes"] / s["encode_gbytes_per_s"] for s in syncs),
                 "apply_gbytes_per_s": nbytes / sum(s["checkpoint_bytes"] / s["apply_gbytes_per_s"] for s in syncs),
             }
+            if "files" in syncs[-1]:
+                files = syncs[-1]["files"]
+                metrics[f"{name}/{encoding}"].update(
+                    publish_gbytes_per_s=syncs[-1]["checkpoint_bytes"] / files["publish_seconds"] / 1e9,
+                    pull_gbytes_per_s=syncs[-1]["checkpoint_bytes"] / files["pull_seconds"] / 1e9)
     config = {
         "procedure": "bf16 checkpoint -> fp32 master weights; per step: sample a group of responses per random prompt "
                      "from the model (temperature 1), reward = first response token even, group-normalised advantages, "
