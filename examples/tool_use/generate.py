@@ -87,6 +87,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     adapter.open_session(sid, sampling_defaults=sampling_params,
                          max_context_tokens=getattr(args, "rollout_max_context_len", None) or 0)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=sid, max_retries=0)
+    samples = None
     try:
         episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [],
                                     sample.metadata.get("forecast") or {})
@@ -94,9 +95,10 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         samples = await adapter.finish_session(sid, base_sample=sample, reward=None, extra_metadata=episode)
     except Exception as e:  # an episode that breaks is dropped from training, the run goes on
         logger.error("tool-use episode of sample %s failed: %s: %s", sample.index, type(e).__name__, e)
-        await adapter.drop_session(sid)
         return _dropped(sample, f"{type(e).__name__}: {e}")
     finally:
+        if samples is None:  # failed or cancelled: release the session and its in-flight turns
+            await adapter.drop_session(sid, wait_timeout=0)
         await client.close()
     if not samples:
         return _dropped(sample, "the session recorded no trainable turn")

@@ -3,7 +3,8 @@
 # tool-call transcripts, then GRPO where every rollout slot is an agent episode run with the official
 # openai client through slime's OpenAI adapter (Ray, the smg router, the embedded engine, FSDP2).
 #   bash examples/tool_use/run.sh          (outputs under outputs/tool-use; OUT=dir to change)
-#   SFT_STEPS=.. GRPO_STEPS=.. to change the lengths of the two phases.
+#   SFT_STEPS=.. GRPO_STEPS=.. GRPO_LR=.. to change the two phases; SKIP_SFT=1 reruns GRPO only, from the
+#   SFT checkpoint of an earlier run in the same OUT.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -11,14 +12,15 @@ bash scripts/setup-env.sh dev  # the example's agent uses the openai client (dev
 py=.venv/bin/python
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-outputs/tool-use}"
-rm -rf "$out" && mkdir -p "$out"
+common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
+        --adam-beta2 0.99)
 
+if [ "${SKIP_SFT:-0}" != 1 ]; then
+rm -rf "$out" && mkdir -p "$out"
 echo "== 1/4 tiny model and the weather-lookup task"
 $py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
 $py -m examples.tool_use.task --out "$out/data" --seed 0 --num-train 64 --num-eval 32 --num-sft 256
 
-common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
-        --adam-beta2 0.99)
 
 echo "== 2/4 SFT warm start on tool-call transcripts (teaches the <tool_call> format)"
 $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
@@ -27,6 +29,8 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
   --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-40}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
+fi
+rm -rf "$out/runs/grpo"
 
 echo "== 3/4 GRPO: each slot is an agent episode through the OpenAI adapter"
 $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
@@ -35,8 +39,8 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
   --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 32 --rollout-max-context-len 512 \
-  --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-12}" --num-steps-per-rollout 1 --lr 5e-4 --eps-clip 0.2 \
-  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 4 --eval-temperature 0.01 \
+  --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-30}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-2e-3}" --eps-clip 0.2 \
+  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 10 --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --run-dir "$out/runs/grpo"
 
 echo "== 4/4 summary"
