@@ -317,27 +317,32 @@ def _broadcast_pipeline(local: list[tuple[str, torch.Tensor]]) -> Iterator[tuple
 # --------------------------------------------------------------------------- forward
 
 def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_lengths: list[int], device,
-                   packed: bool | None = None) -> torch.Tensor:
+                   packed: bool | None = None, pad_multiple: int = 1) -> torch.Tensor:
     """Logits ``[K, V]`` (full vocabulary, TP-gathered) at the K = Σ response positions, samples in
-    order — the same rows as the FSDP backend's ``forward_response_logits``."""
+    order — the same rows as the FSDP backend's ``forward_response_logits``. ``pad_multiple``: the
+    sequence dimension is padded to a multiple of it (sequence parallelism splits it over TP ranks)."""
     if packed is None:
         packed = have_transformer_engine()
     lengths = [int(t.numel()) for t in tokens]
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        input_ids = torch.cat([t.long() for t in tokens]).to(device)[None]
-        position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        pad = -sum(lengths) % pad_multiple
+        pieces = [t.long() for t in tokens] + ([torch.zeros(pad, dtype=torch.long)] if pad else [])
+        input_ids = torch.cat(pieces).to(device)[None]
+        # the padding is a sequence of its own: nothing attends to it and no logit of it is read
+        seq_lengths = lengths + ([pad] if pad else [])
+        position_ids = torch.cat([torch.arange(n) for n in seq_lengths]).to(device)[None]
+        cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(seq_lengths), 0)
         cu = cu.to(device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                                 max_seqlen_kv=max(lengths))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seq_lengths),
+                                 max_seqlen_kv=max(seq_lengths))
         logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params, runtime_gather_output=True)
         logits = logits[0]
-        starts = [int(c) for c in cu[:-1]]
+        starts = [int(c) for c in cu[:len(lengths)]]
     else:
-        longest = max(lengths)
+        longest = -(-max(lengths) // pad_multiple) * pad_multiple
         input_ids = torch.zeros(len(tokens), longest, dtype=torch.long, device=device)
         for i, t in enumerate(tokens):
             input_ids[i, : lengths[i]] = t.to(device)

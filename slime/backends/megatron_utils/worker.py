@@ -18,10 +18,11 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
 * offload/onload for colocation: ``torch_memory_saver`` when installed, else parameters and
   optimizer state copied to host memory and the device storage freed.
 
-Parallelism supported by this worker today: data parallel and expert parallel. Tensor, pipeline
-and context parallelism are supported by the model, the weight loading and the HF export (tested on
-GPU), but the trainer-side data replication over TP/PP/CP peers is not written yet: the worker
-refuses those sizes with an explicit error.
+Parallelism supported by this worker today: data, tensor (the shards of a TP group are merged so
+its ranks train on the same samples, :mod:`~slime.backends.megatron_utils.data`) and expert
+parallel. Pipeline and context parallelism are supported by the model, the weight loading and the
+HF export, but the trainer's pipeline schedule and CP slicing are not written yet: the worker refuses
+those sizes with an explicit error.
 """
 
 from __future__ import annotations
@@ -75,14 +76,13 @@ class MegatronTrainWorker(FSDPTrainWorker):
         if role != "actor":
             raise NotImplementedError("--train-backend megatron: the PPO critic is not built yet; use --train-backend fsdp for ppo")
         args = apply_megatron_config(args, role)
-        too_parallel = {name: getattr(args, name) for name in
-                        ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        too_parallel = {name: getattr(args, name) for name in ("pipeline_model_parallel_size", "context_parallel_size")
                         if getattr(args, name) > 1}
         if too_parallel:
             raise NotImplementedError(
-                f"--train-backend megatron trains with data and expert parallelism today; {too_parallel} needs the "
-                f"data replication over model-parallel peers, which is not written yet (the model, weight loading and "
-                f"HF export already support it)")
+                f"--train-backend megatron trains with data, tensor and expert parallelism today; {too_parallel} needs "
+                f"the pipeline schedule / context-parallel slicing in the trainer, which are not written yet (the model, "
+                f"weight loading and HF export already support them)")
         if not torch.cuda.is_available():
             raise RuntimeError("--train-backend megatron needs CUDA GPUs; on CPU use --train-backend fsdp")
         super().__init__(args, role)
@@ -217,8 +217,9 @@ class MegatronTrainWorker(FSDPTrainWorker):
         responses = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         if full:
             responses = [int(t.numel()) - 1 for t in tokens]
+        pad = self._tp_size() if self.args.sequence_parallel else 1
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = mm.forward_logits(model, tokens, responses, self.device)
+            logits = mm.forward_logits(model, tokens, responses, self.device, pad_multiple=pad)
         return logits.float(), mm.response_targets(tokens, responses).to(self.device)
 
     @torch.no_grad()
@@ -262,6 +263,39 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     # ------------------------------------------------------------------ training
 
+    def _tp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size()
+
+    def _merge_tensor_parallel_shards(self, rollout_data: dict) -> dict:
+        """TP peers received different shards from the rollout manager; all of them train on their union."""
+        from megatron.core import parallel_state as ps
+
+        from slime.backends.megatron_utils.data import merge_shards
+
+        if self._tp_size() == 1:
+            return rollout_data
+        shards: list = [None] * self._tp_size()
+        dist.all_gather_object(shards, rollout_data, group=ps.get_tensor_model_parallel_group())
+        return merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+    def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+        return super().train(rollout_id, self._merge_tensor_parallel_shards(rollout_data))
+
+    def _all_reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
+        # every rank of a TP group holds the same micro-batches and so the same sums
+        return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
+
+    def _rollout_metrics(self, rollout_data: dict) -> dict[str, float]:
+        from slime.backends.fsdp_utils.worker import TOKEN_WEIGHTED_KEYS
+
+        out = super()._rollout_metrics(rollout_data)
+        for key in TOKEN_WEIGHTED_KEYS:  # totals summed over TP peers, divided by a global count
+            if f"rollout/{key}" in out:
+                out[f"rollout/{key}"] /= self._tp_size()
+        return out
+
     def _train_micro_batch(self, rollout_data: dict, micro_batch: list[int], normaliser: float):
         """Forward + backward of one micro-batch; the loss is S(ℓ)·dp/normaliser because Megatron's
         DDP averages gradients over the data-parallel ranks."""
@@ -299,6 +333,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
     def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
         import time
 
+        from megatron.core.distributed import finalize_model_grads
+
         args = self.args
         hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
         hook = load_function(hook) if hook else None
@@ -312,7 +348,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             self.optimizer.zero_grad()
             sums, tokens, flops = self.forward_backward(rollout_data, step_id)
             tokens_done, flops_done = tokens_done + tokens, flops_done + flops
-            self.ddp_model.finish_grad_sync()
+            finalize_model_grads([self.ddp_model])  # DP reduce (+ sequence-parallel norm grads)
             succeeded, grad_norm, _ = self.optimizer.step()
             if not succeeded:
                 raise RuntimeError(f"optimizer step {step_id} of rollout {rollout_id} failed (non-finite gradients)")
@@ -329,6 +365,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         elapsed = time.perf_counter() - start
         totals = torch.tensor([tokens_done, flops_done], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
+        totals /= self._tp_size()  # TP peers process the same tokens together
         out = {k: sum(s[k] for s in step_results) / len(step_results) for k in step_results[0] if k != "train/step"}
         out["perf/actor_train_time"] = elapsed
         out["perf/actor_train_tok_per_s"] = float(totals[0]) / elapsed

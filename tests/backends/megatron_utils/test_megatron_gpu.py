@@ -142,14 +142,16 @@ def tiny_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), size="tiny", seed=0))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, tmp_path, nproc):
+@pytest.mark.parametrize("nproc,flags", [(1, ()), (2, ()), (2, ("--tensor-model-parallel-size", "2")),
+                                         (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel"))],
+                         ids=["dp1", "dp2", "tp2", "tp2-sp"])
+def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, tmp_path, nproc, flags):
     """Two rollout steps (2 optimizer steps each): ppo_kl is exactly 0 at each rollout's first step;
     offload/onload between them and a resume from the saved checkpoint give the same rollout 1."""
     save = tmp_path / "ckpt"
     first, resumed = tmp_path / "first.json", tmp_path / "resumed.json"
-    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload")
-    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume")
+    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload", *flags)
+    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume", *flags)
     a, b = json.loads(first.read_text()), json.loads(resumed.read_text())
     print(json.dumps({k: v for k, v in a.items() if k != "weights"}), json.dumps({k: v for k, v in b.items() if k != "weights"}))
     assert a["start"] is None and b["start"] == 1

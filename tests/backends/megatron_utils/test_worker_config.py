@@ -36,7 +36,9 @@ def test_megatron_config_path_errors_name_the_problem(tmp_path):
 
 
 def test_unsupported_layouts_are_refused_before_any_gpu_work():
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size.*2"):
-        MegatronTrainWorker(_args(tensor_model_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size.*2"):
+        MegatronTrainWorker(_args(pipeline_model_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="context_parallel_size.*2"):
+        MegatronTrainWorker(_args(context_parallel_size=2))
     with pytest.raises(NotImplementedError, match="critic"):
         MegatronTrainWorker(_args(), role="critic")
