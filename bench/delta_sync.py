@@ -14,7 +14,10 @@ diffed against the previous one (one sync per step, as in the loop). Per encodin
 * ``changed_fraction``: bf16 elements whose bytes changed / all elements;
 * ``wire_fraction``: compressed delta bytes / bf16 checkpoint bytes;
 * ``encode_gbytes_per_s``: checkpoint bytes / (encode + xxh3-128 checksum time), one thread;
-* ``apply_gbytes_per_s``: checkpoint bytes / (decompress + apply + checksum verify time), one thread.
+* ``apply_gbytes_per_s``: checkpoint bytes / (decompress + apply + checksum verify time), one thread;
+* ``*_fraction_of_memcpy``: those rates over one thread's memcpy bandwidth measured in the same run.
+
+Metrics are flat: ``<model>/<encoding>/<metric>``.
 
 With ``--files DIR`` the last sync also goes through the real files: the trainer-side writer publishes
 it under DIR (safetensors payloads + index) and ``pull_weights`` applies it to a host checkpoint
@@ -40,6 +43,20 @@ from slime.backends.update_weight.weight_files import tensor_bytes  # noqa: E402
 # ~0.5B parameters: the Qwen3-0.6B shape with 24 layers (random weights, real vocabulary size)
 QWEN3_05B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+
+
+def memcpy_gbytes_per_s(nbytes: int = 1 << 28) -> float:
+    """One thread copying a buffer much larger than the caches (bytes copied per second)."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 def build_model(name: str):
@@ -88,6 +105,9 @@ def grpo_step(model, optimizer, generator, num_prompts: int, group: int, prompt_
 
 
 def measure(before: dict, after: dict, encoding: str, checksum: str = "xxh3-128") -> dict:
+    warm = torch.arange(4096, dtype=torch.int16).view(torch.uint8).numpy()  # imports, zstd contexts: not timed
+    delta.apply(encoding, warm.copy(), delta.encode(encoding, warm, warm, 2), 2)
+    delta.checksum(warm, checksum)
     total_bytes = changed = elements = wire = 0
     encode_s = apply_s = 0.0
     for name, new_tensor in after.items():
@@ -188,22 +208,23 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     per_model = {name: run_model(name, args) for name in args.models}
-    metrics = {}
+    memcpy = memcpy_gbytes_per_s()
+    metrics = {"memcpy_gbytes_per_s": memcpy}
     for name, result in per_model.items():
         for encoding in delta.ENCODINGS:
             syncs = [s[encoding] for s in result["syncs"]]
             nbytes = sum(s["checkpoint_bytes"] for s in syncs)
-            metrics[f"{name}/{encoding}"] = {
-                "changed_fraction": sum(s["changed_fraction"] for s in syncs) / len(syncs),
-                "wire_fraction": sum(s["wire_bytes"] for s in syncs) / nbytes,
-                "encode_gbytes_per_s": nbytes / sum(s["checkpoint_bytes"] / s["encode_gbytes_per_s"] for s in syncs),
-                "apply_gbytes_per_s": nbytes / sum(s["checkpoint_bytes"] / s["apply_gbytes_per_s"] for s in syncs),
-            }
+            prefix = f"{name}/{encoding}/"
+            metrics[prefix + "changed_fraction"] = sum(s["changed_fraction"] for s in syncs) / len(syncs)
+            metrics[prefix + "wire_fraction"] = sum(s["wire_bytes"] for s in syncs) / nbytes
+            for kind in ("encode", "apply"):
+                rate = nbytes / sum(s["checkpoint_bytes"] / s[f"{kind}_gbytes_per_s"] for s in syncs)
+                metrics[prefix + f"{kind}_gbytes_per_s"] = rate
+                metrics[prefix + f"{kind}_fraction_of_memcpy"] = rate / memcpy
             if "files" in syncs[-1]:
                 files = syncs[-1]["files"]
-                metrics[f"{name}/{encoding}"].update(
-                    publish_gbytes_per_s=syncs[-1]["checkpoint_bytes"] / files["publish_seconds"] / 1e9,
-                    pull_gbytes_per_s=syncs[-1]["checkpoint_bytes"] / files["pull_seconds"] / 1e9)
+                metrics[prefix + "publish_gbytes_per_s"] = syncs[-1]["checkpoint_bytes"] / files["publish_seconds"] / 1e9
+                metrics[prefix + "pull_gbytes_per_s"] = syncs[-1]["checkpoint_bytes"] / files["pull_seconds"] / 1e9
     config = {
         "procedure": "bf16 checkpoint -> fp32 master weights; per step: sample a group of responses per random prompt "
                      "from the model (temperature 1), reward = first response token even, group-normalised advantages, "
