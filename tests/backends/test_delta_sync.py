@@ -399,3 +399,16 @@ def test_truncated_full_version_is_refused_when_seeding(tmp_path):
         pull_weights(str(local), str(trainer.source), 0)
     assert not local.exists() and not list(tmp_path.glob("ckpt.staging*"))
     trainer.updater.close()
+
+
+def test_pre_read_hook_flag_reaches_the_embedded_engine():
+    from slime.ray.engine_actor import embedded_engine_argv
+    from slime.utils.arguments import parse_args
+
+    args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
+                       "--prompt-data", "x.jsonl", "--rollout-batch-size", "4", "--num-rollout", "1",
+                       "--update-weight-transport", "disk", "--update-weight-mode", "delta",
+                       "--update-weight-disk-dir", "/shared/w", "--update-weight-local-checkpoint-dir", "/local/w",
+                       "--sglang-custom-pull-weights-pre-read-hook", "my_mounts.refresh"])
+    argv = embedded_engine_argv(args, gpu=False)
+    assert argv[argv.index("--custom-pull-weights-pre-read-hook") + 1] == "my_mounts.refresh"

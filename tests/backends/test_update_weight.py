@@ -19,8 +19,17 @@ def _greedy_hf(model, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    process = EmbeddedEngineProcess(tiny_model_dir, extra_args=["--max-running-requests", "4"], env={"OMP_NUM_THREADS": "1"})
+def pre_read_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("pre_read") / "calls.txt"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, pre_read_log):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {"OMP_NUM_THREADS": "1", "PRE_READ_LOG": str(pre_read_log),
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    process = EmbeddedEngineProcess(tiny_model_dir, env=env, extra_args=[
+        "--max-running-requests", "4", "--custom-pull-weights-pre-read-hook", "test_update_weight.record_pre_read"])
     process.start()
     try:
         process.wait_healthy(120)
@@ -69,7 +78,7 @@ def test_transport_updates_engine(engine, tiny_model_dir, tmp_path, transport, c
     assert engine_version == version
 
 
-def test_disk_delta_updates_engine_through_pull_weights(engine, tiny_model_dir, tmp_path):
+def test_disk_delta_updates_engine_through_pull_weights(engine, tiny_model_dir, tmp_path, pre_read_log):
     """Delta mode: the engine pulls each version into its local checkpoint and loads it; a corrupt
     version is refused with a 400 that names the tensor, and the engine keeps serving the last one."""
     from transformers import AutoModelForCausalLM
@@ -99,6 +108,8 @@ def test_disk_delta_updates_engine_through_pull_weights(engine, tiny_model_dir, 
     finally:
         updater.close()
     assert _engine_greedy(engine.url, prompt, 8)[1] == "2"
+    published = str(tmp_path / "published")
+    assert pre_read_log.read_text().splitlines() == [f"{published} {v}" for v in (1, 2, 3)]  # the engine's read hook
 
 
 def corrupt_last_payload(args, version_dir, engine_urls):
@@ -108,3 +119,9 @@ def corrupt_last_payload(args, version_dir, engine_urls):
         byte = f.read(1)
         f.seek(-3, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def record_pre_read(source_dir, target_version):
+    """The engine's --custom-pull-weights-pre-read-hook in these tests (runs in the engine process)."""
+    with open(os.environ["PRE_READ_LOG"], "a") as f:
+        f.write(f"{source_dir} {target_version}\n")
