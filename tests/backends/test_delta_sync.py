@@ -311,6 +311,14 @@ def test_pre_read_hook_runs_before_reading(trainer, tmp_path):
                  pre_read_hook=lambda source_dir, version: calls.append((source_dir, version)))
     assert calls == [(str(trainer.source), 0)]
 
+    def unreachable(source_dir, version):
+        raise OSError("mount is gone")
+
+    with pytest.raises(PullError, match=r"the pre-read hook failed for version 0 .*mount is gone"):
+        pull_weights(str(tmp_path / "other"), str(trainer.source), 0, base_checkpoint=str(trainer.hf),
+                     pre_read_hook=unreachable)
+    assert not (tmp_path / "other").exists()
+
 
 # ---------------------------------------------------------------- post-write hook on every rank
 def record_hook(args, version_dir, engine_urls):

@@ -362,9 +362,14 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"success": False, "message": f"missing required field(s): {missing}"}, status_code=400)
         hook = state.args.custom_pull_weights_pre_read_hook
         try:
+            hook_fn = load_function(hook) if hook else None
+        except Exception as exc:
+            return JSONResponse({"success": False, "message": f"--custom-pull-weights-pre-read-hook {hook!r} cannot "
+                                 f"be loaded: {exc}"}, status_code=400)
+        try:
             message = await asyncio.to_thread(pull, body["local_checkpoint_dir"], body["source_dir"],
                                               int(body["target_version"]), base_checkpoint=state.args.model_path,
-                                              pre_read_hook=load_function(hook) if hook else None)
+                                              pre_read_hook=hook_fn)
         except (PullError, OSError, ValueError) as exc:
             logger.warning("pull_weights failed: %s", exc)
             return JSONResponse({"success": False, "message": f"Failed to pull weights: {exc}"}, status_code=400)

@@ -256,7 +256,10 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
                                thread_name_prefix="delta-apply") as pool:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if pre_read_hook is not None:
-            pre_read_hook(source_dir, target_version)
+            try:
+                pre_read_hook(source_dir, target_version)
+            except Exception as exc:  # e.g. the object store is unreachable: nothing has been touched yet
+                raise PullError(f"the pre-read hook failed for version {target_version} of {source_dir}: {exc!r}") from exc
         local = read_marker(local_checkpoint_dir) if os.path.isdir(local_checkpoint_dir) else None
         try:
             target = _source_version(source_dir, target_version)
