@@ -1,6 +1,6 @@
 """The tool-use task: a weather lookup the model must call before it can answer.
 
-Each prompt is one user message ("What is the weather in Oslo?") and one tool,
+Each prompt is one user message ("What is the weather in this city?\\nOslo") and one tool,
 ``get_weather(city)``. Every problem has its own forecast (a weather per city, drawn at random), kept
 in the row's ``metadata`` where only the tool can read it, so the answer cannot be memorised: a
 correct episode is a ``get_weather`` call with the asked city, then the tool's answer repeated.
@@ -30,7 +30,9 @@ TOOLS = [WEATHER_TOOL]
 
 
 def question(city: str) -> str:
-    return f"What is the weather in {city}?"
+    # The city on a line of its own is the same token as in the tool call's JSON ("Lima", not " Lima"),
+    # so looking it up is a copy the tiny model can learn in minutes.
+    return f"What is the weather in this city?\n{city}"
 
 
 def transcript(city: str, weather: str) -> list[dict]:
