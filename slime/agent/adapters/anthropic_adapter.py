@@ -118,7 +118,6 @@ def _assistant_from_blocks(blocks: list, index: int) -> dict:
 class AnthropicAdapter(BaseAdapter):
     max_tokens_keys = ("max_tokens",)
     stop_key = "stop_sequences"
-    keeps_reasoning = True
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/messages", self.handler(self._translate, self._build_reply, self._write_message))

@@ -169,8 +169,6 @@ class BaseAdapter:
     #: body keys that cap max_new_tokens, in the protocol's spelling
     max_tokens_keys: tuple[str, ...] = ()
     stop_key = "stop"
-    #: whether the manager message keeps reasoning_content (clients of this protocol echo it back)
-    keeps_reasoning = False
 
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, max_turns_per_sid: int | None = None,
@@ -256,6 +254,8 @@ class BaseAdapter:
             logger.warning("session %s: cancelling a turn still running after %.1fs", sid, wait_timeout)
             loop.call_soon_threadsafe(task.cancel)
         self.store.pop(sid, None)
+        if not self.inflight.get(sid):
+            self.inflight.pop(sid, None)
 
     async def finish_session(self, sid: str, *, base_sample: Sample | None = None, reward=0.0,
                              extra_metadata: dict | None = None, wait_timeout: float = 5.0) -> list[Sample]:
@@ -363,7 +363,7 @@ class BaseAdapter:
             self.manager.record_turn(sid, turn=turn, prompt_messages=messages,
                                      response_message=reply.manager_message, metadata={"sid": sid})
         finally:
-            self.inflight[sid].discard(entry)
+            self.inflight.get(sid, set()).discard(entry)
         if self.debug_callback is not None:
             try:
                 self.debug_callback(sid, messages, tools, reply.manager_message, turn)

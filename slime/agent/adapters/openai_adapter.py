@@ -111,7 +111,6 @@ def translate_responses(body: dict) -> tuple[list[dict], list[dict]]:
 class OpenAIAdapter(BaseAdapter):
     max_tokens_keys = ("max_completion_tokens", "max_tokens", "max_output_tokens")
     stop_key = "stop"
-    keeps_reasoning = False
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/chat/completions", self.handler(translate_chat, self._build_reply, self._write_chat))
