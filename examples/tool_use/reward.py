@@ -1,20 +1,24 @@
 """Reward of the tool-use task (``--custom-rm-path examples.tool_use.reward.reward``).
 
-0.5 for calling ``get_weather`` with the asked city, plus 0.5 when the final answer is then that
-city's weather; 0.0 otherwise (an answer without the right lookup gets no credit: the forecast is
-only reachable through the tool). The generate function stores what it saw in each sample's
-metadata (``final_answer``, ``tool_calls``, ``city``); a fan-out list is scored in one call and every
-segment of an episode gets the episode's reward.
+Three parts, so that a policy that has only begun to learn the task still gets a signal:
+0.25 for a well-formed ``get_weather`` call (arguments a JSON object with a string ``city``), another
+0.25 when it asks for the city of the question, and 0.5 when the final answer is then that city's
+weather (the forecast is only reachable through the tool, so a right answer needs the right lookup).
+The generate function stores what it saw in each sample's metadata (``final_answer``,
+``tool_calls``, ``city``); a fan-out list is scored in one call and every segment of an episode gets
+the episode's reward.
 """
 
 from __future__ import annotations
 
 
 def score(label: str, city: str, final_answer: str | None, tool_calls: list[dict]) -> float:
-    looked_up = any(c.get("name") == "get_weather" and isinstance(c.get("arguments"), dict)
-                    and c["arguments"].get("city") == city for c in tool_calls)
-    if not looked_up:
+    lookups = [c["arguments"]["city"] for c in tool_calls if c.get("name") == "get_weather"
+               and isinstance(c.get("arguments"), dict) and isinstance(c["arguments"].get("city"), str)]
+    if not lookups:
         return 0.0
+    if city not in lookups:
+        return 0.25
     return 1.0 if final_answer is not None and final_answer.strip() == label else 0.5
 
 

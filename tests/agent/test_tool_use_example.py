@@ -40,7 +40,7 @@ def test_one_rollout_step_of_the_example(engine, scripted_model_dir, tmp_path):
         for episode in group:
             assert len({s.rollout_id for s in episode}) == 1 and len({s.reward for s in episode}) == 1
             for sample in episode:
-                assert sample.status == Sample.Status.COMPLETED and sample.reward in (0.0, 0.5, 1.0)
+                assert sample.status == Sample.Status.COMPLETED and sample.reward in (0.0, 0.25, 0.5, 1.0)
                 assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length > 0
                 assert len(sample.tokens) <= 480 and sample.tokens[:len(sample.tokens) - sample.response_length]
                 assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if not m)
