@@ -87,6 +87,13 @@ def block_causal_mask(lengths: list[int], device, attn_implementation: str, dtyp
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
+    if requested == "slime_varlen":
+        from slime.backends.fsdp_utils import varlen_attention
+
+        if device_type != "cuda" or not varlen_attention.available():
+            raise ValueError("--fsdp-attn-implementation slime_varlen needs CUDA and a PyTorch with "
+                             "torch.nn.attention.varlen (2.10+); use auto or sdpa")
+        return varlen_attention.register()
     if requested != "auto":
         return requested
     if device_type == "cuda":
