@@ -27,7 +27,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-25}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-40}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 fi
 rm -rf "$out/runs/grpo"
@@ -39,7 +39,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
   --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 32 --rollout-max-context-len 512 \
-  --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-30}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-5e-4}" --eps-clip 0.2 \
+  --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-40}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-5e-4}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 10 --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --run-dir "$out/runs/grpo"
 
