@@ -402,7 +402,9 @@ def _recycle_partial_groups(args, rollout_id: int, groups: list, data_source) ->
         for sample in _leaves(group):
             trace_event(sample, "recycled_for_partial_rollout", attrs={"rollout_step": rollout_id,
                                                                        "status": sample.status})
-            if sample.status == Sample.Status.ABORTED and sample.response_length > 0:
+            # aborted ones continue next step; finished ones of the same group are kept as they are:
+            # both carry tokens of this step's policy
+            if sample.response_length > 0:
                 sample.metadata.setdefault("start_rollout_id", rollout_id)
                 if getattr(args, "mask_offpolicy_in_partial_rollout", False):
                     sample.loss_mask = [0] * sample.response_length

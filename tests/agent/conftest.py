@@ -13,15 +13,10 @@ def scripted_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(scripted_model_dir):
-    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.embedded_engine.launch import running_engine
 
-    proc = EmbeddedEngineProcess(scripted_model_dir, extra_args=["--context-length", "1024"])
-    proc.start()
-    try:
-        proc.wait_healthy(timeout=120)
+    with running_engine(scripted_model_dir, extra_args=["--context-length", "1024"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+from slime.backends.embedded_engine.launch import running_engine
 from slime.backends.router import RouterProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -13,13 +13,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    proc = EmbeddedEngineProcess(tiny_model_dir, extra_args=["--context-length", "256"])
-    proc.start()
-    try:
-        proc.wait_healthy(timeout=120)
+    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _generate(url, headers=None):

@@ -1,5 +1,4 @@
 """Fixtures of the rollout tests (the tiny model comes from tests/conftest.py)."""
 
-import pytest
 
 

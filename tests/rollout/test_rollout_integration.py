@@ -54,7 +54,7 @@ def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path):
     args = parse_args([
         "--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", tiny_model_dir,
         "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "8",
         "--num-rollout", "2", "--rollout-max-response-len", "48", "--rollout-temperature", "1.0",
         "--rm-type", "random", "--partial-rollout", "--router-policy", "consistent_hashing",
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",

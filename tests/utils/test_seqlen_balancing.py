@@ -3,7 +3,6 @@
 import itertools
 import random
 
-import pytest
 
 from slime.utils.seqlen_balancing import balanced_partition, micro_batch_schedule, minimum_micro_batches, pack_micro_batches
 

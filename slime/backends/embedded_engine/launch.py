@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import socket
@@ -120,3 +122,15 @@ class EmbeddedEngineProcess(ServerProcess):
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd
+
+
+@contextlib.contextmanager
+def running_engine(model_path: str, timeout: float = 120.0, **kwargs):
+    """An embedded engine started and healthy for the ``with`` block, stopped after it (also on error)."""
+    proc = EmbeddedEngineProcess(model_path, **kwargs)
+    proc.start()
+    try:
+        proc.wait_healthy(timeout=timeout)
+        yield proc
+    finally:
+        proc.stop()

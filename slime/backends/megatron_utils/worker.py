@@ -443,10 +443,6 @@ class MegatronTrainWorker(FSDPTrainWorker):
         """Free the device memory of parameters, gradients and optimizer state (host copies kept)."""
         if self.offloaded:
             return
-        try:
-            import torch_memory_saver  # noqa: F401  (pause/resume would need allocation inside its region)
-        except ImportError:
-            pass
         self.ddp_model.offload_grad_buffers(synchronize=True, empty_cache=False)
         for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
             self._host_copies[("param", i)] = buffer.param_data.to("cpu", non_blocking=True)

@@ -7,7 +7,6 @@ context length so that the bad-input cases are cheap to build.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import torch
 
 from engine_test_utils import (TOOL_MESSAGES, TOOLS, copy_with_weights, hf_greedy, hf_logprobs, load_hf,
                                perturbed_state_dict, train_tool_call)
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess, find_free_port
+from slime.backends.embedded_engine.launch import find_free_port, running_engine
 from slime.backends.embedded_engine.weight_loading import (flatten_tensors, init_custom_process_group,
                                                            serialize_for_engine, use_file_system_sharing)
 
@@ -28,14 +27,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [100, 200, 300, 400, 500], [42]]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    proc = EmbeddedEngineProcess(tiny_model_dir, api_key=API_KEY,
-                                 extra_args=["--context-length", str(CONTEXT), "--max-running-requests", "16"])
-    proc.start()
-    try:
-        proc.wait_healthy(timeout=120)
+    with running_engine(tiny_model_dir, api_key=API_KEY,
+                        extra_args=["--context-length", str(CONTEXT), "--max-running-requests", "16"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
