@@ -226,13 +226,13 @@ class BaseAdapter:
     # ------------------------------------------------------------------ protocol hooks (subclasses)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define add_routes(): the protocol's HTTP routes")
 
     def session_id_from(self, request: web.Request, body: dict) -> str | None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define session_id_from(): where a request names its session")
 
     def error_body(self, status: int, kind: str, message: str) -> dict:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define error_body(): the protocol's error shape")
 
     # ------------------------------------------------------------------ session lifecycle
 
