@@ -5,6 +5,9 @@
     router.add_worker(url2); router.remove_worker(url2)
     router.stop()
 
+    with running_router("round_robin", worker_urls=[engine.url]) as router:  # started, healthy, stopped after
+        ... router.url ...
+
 The router renames its process ``smg::router``; it is stopped by PID (SIGTERM, then SIGKILL).
 Workers registered through ``POST /workers`` become routable once the router's background job has
 probed them; :meth:`add_worker` waits for that.
@@ -12,6 +15,7 @@ probed them; :meth:`add_worker` waits for that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -84,3 +88,16 @@ class RouterProcess(ServerProcess):
             time.sleep(0.2)
         raise TimeoutError(f"worker {url} {'did not appear' if present else 'was not removed'} in the router "
                            f"within {timeout}s; router log:\n{self.last_log_lines()}")
+
+
+@contextlib.contextmanager
+def running_router(policy: str = "cache_aware", worker_urls: list[str] | None = None, timeout: float = 60.0, **kwargs):
+    """A router started for the ``with`` block, healthy and routing to every one of ``worker_urls``,
+    stopped after it (also on error)."""
+    router = RouterProcess(policy=policy, worker_urls=worker_urls, **kwargs)
+    router.start()
+    try:
+        router.wait_healthy(timeout=timeout)
+        yield router
+    finally:
+        router.stop()

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from slime.backends.embedded_engine.launch import running_engine
-from slime.backends.router import RouterProcess
+from slime.backends.router import running_router
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,27 +27,17 @@ def _generate(url, headers=None):
 
 def test_router_with_worker_urls_and_consistent_hashing(engine):
     direct = _generate(engine.url)
-    router = RouterProcess(policy="consistent_hashing", worker_urls=[engine.url])
-    router.start()
-    try:
-        router.wait_healthy(timeout=60)
+    with running_router("consistent_hashing", worker_urls=[engine.url]) as router:
         routed = _generate(router.url, headers={"X-SMG-Routing-Key": "session-1"})
         assert routed["output_ids"] == direct["output_ids"]
         assert routed["meta_info"]["output_token_logprobs"] == direct["meta_info"]["output_token_logprobs"]
         assert [w["url"] for w in router.list_workers()] == [engine.url]
-    finally:
-        assert router.stop() is not None
-    assert router.process.poll() is not None
+    assert router.process.poll() is not None  # stopped when the block ends
 
 
 def test_router_register_and_remove_worker(engine):
-    router = RouterProcess(policy="round_robin")
-    router.start()
-    try:
-        router.wait_healthy(timeout=60)
+    with running_router("round_robin") as router:
         router.add_worker(engine.url)
         assert len(_generate(router.url)["output_ids"]) == 4
         router.remove_worker(engine.url)
         assert router.list_workers() == []
-    finally:
-        router.stop()

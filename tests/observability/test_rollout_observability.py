@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
-from slime.backends.router import RouterProcess
+from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.router import running_router
 from slime.observability.rollout_data_utils import save_debug_rollout_data
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
@@ -38,19 +38,9 @@ def run_tool(script, *argv, check=True):
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine = EmbeddedEngineProcess(tiny_model_dir, extra_args=["--context-length", "256"])
-    router = RouterProcess(policy="round_robin", worker_urls=[engine.url])
-    engine.start()
-    try:
-        engine.wait_healthy(timeout=120)
-        router.start()
-        try:
-            router.wait_healthy(timeout=60)
+    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as engine:
+        with running_router("round_robin", worker_urls=[engine.url]) as router:
             yield engine, router
-        finally:
-            router.stop()
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
-from slime.backends.router import RouterProcess
+from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sglang_rollout import generate_rollout
@@ -23,19 +23,9 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served_model(tiny_model_dir):
-    engine = EmbeddedEngineProcess(tiny_model_dir, extra_args=["--context-length", "256"])
-    router = RouterProcess(policy="consistent_hashing", worker_urls=[engine.url])
-    engine.start()
-    try:
-        engine.wait_healthy(timeout=120)
-        router.start()
-        try:
-            router.wait_healthy(timeout=60)
+    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as engine:
+        with running_router("consistent_hashing", worker_urls=[engine.url]) as router:
             yield engine, router
-        finally:
-            router.stop()
-    finally:
-        engine.stop()
 
 
 def _check_sample(sample: Sample):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine.launch import ServerProcess
-from slime.backends.router import RouterProcess
+from slime.backends.router import running_router
 from slime.backends.sglang_utils.external import describe_external_engines
 from slime.backends.sglang_utils.router_launch import register_workers
 from slime.backends.update_weight.base import EngineClient
@@ -53,16 +53,11 @@ def engines():
 
 @pytest.fixture(scope="module")
 def router(engines):
-    router = RouterProcess(policy="round_robin")
-    router.start()
-    try:
-        router.wait_healthy(timeout=60)
+    with running_router("round_robin") as router:
         register_workers(router.url, [{"url": e.url, "worker_type": "regular"} for e in engines])  # POST /workers
         for engine in engines:
             router._wait_worker(engine.url, present=True, timeout=60)
         yield router
-    finally:
-        router.stop()
 
 
 def make_args(model_dir, tmp_path, engines, router):
