@@ -11,7 +11,9 @@ at 0 for every sample, and attention never crosses samples:
   (the exact masked path; tested equal to per-sample forwards).
 
 Only the positions that predict response tokens go through the LM head (``logits_to_keep``), so
-the vocabulary projection costs Σ response lengths, not T.
+the vocabulary projection costs Σ response lengths, not T; and for log-probs and entropy the head
+is replaced by the chunked one of :mod:`slime.backends.fsdp_utils.logprob_head` (no ``[K, V]``
+float32 logits or gradient is ever held whole).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slime.utils import ppo_utils
+from slime.backends.fsdp_utils.logprob_head import chunked_log_probs_and_entropy
 
-__all__ = ["PackedBatch", "pack_samples", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
+__all__ = ["PackedBatch", "pack_samples", "forward_log_probs", "forward_response_logits", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
 
 
 @dataclass
@@ -136,10 +138,40 @@ def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implemen
     return out.logits[0] if hasattr(out, "logits") else out[0]
 
 
-def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
-    log_probs = ppo_utils.compute_log_probs(logits, targets, temperature)
-    entropy = ppo_utils.compute_entropy(logits, temperature) if with_entropy else None
-    return log_probs, entropy
+def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation: str, temperature: float,
+                      chunk_rows: int, nucleus=None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log π(target), entropy) ``[K]`` float32 of a packed micro-batch, computed by
+    :func:`~slime.backends.fsdp_utils.logprob_head.chunked_log_probs_and_entropy` from the final
+    hidden states and the LM-head weight without materialising the ``[K, V]`` logits.
+
+    The chunked head runs *inside* the model's forward (it stands in for ``lm_head.forward`` for
+    this call), so under FSDP2 it sees the unsharded weight of the root group exactly as
+    ``lm_head`` would (tied embeddings included) and its weight gradient reaches FSDP's
+    reduce-scatter. A dummy micro-batch computes one row so its zero loss reaches every parameter.
+    """
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no nn.Linear output embedding (lm_head) for the chunked log-prob head")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("final_logit_softcapping models are not supported by the chunked log-prob head")
+    dummy = packed.predict_positions.numel() == 0
+    keep = torch.zeros(1, dtype=torch.long, device=packed.input_ids.device) if dummy else packed.predict_positions
+    targets = packed.input_ids[0, :1] if dummy else packed.targets
+
+    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
+        log_probs, entropy = chunked_log_probs_and_entropy(
+            hidden[0], head.weight, targets, temperature, chunk_rows, bias=head.bias,
+            nucleus=None if dummy else nucleus, entropy_grad=entropy_grad,
+        )
+        return torch.stack([log_probs[None], entropy[None]], dim=-1)  # [1, K, 2], not a view (FSDP hooks it)
+
+    head.forward = chunked_head  # an instance attribute shadows nn.Linear.forward for this call only
+    try:
+        out = model(**model_inputs(packed, attn_implementation), logits_to_keep=keep)
+    finally:
+        del head.forward
+    pair = (out.logits if hasattr(out, "logits") else out[0])[0]
+    return pair[:, 0], pair[:, 1]
 
 
 class CriticModel(nn.Module):

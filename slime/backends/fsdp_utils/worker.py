@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
+from slime.backends.fsdp_utils.logprob_head import Nucleus, resolve_chunk_rows
 from slime.backends.fsdp_utils.model import (
+    forward_log_probs,
     forward_response_logits,
     load_model,
-    log_probs_and_entropy,
     pack_samples,
     resolve_attn_implementation,
     shard_model,
@@ -70,6 +71,7 @@ class FSDPTrainWorker:
         self.attn_implementation = resolve_attn_implementation(getattr(args, "fsdp_attn_implementation", "auto"), self.device.type)
         precision = getattr(args, "fsdp_mixed_precision", "auto")
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+        self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
         self.model = self.ref_model = self.optimizer = self.scheduler = None
         self.global_step = 0
         self.step_metrics: list[dict[str, float]] = []
@@ -145,6 +147,35 @@ class FSDPTrainWorker:
         lengths = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         return pack_samples(tokens, lengths, self.device)
 
+    def _nucleus(self, rollout_data: dict, micro_batch: list[int]) -> Nucleus | None:
+        """The engine's kept top-p sets of the micro-batch's response positions (``--rollout-top-p`` ≠ 1)."""
+        if getattr(self.args, "rollout_top_p", 1.0) == 1.0:
+            return None
+        all_ids, all_offsets = rollout_data.get("rollout_top_p_token_ids"), rollout_data.get("rollout_top_p_token_offsets")
+        if all_ids is None or all_offsets is None:
+            raise ValueError("--rollout-top-p != 1 needs rollout_top_p_token_ids and rollout_top_p_token_offsets in the "
+                             "train data (the engine's nucleus per position; INTERFACES §1 fields 17-18, §2.14)")
+        ids, offsets, base = [], [torch.zeros(1, dtype=torch.long)], 0
+        for i in micro_batch:
+            sample_ids = torch.as_tensor(all_ids[i]).long()
+            sample_offsets = torch.as_tensor(all_offsets[i]).long()
+            response = int(rollout_data["response_lengths"][i])
+            if (sample_offsets.numel() != response + 1 or int(sample_offsets[0]) != 0
+                    or int(sample_offsets[-1]) != sample_ids.numel() or bool((sample_offsets.diff() < 0).any())):
+                raise ValueError(f"sample {rollout_data['sample_indices'][i] if 'sample_indices' in rollout_data else i}: "
+                                 f"rollout_top_p_token_offsets must be non-decreasing, start at 0, end at the id count "
+                                 f"({sample_ids.numel()}) and have response_length + 1 = {response + 1} entries, "
+                                 f"got {sample_offsets.numel()} entries ending at {int(sample_offsets[-1]) if sample_offsets.numel() else None}")
+            if sample_ids.numel() and (int(sample_ids.min()) < 0 or int(sample_ids.max()) >= self._vocab_size()):
+                raise ValueError(f"sample {i}: rollout_top_p_token_ids outside [0, {self._vocab_size()})")
+            ids.append(sample_ids)
+            offsets.append(sample_offsets[1:] + base)
+            base += sample_ids.numel()
+        return Nucleus(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long), torch.cat(offsets), self.device)
+
+    def _vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
     @torch.no_grad()
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
         """Per-sample log-probs (and entropy), or values, over the same micro-batches as training
@@ -155,19 +186,19 @@ class FSDPTrainWorker:
         temperature = self.args.rollout_temperature
         for micro_batch in self._micro_batches(rollout_data):
             packed = self._pack(rollout_data, micro_batch)
-            result = forward_response_logits(model, packed, self.attn_implementation)
             if packed.predict_positions.numel() == 0:
                 for i in micro_batch:
                     out[i] = torch.zeros(0)
                     entropy_out[i] = torch.zeros(0)
                 continue
             if values:
-                per_token, entropy = result.float(), None
+                per_token, entropy = forward_response_logits(model, packed, self.attn_implementation).float(), None
             else:
-                per_token, entropy = log_probs_and_entropy(result, packed.targets, temperature, with_entropy)
+                per_token, entropy = forward_log_probs(model, packed, self.attn_implementation, temperature, self.chunk_rows,
+                                                       self._nucleus(rollout_data, micro_batch))
             for j, piece in zip(micro_batch, torch.split(per_token, packed.response_lengths)):
                 out[j] = piece.detach().float().cpu()
-            if entropy is not None:
+            if with_entropy:
                 for j, piece in zip(micro_batch, torch.split(entropy, packed.response_lengths)):
                     entropy_out[j] = piece.detach().float().cpu()
         return out, (entropy_out if with_entropy else None)
@@ -362,10 +393,19 @@ class FSDPTrainWorker:
         args = self.args
         packed = self._pack(rollout_data, micro_batch)
         custom_loss = args.loss_type == "custom_loss" and self.role == "actor"
-        output = forward_response_logits(self.model, packed, self.attn_implementation, full=custom_loss)
         scale = self.world_size / normaliser
-        if packed.predict_positions.numel() == 0:
-            (output.float().sum() * 0.0).backward()
+        empty = packed.predict_positions.numel() == 0
+        if self.role == "critic" or custom_loss:
+            output = forward_response_logits(self.model, packed, self.attn_implementation, full=custom_loss)
+            zero = output.float().sum() * 0.0
+        else:
+            log_probs, entropy = forward_log_probs(
+                self.model, packed, self.attn_implementation, args.rollout_temperature, self.chunk_rows,
+                None if empty else self._nucleus(rollout_data, micro_batch), entropy_grad=args.entropy_coef != 0,
+            )
+            zero = log_probs.sum() * 0.0
+        if empty:
+            zero.backward()  # every rank runs the same FSDP collectives, with or without tokens
             return {}, int(packed.input_ids.numel()) if not packed.dummy else 0, 0.0
         batch = self._micro_batch_fields(rollout_data, micro_batch)
         masks = [m.to(self.device) for m in batch["loss_masks"]]
@@ -376,18 +416,12 @@ class FSDPTrainWorker:
         elif custom_loss:
             batch.update(unconcat_tokens=batch["tokens"], tokens=packed.input_ids, packed_seq_params={"cu_seqlens": packed.cu_seqlens})
             loss, metrics = load_function(args.custom_loss_function_path)(args, batch, output.float()[None], reducer)
+        elif args.loss_type == "sft_loss":
+            loss, metrics = ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
         else:
-            need_entropy = args.entropy_coef != 0
-            log_probs, entropy = log_probs_and_entropy(output, packed.targets, args.rollout_temperature, need_entropy)
-            if entropy is None:
-                with torch.no_grad():
-                    entropy = ppo_utils.compute_entropy(output.detach(), args.rollout_temperature)
-            if args.loss_type == "sft_loss":
-                loss, metrics = ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
-            else:
-                loss, metrics = ppo_utils.policy_loss_function(
-                    args, batch, log_probs, entropy, reducer, self._pg_reducer(batch), self._tis_function()
-                )
+            loss, metrics = ppo_utils.policy_loss_function(
+                args, batch, log_probs, entropy, reducer, self._pg_reducer(batch), self._tis_function()
+            )
         (loss * scale).backward()
         tokens = int(packed.input_ids.numel())
         return metrics, tokens, self._flops(packed.lengths, int(packed.predict_positions.numel()))

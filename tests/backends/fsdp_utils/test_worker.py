@@ -20,7 +20,7 @@ from tests.backends.fsdp_utils.fsdp_test_utils import (
 pytestmark = pytest.mark.usefixtures("single_rank")
 
 LOSS_FLAGS = ("--num-steps-per-rollout", "1", "--use-kl-loss", "--kl-loss-coef", "0.1", "--entropy-coef", "0.01",
-              "--rollout-temperature", "0.8")
+              "--rollout-temperature", "0.8", "--log-probs-chunk-size", "5")
 
 
 def new_worker(args):
