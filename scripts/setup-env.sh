@@ -31,6 +31,21 @@ if [ "$extras" != "core" ] && [ ! -f "$sglang_args_dir/.installed-$sglang_versio
   touch "$sglang_args_dir/.installed-$sglang_version"
 fi
 
+# Megatron-Core's Python code, for the CPU tests of the Megatron backend (tests/backends/megatron_utils/
+# megatron_cpu.py runs it on gloo with a few CUDA-only calls redirected). Its wheels are CPython 3.12
+# only, but apart from one unused dataset helper it is pure Python: the wheel is unpacked into its own
+# directory, off the import path (slime must not believe Megatron is installed here), and tests put it
+# on PYTHONPATH in a subprocess next to the triton of $sglang_args_dir.
+megatron_version="0.19.2"
+megatron_dir=".venv/megatron-core"
+if [ "$extras" != "core" ] && [ ! -f "$megatron_dir/.installed-$megatron_version" ]; then
+  echo "[setup] unpacking Megatron-Core $megatron_version's Python code into $megatron_dir (no dependencies)"
+  rm -rf "$megatron_dir"
+  "$py" -m pip install --quiet --no-deps --target "$megatron_dir" --python-version 3.12 --only-binary=:all: --ignore-requires-python \
+    "megatron-core==$megatron_version"
+  touch "$megatron_dir/.installed-$megatron_version"
+fi
+
 stamp=".venv/.slime-installed"
 want="$(sha1sum pyproject.toml | cut -d' ' -f1)-$extras"
 # an install that covers more extras (dev) also covers the core one

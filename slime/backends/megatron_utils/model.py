@@ -8,9 +8,10 @@
   reads only the tensors of its layers and keeps only its shard.
 * :func:`iter_hf_weights` — the model's parameters as HF-named, HF-shaped full tensors: TP shards
   all-gathered, experts all-gathered over EP, pipeline stages broadcast, vocabulary padding removed.
-* :func:`forward_logits` — logits at the positions that predict response tokens, for a micro-batch
-  of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec (its attention
-  has no packed mode; causal attention never looks at the padding on the right, so both are exact).
+* :func:`micro_batch_inputs` / :func:`run_model` / :func:`response_logits` (and their composition
+  :func:`forward_logits`) — logits at the positions that predict response tokens, for a micro-batch
+  of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec; the
+  vocabulary padding is cut off.
 
 Megatron is imported inside functions: this module imports on a machine without it.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -28,7 +30,8 @@ import torch.distributed as dist
 from slime.backends.megatron_utils import weight_mapping as wm
 
 __all__ = ["have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
-           "iter_hf_weights", "forward_logits", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
+           "iter_hf_weights", "forward_logits", "MicroBatchInputs", "micro_batch_inputs", "run_model",
+           "response_logits", "response_targets", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
 
 
 def have_transformer_engine() -> bool:
@@ -57,7 +60,9 @@ def transformer_config(args, **overrides):
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
         # fp32 master parameters; the matmuls run in bf16 under autocast (DEVICE.md: no TE/Apex needed)
         params_dtype=torch.float32, bf16=False, fp16=False,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float16,
+        # what crosses pipeline stages is the residual stream, which stays in the parameters' fp32
+        # under autocast (embedding output + bf16 sub-layer outputs); p2p buffers take this dtype
+        pipeline_dtype=torch.float32,
         autocast_dtype=torch.bfloat16 if bf16 else torch.float16,
         variable_seq_lengths=True, attention_softmax_in_fp32=True,
         # fused kernels that need Apex / TE / compiled extensions
@@ -73,6 +78,11 @@ def transformer_config(args, **overrides):
     )
     if not torch.cuda.is_available():
         kwargs["variable_seq_lengths"] = False
+    # uneven pipeline stages (the layer ranges of weight_mapping.pp_layer_range)
+    if getattr(args, "decoder_first_pipeline_num_layers", None) is not None:
+        kwargs["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
+    if getattr(args, "decoder_last_pipeline_num_layers", None) is not None:
+        kwargs["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
     if moe:
         kwargs.update(
             num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
@@ -316,14 +326,38 @@ def _broadcast_pipeline(local: list[tuple[str, torch.Tensor]]) -> Iterator[tuple
 
 # --------------------------------------------------------------------------- forward
 
-def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_lengths: list[int], device,
-                   packed: bool | None = None, pad_multiple: int = 1) -> torch.Tensor:
-    """Logits ``[K, V]`` (full vocabulary, TP-gathered) at the K = Σ response positions, samples in
-    order — the same rows as the FSDP backend's ``forward_response_logits``. ``pad_multiple``: the
-    sequence dimension is padded to a multiple of it (sequence parallelism splits it over TP ranks)."""
+@dataclass
+class MicroBatchInputs:
+    """One micro-batch of samples laid out for ``GPTModel.forward``.
+
+    ``input_ids``/``position_ids``: ``[1, T]`` packed (thd, every sample followed by the next) or
+    ``[n, L_max]`` right-padded; ``packed_seq_params``: the thd boundaries, or None when padded;
+    ``starts``: the row of each sample's first token in the flattened ``[b·s]`` output;
+    ``lengths``/``response_lengths``: tokens and response tokens per sample; ``targets``: ``[K]``
+    the response tokens (what the K logit rows predict); ``sample_indices``: the samples' indices in
+    the caller's rollout data."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: object | None
+    starts: list[int]
+    lengths: list[int]
+    response_lengths: list[int]
+    targets: torch.Tensor
+    sample_indices: list[int] = field(default_factory=list)
+
+
+def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], device, packed: bool | None = None,
+                       pad_multiple: int = 1, sample_indices: list[int] | None = None) -> MicroBatchInputs:
+    """Lay out ``tokens`` packed (thd, with Transformer Engine) or right-padded ``[n, L_max]`` (the
+    local spec's attention has no packed mode; causal attention never looks at the padding on the
+    right, so both are exact). ``pad_multiple``: the sequence dimension is padded to a multiple of
+    it (sequence parallelism splits it over TP ranks)."""
     if packed is None:
         packed = have_transformer_engine()
     lengths = [int(t.numel()) for t in tokens]
+    targets = response_targets(tokens, response_lengths).to(device)
+    extra = dict(targets=targets, sample_indices=list(sample_indices or []))
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -335,23 +369,46 @@ def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_
         position_ids = torch.cat([torch.arange(n) for n in seq_lengths]).to(device)[None]
         cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seq_lengths), 0)
+        starts = [int(c) for c in cu[:len(lengths)]]
         cu = cu.to(device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seq_lengths),
                                  max_seqlen_kv=max(seq_lengths))
-        logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params, runtime_gather_output=True)
-        logits = logits[0]
-        starts = [int(c) for c in cu[:len(lengths)]]
-    else:
-        longest = -(-max(lengths) // pad_multiple) * pad_multiple
-        input_ids = torch.zeros(len(tokens), longest, dtype=torch.long, device=device)
-        for i, t in enumerate(tokens):
-            input_ids[i, : lengths[i]] = t.to(device)
-        position_ids = torch.arange(longest, device=device)[None].expand(len(tokens), -1)
-        logits = model(input_ids, position_ids, attention_mask=None, runtime_gather_output=True)
-        logits = logits.reshape(-1, logits.shape[-1])
-        starts = [i * longest for i in range(len(tokens))]
-    rows = [torch.arange(s + n - r - 1, s + n - 1, device=logits.device) for s, n, r in zip(starts, lengths, response_lengths)]
-    return logits[torch.cat(rows)] if rows else logits[:0]
+        return MicroBatchInputs(input_ids, position_ids, params, starts, lengths, list(response_lengths), **extra)
+    longest = -(-max(lengths) // pad_multiple) * pad_multiple
+    input_ids = torch.zeros(len(tokens), longest, dtype=torch.long, device=device)
+    for i, t in enumerate(tokens):
+        input_ids[i, : lengths[i]] = t.to(device)
+    position_ids = torch.arange(longest, device=device)[None].expand(len(tokens), -1)
+    starts = [i * longest for i in range(len(tokens))]
+    return MicroBatchInputs(input_ids, position_ids, None, starts, lengths, list(response_lengths), **extra)
+
+
+def run_model(model: torch.nn.Module, inputs: MicroBatchInputs) -> torch.Tensor:
+    """``GPTModel.forward`` on one micro-batch: full-vocabulary logits ``[b, s, V_padded]`` on the
+    last pipeline stage (TP-gathered), the hidden states to send on every other stage."""
+    kwargs = {"packed_seq_params": inputs.packed_seq_params} if inputs.packed_seq_params is not None else {}
+    return model(inputs.input_ids, inputs.position_ids, attention_mask=None, runtime_gather_output=True, **kwargs)
+
+
+def response_logits(logits: torch.Tensor, inputs: MicroBatchInputs, vocab_size: int) -> torch.Tensor:
+    """Rows ``[K, vocab_size]`` of ``logits`` at the K = Σ response positions, samples in order.
+
+    The columns past ``vocab_size`` are Megatron's vocabulary padding (zero rows of the output
+    layer, logit 0): they are cut off here, or every log-softmax would count them as tokens."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows = [torch.arange(s + n - r - 1, s + n - 1, device=flat.device)
+            for s, n, r in zip(inputs.starts, inputs.lengths, inputs.response_lengths)]
+    picked = flat[torch.cat(rows)] if rows else flat[:0]
+    return picked[:, :vocab_size]
+
+
+def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_lengths: list[int], device, *,
+                   vocab_size: int, packed: bool | None = None, pad_multiple: int = 1) -> torch.Tensor:
+    """Logits ``[K, vocab_size]`` (TP-gathered, vocabulary padding removed) at the K = Σ response
+    positions, samples in order — the same rows as the FSDP backend's ``forward_response_logits``.
+    One stage only (no pipeline parallelism); the trainer goes through :mod:`.pipeline`."""
+    inputs = micro_batch_inputs(tokens, response_lengths, device, packed, pad_multiple)
+    return response_logits(run_model(model, inputs), inputs, vocab_size)
 
 
 def response_targets(tokens: list[torch.Tensor], response_lengths: list[int]) -> torch.Tensor:

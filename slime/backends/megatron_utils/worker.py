@@ -8,7 +8,9 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
   ``--custom-model-provider-path``), wrapped in Megatron's ``DistributedDataParallel``; weights from
   an HF directory or a torch_dist checkpoint (:mod:`~slime.backends.megatron_utils.checkpoint`);
 * forward: fp32 parameters, bf16 autocast; micro-batches packed (thd) with Transformer Engine,
-  right-padded with the local spec (:func:`~slime.backends.megatron_utils.model.forward_logits`);
+  right-padded with the local spec (:func:`~slime.backends.megatron_utils.model.micro_batch_inputs`),
+  run through Megatron's pipeline schedule (:mod:`~slime.backends.megatron_utils.pipeline`) for
+  the forward-only passes and for training, at any pipeline size;
 * optimizer: Megatron's distributed optimizer (``--optimizer-cpu-offload`` passed through) and
   ``OptimizerParamScheduler``; gradient clipping inside ``optimizer.step()``;
 * hooks: ``--custom-megatron-init-path`` after set-up, the before-log-prob hook before every
@@ -18,11 +20,13 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
 * offload/onload for colocation: ``torch_memory_saver`` when installed, else parameters and
   optimizer state copied to host memory and the device storage freed.
 
-Parallelism supported by this worker today: data, tensor (the shards of a TP group are merged so
-its ranks train on the same samples, :mod:`~slime.backends.megatron_utils.data`) and expert
-parallel. Pipeline and context parallelism are supported by the model, the weight loading and the
-HF export, but the trainer's pipeline schedule and CP slicing are not written yet: the worker refuses
-those sizes with an explicit error.
+Parallelism supported by this worker: data, tensor, pipeline (non-interleaved 1F1B) and expert
+parallel. The ranks of one model-parallel group (TP × PP) compute one model together, so the
+rollout shards of the group are merged and all of them train on the union
+(:mod:`~slime.backends.megatron_utils.data`); the last stage's log-probs are broadcast to the
+other stages, so every rank of the group holds the same rollout data. Refused with an explicit
+error: context parallelism (CP slicing of the packed sequences is not written), virtual pipeline
+stages, ``--rollout-top-p`` < 1 (no nucleus renormalisation here), and the PPO critic.
 """
 
 from __future__ import annotations
@@ -76,13 +80,17 @@ class MegatronTrainWorker(FSDPTrainWorker):
         if role != "actor":
             raise NotImplementedError("--train-backend megatron: the PPO critic is not built yet; use --train-backend fsdp for ppo")
         args = apply_megatron_config(args, role)
-        too_parallel = {name: getattr(args, name) for name in ("pipeline_model_parallel_size", "context_parallel_size")
-                        if getattr(args, name) > 1}
-        if too_parallel:
-            raise NotImplementedError(
-                f"--train-backend megatron trains with data, tensor and expert parallelism today; {too_parallel} needs "
-                f"the pipeline schedule / context-parallel slicing in the trainer, which are not written yet (the model, "
-                f"weight loading and HF export already support them)")
+        refused = {
+            f"--context-parallel-size {args.context_parallel_size} (CP slicing of packed sequences is not written; "
+            f"use tensor/pipeline parallelism or --train-backend fsdp)": args.context_parallel_size > 1,
+            f"--virtual-pipeline-model-parallel-size {getattr(args, 'virtual_pipeline_model_parallel_size', None)} "
+            f"(the trainer builds one model chunk per stage)": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
+            f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
+            f"--train-backend fsdp only)": getattr(args, "rollout_top_p", 1.0) != 1.0,
+        }
+        names = [name for name, active in refused.items() if active]
+        if names:
+            raise NotImplementedError(f"--train-backend megatron does not support {'; '.join(names)}")
         if not torch.cuda.is_available():
             raise RuntimeError("--train-backend megatron needs CUDA GPUs; on CPU use --train-backend fsdp")
         super().__init__(args, role)
@@ -212,41 +220,49 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _logits(self, model, rollout_data: dict, micro_batch: list[int], full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, rollout_data: dict, micro_batch: list[int], full: bool = False) -> mm.MicroBatchInputs:
+        """One micro-batch laid out for the model; ``full``: every position (custom loss), not only
+        the response."""
         tokens = [rollout_data["tokens"][i] for i in micro_batch]
-        responses = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
-        if full:
-            responses = [int(t.numel()) - 1 for t in tokens]
+        responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         pad = self._tp_size() if self.args.sequence_parallel else 1
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = mm.forward_logits(model, tokens, responses, self.device, pad_multiple=pad)
-        return logits.float(), mm.response_targets(tokens, responses).to(self.device)
+        return mm.micro_batch_inputs(tokens, responses, self.device, pad_multiple=pad, sample_indices=micro_batch)
 
     @torch.no_grad()
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
+        """Per-sample log-probs (and entropy) over the training micro-batches, through the pipeline
+        schedule; every stage receives the last stage's results."""
+        from slime.backends.megatron_utils import pipeline
+
         if values:
             raise NotImplementedError("values need the critic, which the Megatron backend does not build yet")
         hook = getattr(self.args, "custom_megatron_before_log_prob_hook_path", None)
         if hook:
             load_function(hook)(self.args, model, "ref_" if model is self.ref_model else "")
+        temperature = self.args.rollout_temperature
+        batches = [self._inputs(rollout_data, mb) for mb in self._micro_batches(rollout_data) if mb]
+
+        def collect(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+            logits = logits.float()
+            log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, temperature).cpu()
+            entropy = ppo_utils.compute_entropy(logits, temperature).cpu() if with_entropy else None
+            return logits.new_zeros(()), (log_probs, entropy)
+
         model.eval()
+        payloads = pipeline.forward_backward(model, batches, collect, forward_only=True, vocab_size=self.layout.vocab_size,
+                                             autocast_dtype=torch.bfloat16)
+        payloads = pipeline.broadcast_from_last_stage(payloads)
+        if model is self.model:
+            model.train()
         n = len(rollout_data["tokens"])
         out: list = [torch.zeros(0)] * n
         entropy_out: list = [torch.zeros(0)] * n
-        for micro_batch in self._micro_batches(rollout_data):
-            if not micro_batch:
-                continue
-            logits, targets = self._logits(model, rollout_data, micro_batch)
-            lengths = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
-            log_probs = ppo_utils.compute_log_probs(logits, targets, self.args.rollout_temperature)
-            for j, piece in zip(micro_batch, torch.split(log_probs, lengths)):
-                out[j] = piece.float().cpu()
-            if with_entropy:
-                entropy = ppo_utils.compute_entropy(logits, self.args.rollout_temperature)
-                for j, piece in zip(micro_batch, torch.split(entropy, lengths)):
-                    entropy_out[j] = piece.float().cpu()
-        if model is self.model:
-            model.train()
+        for inputs, (log_probs, entropy) in zip(batches, payloads):
+            for j, piece in zip(inputs.sample_indices, torch.split(log_probs, inputs.response_lengths)):
+                out[j] = piece.float()
+            if entropy is not None:
+                for j, piece in zip(inputs.sample_indices, torch.split(entropy, inputs.response_lengths)):
+                    entropy_out[j] = piece.float()
         return out, (entropy_out if with_entropy else None)
 
     def _park_ref(self) -> None:
@@ -268,67 +284,93 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
         return ps.get_tensor_model_parallel_world_size()
 
-    def _merge_tensor_parallel_shards(self, rollout_data: dict) -> dict:
-        """TP peers received different shards from the rollout manager; all of them train on their union."""
+    def _mp_size(self) -> int:
+        """Ranks of one model-parallel group (TP × PP): they hold the same samples."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+
+    def _merge_model_parallel_shards(self, rollout_data: dict) -> dict:
+        """The ranks of a model-parallel group received different shards from the rollout manager;
+        all of them train on their union."""
         from megatron.core import parallel_state as ps
 
         from slime.backends.megatron_utils.data import merge_shards
 
-        if self._tp_size() == 1:
+        if self._mp_size() == 1:
             return rollout_data
-        shards: list = [None] * self._tp_size()
-        dist.all_gather_object(shards, rollout_data, group=ps.get_tensor_model_parallel_group())
+        group = ps.get_model_parallel_group()
+        shards: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shards, rollout_data, group=group)
         return merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
     def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
-        return super().train(rollout_id, self._merge_tensor_parallel_shards(rollout_data))
+        return super().train(rollout_id, self._merge_model_parallel_shards(rollout_data))
 
     def _all_reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
-        # every rank of a TP group holds the same micro-batches and so the same sums
+        # the loss sums exist on the last pipeline stage only, where the TP peers hold the same ones
         return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
 
     def _rollout_metrics(self, rollout_data: dict) -> dict[str, float]:
         from slime.backends.fsdp_utils.worker import TOKEN_WEIGHTED_KEYS
 
         out = super()._rollout_metrics(rollout_data)
-        for key in TOKEN_WEIGHTED_KEYS:  # totals summed over TP peers, divided by a global count
+        for key in TOKEN_WEIGHTED_KEYS:  # totals summed over model-parallel peers, divided by a global count
             if f"rollout/{key}" in out:
-                out[f"rollout/{key}"] /= self._tp_size()
+                out[f"rollout/{key}"] /= self._mp_size()
         return out
 
-    def _train_micro_batch(self, rollout_data: dict, micro_batch: list[int], normaliser: float):
-        """Forward + backward of one micro-batch; the loss is S(ℓ)·dp/normaliser because Megatron's
-        DDP averages gradients over the data-parallel ranks."""
-        from megatron.core import parallel_state as ps
-
+    def _loss(self, rollout_data: dict, inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+        """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` —
+        the same algorithm calls as the FSDP backend."""
         args = self.args
-        dp = ps.get_data_parallel_world_size()
-        if not micro_batch:  # a rank without samples in this step still joins the gradient reduction
-            return {}, 0, 0.0
-        custom_loss = args.loss_type == "custom_loss"
-        logits, targets = self._logits(self.model, rollout_data, micro_batch, full=custom_loss)
-        batch = self._micro_batch_fields(rollout_data, micro_batch)
+        batch = self._micro_batch_fields(rollout_data, inputs.sample_indices)
         masks = [m.to(self.device) for m in batch["loss_masks"]]
         reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], masks, batch["rollout_mask_sums"],
                                                     args.calculate_per_token_loss)
-        if custom_loss:
-            loss, metrics = load_function(args.custom_loss_function_path)(args, batch, logits[None], reducer)
+        if args.loss_type == "custom_loss":
+            return load_function(args.custom_loss_function_path)(args, batch, logits[None], reducer)
+        log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, args.rollout_temperature)
+        if args.entropy_coef != 0:
+            entropy = ppo_utils.compute_entropy(logits, args.rollout_temperature)
         else:
-            need_entropy = args.entropy_coef != 0
-            log_probs = ppo_utils.compute_log_probs(logits, targets, args.rollout_temperature)
-            if need_entropy:
-                entropy = ppo_utils.compute_entropy(logits, args.rollout_temperature)
-            else:
-                with torch.no_grad():
-                    entropy = ppo_utils.compute_entropy(logits.detach(), args.rollout_temperature)
-            if args.loss_type == "sft_loss":
-                loss, metrics = ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
-            else:
-                loss, metrics = ppo_utils.policy_loss_function(args, batch, log_probs, entropy, reducer,
-                                                               self._pg_reducer(batch), self._tis_function())
-        (loss * dp / normaliser).backward()
-        lengths = [int(rollout_data["tokens"][i].numel()) for i in micro_batch]
-        return metrics, sum(lengths), self._flops(lengths, int(targets.numel()))
+            with torch.no_grad():
+                entropy = ppo_utils.compute_entropy(logits.detach(), args.rollout_temperature)
+        if args.loss_type == "sft_loss":
+            return ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
+        return ppo_utils.policy_loss_function(args, batch, log_probs, entropy, reducer, self._pg_reducer(batch),
+                                              self._tis_function())
+
+    def forward_backward(self, rollout_data: dict, step_id: int):
+        """Accumulate the gradients of optimizer step ``step_id`` through the pipeline schedule;
+        returns (metric sums of this rank, tokens, flops). Each micro-batch's loss is
+        S(ℓ)·dp/normaliser because Megatron's DDP averages gradients over the data-parallel ranks,
+        so the reduced gradient is that of Σ S / normaliser (§5.8)."""
+        from megatron.core import parallel_state as ps
+
+        from slime.backends.megatron_utils import pipeline
+
+        counts = rollout_data["num_microbatches"]
+        first = sum(counts[:step_id])
+        normaliser = self.step_normaliser(rollout_data, step_id)
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        full = self.args.loss_type == "custom_loss"
+        # a rank without samples in this step still joins the gradient reduction (finalize_model_grads)
+        batches = [self._inputs(rollout_data, mb, full) for mb in self._micro_batches(rollout_data)[first: first + counts[step_id]] if mb]
+
+        def loss_fn(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+            loss, metrics = self._loss(rollout_data, inputs, logits.float())
+            return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
+
+        payloads = pipeline.forward_backward(self.model, batches, loss_fn, forward_only=False,
+                                             vocab_size=self.layout.vocab_size, autocast_dtype=torch.bfloat16)
+        sums: dict[str, torch.Tensor] = {}
+        for metrics in payloads:
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
+        tokens = sum(sum(b.lengths) for b in batches)
+        flops = sum(self._flops(b.lengths, int(b.targets.numel())) for b in batches)
+        return sums, tokens, flops
 
     def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
         import time
@@ -365,7 +407,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         elapsed = time.perf_counter() - start
         totals = torch.tensor([tokens_done, flops_done], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
-        totals /= self._tp_size()  # TP peers process the same tokens together
+        totals /= self._mp_size()  # the ranks of a model-parallel group process the same tokens together
         out = {k: sum(s[k] for s in step_results) / len(step_results) for k in step_results[0] if k != "train/step"}
         out["perf/actor_train_time"] = elapsed
         out["perf/actor_train_tok_per_s"] = float(totals[0]) / elapsed

@@ -1,0 +1,84 @@
+"""Megatron-Core on the CPU, for tests: where its code is, and the few CUDA-only calls redirected.
+
+Megatron-Core 0.19's wheels are CPython 3.12 only and its model code assumes CUDA in a handful of
+places, but the rest is plain PyTorch and ``torch.distributed``, so on gloo it computes the same
+network. ``scripts/setup-env.sh`` unpacks the wheel's Python code into ``.venv/megatron-core``
+(off the import path: slime must not believe Megatron is installed on a CPU machine); the triton
+it imports at module level comes from ``.venv/sglang-args``. Tests run Megatron in a subprocess
+(torchrun) with :func:`pythonpath` on ``PYTHONPATH``; the script calls :func:`patch_for_cpu`
+first. What is redirected (test scaffolding only; nothing in ``slime/`` relies on it):
+
+* ``torch.cuda.current_device()`` → the CPU device (rotary embeddings, p2p buffers, DDP buffers);
+* ``torch.cuda.synchronize()`` → no-op (p2p shape exchange); ``Tensor.cuda()`` → the tensor
+  itself (the tied output layer of the last pipeline stage); ``torch.cuda.current_stream()`` → a
+  stream that never waits (DDP's gradient reduction);
+* the default causal mask, built with ``device="cuda"`` in ``fused_softmax``;
+* the model-parallel CUDA RNG tracker's ``fork()`` → no-op (dropout is 0 in these tests);
+* ``torch.zeros(..., device="cuda")`` inside the pipeline schedules (a token counter).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+MEGATRON_DIR = ROOT / ".venv" / "megatron-core"
+TRITON_DIR = ROOT / ".venv" / "sglang-args" / "triton"
+
+
+def pythonpath() -> str | None:
+    """``PYTHONPATH`` entries that make ``megatron.core`` importable here, or None when absent."""
+    if not (MEGATRON_DIR / "megatron" / "core").is_dir() or not TRITON_DIR.is_dir():
+        return None
+    # only triton from sglang-args: the rest of it (SGLang itself) must stay invisible
+    link_dir = Path(tempfile.gettempdir()) / f"slime-megatron-triton-{os.getuid()}"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / "triton"
+    if not link.exists():
+        try:
+            link.symlink_to(TRITON_DIR)
+        except FileExistsError:
+            pass
+    return os.pathsep.join([str(MEGATRON_DIR), str(link_dir), str(ROOT)])
+
+
+def patch_for_cpu() -> None:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU (call before building a model)."""
+    import contextlib
+    import types
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    class _NoStream:
+        def wait_event(self, event):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.tensor_parallel import random as mp_random
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    mp_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+    class _CpuTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, device=None, **kwargs):
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    schedules.torch = _CpuTorch("torch")
