@@ -7,10 +7,13 @@ stream snapshots); the engine thread hands events back with ``loop.call_soon_thr
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
+
+import numpy as np
 
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams
@@ -137,6 +140,8 @@ class AsyncEngine:
             meta["output_token_logprobs"] = [[lp, tok, decode([tok]) if decode else None]
                                              for lp, tok in zip(logprobs, output_ids)]
             meta["output_token_logprobs_length"] = len(output_ids)
+            if final and req.return_top_p_token_ids:
+                meta.update(_top_p_replay(seq.text_cache.get("top_p_token_ids", []), len(output_ids)))
         if final:
             meta["e2e_latency"] = latency
             meta.update(self.phase_times(seq, latency))
@@ -169,3 +174,14 @@ class AsyncEngine:
             output_ids = output[0]
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=seq.request.params.skip_special_tokens)
         return {"text": text, "output_ids": output_ids, "meta_info": self.meta_info(seq, latency, output, final)}
+
+
+def _top_p_replay(kept: list, num_tokens: int) -> dict:
+    """``top_p_token_ids`` / ``top_p_token_offsets``: base64 little-endian int32, CSR over the
+    ``num_tokens`` generated tokens (offsets has ``num_tokens + 1`` entries starting at 0)."""
+    kept = kept[:num_tokens]
+    ids = np.concatenate(kept).astype("<i4") if kept else np.zeros(0, dtype="<i4")
+    offsets = np.zeros(num_tokens + 1, dtype="<i4")
+    offsets[1 : len(kept) + 1] = np.cumsum([len(k) for k in kept])
+    return {"top_p_token_ids": base64.b64encode(ids.tobytes()).decode("ascii"),
+            "top_p_token_offsets": base64.b64encode(offsets.tobytes()).decode("ascii")}

@@ -24,7 +24,7 @@ import torch
 from slime.backends.embedded_engine.io_struct import GenerateRequest
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 from slime.backends.embedded_engine.profiler import EngineProfiler
-from slime.backends.embedded_engine.sampler import GREEDY_EPS, RowSampling, sample
+from slime.backends.embedded_engine.sampler import GREEDY_EPS, RowSampling, kept_token_ids, sample
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,11 @@ class Engine:
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
         settings = [self._row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
+        replay = [i for i, seq in enumerate(seqs) if seq.request.return_top_p_token_ids]
+        if replay:  # top-p replay: the kept set of each position (SGLANG_PROTOCOL §2.4)
+            kept = kept_token_ids(logits[replay], [settings[i] for i in replay])
+            for i, ids in zip(replay, kept):
+                seqs[i].text_cache.setdefault("top_p_token_ids", []).append(ids)
         now = time.monotonic()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             seq.first_token = seq.first_token or now

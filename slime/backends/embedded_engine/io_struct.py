@@ -117,6 +117,11 @@ class GenerateRequest:
     stream: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        """[slime-patch] ``custom_params.return_top_p_token_ids`` with ``return_logprob``: top-p replay."""
+        return self.return_logprob and bool((self.params.custom_params or {}).get("return_top_p_token_ids"))
+
 
 def _as_list(value, batch: int | None):
     if batch is None:

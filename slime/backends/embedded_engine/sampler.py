@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
@@ -93,6 +94,27 @@ def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def kept_token_ids(logits: torch.Tensor, rows: list[RowSampling]) -> list[np.ndarray]:
+    """Per row, the ids the sampler could draw from: non-zero probability after top-k / top-p /
+    min-p truncation of softmax(logits / T) as int32 arrays, i.e. the set :func:`sample` drew from (the nucleus a
+    trainer renormalises over; top-p replay, ``custom_params.return_top_p_token_ids``). Greedy rows
+    keep their argmax only. Off the fast path: called only for rows whose request asked for it."""
+    logits = logits.float().clone()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    temperatures = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
+    probs = _truncate(torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1).exp(), rows)
+    for i, row in enumerate(rows):
+        if row.greedy:
+            probs[i] = 0.0
+            probs[i, logits[i].argmax()] = 1.0
+    keep = probs > 0
+    ids = torch.nonzero(keep)[:, 1].to(torch.int32).cpu().numpy()  # row-major
+    counts = keep.sum(dim=1).cpu().numpy()
+    return np.split(ids, np.cumsum(counts)[:-1])
 
 
 def _exponential_noise(shape, rows: list[RowSampling], generator, device) -> torch.Tensor:
