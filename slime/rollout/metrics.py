@@ -10,6 +10,8 @@
 * ``rollout/repetition_frac`` — share of responses whose tail repeats one chunk ≥ 4 times
 * ``rollout/prefix_cache_hit_rate``, ``rollout/avg_cached_tokens_per_sample``
 * ``rollout/spec_accept_rate``, ``rollout/spec_accept_length`` (speculative decoding only)
+* ``rollout/top_p_kept_vocab_per_token`` — mean size of the engine's kept top-p set per generated
+  token (``--rollout-top-p`` ≠ 1; ``remove_sample`` samples and empty tool-token spans excluded)
 * ``perf/rollout_time``, ``perf/tokens_per_gpu_per_sec``, ``perf/effective_tokens_per_gpu_per_sec``,
   ``perf/longest_sample_tokens_per_sec``, ``perf/longest_effective_sample_tokens_per_sec``
   (the longest sample's tokens over the step time), ``perf/non_generation_time/{mean,max}``
@@ -52,6 +54,21 @@ def _has_repetition(text: str, min_repeats: int = 4) -> bool:
         if chunk.strip() and tail.endswith(chunk * min_repeats):
             return True
     return False
+
+
+def _top_p_kept_vocab_per_token(samples: list[Sample]) -> float | None:
+    """Mean size of the engine's kept top-p set over generated positions (non-empty spans) of the
+    samples that carry one, ``remove_sample`` ones excluded; None when no sample has top-p data."""
+    kept = positions = 0
+    for s in samples:
+        offsets = s.rollout_top_p_token_offsets
+        if offsets is None or s.remove_sample:
+            continue
+        offsets = offsets.tolist() if hasattr(offsets, "tolist") else list(offsets)
+        spans = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        kept += sum(spans)
+        positions += sum(1 for n in spans if n > 0)
+    return kept / positions if positions else None
 
 
 def _num_rollout_gpus(args) -> int:
@@ -97,6 +114,10 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     if getattr(args, "sglang_speculative_algorithm", None):
         metrics["rollout/spec_accept_rate"] = statistics.fmean(s.spec_info.spec_accept_rate for s in samples)
         metrics["rollout/spec_accept_length"] = statistics.fmean(s.spec_info.spec_accept_length for s in samples)
+
+    kept_vocab = _top_p_kept_vocab_per_token(samples)
+    if kept_vocab is not None:
+        metrics["rollout/top_p_kept_vocab_per_token"] = kept_vocab
 
     metrics["perf/rollout_time"] = rollout_time
     if rollout_time > 0:

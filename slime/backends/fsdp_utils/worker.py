@@ -160,14 +160,15 @@ class FSDPTrainWorker:
             sample_ids = torch.as_tensor(all_ids[i]).long()
             sample_offsets = torch.as_tensor(all_offsets[i]).long()
             response = int(rollout_data["response_lengths"][i])
+            name = f"sample {rollout_data['sample_indices'][i]}" if "sample_indices" in rollout_data else f"sample {i}"
             if (sample_offsets.numel() != response + 1 or int(sample_offsets[0]) != 0
                     or int(sample_offsets[-1]) != sample_ids.numel() or bool((sample_offsets.diff() < 0).any())):
-                raise ValueError(f"sample {rollout_data['sample_indices'][i] if 'sample_indices' in rollout_data else i}: "
-                                 f"rollout_top_p_token_offsets must be non-decreasing, start at 0, end at the id count "
-                                 f"({sample_ids.numel()}) and have response_length + 1 = {response + 1} entries, "
-                                 f"got {sample_offsets.numel()} entries ending at {int(sample_offsets[-1]) if sample_offsets.numel() else None}")
+                raise ValueError(f"{name}: rollout_top_p_token_offsets must have response_length + 1 = {response + 1} "
+                                 f"non-decreasing entries from 0 to the id count {sample_ids.numel()}, got "
+                                 f"{sample_offsets.tolist()[:8]}{'...' if sample_offsets.numel() > 8 else ''} "
+                                 f"({sample_offsets.numel()} entries)")
             if sample_ids.numel() and (int(sample_ids.min()) < 0 or int(sample_ids.max()) >= self._vocab_size()):
-                raise ValueError(f"sample {i}: rollout_top_p_token_ids outside [0, {self._vocab_size()})")
+                raise ValueError(f"{name}: rollout_top_p_token_ids outside the vocabulary [0, {self._vocab_size()})")
             ids.append(sample_ids)
             offsets.append(sample_offsets[1:] + base)
             base += sample_ids.numel()
@@ -558,7 +559,6 @@ def _reject_unsupported(args) -> None:
     unsupported = {
         "--opd-type megatron (teacher model inside the trainer)": getattr(args, "use_opd", False)
         and getattr(args, "opd_type", None) == "megatron",
-        "--rollout-top-p != 1 (log-probs renormalised over the engine's nucleus)": getattr(args, "rollout_top_p", 1.0) != 1.0,
         "--use-routing-replay / --use-rollout-routing-replay (MoE)": getattr(args, "use_routing_replay", False),
         "--keep-old-actor": getattr(args, "keep_old_actor", False),
         "--enable-mtp-training": getattr(args, "enable_mtp_training", False),

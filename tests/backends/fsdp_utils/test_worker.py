@@ -274,5 +274,5 @@ def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
 
 
 def test_unsupported_flags_fail_naming_them(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="--rollout-top-p"):
-        FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--rollout-top-p", "0.9"))
+    with pytest.raises(NotImplementedError, match="--use-routing-replay"):
+        FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay"))
