@@ -72,11 +72,11 @@ def transformer_config(args, **overrides):
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=False,
         # Megatron rejects its default "allgather" dispatcher with variable sequence lengths, even
-        # for dense models; "alltoall" needs CUDA streams, so CPU builds (tools, layout checks) use
-        # allgather with fixed lengths
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        # for dense models (which never dispatch); "alltoall" needs CUDA streams, so MoE models on
+        # the CPU (tools, layout checks) use allgather with fixed lengths
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() or not moe else "allgather",
     )
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and moe:
         kwargs["variable_seq_lengths"] = False
     # uneven pipeline stages (the layer ranges of weight_mapping.pp_layer_range)
     if getattr(args, "decoder_first_pipeline_num_layers", None) is not None:

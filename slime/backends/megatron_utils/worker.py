@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MegatronTrainWorker", "apply_megatron_config"]
 
+#: Megatron-Core needs CUDA; the CPU tests run it on gloo with its few CUDA-only calls redirected
+#: (tests/backends/megatron_utils/megatron_cpu.py) and set this variable to let the worker start.
+CPU_TESTING_ENV = "SLIME_MEGATRON_CPU_TESTING"
+
 
 def apply_megatron_config(args, role: str):
     """``--megatron-config-path`` YAML: ``{actor: {flag: value}, critic: {...}}`` (argparse names,
@@ -87,11 +91,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
             f"(the trainer builds one model chunk per stage)": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
             f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
             f"--train-backend fsdp only)": getattr(args, "rollout_top_p", 1.0) != 1.0,
+            "--keep-old-actor (--train-backend fsdp only)": getattr(args, "keep_old_actor", False),
         }
         names = [name for name, active in refused.items() if active]
         if names:
             raise NotImplementedError(f"--train-backend megatron does not support {'; '.join(names)}")
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and os.environ.get(CPU_TESTING_ENV) != "1":
             raise RuntimeError("--train-backend megatron needs CUDA GPUs; on CPU use --train-backend fsdp")
         super().__init__(args, role)
         self.attn_implementation = "megatron"
@@ -114,7 +119,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
                 expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
                 distributed_timeout_minutes=args.distributed_timeout_minutes,
             )
-        model_parallel_cuda_manual_seed(args.seed)
+        if torch.cuda.is_available():
+            model_parallel_cuda_manual_seed(args.seed)
 
     def _build_model(self, trainable: bool):
         from megatron.core import parallel_state as ps
@@ -127,7 +133,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             model = provider(pre_process=pre, post_process=post)
         else:
             model = mm.model_provider(args, pre_process=pre, post_process=post)
-        model.cuda()
+        model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
             return model.eval()
@@ -250,7 +256,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
         model.eval()
         payloads = pipeline.forward_backward(model, batches, collect, forward_only=True, vocab_size=self.layout.vocab_size,
-                                             autocast_dtype=torch.bfloat16)
+                                             autocast_dtype=self._autocast_dtype())
         payloads = pipeline.broadcast_from_last_stage(payloads)
         if model is self.model:
             model.train()
@@ -269,15 +275,23 @@ class MegatronTrainWorker(FSDPTrainWorker):
         if self.ref_model is not None:
             self.ref_model.to("cpu")
 
-    def compute_log_probs(self, rollout_data: dict) -> dict[str, list[torch.Tensor]]:
+    def compute_log_probs(self, rollout_data: dict, **kwargs) -> dict[str, list[torch.Tensor]]:
         if self.ref_model is not None:
             self.ref_model.to(self.device)
         try:
-            return super().compute_log_probs(rollout_data)
+            return super().compute_log_probs(rollout_data, **kwargs)
         finally:
             self._park_ref()
 
+    def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
+        # the Megatron loss reads π_old from rollout_data["log_probs"]: the forward-only pass always runs
+        return False
+
     # ------------------------------------------------------------------ training
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        # fp32 parameters, bf16 matmuls (DEVICE.md); the CPU tests stay in fp32
+        return torch.bfloat16 if self.device.type == "cuda" else None
 
     def _tp_size(self) -> int:
         from megatron.core import parallel_state as ps
@@ -310,15 +324,6 @@ class MegatronTrainWorker(FSDPTrainWorker):
     def _all_reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
         # the loss sums exist on the last pipeline stage only, where the TP peers hold the same ones
         return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
-
-    def _rollout_metrics(self, rollout_data: dict) -> dict[str, float]:
-        from slime.backends.fsdp_utils.worker import TOKEN_WEIGHTED_KEYS
-
-        out = super()._rollout_metrics(rollout_data)
-        for key in TOKEN_WEIGHTED_KEYS:  # totals summed over model-parallel peers, divided by a global count
-            if f"rollout/{key}" in out:
-                out[f"rollout/{key}"] /= self._mp_size()
-        return out
 
     def _loss(self, rollout_data: dict, inputs: mm.MicroBatchInputs, logits: torch.Tensor):
         """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` —
@@ -363,7 +368,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
 
         payloads = pipeline.forward_backward(self.model, batches, loss_fn, forward_only=False,
-                                             vocab_size=self.layout.vocab_size, autocast_dtype=torch.bfloat16)
+                                             vocab_size=self.layout.vocab_size, autocast_dtype=self._autocast_dtype())
         sums: dict[str, torch.Tensor] = {}
         for metrics in payloads:
             for key, value in metrics.items():

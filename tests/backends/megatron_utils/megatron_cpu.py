@@ -14,7 +14,7 @@ first. What is redirected (test scaffolding only; nothing in ``slime/`` relies o
   stream that never waits (DDP's gradient reduction);
 * the default causal mask, built with ``device="cuda"`` in ``fused_softmax``;
 * the model-parallel CUDA RNG tracker's ``fork()`` → no-op (dropout is 0 in these tests);
-* ``torch.zeros(..., device="cuda")`` inside the pipeline schedules (a token counter).
+* tensors made with ``device="cuda"`` inside the pipeline schedules and the optimizer modules.
 """
 
 from __future__ import annotations
@@ -67,18 +67,29 @@ def patch_for_cpu() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
 
     import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core.tensor_parallel import random as mp_random
 
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     mp_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
     class _CpuTorch(types.ModuleType):
+        """``torch`` as one Megatron module sees it: tensors asked for on "cuda" are made on the CPU."""
+
         def __getattr__(self, name):
             return getattr(torch, name)
 
-        @staticmethod
-        def zeros(*args, device=None, **kwargs):
-            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+    def _cpu_factory(factory):
+        def make(*args, device=None, **kwargs):
+            if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+                device = "cpu"
+            return factory(*args, device=device, **kwargs)
+        return make
 
-    schedules.torch = _CpuTorch("torch")
+    cpu_torch = _CpuTorch("torch")
+    for name in ("zeros", "ones", "empty", "tensor", "full", "zeros_like", "empty_like"):
+        setattr(cpu_torch, name, _cpu_factory(getattr(torch, name)))
+    import importlib
+
+    for module in ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.optimizer",
+                   "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads"):
+        importlib.import_module(module).torch = cpu_torch

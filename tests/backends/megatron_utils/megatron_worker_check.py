@@ -25,15 +25,27 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--no-optimizer", action="store_true",
+                        help="one rollout step's passes without the optimizer (Megatron's optimizer needs CUDA): "
+                             "log-probs, loss metrics and the reduced gradients, for comparing layouts on the CPU")
     cli, extra = parser.parse_known_args()
     sys.path.insert(0, os.getcwd())
-    from slime.backends.megatron_utils.worker import MegatronTrainWorker
-    from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
-    from slime.utils.arguments import parse_args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        from megatron_cpu import patch_for_cpu
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl")
+        from slime.backends.megatron_utils.worker import CPU_TESTING_ENV
+
+        patch_for_cpu()
+        os.environ[CPU_TESTING_ENV] = "1"
+    from slime.backends.megatron_utils.worker import MegatronTrainWorker
+    from slime.utils.arguments import parse_args
+    from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
+
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     argv = ["--train-backend", "megatron", "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "4",
             "--hf-checkpoint", cli.hf_dir, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
@@ -43,14 +55,17 @@ def main() -> None:
         argv += ["--load", cli.save]
     args = parse_args(argv)
     worker = MegatronTrainWorker(args)
+    if cli.no_optimizer:
+        return no_optimizer_pass(worker, args, cli, rank, world)
     start = worker.init()
     result = {"start": start, "world": world}
     data = [rank_data(args, make_samples(8, seed=s, vocab=400), dp_size=world, rank=rank) for s in (1, 2)]
     if not cli.resume:
-        worker.train(0, data[0])
+        metrics0 = worker.train(0, data[0])
+        result["rollout0"] = {k: v for k, v in metrics0.items() if k.startswith(("train/", "rollout/"))}
         result["rollout0_ppo_kl"] = [m["train/ppo_kl"] for m in worker.get_step_metrics()]
         worker.save(0)
-        if cli.offload:
+        if cli.offload and cuda:
             before = torch.cuda.memory_allocated()
             worker.offload()
             result["offload_freed_bytes"] = before - torch.cuda.memory_allocated()
@@ -66,6 +81,43 @@ def main() -> None:
     if rank == 0:
         with open(cli.out, "w") as f:
             json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
+    """compute_log_probs + advantages + the first optimizer step's forward/backward and
+    finalize_model_grads, through the worker's own code; records per-sample log-probs, the step's
+    reduced metrics and every parameter's reduced gradient (HF-named, full)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from slime.backends.megatron_utils import model as mm
+    from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
+
+    worker._build_optimizer = lambda: (None, None)
+    worker.init()
+    data = worker._merge_model_parallel_shards(rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=world, rank=rank))
+    prepared = worker.prepare(0, data)
+    worker.ddp_model.zero_grad_buffer()
+    sums, _, _ = worker.forward_backward(prepared, 0)
+    finalize_model_grads([worker.ddp_model])
+    metrics = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
+    rollout = worker._rollout_metrics(prepared)
+    # gradients in the HF layout: the same export path as the weights, applied to main_grad
+    gpt = mm.unwrap(worker.model)
+    saved = {name: p.data.clone() for name, p in gpt.named_parameters()}
+    for p in gpt.parameters():
+        p.data.copy_(p.main_grad)
+    grads = {name: tensor.double() for name, tensor in mm.iter_hf_weights(worker.model, worker.layout, torch.float32)}
+    for name, p in gpt.named_parameters():
+        p.data.copy_(saved[name])
+    samples = [int(i) for i in prepared["sample_indices"]] if "sample_indices" in prepared else list(range(len(prepared["tokens"])))
+    log_probs = {str(k): v.tolist() for k, v in zip(samples, prepared["log_probs"])}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, log_probs)
+    if rank == 0:
+        merged = {k: v for part in gathered for k, v in part.items()}
+        torch.save({"metrics": metrics, "rollout": rollout, "log_probs": merged, "grads": grads}, cli.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -44,3 +44,44 @@ def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp):
     # every parameter shard's gradient, incl. the qk-layernorm weights TP ranks share and the tied
     # embedding both end stages hold
     assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
+
+
+WORKER = HERE / "megatron_worker_check.py"
+
+
+def _worker_pass(hf_dir: str, tmp_path: Path, nproc: int, *flags: str) -> dict:
+    import torch
+
+    path = megatron_cpu.pythonpath()
+    if path is None:
+        pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
+    out = tmp_path / f"worker_{nproc}.pt"
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(WORKER),
+               "--hf-dir", hf_dir, "--save", str(tmp_path / f"ckpt_{nproc}"), "--out", str(out), "--no-optimizer", *flags]
+    proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out)
+
+
+def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
+    """MegatronTrainWorker's own passes (shards merged over the pipeline group, π_old through the
+    schedule and broadcast from the last stage, advantages, the training forward/backward of the
+    first optimizer step, finalize_model_grads) at PP=2 give what one rank gives: the same per-sample
+    log-probs, the same step metrics (ppo_kl exactly 0), the same reduced gradient of every tensor."""
+    import torch
+
+    one = _worker_pass(str(tiny_model_dir), tmp_path, 1)
+    two = _worker_pass(str(tiny_model_dir), tmp_path, 2, "--pipeline-model-parallel-size", "2")
+    assert len(one["log_probs"]) == 8 and sorted(one["log_probs"]) == sorted(two["log_probs"])
+    for sample, values in one["log_probs"].items():
+        assert values == pytest.approx(two["log_probs"][sample], abs=1e-5), sample
+    assert one["metrics"]["ppo_kl"] == 0.0 and two["metrics"]["ppo_kl"] == 0.0
+    for key, value in one["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for key, value in one["rollout"].items():
+        assert two["rollout"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 30
+    assert sum(float(g.abs().sum()) for g in one["grads"].values()) > 0
+    for name, grad in one["grads"].items():
+        assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
