@@ -86,16 +86,67 @@ def make_samples(args, vocab_size: int, seed: int):
     return samples
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "small", *ARCHITECTURES])
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=512)
-    parser.add_argument("--num-samples", type=int, default=16, help="samples per rollout step (all ranks)")
-    parser.add_argument("--group-size", type=int, default=4)
+def add_workload_arguments(parser: argparse.ArgumentParser, *, model: str = "tiny", max_tokens_per_gpu: int = 512,
+                           num_samples: int = 16, group_size: int = 4) -> None:
+    """The workload flags shared by this benchmark and bench/megatron_train_step.py."""
+    parser.add_argument("--model", default=model, choices=["tiny", "small", *ARCHITECTURES])
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=max_tokens_per_gpu)
+    parser.add_argument("--num-samples", type=int, default=num_samples, help="samples per rollout step (all ranks)")
+    parser.add_argument("--group-size", type=int, default=group_size)
     parser.add_argument("--min-len", type=int, default=48)
     parser.add_argument("--max-len", type=int, default=96)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+
+
+def workload_flags(bench, backend: str, model_dir: str) -> list[str]:
+    """Train-only flags of the workload: one GRPO optimizer step per rollout step over
+    ``--num-samples`` packed by ``--max-tokens-per-gpu``."""
+    return ["--train-backend", backend, "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "100",
+            "--hf-checkpoint", model_dir, "--rollout-batch-size", str(bench.num_samples // bench.group_size),
+            "--n-samples-per-prompt", str(bench.group_size), "--num-steps-per-rollout", "1", "--lr", "1e-6",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(bench.max_tokens_per_gpu), "--balance-data"]
+
+
+def run_workload(worker, args, bench, vocab_size: int, rank: int, world: int, device: torch.device):
+    """Train ``--warmup`` + ``--iters`` rollout steps on the same shard; returns (metrics of the
+    timed steps, this rank's shard, the matmul peak measured now)."""
+    from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+
+    data = convert_samples_to_train_data(args, make_samples(bench, vocab_size, seed=0))
+    shard = split_train_data_by_dp(args, data, world)[rank]
+    peak = measured_peak_flops(device)
+    results = []
+    for i in range(bench.warmup + bench.iters):
+        metrics = worker.train(i, shard)
+        if i >= bench.warmup:
+            results.append(metrics)
+    return results, shard, peak
+
+
+def workload_metrics(results: list[dict], shard: dict, bench, peak: float, device: torch.device) -> dict:
+    """tokens/s, MFU against the measured peak (and the H200 spec on GPU), packing figures."""
+    micro_batch_tokens = [sum(int(shard["tokens"][j].numel()) for j in mb) for mb in shard["micro_batch_indices"]]
+    tok_per_s = sum(m["perf/actor_train_tok_per_s"] for m in results) / len(results)
+    tflops = sum(m["perf/actor_train_tflops"] for m in results) / len(results)
+    nonempty = [t for t in micro_batch_tokens if t > 0]
+    metrics = {
+        "tokens_per_s": tok_per_s,
+        "mfu": tflops * 1e12 / peak,
+        "nonpad_fraction": 1.0 if len(nonempty) == len(micro_batch_tokens) else min(nonempty or [0]) / max(nonempty or [1]),
+        "budget_fill": sum(micro_batch_tokens) / (len(micro_batch_tokens) * bench.max_tokens_per_gpu),
+        "achieved_tflops_per_device": tflops,
+        "measured_peak_tflops": peak / 1e12,
+        "micro_batches_per_rank": len(micro_batch_tokens),
+    }
+    if device.type == "cuda":
+        metrics["mfu_vs_spec"] = tflops * 1e12 / H200_BF16_DENSE_PEAK
+    return metrics
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_arguments(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<device>-<date>.json")
     parser.add_argument("--machine", default=None, help="machine name for the results file (default: cpu-<n>core / cuda name)")
@@ -115,47 +166,21 @@ def main(argv=None) -> None:
 
     from slime.backends.fsdp_utils.worker import FSDPTrainWorker
     from slime.utils.arguments import parse_args
-    from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         if rank == 0:
             build_checkpoint(bench.model, model_dir)
         dist.barrier()
-        flags = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "100",
-                 "--hf-checkpoint", model_dir, "--rollout-batch-size", str(bench.num_samples // bench.group_size),
-                 "--n-samples-per-prompt", str(bench.group_size), "--num-steps-per-rollout", "1", "--lr", "1e-6",
-                 "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(bench.max_tokens_per_gpu), "--balance-data"]
+        flags = workload_flags(bench, "fsdp", model_dir)
         if bench.gradient_checkpointing:
             flags.append("--gradient-checkpointing")
         args = parse_args(flags)
         worker = FSDPTrainWorker(args)
         worker.init()
-        vocab = worker.model.config.vocab_size
-        data = convert_samples_to_train_data(args, make_samples(bench, vocab, seed=0))
-        shard = split_train_data_by_dp(args, data, world)[rank]
-        peak = measured_peak_flops(device)
-        results = []
-        for i in range(bench.warmup + bench.iters):
-            metrics = worker.train(i, shard)
-            if i >= bench.warmup:
-                results.append(metrics)
-        micro_batch_tokens = [sum(int(shard["tokens"][j].numel()) for j in mb) for mb in shard["micro_batch_indices"]]
+        results, shard, peak = run_workload(worker, args, bench, worker.model.config.vocab_size, rank, world, device)
 
-    tok_per_s = sum(m["perf/actor_train_tok_per_s"] for m in results) / len(results)
-    tflops = sum(m["perf/actor_train_tflops"] for m in results) / len(results)
-    nonempty = [t for t in micro_batch_tokens if t > 0]
-    metrics = {
-        "tokens_per_s": tok_per_s,
-        "mfu": tflops * 1e12 / peak,
-        "nonpad_fraction": 1.0 if len(nonempty) == len(micro_batch_tokens) else min(nonempty or [0]) / max(nonempty or [1]),
-        "budget_fill": sum(micro_batch_tokens) / (len(micro_batch_tokens) * bench.max_tokens_per_gpu),
-        "achieved_tflops_per_device": tflops,
-        "measured_peak_tflops": peak / 1e12,
-        "micro_batches_per_rank": len(micro_batch_tokens),
-    }
-    if device.type == "cuda":
-        metrics["mfu_vs_spec"] = tflops * 1e12 / H200_BF16_DENSE_PEAK
+    metrics = workload_metrics(results, shard, bench, peak, device)
     if rank == 0:
         machine = bench.machine or (f"cpu-{os.cpu_count()}core" if device.type == "cpu" else torch.cuda.get_device_name().replace(" ", "-").lower())
         report = {
