@@ -3,7 +3,7 @@
 Layout under the checkpoint root (``--save``; the critic uses ``<save>/critic``)::
 
     latest_checkpointed_iteration.txt        the last complete rollout id (written last, by rank 0)
-    iter_0000007/dcp/                        DCP shards: {"model": ..., "optim": ...}
+    iter_0000007/dcp/                        DCP shards: {"model": ..., "optim": ..., "old_actor": ... (--keep-old-actor)}
     iter_0000007/extra_state_rank{r}.pt      scheduler, global step, RNG states of rank r
 """
 
@@ -54,7 +54,7 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int) -> str:
     """Collective save of model, optimizer, scheduler, step and RNG; returns the iteration dir."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if not root:
         raise ValueError("save needs --save (the checkpoint directory)")
@@ -66,6 +66,8 @@ def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int
     state = {"model": model_state}
     if not getattr(worker.args, "no_save_optim", False):
         state["optim"] = optim_state
+    if getattr(worker, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
+        state["old_actor"] = get_model_state_dict(worker.old_actor)
     dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
     extra = {"scheduler": worker.scheduler.state_dict(), "global_step": worker.global_step, "rng": _rng_state(),
              "rollout_id": rollout_id}
@@ -83,7 +85,7 @@ def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int
 def load_checkpoint(worker: "FSDPTrainWorker", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
     """Collective load of the latest checkpoint under ``root``; returns its rollout id."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
     with open(os.path.join(root, LATEST_FILE)) as f:
         rollout_id = int(f.read().strip())
@@ -91,9 +93,15 @@ def load_checkpoint(worker: "FSDPTrainWorker", root: str, no_load_optim: bool = 
     model_state, optim_state = get_state_dict(worker.model, worker.optimizer)
     load_optim = not no_load_optim and os.path.exists(os.path.join(directory, "dcp")) and _has_optim(directory)
     state = {"model": model_state, **({"optim": optim_state} if load_optim else {})}
+    load_old_actor = getattr(worker, "old_actor", None) is not None and _has_key(directory, "old_actor")
+    if load_old_actor:
+        state["old_actor"] = get_model_state_dict(worker.old_actor)
     dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
     set_state_dict(worker.model, worker.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if load_optim else {})
+    if load_old_actor:
+        set_model_state_dict(worker.old_actor, state["old_actor"])
+        worker._old_actor_loaded = True
     extra_path = os.path.join(directory, f"extra_state_rank{worker.rank}.pt")
     if os.path.exists(extra_path):
         extra = torch.load(extra_path, weights_only=False)
@@ -106,10 +114,14 @@ def load_checkpoint(worker: "FSDPTrainWorker", root: str, no_load_optim: bool = 
 
 
 def _has_optim(directory: str) -> bool:
+    return _has_key(directory, "optim")
+
+
+def _has_key(directory: str, prefix: str) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(os.path.join(directory, "dcp")).read_metadata()
-    return any(key.startswith("optim") for key in metadata.state_dict_metadata)
+    return any(key.startswith(prefix) for key in metadata.state_dict_metadata)
 
 
 def full_state_dict(worker: "FSDPTrainWorker") -> dict[str, torch.Tensor]:

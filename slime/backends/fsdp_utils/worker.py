@@ -72,7 +72,8 @@ class FSDPTrainWorker:
         precision = getattr(args, "fsdp_mixed_precision", "auto")
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
-        self.model = self.ref_model = self.optimizer = self.scheduler = None
+        self.model = self.ref_model = self.old_actor = self.optimizer = self.scheduler = None
+        self.forward_only_passes = 0  # forward-only passes over a rollout's data (π_old, reference)
         self.global_step = 0
         self.step_metrics: list[dict[str, float]] = []
         self.offloaded = False
@@ -125,17 +126,39 @@ class FSDPTrainWorker:
             self.ref_model = self._build(ref, trainable=False)
             self.ref_model.eval()
             self._park_ref()
+        if self.role == "actor" and getattr(args, "keep_old_actor", False):
+            if getattr(args, "use_rollout_logprobs", False):
+                raise ValueError("--keep-old-actor computes π_old with the pre-update actor, --use-rollout-logprobs takes "
+                                 "π_old from the engine: use one of them")
+            self.old_actor = self._build(weights, trainable=False)
+            self.old_actor.eval()
         start = None
         if load_dir and os.path.isfile(os.path.join(load_dir, ckpt.LATEST_FILE)):
             iteration = ckpt.load_checkpoint(self, load_dir, getattr(args, "no_load_optim", False), getattr(args, "no_load_rng", False))
             start = iteration + 1
+        if self.old_actor is not None and not getattr(self, "_old_actor_loaded", False):
+            _copy_weights(self.model, self.old_actor)
+        self._park(self.old_actor)
         dist.barrier()
         return start
 
     def _park_ref(self) -> None:
         """Keep the idle reference model in host memory (GPU only; on CPU it already is)."""
-        if self.ref_model is not None and self.device.type == "cuda":
-            self.ref_model.to("cpu")
+        self._park(self.ref_model)
+
+    def _park(self, model) -> None:
+        if model is not None and self.device.type == "cuda":
+            model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _forward_parked(self, model, rollout_data: dict, **kwargs):
+        """A forward-only pass of a model kept in host memory: moved to the device for it, then back."""
+        if self.device.type == "cuda":
+            model.to(self.device)
+        try:
+            return self._forward_only(model, rollout_data, **kwargs)
+        finally:
+            self._park(model)
 
     # ------------------------------------------------------------------ forward passes
 
@@ -181,6 +204,7 @@ class FSDPTrainWorker:
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
         """Per-sample log-probs (and entropy), or values, over the same micro-batches as training
         (so the first step's recomputed π_old equals the training forward bit for bit)."""
+        self.forward_only_passes += 1
         n = len(rollout_data["tokens"])
         out: list = [None] * n
         entropy_out: list = [None] * n
@@ -204,21 +228,43 @@ class FSDPTrainWorker:
                     entropy_out[j] = piece.detach().float().cpu()
         return out, (entropy_out if with_entropy else None)
 
-    def compute_log_probs(self, rollout_data: dict) -> dict[str, list[torch.Tensor]]:
-        """π_old log-probs, reference log-probs and the shaping KL (§5.2) for this rank's samples."""
+    def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
+        """§5: with exactly one optimizer step in this rollout step and nothing else needing π_old
+        from a separate pass, the loss uses log π_old = stopgrad(log π_θ) (ratio ≡ 1, the same
+        loss and gradients) and the forward-only π_old pass is skipped. Custom advantage and
+        rollout-data hooks may read ``log_probs``, so they keep the pass."""
+        args = self.args
+        return (
+            self.role == "actor"
+            and args.loss_type == "policy_loss"
+            and len(rollout_data["num_microbatches"]) == 1
+            and args.kl_coef == 0
+            and not getattr(args, "use_rollout_logprobs", False)
+            and not getattr(args, "get_mismatch_metrics", False)
+            and not getattr(args, "use_rollout_entropy", False)
+            and args.advantage_estimator not in ("ppo", "gspo")
+            and not getattr(args, "keep_old_actor", False)
+            and not getattr(args, "use_opd", False)
+            and not getattr(args, "use_routing_replay", False)
+            and not getattr(args, "custom_advantage_function_path", None)
+            and not getattr(args, "rollout_data_postprocess_path", None)
+        )
+
+    def compute_log_probs(self, rollout_data: dict, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
+        """π_old log-probs (not with ``skip_old``: see :meth:`skips_old_log_prob_pass`), reference
+        log-probs and the shaping KL (§5.2) for this rank's samples."""
         args = self.args
         result: dict[str, list[torch.Tensor]] = {}
-        if "log_probs" not in rollout_data and not getattr(args, "use_rollout_logprobs", False):
-            result["log_probs"], entropy = self._forward_only(
-                self.model, rollout_data, with_entropy=getattr(args, "use_rollout_entropy", False)
-            )
+        if "log_probs" not in rollout_data and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
+            with_entropy = getattr(args, "use_rollout_entropy", False)
+            if self.old_actor is not None:  # --keep-old-actor: π_old = the actor before the last update
+                result["log_probs"], entropy = self._forward_parked(self.old_actor, rollout_data, with_entropy=with_entropy)
+            else:
+                result["log_probs"], entropy = self._forward_only(self.model, rollout_data, with_entropy=with_entropy)
             if entropy is not None:
                 result["entropy"] = entropy
         if self.ref_model is not None and "ref_log_probs" not in rollout_data:
-            if self.device.type == "cuda":
-                self.ref_model.to(self.device)
-            result["ref_log_probs"], _ = self._forward_only(self.ref_model, rollout_data)
-            self._park_ref()
+            result["ref_log_probs"], _ = self._forward_parked(self.ref_model, rollout_data)
         merged = {**rollout_data, **result}
         old = merged.get("log_probs") if not getattr(args, "use_rollout_logprobs", False) else merged.get("rollout_log_probs")
         if args.kl_coef != 0 and old is not None and merged.get("ref_log_probs") is not None:
@@ -273,7 +319,7 @@ class FSDPTrainWorker:
         rollout_data.setdefault("total_lengths_local", [int(t.numel()) for t in rollout_data["tokens"]])
         if self.role == "actor":
             if getattr(args, "compute_advantages_and_returns", True) and args.loss_type != "sft_loss":
-                rollout_data.update(self.compute_log_probs(rollout_data))
+                rollout_data.update(self.compute_log_probs(rollout_data, skip_old=self.skips_old_log_prob_pass(rollout_data)))
                 self._compute_advantages(rollout_id, rollout_data)
         else:
             if "values" not in rollout_data:
@@ -296,6 +342,8 @@ class FSDPTrainWorker:
         ``critic-`` tag (``train/critic-value_loss``).
         """
         rollout_data = self.prepare(rollout_id, rollout_data)
+        if self.old_actor is not None:  # π_old of the next rollout step: these weights, before this update
+            _copy_weights(self.model, self.old_actor)
         if self.role == "actor" and getattr(self.args, "save_debug_train_data", None):
             from slime.observability.train_data_utils import save_debug_train_data
 
@@ -504,12 +552,8 @@ class FSDPTrainWorker:
 
     def update_ref_model(self) -> None:
         """Copy the actor's weights into the reference model (``--ref-update-interval``)."""
-        if self.ref_model is None:
-            return
-        with torch.no_grad():
-            ref_params = dict(self.ref_model.named_parameters())
-            for name, param in self.model.named_parameters():
-                ref_params[name].copy_(param.to(ref_params[name].device))
+        if self.ref_model is not None:
+            _copy_weights(self.model, self.ref_model)
 
     # ------------------------------------------------------------------ checkpoints and weights
 
@@ -554,13 +598,24 @@ class FSDPTrainWorker:
                 torch.cuda.empty_cache()
 
 
+@torch.no_grad()
+def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copy ``source``'s parameters into ``target`` (same architecture and sharding) wherever
+    ``target`` lives (a parked model stays in host memory): shard by shard, no gather."""
+    targets = dict(target.named_parameters())
+    for name, param in source.named_parameters():
+        dst = targets[name]
+        local_dst = dst.to_local() if hasattr(dst, "to_local") else dst
+        local_src = param.to_local() if hasattr(param, "to_local") else param
+        local_dst.copy_(local_src, non_blocking=False)
+
+
 def _reject_unsupported(args) -> None:
     """Flags whose semantics this backend does not implement yet: fail early, naming them."""
     unsupported = {
         "--opd-type megatron (teacher model inside the trainer)": getattr(args, "use_opd", False)
         and getattr(args, "opd_type", None) == "megatron",
         "--use-routing-replay / --use-rollout-routing-replay (MoE)": getattr(args, "use_routing_replay", False),
-        "--keep-old-actor": getattr(args, "keep_old_actor", False),
         "--enable-mtp-training": getattr(args, "enable_mtp_training", False),
         "--multimodal-keys (multimodal training inputs)": bool(getattr(args, "multimodal_keys", None)),
     }

@@ -96,7 +96,8 @@ def test_first_step_invariants(tiny_model_dir):
     metrics = worker.train(0, data)
     assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
     assert metrics["train/kl_loss"] == 0.0
-    for key in ("train/pg_loss", "train/entropy_loss", "train/grad_norm", "train/lr-pg_0", "rollout/log_probs",
+    assert "rollout/log_probs" not in metrics  # one step per rollout: the π_old pass is skipped (§5)
+    for key in ("train/pg_loss", "train/entropy_loss", "train/grad_norm", "train/lr-pg_0",
                 "rollout/ref_log_probs", "rollout/advantages", "perf/actor_train_tok_per_s", "perf/actor_train_tflops"):
         assert key in metrics, key
     assert metrics["train/ppo_kl"] == 0.0
