@@ -80,7 +80,9 @@ def _add_rollout_args(parser) -> None:
     g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
                    help="Rollout function (§2.2).")
     g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
-    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Top-p.")
+    g.add_argument("--rollout-top-p", type=float, default=1.0,
+                   help="Top-p. When != 1 the engine returns each position's kept nucleus and the trainer "
+                        "renormalises its log-probs over it.")
     g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k (-1 = disabled).")
     g.add_argument("--rollout-max-context-len", type=int, default=None, help="Max prompt + response length.")
     g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop longer prompts at load time.")
@@ -223,12 +225,16 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--ref-load", type=str, default=None, help="Reference model checkpoint.")
     g.add_argument("--ref-ckpt-step", type=int, default=None)
     g.add_argument("--ref-update-interval", type=int, default=None)
-    g.add_argument("--keep-old-actor", action="store_true", default=False)
+    g.add_argument("--keep-old-actor", action="store_true", default=False,
+                   help="Compute π_old with a host-memory copy of the actor from before the last update "
+                        "(the policy of a one-step-off rollout in train_async.py).")
     g.add_argument("--num-critic-only-steps", type=int, default=0)
     g.add_argument("--megatron-config-path", type=str, default=None)
     g.add_argument("--reset-optimizer-states", action="store_true", default=False)
     g.add_argument("--use-stateless-adam", action="store_true", default=False)
-    g.add_argument("--log-probs-chunk-size", type=int, default=-1)
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="Rows per chunk of the log-prob/entropy head (FSDP: -1 = 2048 rows; the [K, V] logits "
+                        "are never held whole).")
     g.add_argument("--recompute-loss-function", action="store_true", default=False)
 
 
