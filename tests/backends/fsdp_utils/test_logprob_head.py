@@ -130,3 +130,36 @@ def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
     assert "forward" not in vars(worker.model.lm_head)  # the plain head is back after the call
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
+    """Qwen3-0.6B head shape in bf16 on CUDA: same values and gradients as the full-logits path
+    (bf16 matmul tolerance) with far less peak memory than the fp32 [K, V] it avoids."""
+    rows, hidden_size, vocab = 4096, 1024, 151936
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, hidden_size, generator=g).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden_size, generator=g) * 0.5).cuda().bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=g).cuda()
+    coef = torch.randn(rows, generator=g).cuda()
+    results = []
+    for chunked in (False, True):
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if chunked:
+            log_probs, entropy = chunked_log_probs_and_entropy(h, w, targets, 0.8, 1024)
+        else:
+            log_probs, entropy = _reference(h, w, None, targets, 0.8)
+        ((coef * log_probs).sum() + (coef * entropy).sum()).backward()
+        torch.cuda.synchronize()
+        results.append((log_probs.detach(), entropy.detach(), h.grad.float(), w.grad.float(),
+                        torch.cuda.max_memory_allocated() - base))
+    full, chunk = results
+    torch.testing.assert_close(chunk[0], full[0], atol=5e-2, rtol=0)
+    torch.testing.assert_close(chunk[1], full[1], atol=5e-2, rtol=0)
+    for a, b in ((chunk[2], full[2]), (chunk[3], full[3])):
+        assert float((a - b).abs().max()) <= 2e-2 * float(b.abs().max())
+    assert chunk[4] < rows * vocab * 4 / 2  # less than half of one fp32 [K, V]
+    assert chunk[4] < full[4] / 4, (chunk[4], full[4])
