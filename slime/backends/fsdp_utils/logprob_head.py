@@ -80,14 +80,15 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             p = log_p.exp()
             t = targets[start:end].unsqueeze(-1)
             target_log_p = log_p.gather(-1, t).squeeze(-1)
-            entropy[start:end] = -(p * log_p).sum(-1)
             if nucleus is not None:
                 keep = nucleus.mask(start, end, targets[start:end], vocab)
-                kept = torch.log(p.masked_fill_(~keep, 0.0).sum(-1))
+                kept = torch.log(torch.where(keep, p, 0.0).sum(-1))
                 kept_log_mass[start:end] = kept
                 target_log_p = target_log_p - kept
+            entropy[start:end] = -p.mul_(log_p).sum(-1)  # in place: p is not needed any more
             log_probs[start:end] = target_log_p
             lse_all[start:end] = lse
+            del z, log_p, p
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy, kept_log_mass)
         ctx.temperature, ctx.chunk_rows, ctx.nucleus = temperature, chunk_rows, nucleus
         ctx.set_materialize_grads(False)
@@ -112,7 +113,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             z = _chunk_logits(hidden[start:end], weight, bias, temperature)
             log_p = z.sub_(lse_all[start:end].unsqueeze(-1))
             p = log_p.exp()
-            grad_z = None
+            grad_z = q = None
             if grad_entropy is not None:  # first: it needs p and log p as they are
                 g = grad_entropy[start:end].float()
                 grad_z = log_p.add_(entropy[start:end].unsqueeze(-1)).mul_(p).mul_(-g.unsqueeze(-1))
@@ -128,7 +129,10 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                 grad_z = q if grad_z is None else grad_z.add_(q)
             if temperature != 1.0:
                 grad_z.div_(temperature)
+            if grad_bias is not None:
+                grad_bias.add_(grad_z.sum(0))
             grad_logits = grad_z.to(weight.dtype)
+            del z, log_p, p, q, grad_z  # free the chunk's fp32 [rows, V] before the weight-gradient matmul
             if need_hidden:
                 grad_hidden[start:end] = grad_logits @ weight
             if need_weight:
@@ -137,8 +141,6 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                     grad_weight = piece if num_rows <= chunk_rows else piece.float()
                 else:
                     grad_weight.add_(piece)
-            if grad_bias is not None:
-                grad_bias.add_(grad_z.sum(0))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:

