@@ -229,6 +229,25 @@ def logprob_parity(model, hf, tokens, responses, layout, device, cuda: bool) -> 
     return out
 
 
+def _checkpoint_named(tensors: dict) -> dict:
+    """transformers 5 keeps a layer's experts fused (``mlp.experts.gate_up_proj`` ``[E, 2·I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``); the mapping speaks checkpoint names (one tensor per expert)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, both in enumerate(tensor):
+                gate, up = both.chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, down in enumerate(tensor):
+                out[f"{prefix}{e}.down_proj.weight"] = down
+        else:
+            out[name] = tensor
+    return out
+
+
 def grad_parity(model, hf, tokens, responses, weights, layout, device) -> dict:
     """Gradient of Σ w·log π, fp32: the trainer's path (Megatron DDP, the schedule's training pass
     over two micro-batches, ``finalize_model_grads``: TP sums of qk-layernorm grads, tied embedding
@@ -257,7 +276,7 @@ def grad_parity(model, hf, tokens, responses, weights, layout, device) -> dict:
     finalize_model_grads([ddp])
     hf.zero_grad(set_to_none=True)
     (_hf_log_probs(hf, tokens, responses, device, autocast=False, grad=True) * torch.cat(weights).to(device)).sum().backward()
-    hf_grads = {n: p.grad.detach() for n, p in hf.named_parameters() if p.grad is not None}
+    hf_grads = _checkpoint_named({n: p.grad.detach() for n, p in hf.named_parameters() if p.grad is not None})
     hf_grads.setdefault("lm_head.weight", hf_grads.get("model.embed_tokens.weight"))
     names = mm._global_names(gpt, layout, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
     ranks = mm._rank_info()

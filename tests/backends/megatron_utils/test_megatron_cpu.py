@@ -1,9 +1,10 @@
-"""The Megatron backend's model path on the CPU: real Megatron-Core (gloo, see megatron_cpu.py) vs HF.
+"""The Megatron backend on the CPU: real Megatron-Core (gloo, see megatron_cpu.py) vs HF and vs one rank.
 
 Tensor parallelism (2 ranks) and pipeline parallelism (2 stages, Megatron's 1F1B schedule) on the
-tiny Qwen3 (vocabulary 591, padded to 768 / 640): HF -> Megatron -> HF export bit-exact, each
-decoder layer's hidden state, the response log-probs through the trainer's schedule, and the
-gradients after Megatron DDP + ``finalize_model_grads`` equal HF's to float32 rounding.
+tiny Qwen3 (vocabulary 591, padded to 768 / 640), expert parallelism on a tiny Qwen3-MoE: HF ->
+Megatron -> HF export bit-exact, each decoder layer's hidden state, the response log-probs through
+the trainer's schedule, and the gradients after Megatron DDP + ``finalize_model_grads`` equal HF's
+to float32 rounding. Then MegatronTrainWorker's own passes at PP=2 against one rank.
 """
 
 import json
@@ -21,13 +22,13 @@ import megatron_cpu  # noqa: E402
 CHECK = HERE / "megatron_parity_check.py"
 
 
-def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1) -> dict:
+def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     path = megatron_cpu.pythonpath()
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--standalone", str(CHECK),
-               "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--out", str(out)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * ep), "--standalone",
+               str(CHECK), "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
     proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -44,6 +45,30 @@ def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp):
     # every parameter shard's gradient, incl. the qk-layernorm weights TP ranks share and the tied
     # embedding both end stages hold
     assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
+
+
+def test_moe_expert_parallel_matches_hf_on_cpu(tmp_path):
+    """A Qwen3-MoE (8 experts, top-2, a dense first layer, vocabulary 4000 padded to 4096) at EP=2:
+    experts split over the two ranks, tokens dispatched between them; export, log-probs and
+    gradients (router and experts included) equal HF's."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=4000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                            tie_word_embeddings=False, mlp_only_layers=[0], max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path / "moe")
+    result = _run(str(tmp_path / "moe"), tmp_path / "result.json", ep=2)
+    assert result["padded_vocab_size"] == 4096
+    assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
+    assert result["logprob_std"] > 0.5 and result["logprob_fp32_max_abs"] < 1e-4, result
+    assert result["grad_tensors"] == 57 and result["grad_max_rel"] < 1e-4, result
 
 
 WORKER = HERE / "megatron_worker_check.py"

@@ -1,19 +1,32 @@
 """GPU tests of the Megatron backend (marked ``gpu``; skipped without CUDA or Megatron-Core).
 
-Runbook (the lent H200 machine, DEVICE.md):
-  1. wheels to carry — Megatron-Core imports nothing beyond torch / numpy / packaging (all present
-     there) except ``triton``, which the CUDA torch wheel already brings:
-         ../shared/tools/device-wheels megatron-core==0.19.2
-     (add ``ray==2.60.0 jsonschema referencing rpds-py jsonschema-specifications smg==1.13.0
-     fastapi uvicorn starlette pydantic pydantic-core annotated-types typing-inspection`` for the
-     GRPO loop test);
-  2. on the machine: ``export PYTHONPATH=/tmp/site:$PWD`` and
-         python -m pytest -q -m gpu tests/backends/megatron_utils/test_megatron_gpu.py
-     On the two-GPU kind the TP=2 / PP=2 / EP=2 cases run too (``NCCL_NVLS_ENABLE=0`` is set here).
+Runbook — ONE call on the two-GPU kind (``nvidia-h200-x2``) runs every check here in about 6-8
+minutes and prints one summary line per check (also written to ``$OUT/megatron_gpu_summary.txt``):
 
-What each test shows: Megatron log-probs of a Qwen3-0.6B-architecture model (fewer layers, random
-weights with a large enough spread that a wrong QKV order or RoPE would show) and of a small
-Qwen3-MoE equal the HF model's within bf16 tolerance; HF -> Megatron -> HF export is bit-exact.
+  1. wheels: ``megatron-core==0.19.2`` (imports nothing else the machine lacks: triton comes with the
+     CUDA torch wheel) — ``../shared/tools/device-wheels megatron-core==0.19.2``; no Ray, no router,
+     no server packages for this file (test_megatron_loop_gpu.py is the one that needs Ray);
+  2. the call:
+         export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+         python -m pytest -q -x -m gpu -p no:cacheprovider tests/backends/megatron_utils/test_megatron_gpu.py 2>&1 | tail -60
+     ``-k 1gpu`` keeps the single-GPU checks (the one-GPU kind is enough for them), ``-k 2gpu``
+     the two-GPU ones (TP=2, PP=2, EP=2, DP=2, PP=2 vs one GPU).
+
+What each check shows (``MEGATRON <check>: ...`` lines):
+
+* ``parity[...]`` — a Qwen3-0.6B-architecture model (4 layers, random weights with a spread large
+  enough that a wrong QKV order, RoPE or norm shows; vocabulary 151936, padded at TP=2) and a small
+  Qwen3-MoE: HF -> Megatron -> HF export bit-exact; Megatron's log-probs through the trainer's
+  pipeline schedule equal HF's in fp32 (to float rounding) and within bf16 noise under autocast;
+  the trainer's reduced gradients (DDP + ``finalize_model_grads``) equal HF's in fp32. The line
+  carries each decoder layer's hidden-state difference and the worst gradient tensors, so a
+  failing layout is named by one run.
+* ``worker[...]`` — MegatronTrainWorker on the tiny model: two GRPO rollout steps (two optimizer
+  steps each), ``ppo_kl`` exactly 0 at each rollout's first step, offload/onload (1 GPU), save, and
+  a resume from the checkpoint that reproduces rollout 1's metrics and weights exactly.
+* ``pp2-vs-1gpu`` — rollout 0 at PP=2 equals the one-GPU run within bf16 tolerance.
+* ``conversion-tools`` — tools/convert_hf_to_torch_dist.py then convert_torch_dist_to_hf.py give
+  back the same tensors.
 """
 
 import json
@@ -29,10 +42,43 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[3]
 CHECK = Path(__file__).with_name("megatron_parity_check.py")
+WORKER = Path(__file__).with_name("megatron_worker_check.py")
+SUMMARY: list[str] = []
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+       "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary():
+    yield
+    if not SUMMARY:
+        return
+    text = "\n".join(SUMMARY)
+    sys.__stdout__.write("\n==== Megatron GPU summary ====\n" + text + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "megatron_gpu_summary.txt").write_text(text + "\n")
+
+
+def _report(line: str) -> None:
+    SUMMARY.append("MEGATRON " + line)
+    print("MEGATRON " + line)
 
 
 def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _torchrun(script: Path, nproc: int, *argv: str, timeout: int = 600) -> None:
+    pytest.importorskip("megatron.core")
+    if _gpus() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(script), *argv]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        _report(f"{script.name} {' '.join(argv[-6:])}: FAILED rc={proc.returncode}: "
+                + " | ".join(line for line in proc.stderr.splitlines()[-400:] if "Error" in line)[-600:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
 def _save(model, path: Path) -> str:
@@ -51,7 +97,8 @@ def _save(model, path: Path) -> str:
 def qwen3_dense(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    # Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim 128, ffn 3072, vocab 151936), 4 layers
+    # Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim 128, ffn 3072, vocab 151936), 4 layers;
+    # 151936 is a multiple of 128 but not of 256: padded only at TP=2
     config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096)
@@ -62,78 +109,39 @@ def qwen3_dense(tmp_path_factory):
 def qwen3_moe(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+    config = Qwen3MoeConfig(vocab_size=4000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, rope_theta=1000000,
                             rms_norm_eps=1e-6, tie_word_embeddings=False, mlp_only_layers=[0], max_position_embeddings=4096)
     return _save(Qwen3MoeForCausalLM(config), tmp_path_factory.mktemp("qwen3_moe"))
 
 
-def _run(hf_dir: str, tmp_path, tp=1, pp=1, ep=1) -> dict:
-    pytest.importorskip("megatron.core")
-    if _gpus() < tp * pp * ep:
-        pytest.skip(f"needs {tp * pp * ep} GPUs")
-    out = tmp_path / f"result_tp{tp}_pp{pp}_ep{ep}.json"
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * ep), "--standalone",
-               str(CHECK), "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    result = json.loads(out.read_text())
-    print(json.dumps(result))
-    return result
+PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("2gpu-dense-tp2", "qwen3_dense", 2, 1, 1),
+          ("2gpu-dense-pp2", "qwen3_dense", 1, 2, 1), ("1gpu-moe", "qwen3_moe", 1, 1, 1),
+          ("2gpu-moe-ep2", "qwen3_moe", 1, 1, 2)]
 
 
-def _assert_roundtrip(result: dict) -> None:
-    assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
-
-
-def _assert_logprobs(result: dict) -> None:
-    # fp32 on both sides: the same network up to float rounding (a wrong head order, RoPE or router
-    # would be off by nats: the log-probs spread over several nats)
-    assert result["logprob_std"] > 1.0, result
-    assert result["logprob_fp32_max_abs"] < 2e-3, result
-    # bf16 autocast on both sides: within bf16 noise, no more than HF's own bf16-vs-fp32 drift allows
-    assert result["logprob_mean_abs"] < max(0.06, 3 * result["hf_bf16_vs_fp32_mean_abs"]), result
-    assert result["logprob_max_abs"] < 0.5, result
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_qwen3_dense_logprobs_and_roundtrip(qwen3_dense, tmp_path, tp):
-    result = _run(qwen3_dense, tmp_path, tp=tp)
-    _assert_roundtrip(result)
-    _assert_logprobs(result)
-
-
-@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2)])
-def test_qwen3_moe_logprobs_and_roundtrip(qwen3_moe, tmp_path, tp, ep):
-    result = _run(qwen3_moe, tmp_path, tp=tp, ep=ep)
-    _assert_roundtrip(result)
-    _assert_logprobs(result)
-
-
-@pytest.mark.parametrize("hf", ["qwen3_dense", "qwen3_moe"])
-def test_pipeline_parallel_roundtrip(hf, request, tmp_path):
-    _assert_roundtrip(_run(request.getfixturevalue(hf), tmp_path, pp=2))
+@pytest.mark.parametrize("case,hf,tp,pp,ep", PARITY, ids=[p[0] for p in PARITY])
+def test_parity_with_hf(request, tmp_path, case, hf, tp, pp, ep):
+    out = tmp_path / "result.json"
+    _torchrun(CHECK, tp * pp * ep, "--hf-dir", request.getfixturevalue(hf), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
+              "--out", str(out))
+    r = json.loads(out.read_text())
+    bad = len(r["roundtrip_mismatches"]) + len(r["roundtrip_missing"]) + len(r["roundtrip_extra"])
+    _report(f"parity[{case}]: vocab {r['vocab_size']}->{r['padded_vocab_size']} roundtrip_bad={bad} "
+            f"fp32 lp max {r['logprob_fp32_max_abs']:.2e} mean {r['logprob_fp32_mean_abs']:.1e} (std {r['logprob_std']:.2f}) | "
+            f"bf16 lp max {r['logprob_max_abs']:.3f} mean {r['logprob_mean_abs']:.4f} (HF bf16 drift {r['hf_bf16_vs_fp32_mean_abs']:.4f}) | "
+            f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r['layer_max_abs']]} "
+            f"logits {r['logits_max_abs']:.1e}")
+    assert bad == 0, r
+    assert r["logprob_std"] > 1.0, r  # the log-probs spread over nats: a wrong layout would be far off
+    assert r["logprob_fp32_max_abs"] < 2e-3, r
+    assert r["logprob_mean_abs"] < max(0.06, 3 * r["hf_bf16_vs_fp32_mean_abs"]) and r["logprob_max_abs"] < 0.5, r
+    # fp32 gradients; an MoE router decision that flips on a near-tie moves a few expert gradients
+    assert r["grad_max_rel"] < (1e-3 if hf == "qwen3_dense" else 2e-2), r
 
 
 # --------------------------------------------------------------------------- the trainer and the tools
-
-WORKER = Path(__file__).with_name("megatron_worker_check.py")
-
-
-def _torchrun(script: Path, nproc: int, *argv: str, timeout: int = 900) -> None:
-    pytest.importorskip("megatron.core")
-    if _gpus() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(script), *argv]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -142,28 +150,68 @@ def tiny_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), size="tiny", seed=0))
 
 
-@pytest.mark.parametrize("nproc,flags", [(1, ()), (2, ()), (2, ("--tensor-model-parallel-size", "2")),
-                                         (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel"))],
-                         ids=["dp1", "dp2", "tp2", "tp2-sp"])
-def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, tmp_path, nproc, flags):
+WORKER_CASES = {"1gpu-dp1": (1, ()), "2gpu-dp2": (2, ()),
+                "2gpu-tp2-sp": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+                "2gpu-pp2": (2, ("--pipeline-model-parallel-size", "2"))}
+_WORKER_RESULTS: dict = {}
+
+
+def _worker_runs(case: str, tiny_dir: str, root: Path) -> tuple[dict, dict]:
+    """(first run, resumed run) of a worker case; cached so the PP comparison reuses them."""
+    if case not in _WORKER_RESULTS:
+        nproc, flags = WORKER_CASES[case]
+        save, first, resumed = root / case / "ckpt", root / case / "first.json", root / case / "resumed.json"
+        save.parent.mkdir(parents=True, exist_ok=True)
+        _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload", *flags)
+        _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume", *flags)
+        a, b = json.loads(first.read_text()), json.loads(resumed.read_text())
+        a["latest"] = (save / "latest_checkpointed_iteration.txt").read_text()
+        _WORKER_RESULTS[case] = (a, b)
+    return _WORKER_RESULTS[case]
+
+
+@pytest.fixture(scope="module")
+def worker_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("worker")
+
+
+@pytest.mark.parametrize("case", list(WORKER_CASES))
+def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, worker_root, case):
     """Two rollout steps (2 optimizer steps each): ppo_kl is exactly 0 at each rollout's first step;
     offload/onload between them and a resume from the saved checkpoint give the same rollout 1."""
-    save = tmp_path / "ckpt"
-    first, resumed = tmp_path / "first.json", tmp_path / "resumed.json"
-    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload", *flags)
-    _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume", *flags)
-    a, b = json.loads(first.read_text()), json.loads(resumed.read_text())
-    print(json.dumps({k: v for k, v in a.items() if k != "weights"}), json.dumps({k: v for k, v in b.items() if k != "weights"}))
+    a, b = _worker_runs(case, tiny_dir, worker_root)
+    same_weights = b["weights"] == a["weights"]
+    _report(f"worker[{case}]: ppo_kl r0 {a['rollout0_ppo_kl']} r1 {a['rollout1_ppo_kl']} | start {a['start']}->{b['start']} | "
+            f"resume metrics equal {b['rollout1'] == a['rollout1']} weights equal {same_weights} | "
+            f"offload freed {a.get('offload_freed_bytes', 0) / 2**20:.1f} MiB | loss r1 {a['rollout1'].get('train/loss')}")
     assert a["start"] is None and b["start"] == 1
     assert len(a["rollout0_ppo_kl"]) == 2 and a["rollout0_ppo_kl"][0] == 0.0 and a["rollout1_ppo_kl"][0] == 0.0
     assert a["rollout0_ppo_kl"][1] != 0.0  # the second step sees updated weights
     assert a["offload_freed_bytes"] > 0
     assert b["rollout1"] == a["rollout1"]
-    assert b["weights"] == a["weights"]
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert same_weights
+    assert a["latest"] == "0"
 
 
-def test_conversion_tools_round_trip(tiny_dir, tmp_path):
+def test_2gpu_pipeline_parallel_train_step_equals_one_gpu(tiny_dir, worker_root):
+    """Rollout 0 at PP=2 (schedule 1F1B, stages on two GPUs) vs one GPU: the same samples, so the
+    same metrics up to bf16 rounding (the merge, the schedule, the loss scaling and the gradient
+    reductions are all on the path)."""
+    one, _ = _worker_runs("1gpu-dp1", tiny_dir, worker_root)
+    two, _ = _worker_runs("2gpu-pp2", tiny_dir, worker_root)
+    keys = ["rollout/log_probs", "rollout/advantages", "train/entropy_loss", "train/pg_loss", "train/grad_norm", "train/ppo_kl"]
+    diffs = {k: (one["rollout0"][k], two["rollout0"][k]) for k in keys}
+    _report("pp2-vs-1gpu: " + ", ".join(f"{k} {x:.5g}/{y:.5g}" for k, (x, y) in diffs.items()))
+    for key in ("rollout/log_probs", "train/entropy_loss"):
+        x, y = diffs[key]
+        assert y == pytest.approx(x, rel=2e-2), key
+    x, y = diffs["train/grad_norm"]
+    assert y == pytest.approx(x, rel=5e-2)
+    x, y = diffs["train/pg_loss"]
+    assert abs(x - y) < 2e-2 * max(1.0, abs(x))
+
+
+def test_1gpu_conversion_tools_round_trip(tiny_dir, tmp_path):
     """tools/convert_hf_to_torch_dist.py then tools/convert_torch_dist_to_hf.py gives back the same tensors."""
     from safetensors.torch import load_file
 
@@ -173,6 +221,8 @@ def test_conversion_tools_round_trip(tiny_dir, tmp_path):
     _torchrun(ROOT / "tools" / "convert_torch_dist_to_hf.py", 1, "--input-dir", str(dist_dir), "--output-dir", str(back),
               "--origin-hf-dir", tiny_dir)
     original, converted = load_file(os.path.join(tiny_dir, "model.safetensors")), load_file(str(back / "model.safetensors"))
+    same = [name for name, tensor in converted.items()
+            if tensor.dtype == original[name].dtype and torch.equal(tensor, original[name])]
+    _report(f"conversion-tools: {len(same)}/{len(converted)} tensors identical")
     assert set(converted) == set(original) - {"lm_head.weight"} or set(converted) == set(original)
-    for name, tensor in converted.items():
-        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
+    assert len(same) == len(converted)
