@@ -34,9 +34,9 @@ def build_server(args: ServerArgs):
                          num_slots=args.max_running_requests, slot_capacity=args.context_length,
                          mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
                          max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
-                         cuda_graph_max_bs=args.cuda_graph_max_bs)
-    engine = Engine(runner, chunked_prefill_size=args.chunked_prefill_size, weight_version=args.weight_version,
-                    seed=args.random_seed)
+                         cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend)
+    prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
+    engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed)
     engine.start()
     warmup = GenerateRequest(rid="WARMUP", input_ids=[0], params=SamplingParams(max_new_tokens=2, temperature=0.0))
     done = engine.call(lambda: engine.add_request(warmup, lambda seq, finished: None))

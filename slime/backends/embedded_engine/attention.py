@@ -13,6 +13,10 @@ key/value heads instead::
 K and V are the cache rows of the batch as strided views (no copy); the mask is the additive
 ``[B, 1, 1, L]`` mask of the model runner (a position is visible iff it is <= the row's position).
 Every operation has static shapes, so the decode step can be captured in a CUDA graph.
+
+On CUDA with Triton the model runner passes ``slot_lengths`` (each row's length, on the device) and
+decode goes to the flash-decoding kernel of :mod:`triton_attention` instead, which reads each row
+only up to its own length (``--attention-backend triton``, the default there).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    lengths = kwargs.get("slot_lengths")
+    dim = query.shape[-1]
+    if lengths is not None and dim >= 16 and dim & (dim - 1) == 0:  # the kernel wants a power-of-two head size
+        from slime.backends.embedded_engine import triton_attention
+
+        batch, heads, _, dim = query.shape
+        scale = dim ** -0.5 if scaling is None else scaling
+        out = triton_attention.decode_attention(query.reshape(batch, heads, dim), key, value, lengths, key.shape[2], scale)
+        return out.view(batch, 1, heads, dim), None
     return decode_attention(query, key, value, attention_mask, scaling), None
 
 

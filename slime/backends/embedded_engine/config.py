@@ -18,9 +18,10 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int = 64
     mem_fraction_static: float = 0.8
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    attention_backend: str | None = None
     tool_call_parser: str = "qwen25"
     served_model_name: str | None = None
     weight_version: str = "default"
@@ -51,11 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=64, help="max requests decoding together")
     p.add_argument("--mem-fraction-static", type=float, default=0.8,
                    help="CUDA: fraction of GPU memory for weights + KV cache")
-    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="max prompt tokens per prefill forward")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="max prompt tokens per prefill forward (default: 8192 on CUDA, 2048 on CPU)")
     p.add_argument("--disable-cuda-graph", action="store_true", default=False,
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="CUDA: largest decode batch run through a CUDA graph (default: --max-running-requests)")
+    p.add_argument("--attention-backend", default=None, choices=["triton", "torch_native"],
+                   help="triton (CUDA; the default there): flash-decoding attention plus fused RMSNorm, rotary "
+                        "and SiLU-gate kernels; torch_native (the default on CPU): plain PyTorch ops")
     p.add_argument("--tool-call-parser", default="qwen25", help="qwen25 or hermes (OpenAI endpoints)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")
@@ -82,6 +87,8 @@ def validate_args(args: ServerArgs) -> None:
     if args.host not in LOOPBACK and not args.api_key:
         raise SystemExit(f"--host {args.host} exposes the engine beyond this machine; pass --api-key too "
                          "(or bind 127.0.0.1)")
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise SystemExit("--attention-backend triton runs on --device cuda only; use torch_native on CPU")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 < args.mem_fraction_static <= 1:

@@ -40,7 +40,8 @@ class ModelRunner:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
-                 max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None):
+                 max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
+                 attention_backend: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -55,6 +56,12 @@ class ModelRunner:
         self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.weights_on_device = True
+        self.attention_backend = self._resolve_attention_backend(attention_backend)
+        self.fused_ops = {}
+        if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
+            from slime.backends.embedded_engine import fused_ops
+
+            self.fused_ops = fused_ops.install(self.model)
         shape = self._cache_shape(num_slots, slot_capacity or self.context_length, mem_fraction_static, max_total_tokens)
         self.kv_cache = SlotKVCache(shape, self.dtype, self.device)
         self.context_length = shape.slot_capacity  # a request (prompt + output) must fit one slot
@@ -69,6 +76,18 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} is not supported; choose auto or one of {sorted(DTYPES)}")
         return DTYPES[dtype]
+
+    def _resolve_attention_backend(self, requested: str | None) -> str:
+        from slime.backends.embedded_engine import triton_attention
+
+        if requested is None:
+            return "triton" if triton_attention.available(self.device) else "torch_native"
+        if requested == "triton" and not triton_attention.available(self.device):
+            raise ValueError("--attention-backend triton needs --device cuda and the triton package; "
+                             "use --attention-backend torch_native")
+        if requested not in ("triton", "torch_native"):
+            raise ValueError(f"--attention-backend {requested!r} is not supported; choose triton or torch_native")
+        return requested
 
     def _cache_shape(self, num_slots: int, slot_capacity: int, mem_fraction_static: float | None,
                      max_total_tokens: int | None) -> CacheShape:
@@ -138,8 +157,11 @@ class ModelRunner:
         mask.masked_fill_(key_pos > positions.view(batch, 1, 1, 1), torch.finfo(self.dtype).min)
         rows = torch.arange(batch, device=self.device)
         view = DecodeCacheView(self.kv_cache, rows, positions.view(-1), kv_length)
+        extra = {self._cache_kwarg: view}
+        if self.attention_backend == "triton":  # per-row lengths for the flash-decoding kernel
+            extra["slot_lengths"] = positions.view(-1) + 1
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: view})
+                         logits_to_keep=1, **extra)
         return out.logits[:, -1].float()
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:

@@ -177,7 +177,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         info["internal_states"] = [{**info, "last_gen_throughput": engine.last_gen_throughput,
                                     "memory_usage": _memory_usage(runner),
                                     "effective_max_running_requests_per_dp": shape.num_slots,
-                                    "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures}]
+                                    "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures,
+                                    "attention_backend": runner.attention_backend, "fused_ops": runner.fused_ops}]
         return info
 
     app.get("/server_info")(server_info)

@@ -130,6 +130,7 @@ def test_cuda_graph_decode_with_many_rows_and_lengths_matches_hf(fp32_engine, ti
         check_against_hf(model, prompt, out, 0.0, FP32_TOL)
     info = httpx.get(fp32_engine.url + "/get_server_info", timeout=30).json()["internal_states"][0]
     assert info["cuda_graph_captures"] >= 2, info
+    assert info["attention_backend"] == "triton", info  # decode through the flash-decoding kernel
 
 
 @pytest.mark.gpu

@@ -1,0 +1,141 @@
+"""Decode attention over the slot cache as a Triton kernel ("flash decoding"), for CUDA.
+
+A decode step has one query token per row and reads each row's cached keys and values, so its
+cost is the bytes of KV it reads. This kernel reads every row's cache exactly once, and only up to
+the row's own length (the rows of a batch have different lengths; a dense kernel would read all of
+them up to the longest):
+
+* program ``(b, kv_head, split)`` loads the ``G`` query heads that share ``kv_head`` (grouped-query
+  attention), walks its share of row ``b``'s positions ``[split * SPLIT_LEN, min(.., length_b))`` in
+  blocks of ``BLOCK_N``, and keeps an online softmax (running max ``m``, sum ``l``, weighted values
+  ``acc``) in fp32;
+* it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split); a second small kernel merges
+  the splits: ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s``.
+
+Splitting a row over several programs keeps the GPU busy when the batch is small. ``SPLIT_LEN`` is
+fixed per call (a CUDA graph captures it for its KV-length bucket); splits past a row's length
+write ``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the call has no host
+sync and is capturable.
+
+fp32 caches multiply in full fp32 (``input_precision="ieee"``, not TF32), so an fp32 engine matches
+an fp32 reference to rounding. Layout: ``query [B, H, D]``, cache ``[slots, Hkv, capacity, D]`` (row b is slot b), ``D`` a power of
+two. The result equals ``softmax(q·Kᵀ·scale) V`` over positions ``< length_b`` (tests compare it with
+the dense reference in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the engine uses the matmul path of attention.py
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr,
+                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                      scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(lengths_ptr + row)
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + offs_g
+        in_group = offs_g < GROUP
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=in_group[:, None], other=0.0)
+        k_base = k_ptr + row * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + row * stride_vb + kv_head * stride_vh
+
+        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for block in range(start, end, BLOCK_N):
+            n = block + offs_n
+            valid = n < end
+            k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        has_keys = l > 0
+        out = acc / tl.where(has_keys, l, 1.0)[:, None]
+        lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :], out,
+                 mask=in_group[:, None])
+        tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=in_group)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                      stride_ob, stride_oh, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(lse_ptr + row * stride_lb + head * stride_lh + offs_s, mask=offs_s < SPLITS,
+                      other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, axis=0))  # split 0 always has keys (every row has length >= 1)
+        weights = weights / tl.sum(weights, axis=0)
+        parts = tl.load(part_ptr + row * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                        mask=(offs_s < SPLITS)[:, None], other=0.0)
+        out = tl.sum(parts * weights[:, None], axis=0)
+        tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+BLOCK_N = 64
+TARGET_PROGRAMS = 2048  # enough programs to fill an H100/H200 several times over
+
+
+def plan_splits(batch: int, kv_heads: int, kv_length: int) -> tuple[int, int]:
+    """``(splits, split_len)`` for a call: more splits when the batch is small, none shorter than a block."""
+    blocks = triton.cdiv(kv_length, BLOCK_N)
+    splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
+    split_len = triton.cdiv(blocks, splits) * BLOCK_N
+    return triton.cdiv(kv_length, split_len), split_len
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                     kv_length: int, scale: float) -> torch.Tensor:
+    """``query [B, H, D]`` against cache rows ``keys/values [>=B, Hkv, capacity, D]`` (row b = slot b),
+    each row attending to its first ``lengths[b]`` (<= ``kv_length``) positions -> ``[B, H, D]``."""
+    batch, heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    splits, split_len = plan_splits(batch, kv_heads, kv_length)
+    parts = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    _split_kernel[(batch, kv_heads, splits)](
+        query, keys, values, lengths, parts, lse,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        scale, SPLIT_LEN=split_len, BLOCK_N=BLOCK_N, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+    _merge_kernel[(batch, heads)](
+        parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+        num_warps=4)
+    return out
