@@ -102,7 +102,9 @@ def nccl_broadcast_gbytes_per_s(nbytes: int = 1 << 30) -> float:
     return value
 
 
-def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, bucket_bytes: int, repeats: int) -> dict:
+def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, bucket_sizes: list[int],
+            repeats: int) -> dict[int, dict]:
+    """One engine, every bucket size in turn: ``{bucket_bytes: {bytes, seconds, gbytes_per_s}}``."""
     from transformers import AutoModelForCausalLM
 
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
@@ -126,18 +128,22 @@ def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, 
         args = SimpleNamespace(update_weight_transport=transport, update_weight_mode="full", distributed_timeout_minutes=10,
                                cpu_only=not gpu, hf_checkpoint=model_dir)
         updater = make_weight_updater(args, [engine.url], [1], colocate=colocate)
-        times = []
-        for version in range(repeats + 1):
-            start = time.perf_counter()
-            sent = updater.update(bucket_named_tensors(state.items(), bucket_bytes), str(version + 1))
-            if gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        results, version = {}, 0
+        for bucket_bytes in bucket_sizes:
+            times = []
+            for _ in range(repeats + 1):
+                version += 1
+                start = time.perf_counter()
+                sent = updater.update(bucket_named_tensors(state.items(), bucket_bytes), str(version))
+                if gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            seconds = min(times[1:])  # the first call pays for connecting the group / warming buffers
+            results[bucket_bytes] = {"bytes": sent, "seconds": seconds, "gbytes_per_s": sent / seconds / 1e9}
         updater.close()
     finally:
         engine.stop()
-    seconds = min(times[1:])  # the first call pays for connecting the group
-    return {"bytes": sent, "seconds": seconds, "gbytes_per_s": sent / seconds / 1e9}
+    return results
 
 
 def main() -> None:
@@ -148,7 +154,9 @@ def main() -> None:
     parser.add_argument("--distributed-models", nargs="+", default=None,
                         help="models measured with the distributed transport only")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[512],
+                        help="bucket size(s) in MiB (--update-weight-buffer-size); the first is the headline figure, "
+                             "each further one adds <model>/<transport>/bucket_<MiB>/... metrics")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -176,13 +184,17 @@ def main() -> None:
         dirs = {}
         for name, label in runs:
             model_dir = dirs.get(name) or dirs.setdefault(name, build_model_dir(name, root))
-            r = measure(model_dir, "nccl", label == "tensor", dtype, args.bucket_mb << 20, args.repeats)
-            key = f"{name}/{label}"
-            metrics[f"{key}/gbytes_per_s"] = r["gbytes_per_s"]
-            metrics[f"{key}/seconds"] = r["seconds"]
-            metrics[f"{key}/bytes"] = r["bytes"]
-            metrics[f"{key}/fraction_of_limit"] = r["gbytes_per_s"] / limits[label]
-    write_result("weight_sync", {"runs": [f"{n}/{l}" for n, l in runs], "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+            sizes = [mb << 20 for mb in args.bucket_mb]
+            results = measure(model_dir, "nccl", label == "tensor", dtype, sizes, args.repeats)
+            for i, size in enumerate(sizes):
+                r = results[size]
+                key = f"{name}/{label}" + ("" if i == 0 else f"/bucket_{size >> 20}")
+                metrics[f"{key}/gbytes_per_s"] = r["gbytes_per_s"]
+                metrics[f"{key}/seconds"] = r["seconds"]
+                metrics[f"{key}/bytes"] = r["bytes"]
+                metrics[f"{key}/fraction_of_limit"] = r["gbytes_per_s"] / limits[label]
+    write_result("weight_sync", {"runs": [f"{n}/{l}" for n, l in runs], "dtype": args.dtype,
+                                 "bucket_mb": args.bucket_mb[0] if len(args.bucket_mb) == 1 else args.bucket_mb,
                                  "device": "cuda" if gpu else "cpu", "limit": limit_text}, metrics, args.out)
 
 

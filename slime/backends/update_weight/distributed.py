@@ -61,11 +61,16 @@ class DistributedWeightUpdater:
             ) from e
 
     def update(self, buckets, weight_version: str) -> int:
+        """Send every bucket: its request is posted, its broadcast enqueued, and the next bucket is
+        flattened while the engines receive and load it (on GPU the broadcast runs on NCCL's stream, so
+        that copy overlaps it); the next request goes out once every engine has answered this one, so
+        the engines see the buckets in order."""
         if self.group is None:
             self.connect()
         total = 0
+        pending = None  # (futures, flat tensor) of the bucket in flight
         for bucket in buckets:
-            flat = flatten_tensors([(name, t.to(self.device)) for name, t in bucket])
+            flat = flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]
             payload = {
                 "names": [name for name, _ in bucket],
                 "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
@@ -73,12 +78,21 @@ class DistributedWeightUpdater:
                 "group_name": GROUP_NAME, "flush_cache": False, "weight_version": weight_version,
                 "load_format": "flattened_bucket",
             }
+            if pending is not None:
+                self._wait(pending)
             futures = self.client.submit_all("/update_weights_from_distributed", payload)
-            dist.broadcast(flat["flattened_tensor"], src=0, group=self.group)
-            for future in futures:
-                future.result()
-            total += flat["flattened_tensor"].numel()
+            dist.broadcast(flat, src=0, group=self.group)
+            pending = (futures, flat)
+            total += flat.numel()
+        if pending is not None:
+            self._wait(pending)
         return total
+
+    @staticmethod
+    def _wait(pending) -> None:
+        futures, _flat = pending  # the flat buffer stays referenced until the engines have answered
+        for future in futures:
+            future.result()
 
     def close(self) -> None:
         if self.group is not None:
