@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from slime.backends.megatron_utils import weight_mapping as wm
 
-__all__ = ["have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
+__all__ = ["ValueHead", "attach_value_head", "VALUE_HEAD_FILE", "have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
            "iter_hf_weights", "forward_logits", "MicroBatchInputs", "micro_batch_inputs", "run_model",
            "response_logits", "response_targets", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
 
@@ -185,6 +185,58 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# --------------------------------------------------------------------------- the critic's value head
+
+VALUE_HEAD_FILE = "value_head.safetensors"  # the FSDP critic's file: {"weight": [1, H], "bias": [1]}
+
+
+class ValueHead(torch.nn.Module):
+    """The PPO critic's output layer in place of ``GPTModel.output_layer``: V = w·h + b at every
+    position, ``[s, b, 1]``. Replicated over TP ranks (one output column cannot be split); with
+    sequence parallelism the hidden states are gathered first, and the backward takes each rank's
+    own slice (every TP rank computes the same loss over the whole sequence)."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+@torch.no_grad()
+def attach_value_head(model: torch.nn.Module, weights_dir: str | None, seed: int) -> None:
+    """Replace the last stage's output layer by a :class:`ValueHead`: from ``weights_dir``'s
+    ``value_head.safetensors`` when there is one (a critic saved by either backend), else
+    N(0, 0.02) weights and a zero bias drawn from ``seed`` (the same on every rank)."""
+    gpt = unwrap(model)
+    if not getattr(gpt, "post_process", False):
+        return
+    old = gpt.output_layer
+    head = ValueHead(gpt.config.hidden_size, gpt.config.sequence_parallel and gpt.config.tensor_model_parallel_size > 1)
+    path = os.path.join(weights_dir, VALUE_HEAD_FILE) if weights_dir else None
+    if path and os.path.exists(path):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+        if tuple(state["weight"].shape) != (1, gpt.config.hidden_size):
+            raise ValueError(f"{path}: value head weight of shape {tuple(state['weight'].shape)}, the model needs "
+                             f"(1, {gpt.config.hidden_size})")
+        head.weight.copy_(state["weight"])
+        head.bias.copy_(state["bias"])
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * 0.02)
+    gpt.output_layer = head.to(device=old.weight.device if getattr(old, "weight", None) is not None else "cpu")
+    del old
+
+
 # --------------------------------------------------------------------------- HF weights in
 
 class HFCheckpointReader:
@@ -242,14 +294,17 @@ def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, 
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_path: str, layout: wm.ModelLayout) -> int:
-    """Copy the HF checkpoint at ``hf_path`` into this rank's shards; returns tensors loaded."""
+def load_hf_weights(model: torch.nn.Module, hf_path: str, layout: wm.ModelLayout, skip_prefixes: tuple[str, ...] = ()) -> int:
+    """Copy the HF checkpoint at ``hf_path`` into this rank's shards; returns tensors loaded.
+    Parameters under ``skip_prefixes`` (the critic's value head) are left alone."""
     ranks = _rank_info()
     reader = HFCheckpointReader(hf_path)
     gpt = unwrap(model)
     names = _global_names(gpt, layout, ranks["ep_rank"], ranks["ep_size"])
     count = 0
     for local_name, param in gpt.named_parameters():
+        if skip_prefixes and local_name.startswith(skip_prefixes):
+            continue
         global_name = names[local_name]
         full = wm.hf_to_megatron_tensor(global_name, reader, layout)
         if wm.is_expert_param(global_name):
@@ -276,11 +331,11 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch.dtype | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch.dtype | None = None,
+                    skip_prefixes: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model, full and HF-shaped, on every rank. Collective over all ranks
     (TP all-gathers, EP all-gathers, and a broadcast per pipeline stage): every rank must iterate
-    to the end."""
+    to the end. Parameters under ``skip_prefixes`` (the critic's value head) are not exported."""
     from megatron.core import parallel_state as ps
 
     ranks = _rank_info()
@@ -289,6 +344,8 @@ def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch
     experts_per_rank = layout.num_experts // ranks["ep_size"] if layout.num_experts else 0
     local: list[tuple[str, torch.Tensor]] = []
     for local_name, param in gpt.named_parameters():
+        if skip_prefixes and local_name.startswith(skip_prefixes):
+            continue
         name = names[local_name]
         tensor = param.detach()
         if wm.is_expert_param(name):

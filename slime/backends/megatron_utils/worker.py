@@ -78,12 +78,14 @@ def apply_megatron_config(args, role: str):
 
 
 class MegatronTrainWorker(FSDPTrainWorker):
-    """One rank of the Megatron actor (``role="actor"``) or critic (``role="critic"``, not yet)."""
+    """One rank of the Megatron actor (``role="actor"``) or PPO critic (``role="critic"``: the same
+    GPTModel with a :class:`~slime.backends.megatron_utils.model.ValueHead` as its output layer,
+    never tied to the embeddings; checkpoints under ``<save>/critic``)."""
 
     def __init__(self, args, role: str = "actor"):
-        if role != "actor":
-            raise NotImplementedError("--train-backend megatron: the PPO critic is not built yet; use --train-backend fsdp for ppo")
-        args = apply_megatron_config(args, role)
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+        args = copy.copy(apply_megatron_config(args, role))
         refused = {
             f"--context-parallel-size {args.context_parallel_size} (CP slicing of packed sequences is not written; "
             f"use tensor/pipeline parallelism or --train-backend fsdp)": args.context_parallel_size > 1,
@@ -133,6 +135,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
             model = provider(pre_process=pre, post_process=post)
         else:
             model = mm.model_provider(args, pre_process=pre, post_process=post)
+        if self.role == "critic":
+            mm.attach_value_head(model, self._weights_dir(), args.seed)
         model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
@@ -156,8 +160,9 @@ class MegatronTrainWorker(FSDPTrainWorker):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         args = self.args
+        lr = self._lr()
         config = OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            optimizer=args.optimizer, lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
             use_distributed_optimizer=True, params_dtype=torch.float32, bf16=False,
             optimizer_cpu_offload=args.optimizer_cpu_offload,
@@ -169,7 +174,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         total = (getattr(args, "num_rollout", None) or 1) * steps_per_rollout
         warmup = args.lr_warmup_iters if not args.lr_warmup_fraction else int(args.lr_warmup_fraction * total)
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+            optimizer, init_lr=args.lr_warmup_init, max_lr=lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
             lr_decay_steps=args.lr_decay_iters or total, lr_decay_style=args.lr_decay_style,
             start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
         )
@@ -181,15 +186,27 @@ class MegatronTrainWorker(FSDPTrainWorker):
         args = self.args
         choice = ckpt.resolve_checkpoint(load, ckpt_step, finetune)
         if choice.kind == "none":
-            choice = ckpt.CheckpointChoice("hf", args.hf_checkpoint)
-        if choice.kind == "hf":
-            mm.load_hf_weights(model, choice.path, self.layout)
+            choice = ckpt.CheckpointChoice("hf", self._weights_dir())
+        if choice.kind == "hf":  # the critic's value head came with the model (attach_value_head)
+            mm.load_hf_weights(model, choice.path, self.layout, skip_prefixes=self._head_prefixes())
             return None
         extra = ckpt.load_checkpoint(choice, model, optimizer if choice.resume and not args.no_load_optim else None,
                                      scheduler, load_rng=not args.no_load_rng)
         if extra:
             self.global_step = int(extra.get("global_step", 0))
         return choice.iteration if choice.resume else None
+
+    def _weights_dir(self) -> str:
+        """The HF directory this role starts from (the critic: ``--critic-hf-checkpoint`` when set)."""
+        if self.role == "critic":
+            return getattr(self.args, "critic_hf_checkpoint", None) or self.args.hf_checkpoint
+        return self.args.hf_checkpoint
+
+    def _head_prefixes(self) -> tuple[str, ...]:
+        return ("output_layer.",) if self.role == "critic" else ()
+
+    def _lr(self) -> float:
+        return self.args.lr if self.role == "actor" else (getattr(self.args, "critic_lr", None) or self.args.lr)
 
     def init(self) -> int | None:
         args = self.args
@@ -201,6 +218,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
         if filled:
             logger.info("no model preset given: shape flags from %s/config.json", args.hf_checkpoint)
         hf_validate_args(args, hf_config)
+        if self.role == "critic":
+            args.untie_embeddings_and_output_weights = True  # the value head replaces the output layer
         if getattr(args, "padded_vocab_size", None) is None:
             args.padded_vocab_size = wm.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                           args.tensor_model_parallel_size)
@@ -210,10 +229,11 @@ class MegatronTrainWorker(FSDPTrainWorker):
         self.ddp_model = self._wrap_ddp(model)
         self.model = self.ddp_model
         self.optimizer, self.scheduler = self._build_optimizer()
-        start_iteration = self._load_weights(model, args.load, args.ckpt_step, args.finetune, self.optimizer, self.scheduler)
+        start_iteration = self._load_weights(model, self._checkpoint_dir(args.load), args.ckpt_step, args.finetune,
+                                             self.optimizer, self.scheduler)
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()  # main params of the distributed optimizer follow the loaded weights
-        if args.use_kl_loss or args.kl_coef != 0:
+        if self.role == "actor" and (args.use_kl_loss or args.kl_coef != 0):
             self.ref_model = self._build_model(trainable=False)
             ref = args.ref_load or args.hf_checkpoint
             self._load_weights(self.ref_model, ref, getattr(args, "ref_ckpt_step", None), True)
@@ -236,26 +256,26 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     @torch.no_grad()
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
-        """Per-sample log-probs (and entropy) over the training micro-batches, through the pipeline
-        schedule; every stage receives the last stage's results."""
+        """Per-sample log-probs (and entropy), or the critic's values, over the training
+        micro-batches, through the pipeline schedule; every stage receives the last stage's results."""
         from slime.backends.megatron_utils import pipeline
 
-        if values:
-            raise NotImplementedError("values need the critic, which the Megatron backend does not build yet")
         hook = getattr(self.args, "custom_megatron_before_log_prob_hook_path", None)
-        if hook:
+        if hook and not values:
             load_function(hook)(self.args, model, "ref_" if model is self.ref_model else "")
         temperature = self.args.rollout_temperature
         batches = [self._inputs(rollout_data, mb) for mb in self._micro_batches(rollout_data) if mb]
 
         def collect(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
             logits = logits.float()
+            if values:  # the value head's one column: V at the positions predicting response tokens
+                return logits.new_zeros(()), (logits[:, 0].cpu(), None)
             log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, temperature).cpu()
             entropy = ppo_utils.compute_entropy(logits, temperature).cpu() if with_entropy else None
             return logits.new_zeros(()), (log_probs, entropy)
 
         model.eval()
-        payloads = pipeline.forward_backward(model, batches, collect, forward_only=True, vocab_size=self.layout.vocab_size,
+        payloads = pipeline.forward_backward(model, batches, collect, forward_only=True, vocab_size=self._output_width(),
                                              autocast_dtype=self._autocast_dtype())
         payloads = pipeline.broadcast_from_last_stage(payloads)
         if model is self.model:
@@ -288,6 +308,11 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return False
 
     # ------------------------------------------------------------------ training
+
+    def _output_width(self) -> int:
+        """Columns of the last stage's output that mean something: the vocabulary (padding cut), or
+        the critic's single value."""
+        return 1 if self.role == "critic" else self.layout.vocab_size
 
     def _autocast_dtype(self) -> torch.dtype | None:
         # fp32 parameters, bf16 matmuls (DEVICE.md); the CPU tests stay in fp32
@@ -333,6 +358,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
         masks = [m.to(self.device) for m in batch["loss_masks"]]
         reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], masks, batch["rollout_mask_sums"],
                                                     args.calculate_per_token_loss)
+        if self.role == "critic":
+            return ppo_utils.value_loss_function(args, batch, logits[:, 0], reducer)
         if args.loss_type == "custom_loss":
             return load_function(args.custom_loss_function_path)(args, batch, logits[None], reducer)
         log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, args.rollout_temperature)
@@ -359,7 +386,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         first = sum(counts[:step_id])
         normaliser = self.step_normaliser(rollout_data, step_id)
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        full = self.args.loss_type == "custom_loss"
+        full = self.args.loss_type == "custom_loss" and self.role == "actor"
         # a rank without samples in this step still joins the gradient reduction (finalize_model_grads)
         batches = [self._inputs(rollout_data, mb, full) for mb in self._micro_batches(rollout_data)[first: first + counts[step_id]] if mb]
 
@@ -368,7 +395,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
 
         payloads = pipeline.forward_backward(self.model, batches, loss_fn, forward_only=False,
-                                             vocab_size=self.layout.vocab_size, autocast_dtype=self._autocast_dtype())
+                                             vocab_size=self._output_width(), autocast_dtype=self._autocast_dtype())
         sums: dict[str, torch.Tensor] = {}
         for metrics in payloads:
             for key, value in metrics.items():
@@ -383,6 +410,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         from megatron.core.distributed import finalize_model_grads
 
         args = self.args
+        tag = "" if self.role == "actor" else "critic-"  # §5.5: critic metrics carry the role tag
         hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
         hook = load_function(hook) if hook else None
         start, tokens_done, flops_done = time.perf_counter(), 0, 0.0
@@ -401,10 +429,10 @@ class MegatronTrainWorker(FSDPTrainWorker):
                 raise RuntimeError(f"optimizer step {step_id} of rollout {rollout_id} failed (non-finite gradients)")
             self.scheduler.step(increment=1)
             reduced = self._all_reduce_sums(sums, self.step_normaliser(rollout_data, step_id))
-            metrics = {f"train/{k}": v for k, v in reduced.items()}
-            metrics["train/grad_norm"] = float(grad_norm or 0.0)
+            metrics = {f"train/{tag}{k}": v for k, v in reduced.items()}
+            metrics[f"train/{tag}grad_norm"] = float(grad_norm or 0.0)
             for k, group in enumerate(self.optimizer.param_groups):
-                metrics[f"train/lr-pg_{k}"] = float(group["lr"])
+                metrics[f"train/{tag}lr-pg_{k}"] = float(group["lr"])
             metrics["train/step"] = float(self.global_step)
             self.global_step += 1
             step_results.append(metrics)
@@ -414,9 +442,9 @@ class MegatronTrainWorker(FSDPTrainWorker):
         dist.all_reduce(totals)
         totals /= self._mp_size()  # the ranks of a model-parallel group process the same tokens together
         out = {k: sum(s[k] for s in step_results) / len(step_results) for k in step_results[0] if k != "train/step"}
-        out["perf/actor_train_time"] = elapsed
-        out["perf/actor_train_tok_per_s"] = float(totals[0]) / elapsed
-        out["perf/actor_train_tflops"] = float(totals[1]) / elapsed / self.world_size / 1e12
+        out[f"perf/{self.role}_train_time"] = elapsed
+        out[f"perf/{self.role}_train_tok_per_s"] = float(totals[0]) / elapsed
+        out[f"perf/{self.role}_train_tflops"] = float(totals[1]) / elapsed / self.world_size / 1e12
         return out
 
     def _flops(self, lengths: list[int], num_predicted: int) -> float:
@@ -448,18 +476,30 @@ class MegatronTrainWorker(FSDPTrainWorker):
     def save(self, rollout_id: int) -> None:
         if not self.args.save:
             raise ValueError("save needs --save (the checkpoint directory)")
-        ckpt.save_checkpoint(self.args.save, rollout_id, self.ddp_model,
+        ckpt.save_checkpoint(self._checkpoint_dir(self.args.save), rollout_id, self.ddp_model,
                              None if self.args.no_save_optim else self.optimizer, self.scheduler, self.global_step)
 
     def save_hf(self, path: str) -> None:
-        """HF directory (safetensors + config + tokenizer) written by rank 0; collective."""
+        """HF directory (safetensors + config + tokenizer) written by rank 0; collective. The critic
+        adds its value head as ``value_head.safetensors`` (the FSDP critic's file)."""
         from safetensors.torch import save_file
         from transformers import AutoConfig, AutoTokenizer
 
-        state = {name: tensor.cpu() for name, tensor in mm.iter_hf_weights(self.model, self.layout, torch.bfloat16)}
+        from slime.backends.megatron_utils import pipeline
+
+        state = {name: tensor.cpu() for name, tensor in
+                 mm.iter_hf_weights(self.model, self.layout, torch.bfloat16, skip_prefixes=self._head_prefixes())}
+        head = None
+        if self.role == "critic":
+            gpt = mm.unwrap(self.model)
+            last = {"weight": gpt.output_layer.weight.detach().float().cpu(), "bias": gpt.output_layer.bias.detach().float().cpu()} \
+                if getattr(gpt, "post_process", False) else None
+            head = pipeline.broadcast_from_last_stage(last)
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            if head is not None:
+                save_file(head, os.path.join(path, mm.VALUE_HEAD_FILE))
             AutoConfig.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
             AutoTokenizer.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
         dist.barrier()
@@ -468,6 +508,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors in buckets (collective; every rank receives every tensor). MoE
         experts carry checkpoint names (SGLang), or transformers' fused 3-D names for the embedded engine."""
+        if self.role != "actor":
+            raise RuntimeError("iter_weight_buckets is an actor method: engines take the actor's weights, not the critic's")
         limit = bucket_bytes or self.args.update_weight_buffer_size
         bucket, size = [], 0
         named = mm.iter_hf_weights(self.model, self.layout, dtype)

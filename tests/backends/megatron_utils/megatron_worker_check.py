@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--save-hf", default=None, help="with --no-optimizer: also write the model as an HF directory")
     parser.add_argument("--no-optimizer", action="store_true",
                         help="one rollout step's passes without the optimizer (Megatron's optimizer needs CUDA): "
                              "log-probs, loss metrics and the reduced gradients, for comparing layouts on the CPU")
@@ -54,7 +56,7 @@ def main() -> None:
     if cli.resume:
         argv += ["--load", cli.save]
     args = parse_args(argv)
-    worker = MegatronTrainWorker(args)
+    worker = MegatronTrainWorker(args, role=cli.role)
     if cli.no_optimizer:
         return no_optimizer_pass(worker, args, cli, rank, world)
     start = worker.init()
@@ -87,8 +89,9 @@ def main() -> None:
 
 def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     """compute_log_probs + advantages + the first optimizer step's forward/backward and
-    finalize_model_grads, through the worker's own code; records per-sample log-probs, the step's
-    reduced metrics and every parameter's reduced gradient (HF-named, full)."""
+    finalize_model_grads, through the worker's own code; records per-sample log-probs (the
+    critic: values), the step's reduced metrics and every parameter's reduced gradient (HF-named,
+    full; the critic's value head excluded)."""
     from megatron.core.distributed import finalize_model_grads
 
     from slime.backends.megatron_utils import model as mm
@@ -102,17 +105,21 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     sums, _, _ = worker.forward_backward(prepared, 0)
     finalize_model_grads([worker.ddp_model])
     metrics = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
-    rollout = worker._rollout_metrics(prepared)
+    rollout = worker._rollout_metrics(prepared) if cli.role == "actor" else {}
     # gradients in the HF layout: the same export path as the weights, applied to main_grad
     gpt = mm.unwrap(worker.model)
     saved = {name: p.data.clone() for name, p in gpt.named_parameters()}
     for p in gpt.parameters():
         p.data.copy_(p.main_grad)
-    grads = {name: tensor.double() for name, tensor in mm.iter_hf_weights(worker.model, worker.layout, torch.float32)}
+    grads = {name: tensor.double() for name, tensor in
+             mm.iter_hf_weights(worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes())}
     for name, p in gpt.named_parameters():
         p.data.copy_(saved[name])
+    if cli.role == "critic" and cli.save_hf:
+        worker.save_hf(cli.save_hf)
     samples = [int(i) for i in prepared["sample_indices"]] if "sample_indices" in prepared else list(range(len(prepared["tokens"])))
-    log_probs = {str(k): v.tolist() for k, v in zip(samples, prepared["log_probs"])}
+    per_sample = prepared["log_probs"] if cli.role == "actor" else prepared["values"]
+    log_probs = {str(k): v.tolist() for k, v in zip(samples, per_sample)}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, log_probs)
     if rank == 0:

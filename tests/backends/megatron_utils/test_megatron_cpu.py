@@ -110,3 +110,51 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
     assert sum(float(g.abs().sum()) for g in one["grads"].values()) > 0
     for name, grad in one["grads"].items():
         assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
+
+
+def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
+    """The Megatron critic (GPTModel + value head, no tied output layer) at PP=2 computes the same
+    values V_old and the same value loss (§5.5, GAE returns) as the FSDP critic on the same weights
+    and value head, and saves an HF directory with the value head the FSDP critic loads."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from tests.backends.fsdp_utils.fsdp_test_utils import ensure_single_rank_group, make_samples, rank_data
+
+    critic_dir = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, critic_dir)
+    generator = torch.Generator().manual_seed(3)
+    save_file({"weight": torch.randn(1, 128, generator=generator) * 0.5, "bias": torch.tensor([0.3])},
+              str(critic_dir / "value_head.safetensors"))
+    flags = ("--role", "critic", "--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2",
+             "--save-hf", str(tmp_path / "saved"))
+    megatron = _worker_pass(str(critic_dir), tmp_path, 2, *flags)
+
+    ensure_single_rank_group()
+    from slime.utils.arguments import parse_args
+
+    args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "4",
+                       "--hf-checkpoint", str(critic_dir), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                       "--global-batch-size", "4", "--seed", "0", "--advantage-estimator", "ppo"])
+    data = rank_data(args, make_samples(8, seed=1, vocab=400))
+    results = {}
+    for name, path in (("original", critic_dir), ("saved", tmp_path / "saved")):
+        args.hf_checkpoint = str(path)
+        critic = FSDPTrainWorker(args, role="critic")
+        critic.init()
+        prepared = critic.prepare(0, data)
+        sums, _, _ = critic.forward_backward(prepared, 0)
+        results[name] = (prepared, float(sums["value_loss"]) / critic.step_normaliser(prepared, 0))
+    prepared, value_loss = results["original"]
+    assert len(megatron["log_probs"]) == 8
+    for index, values in zip(prepared["sample_indices"], prepared["values"]):
+        assert megatron["log_probs"][str(index)] == pytest.approx(values.tolist(), abs=1e-4), index
+    assert megatron["metrics"]["value_loss"] == pytest.approx(value_loss, rel=1e-5)
+    # the HF directory the Megatron critic wrote (bf16 backbone, fp32 head) gives the FSDP critic nearly the same values
+    saved, saved_loss = results["saved"]
+    for a, b in zip(saved["values"], prepared["values"]):
+        assert a.tolist() == pytest.approx(b.tolist(), abs=0.1)
+    assert saved_loss == pytest.approx(value_loss, rel=0.05)

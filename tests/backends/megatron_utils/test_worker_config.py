@@ -42,8 +42,10 @@ def test_unsupported_layouts_are_refused_before_any_gpu_work():
         MegatronTrainWorker(_args(virtual_pipeline_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="--rollout-top-p 0.9"):
         MegatronTrainWorker(_args(rollout_top_p=0.9))
-    with pytest.raises(NotImplementedError, match="critic"):
-        MegatronTrainWorker(_args(), role="critic")
-    # pipeline parallelism is accepted now: what stops it here is the missing GPU, not the layout
+    with pytest.raises(ValueError, match="role must be 'actor' or 'critic', got 'policy'"):
+        MegatronTrainWorker(_args(), role="policy")
+    # pipeline parallelism and the critic are accepted now: what stops them here is the missing GPU
     with pytest.raises(RuntimeError, match="needs CUDA"):
         MegatronTrainWorker(_args(pipeline_model_parallel_size=2))
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        MegatronTrainWorker(_args(), role="critic")
