@@ -108,6 +108,20 @@ def test_async_one_step_off_policy(tiny_model_dir, tiny_task_data, tmp_path):
     assert len(rewards) == 7 and rise(rewards) >= 0.12, rewards  # one step off-policy: learns a step later
 
 
+def test_async_keep_old_actor_pi_old_is_the_rollout_policy(tiny_model_dir, tiny_task_data, tmp_path):
+    """train_async.py with --keep-old-actor: rollout k+1 comes from the weights before the update on
+    rollout k, and π_old is computed with exactly those weights, so |log π_old − log μ| stays at
+    float noise at every step (the current actor is already one update ahead: ppo_kl ≠ 0)."""
+    from train_async import train_async
+
+    train_async(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--keep-old-actor", steps=2))
+    records = read_metrics(tmp_path / "run")
+    diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
+    ppo_kl = by_kind(records, "train", "train/ppo_kl")
+    assert len(diff) == 2 and max(diff) < 1e-4, diff
+    assert ppo_kl[0] == 0.0 and ppo_kl[1] > 0.0, ppo_kl
+
+
 def test_disk_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--update-weight-transport", "disk",
                         "--update-weight-disk-dir", tmp_path / "weights"))
