@@ -148,6 +148,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--log-probs-chunk-size", type=int, default=-1, help="rows per chunk of the log-prob head (-1: 2048)")
     parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<device>-<date>.json")
     parser.add_argument("--machine", default=None, help="machine name for the results file (default: cpu-<n>core / cuda name)")
     bench = parser.parse_args(argv)
@@ -175,6 +176,7 @@ def main(argv=None) -> None:
         flags = workload_flags(bench, "fsdp", model_dir)
         if bench.gradient_checkpointing:
             flags.append("--gradient-checkpointing")
+        flags += ["--log-probs-chunk-size", str(bench.log_probs_chunk_size)]
         args = parse_args(flags)
         worker = FSDPTrainWorker(args)
         worker.init()
@@ -193,7 +195,7 @@ def main(argv=None) -> None:
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
                        "iters": bench.iters, "dtype": "bf16" if worker.mixed_precision else "fp32",
                        "attn_implementation": worker.attn_implementation,
-                       "gradient_checkpointing": bench.gradient_checkpointing},
+                       "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.chunk_rows},
             "metrics": metrics,
         }
         print(json.dumps(report, indent=2))
