@@ -6,6 +6,14 @@ so a forward pass never sees half-updated weights. One step = admit waiting requ
 (batched, in chunks of at most ``chunked_prefill_size`` tokens per forward), then decode one token
 for every running request in a single batched forward.
 
+On CUDA the decode loop runs one step ahead of the host: when the running batch did not change and
+every row samples on the sampler's fast path, step k+1 is launched from step k's sampled tokens
+(still on the device) *before* the host reads step k's results and does its per-request
+bookkeeping, so the GPU does not idle while Python works. A row that step k finishes (a stop token)
+has computed one token too many in step k+1; it is dropped. Anything that changes the batch
+(admissions, finished rows, commands such as aborts or weight updates) first completes the step in
+flight ("drains").
+
 Outputs leave through each sequence's ``on_event`` callback (called on the engine thread; the
 HTTP layer hops back to its event loop with ``call_soon_threadsafe``).
 """
@@ -17,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,7 +33,8 @@ import torch
 from slime.backends.embedded_engine.io_struct import GenerateRequest
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 from slime.backends.embedded_engine.profiler import EngineProfiler
-from slime.backends.embedded_engine.sampler import GREEDY_EPS, RowSampling, kept_token_ids, sample
+from slime.backends.embedded_engine.sampler import (GREEDY_EPS, RowSampling, kept_token_ids, on_fast_path, sample,
+                                                    sample_on_device)
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
 
 logger = logging.getLogger(__name__)
@@ -46,6 +56,8 @@ class Engine:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._inflight: _Launched | None = None  # a decode step launched whose results are not read yet
+        self._host_out: list[torch.Tensor] = []  # two pinned [2, slots] result buffers, alternating
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -87,6 +99,8 @@ class Engine:
                 command = self._commands.get(timeout=0.5 if idle else 0)
             except queue.Empty:
                 command = None
+            if command is not None:
+                self._drain()  # commands see (and may change) a batch with no step in flight
             while command is not None:
                 command()
                 try:
@@ -130,14 +144,16 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         start = time.perf_counter()
-        admitted = self.scheduler.admit()
         produced = 0
+        if self.scheduler.waiting:  # admission changes the batch (and may need the slots of finished rows)
+            produced += self._drain()
+        admitted = self.scheduler.admit()
         if admitted:
             now = time.monotonic()
             for seq in admitted:
                 seq.admitted = seq.admitted or now  # a retracted request keeps its first admission
             with self.profiler.stage("prefill"):
-                produced = self._prefill(admitted)
+                produced += self._prefill(admitted)
         if self.scheduler.running:  # everyone running now has a sampled token to feed
             with self.profiler.stage("decode"):
                 produced += self._decode()
@@ -177,31 +193,90 @@ class Engine:
 
     def _decode(self) -> int:
         start = time.perf_counter()
-        running = list(self.scheduler.running)
-        # The running batch sits in slots 0..B-1 (the scheduler keeps it compact).
-        last_logits = self.runner.decode([seq.output_ids[-1] for seq in running],
-                                         [seq.num_computed for seq in running])
+        running = list(self.scheduler.running)  # the batch sits in slots 0..B-1 (the scheduler keeps it compact)
+        previous, produced = self._inflight, 0
+        if previous is not None and self._can_run_ahead(running, previous):
+            self._inflight = self._launch(running, previous)  # step k+1 from step k's tokens on the device ...
+            produced = self._complete(previous)  # ... while the host reads step k
+        else:
+            produced = self._drain()
+            running = list(self.scheduler.running)
+            if running:
+                launched = self._launch(running, None)
+                if launched.chainable:
+                    self._inflight = launched  # read next step, after launching the one after it
+                else:
+                    produced += self._complete(launched)
+        self.scheduler.stats.decode_seconds += time.perf_counter() - start
+        return produced
+
+    def _launch(self, running: list[Sequence], previous: "_Launched | None") -> "_Launched":
+        """Launch one decode step (forward + sampling) of ``running``; ``previous`` feeds it from the device."""
+        positions = [seq.num_computed for seq in running]
+        settings = [self._row_sampling(seq) for seq in running]
+        if previous is None:
+            logits = self.runner.decode([seq.output_ids[-1] for seq in running], positions)
+        else:
+            logits = self.runner.decode_next(previous.tokens, positions)
         for seq in running:
             seq.num_computed += 1
         stats = self.scheduler.stats
         stats.decode_steps += 1
         stats.max_running_batch = max(stats.max_running_batch, len(running))
         stats.decode_rows += len(running)
-        stats.decode_kv_tokens += sum(seq.num_computed for seq in running)
-        produced = self._sample_and_append(running, last_logits)  # ends in .tolist(): a device sync
-        stats.decode_seconds += time.perf_counter() - start
-        return produced
+        stats.decode_kv_tokens += sum(positions) + len(running)
+        chainable = (self.runner.device.type == "cuda" and self.runner.graphs.can_run(len(running), positions)
+                     and on_fast_path(settings, self.runner.vocab_size)
+                     and not any(seq.request.return_top_p_token_ids for seq in running))
+        if not chainable:
+            return _Launched(running, settings, logits, None, None, None, False)
+        tokens, logprobs = sample_on_device(logits, settings, self.generator)
+        if not self._host_out:
+            self._host_out = [torch.empty((2, self.runner.kv_cache.shape.num_slots), dtype=torch.float64,
+                                          pin_memory=True) for _ in range(2)]
+        host = self._host_out[stats.decode_steps % 2][:, :len(running)]  # the other one may still be read
+        host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(running, settings, None, tokens, host, event, True)
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
-        settings = [self._row_sampling(seq) for seq in seqs]
+    def _can_run_ahead(self, running: list[Sequence], previous: "_Launched") -> bool:
+        """Step k+1 may start before step k is read: same rows, and no row can reach its length limit
+        (or the end of its slot) at step k, so the only rows step k can finish are stop-token ones."""
+        if len(running) != len(previous.seqs) or any(a is not b for a, b in zip(running, previous.seqs)):
+            return False
+        capacity = self.runner.kv_cache.shape.slot_capacity
+        return all(len(seq.output_ids) + 1 < seq.max_new_tokens and seq.num_computed < capacity for seq in running)
+
+    def _complete(self, launched: "_Launched") -> int:
+        """Read a launched step's tokens and append them (rows finished meanwhile are skipped)."""
+        if not launched.chainable:
+            return self._sample_and_append(launched.seqs, launched.logits, launched.settings)
+        launched.event.synchronize()
+        tokens, logprobs = launched.host.tolist()
+        live = [(seq, int(t), lp) for seq, t, lp in zip(launched.seqs, tokens, logprobs) if seq.finished is None]
+        return self._append(live)
+
+    def _drain(self) -> int:
+        """Complete the step in flight, if any."""
+        launched, self._inflight = self._inflight, None
+        return self._complete(launched) if launched is not None else 0
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor,
+                           settings: list[RowSampling] | None = None) -> int:
+        settings = settings or [self._row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
         replay = [i for i, seq in enumerate(seqs) if seq.request.return_top_p_token_ids]
         if replay:  # top-p replay: the kept set of each position (SGLANG_PROTOCOL §2.4)
             kept = kept_token_ids(logits[replay], [settings[i] for i in replay])
             for i, ids in zip(replay, kept):
                 seqs[i].text_cache.setdefault("top_p_token_ids", []).append(ids)
+        return self._append(list(zip(seqs, tokens, logprobs)))
+
+    def _append(self, results: list[tuple[Sequence, int, float]]) -> int:
+        """Append each sampled token to its sequence; finish or stream it."""
         now = time.monotonic()
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for seq, token, logprob in results:
             seq.first_token = seq.first_token or now
             seq.output_ids.append(token)
             seq.output_logprobs.append(logprob)
@@ -210,8 +285,8 @@ class Engine:
                 self._finish(seq, reason)
             elif seq.request.stream:
                 seq.on_event(seq, False)
-        self.scheduler.stats.generated_tokens += len(seqs)
-        return len(seqs)
+        self.scheduler.stats.generated_tokens += len(results)
+        return len(results)
 
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         params = seq.request.params
@@ -305,3 +380,17 @@ class Engine:
                 "max_running_requests": shape.num_slots, "token_usage": used / total if total else 0.0,
                 "gen_throughput": self.last_gen_throughput, "cache_hit_rate": 0.0,
                 "utilization": len(sched.running) / shape.num_slots}
+
+
+@dataclass
+class _Launched:
+    """A decode step on its way: rows, and either logits to sample (``chainable`` False) or device
+    samples already being copied to pinned ``host`` memory behind ``event``."""
+
+    seqs: list[Sequence]
+    settings: list[RowSampling]
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None
+    host: torch.Tensor | None
+    event: Any
+    chainable: bool

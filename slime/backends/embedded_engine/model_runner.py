@@ -149,6 +149,12 @@ class ModelRunner:
         """
         return self.graphs.run(tokens, positions)
 
+    @torch.inference_mode()
+    def decode_next(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The decode step right after a graph step of the same rows, fed from the device (see
+        :meth:`DecodeGraphs.run_next`): the engine launches it before reading the previous step's results."""
+        return self.graphs.run_next(tokens, positions)
+
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
         """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable)."""
         batch = input_ids.shape[0]
@@ -278,6 +284,24 @@ class DecodeGraphs:
             return runner.decode_forward(ids, pos, max(positions) + 1)
         padded, length = key
         self._fill(tokens, positions, padded)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(padded, length)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:batch]
+
+    def can_run(self, batch: int, positions: list[int]) -> bool:
+        """Whether a step of this batch goes through a graph (else :meth:`run` runs it eagerly)."""
+        return self._bucket(batch, max(positions) + 1) is not None
+
+    def run_next(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The step after a graph step of the *same* rows, without a host round trip: token ids are
+        the previous step's samples (``tokens``, on the device) and every row's position advances by
+        one on the device (``positions`` is the host's copy, used only to pick the KV bucket)."""
+        batch = int(tokens.shape[0])
+        padded, length = key = self._bucket(batch, max(positions) + 1)
+        self.ids[:batch, 0].copy_(tokens)
+        self.positions[:batch, 0].add_(1)
         if key not in self.graphs:
             self.graphs[key] = self._capture(padded, length)
         graph, logits = self.graphs[key]

@@ -47,6 +47,22 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Gener
     The common RL case (every row sampled at one temperature, no truncation) costs a handful of
     passes over the logits and no host round trip before the final copy of the results.
     """
+    tokens, chosen = sample_on_device(logits, rows, generator)
+    return tokens.tolist(), chosen.tolist()
+
+
+def on_fast_path(rows: list[RowSampling], vocab: int) -> bool:
+    """True when :func:`sample_on_device` makes no host round trip for ``rows``: one temperature,
+    no truncation, no per-request seed, no banned tokens."""
+    first = rows[0]
+    return all(r.temperature == first.temperature and not 0 < r.top_k < vocab and r.top_p >= 1.0 and r.min_p <= 0
+               and r.seed is None and not r.banned_token_ids for r in rows)
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` without the final copy: ``(token ids [rows] int64, log-probs [rows] fp32)`` on the
+    logits' device."""
     logits = logits.float()
     for i, row in enumerate(rows):
         if row.banned_token_ids:
@@ -66,7 +82,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Gener
             idx = torch.tensor(sampled, device=logits.device)
             tokens[idx] = _draw(logprobs[idx], [rows[i] for i in sampled], generator)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    return tokens, chosen
 
 
 def _draw(logprobs: torch.Tensor, rows: list[RowSampling], generator) -> torch.Tensor:

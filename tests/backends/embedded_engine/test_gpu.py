@@ -134,6 +134,36 @@ def test_cuda_graph_decode_with_many_rows_and_lengths_matches_hf(fp32_engine, ti
 
 
 @pytest.mark.gpu
+def test_rows_stopping_while_the_next_step_runs_ahead(fp32_engine, tiny_model_dir):
+    """On CUDA the engine launches decode step k+1 before it reads step k. Rows that step k ends with a
+    stop token (at different steps, so the batch is compacted while a step is in flight) must end
+    exactly there, and the other rows must be unaffected: every output is HF's greedy continuation
+    (tokens and log-probs) and ends at its first stop token."""
+    model = hf_cuda(tiny_model_dir, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 500, (int(n),), generator=gen).tolist() for n in torch.randint(1, 60, (12,), generator=gen)]
+
+    def run(stops):
+        bodies = [{"input_ids": p, "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": 80, "temperature": 0.0, "stop_token_ids": stop}}
+                  for p, stop in zip(prompts, stops)]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(lambda b: httpx.post(fp32_engine.url + "/generate", json=b, timeout=120).json(),
+                                 bodies))
+
+    full = [out["output_ids"] for out in run([[]] * len(prompts))]
+    # per prompt, a stop id taken from the middle of its greedy output (a different step for each row)
+    stops = [ids[min(10 + 5 * i, len(ids) - 1)] for i, ids in enumerate(full)]
+    outs = run([[stop] for stop in stops])
+    for prompt, stop, out in zip(prompts, stops, outs):
+        ids = out["output_ids"]
+        assert ids[-1] == stop and stop not in ids[:-1], (stop, ids)
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        check_against_hf(model, prompt, out, 0.0, FP32_TOL)
+    assert sorted(len(out["output_ids"]) for out in outs)[0] < sorted(len(out["output_ids"]) for out in outs)[-1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fp32_sampled_logprobs_match_hf_forward(fp32_engine, tiny_model_dir, temperature):
     model = hf_cuda(tiny_model_dir, torch.float32)
