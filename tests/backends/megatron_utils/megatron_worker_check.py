@@ -65,7 +65,7 @@ def main() -> None:
     if not cli.resume:
         metrics0 = worker.train(0, data[0])
         result["rollout0"] = {k: v for k, v in metrics0.items() if k.startswith(("train/", "rollout/"))}
-        result["rollout0_ppo_kl"] = [m["train/ppo_kl"] for m in worker.get_step_metrics()]
+        result["rollout0_ppo_kl"] = [m.get("train/ppo_kl") for m in worker.get_step_metrics()]
         worker.save(0)
         if cli.offload and cuda:
             before = torch.cuda.memory_allocated()
@@ -74,17 +74,27 @@ def main() -> None:
             worker.onload()
     metrics = worker.train(1, data[1])
     result["rollout1"] = {k: v for k, v in metrics.items() if k.startswith("train/")}
-    result["rollout1_ppo_kl"] = [m["train/ppo_kl"] for m in worker.get_step_metrics()]
-    sums = {}
-    for bucket in worker.iter_weight_buckets(64 << 20, torch.float32):
-        for name, tensor in bucket:
-            sums[name] = float(tensor.double().sum()) + float((tensor.double() ** 2).sum())
-    result["weights"] = sums
+    result["rollout1_ppo_kl"] = [m.get("train/ppo_kl") for m in worker.get_step_metrics()]
+    result["weights"] = weight_sums(worker)
     if rank == 0:
         with open(cli.out, "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def weight_sums(worker) -> dict[str, float]:
+    """Σx + Σx² of every HF-named tensor (the critic: its backbone and its value head)."""
+    from slime.backends.megatron_utils import model as mm
+    from slime.backends.megatron_utils import pipeline
+
+    named = list(mm.iter_hf_weights(worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes()))
+    if worker.role == "critic":
+        gpt = mm.unwrap(worker.model)
+        head = {f"value_head.{k}": v.detach().float().cpu() for k, v in gpt.output_layer.named_parameters()} \
+            if getattr(gpt, "post_process", False) else None
+        named += list(pipeline.broadcast_from_last_stage(head).items())
+    return {name: float(t.double().sum()) + float((t.double() ** 2).sum()) for name, t in named}
 
 
 def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:

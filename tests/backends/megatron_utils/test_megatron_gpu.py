@@ -22,8 +22,9 @@ What each check shows (``MEGATRON <check>: ...`` lines):
   carries each decoder layer's hidden-state difference and the worst gradient tensors, so a
   failing layout is named by one run.
 * ``worker[...]`` — MegatronTrainWorker on the tiny model: two GRPO rollout steps (two optimizer
-  steps each), ``ppo_kl`` exactly 0 at each rollout's first step, offload/onload (1 GPU), save, and
-  a resume from the checkpoint that reproduces rollout 1's metrics and weights exactly.
+  steps each), ``ppo_kl`` exactly 0 at each rollout's first step, offload/onload, save, and a
+  resume from the checkpoint that reproduces rollout 1's metrics and weights exactly; the same for
+  the PPO critic (value head included in the checkpoint and the weights compared).
 * ``pp2-vs-1gpu`` — rollout 0 at PP=2 equals the one-GPU run within bf16 tolerance.
 * ``conversion-tools`` — tools/convert_hf_to_torch_dist.py then convert_torch_dist_to_hf.py give
   back the same tensors.
@@ -152,7 +153,9 @@ def tiny_dir(tmp_path_factory):
 
 WORKER_CASES = {"1gpu-dp1": (1, ()), "2gpu-dp2": (2, ()),
                 "2gpu-tp2-sp": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
-                "2gpu-pp2": (2, ("--pipeline-model-parallel-size", "2"))}
+                "2gpu-pp2": (2, ("--pipeline-model-parallel-size", "2")),
+                "1gpu-critic": (1, ("--role", "critic", "--advantage-estimator", "ppo")),
+                "2gpu-critic-pp2": (2, ("--role", "critic", "--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2"))}
 _WORKER_RESULTS: dict = {}
 
 
@@ -181,12 +184,18 @@ def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, worker_root, case):
     offload/onload between them and a resume from the saved checkpoint give the same rollout 1."""
     a, b = _worker_runs(case, tiny_dir, worker_root)
     same_weights = b["weights"] == a["weights"]
+    critic = "critic" in case
+    loss_key = "train/critic-value_loss" if critic else "train/loss"
     _report(f"worker[{case}]: ppo_kl r0 {a['rollout0_ppo_kl']} r1 {a['rollout1_ppo_kl']} | start {a['start']}->{b['start']} | "
             f"resume metrics equal {b['rollout1'] == a['rollout1']} weights equal {same_weights} | "
-            f"offload freed {a.get('offload_freed_bytes', 0) / 2**20:.1f} MiB | loss r1 {a['rollout1'].get('train/loss')}")
+            f"offload freed {a.get('offload_freed_bytes', 0) / 2**20:.1f} MiB | {loss_key} r0 {a['rollout0'].get(loss_key)} "
+            f"r1 {a['rollout1'].get(loss_key)}")
     assert a["start"] is None and b["start"] == 1
-    assert len(a["rollout0_ppo_kl"]) == 2 and a["rollout0_ppo_kl"][0] == 0.0 and a["rollout1_ppo_kl"][0] == 0.0
-    assert a["rollout0_ppo_kl"][1] != 0.0  # the second step sees updated weights
+    if critic:  # no ppo_kl on the critic; its value loss is a positive number each rollout
+        assert a["rollout0"][loss_key] > 0 and a["rollout1"][loss_key] > 0
+    else:
+        assert len(a["rollout0_ppo_kl"]) == 2 and a["rollout0_ppo_kl"][0] == 0.0 and a["rollout1_ppo_kl"][0] == 0.0
+        assert a["rollout0_ppo_kl"][1] != 0.0  # the second step sees updated weights
     assert a["offload_freed_bytes"] > 0
     assert b["rollout1"] == a["rollout1"]
     assert same_weights
