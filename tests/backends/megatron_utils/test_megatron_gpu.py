@@ -154,7 +154,6 @@ def tiny_dir(tmp_path_factory):
 WORKER_CASES = {"1gpu-dp1": (1, ()), "2gpu-dp2": (2, ()),
                 "2gpu-tp2-sp": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
                 "2gpu-pp2": (2, ("--pipeline-model-parallel-size", "2")),
-                "1gpu-critic": (1, ("--role", "critic", "--advantage-estimator", "ppo")),
                 "2gpu-critic-pp2": (2, ("--role", "critic", "--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2"))}
 _WORKER_RESULTS: dict = {}
 
