@@ -61,16 +61,18 @@ class DistributedWeightUpdater:
             ) from e
 
     def update(self, buckets, weight_version: str) -> int:
-        """Send every bucket: its request is posted, its broadcast enqueued, and the next bucket is
-        flattened while the engines receive and load it (on GPU the broadcast runs on NCCL's stream, so
-        that copy overlaps it); the next request goes out once every engine has answered this one, so
-        the engines see the buckets in order."""
+        """Send every bucket, one in flight at a time so the engines see them in order. Work overlaps
+        the transfer where it can: the first bucket's request goes out before its tensors are
+        flattened (the engines set up their receive meanwhile), and each next bucket is flattened
+        while the engines receive and load the one in flight (on GPU the broadcast runs on NCCL's
+        stream)."""
         if self.group is None:
             self.connect()
         total = 0
         pending = None  # (futures, flat tensor) of the bucket in flight
-        for bucket in buckets:
-            flat = flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]
+        buckets = iter(buckets)
+        bucket, flat = next(buckets, None), None
+        while bucket is not None:
             payload = {
                 "names": [name for name, _ in bucket],
                 "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
@@ -81,12 +83,19 @@ class DistributedWeightUpdater:
             if pending is not None:
                 self._wait(pending)
             futures = self.client.submit_all("/update_weights_from_distributed", payload)
+            if flat is None:
+                flat = self._flatten(bucket)
             dist.broadcast(flat, src=0, group=self.group)
             pending = (futures, flat)
             total += flat.numel()
+            bucket = next(buckets, None)
+            flat = self._flatten(bucket) if bucket is not None else None
         if pending is not None:
             self._wait(pending)
         return total
+
+    def _flatten(self, bucket) -> torch.Tensor:
+        return flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]
 
     @staticmethod
     def _wait(pending) -> None:
