@@ -148,6 +148,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="--fsdp-compile (torch.compile each decoder layer)")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1, help="rows per chunk of the log-prob head (-1: 2048)")
     parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<device>-<date>.json")
     parser.add_argument("--machine", default=None, help="machine name for the results file (default: cpu-<n>core / cuda name)")
@@ -176,6 +177,8 @@ def main(argv=None) -> None:
         flags = workload_flags(bench, "fsdp", model_dir)
         if bench.gradient_checkpointing:
             flags.append("--gradient-checkpointing")
+        if bench.compile:
+            flags.append("--fsdp-compile")
         flags += ["--log-probs-chunk-size", str(bench.log_probs_chunk_size)]
         args = parse_args(flags)
         worker = FSDPTrainWorker(args)
@@ -195,7 +198,8 @@ def main(argv=None) -> None:
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
                        "iters": bench.iters, "dtype": "bf16" if worker.mixed_precision else "fp32",
                        "attn_implementation": worker.attn_implementation,
-                       "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.chunk_rows},
+                       "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.chunk_rows,
+                       "fsdp_compile": bench.compile, "warmup_steps": bench.warmup},
             "metrics": metrics,
         }
         print(json.dumps(report, indent=2))

@@ -14,6 +14,10 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Attention kernel for packed micro-batches: auto = flash_attention_2 (varlen) on GPU when "
                         "flash-attn is installed, else slime_varlen (PyTorch's varlen flash attention, GPU), else "
                         "sdpa with a block-diagonal causal mask (CPU).")
+    g.add_argument("--fsdp-compile", action="store_true", default=False,
+                   help="torch.compile each decoder layer (dynamic shapes): fuses norms, rotary embeddings and "
+                        "activations, worth it on GPU for small models (Qwen3-0.6B MFU 14% -> see docs/training.md); "
+                        "the first steps pay the compile time.")
     g.add_argument("--critic-hf-checkpoint", type=str, default=None,
                    help="PPO critic initial weights (HF dir); default --hf-checkpoint. The value head starts random.")
     g.add_argument("--critic-lr", type=float, default=None, help="PPO critic learning rate; default --lr.")

@@ -225,16 +225,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(inner.layers)
 
 
-def shard_model(model: nn.Module, mesh, mixed_precision: bool, reshard_after_forward: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, mesh, mixed_precision: bool, reshard_after_forward: bool = True,
+                compile_layers: bool = False) -> nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the root (embeddings, norm, head; tied
     weights stay in the root group). bf16 parameters with fp32 gradient reduction when
-    ``mixed_precision``."""
+    ``mixed_precision``. ``compile_layers`` (``--fsdp-compile``) compiles each decoder layer in place
+    first (``torch.compile``, dynamic shapes: packed micro-batches vary in length), which fuses the
+    norms, rotary embeddings, activations and residual adds that dominate small models."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
+        if compile_layers:
+            layer.compile(dynamic=True)  # in place: parameter names (checkpoints, HF export) unchanged
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -94,7 +94,8 @@ class FSDPTrainWorker:
         if getattr(self.args, "gradient_checkpointing", False):
             model.gradient_checkpointing_enable() if self.role == "actor" else model.model.gradient_checkpointing_enable()
         model.to(self.device)
-        return shard_model(model, self._mesh(), self.mixed_precision)
+        return shard_model(model, self._mesh(), self.mixed_precision,
+                           compile_layers=getattr(self.args, "fsdp_compile", False))
 
     def _checkpoint_dir(self, root: str | None) -> str | None:
         if root is None:
