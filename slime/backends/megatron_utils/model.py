@@ -93,6 +93,7 @@ def transformer_config(args, **overrides):
             else args.moe_token_dispatcher_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype="fp32",
+            moe_enable_routing_replay=bool(getattr(args, "use_routing_replay", False)),
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

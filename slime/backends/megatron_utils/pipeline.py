@@ -39,10 +39,13 @@ def is_last_stage() -> bool:
 
 
 def forward_backward(model: torch.nn.Module, batches: Sequence[MicroBatchInputs], loss_fn: LossFn, *,
-                     forward_only: bool, vocab_size: int, autocast_dtype: torch.dtype | None = None) -> list:
+                     forward_only: bool, vocab_size: int, autocast_dtype: torch.dtype | None = None,
+                     around_forward: Callable[[MicroBatchInputs], contextlib.AbstractContextManager] | None = None) -> list:
     """Run ``batches`` through the schedule; with ``forward_only=False`` the gradients of
     Σ loss are accumulated into the parameters (DDP's ``main_grad`` buffers or ``.grad``), not
-    reduced over data-parallel ranks (that is ``finalize_model_grads``, the caller's)."""
+    reduced over data-parallel ranks (that is ``finalize_model_grads``, the caller's).
+    ``around_forward(inputs)``: a context entered around each micro-batch's model forward (MoE
+    routing record/replay)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -57,7 +60,8 @@ def forward_backward(model: torch.nn.Module, batches: Sequence[MicroBatchInputs]
         inputs = next(data_iterator)
         autocast = (torch.autocast(inputs.input_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                     else contextlib.nullcontext())
-        with autocast:
+        around = around_forward(inputs) if around_forward is not None else contextlib.nullcontext()
+        with around, autocast:
             output = run_model(module, inputs)
         if not last and output.dtype != config.pipeline_dtype:
             # the next stage receives into a buffer of pipeline_dtype: a mismatch would be read as garbage

@@ -100,7 +100,13 @@ class MegatronTrainWorker(FSDPTrainWorker):
             raise NotImplementedError(f"--train-backend megatron does not support {'; '.join(names)}")
         if not torch.cuda.is_available() and os.environ.get(CPU_TESTING_ENV) != "1":
             raise RuntimeError("--train-backend megatron needs CUDA GPUs; on CPU use --train-backend fsdp")
-        super().__init__(args, role)
+        # the FSDP backend refuses routing replay; this one replays routing itself (routing_replay.py)
+        fsdp_view = copy.copy(args)
+        fsdp_view.use_routing_replay = False
+        super().__init__(fsdp_view, role)
+        self.args = args
+        self.routing = None  # RoutingReplay of the actor model with --use-routing-replay
+        self._routed = None  # this rollout step's rollout_routed_experts (R3)
         self.attn_implementation = "megatron"
         self.ddp_model = None
         self.layout: wm.ModelLayout | None = None
@@ -226,6 +232,13 @@ class MegatronTrainWorker(FSDPTrainWorker):
         self.hf_config = hf_config
         self.layout = mm.layout_for(args, hf_config)
         model = self._build_model(trainable=True)
+        if getattr(args, "use_routing_replay", False):
+            if not self.layout.num_experts:
+                raise ValueError("--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
+                                 f"{args.hf_checkpoint} has no experts")
+            from slime.backends.megatron_utils.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay(model)
         self.ddp_model = self._wrap_ddp(model)
         self.model = self.ddp_model
         self.optimizer, self.scheduler = self._build_optimizer()
@@ -274,9 +287,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
             entropy = ppo_utils.compute_entropy(logits, temperature).cpu() if with_entropy else None
             return logits.new_zeros(()), (log_probs, entropy)
 
+        around = None
+        if self.routing is not None and model is self.model:  # π_old: R2 records the routing, R3 replays the engine's
+            around = self._replay_rollout_routing if self.args.use_rollout_routing_replay else self.routing.record
         model.eval()
         payloads = pipeline.forward_backward(model, batches, collect, forward_only=True, vocab_size=self._output_width(),
-                                             autocast_dtype=self._autocast_dtype())
+                                             autocast_dtype=self._autocast_dtype(), around_forward=around)
         payloads = pipeline.broadcast_from_last_stage(payloads)
         if model is self.model:
             model.train()
@@ -344,7 +360,30 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
     def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
-        return super().train(rollout_id, self._merge_model_parallel_shards(rollout_data))
+        merged = self._merge_model_parallel_shards(rollout_data)
+        self._routed = merged.get("rollout_routed_experts")
+        try:
+            return super().train(rollout_id, merged)
+        finally:
+            self._routed = None
+            if self.routing is not None:
+                self.routing.finish()
+
+    def _replay_rollout_routing(self, inputs: mm.MicroBatchInputs):
+        """R3: replay the engine's expert choices for this micro-batch."""
+        from megatron.core import parallel_state as ps
+
+        from slime.backends.megatron_utils.routing_replay import rollout_targets
+
+        routed = getattr(self, "_routed", None)
+        if routed is None or any(routed[i] is None for i in inputs.sample_indices):
+            raise ValueError("--use-rollout-routing-replay needs rollout_routed_experts for every sample (the engine "
+                             "returns them with return_routed_experts; the embedded engine does not)")
+        sp = self.args.sequence_parallel and self._tp_size() > 1
+        targets = rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], self.routing.layers,
+                                  self.args.moe_router_topk, self.device,
+                                  ps.get_tensor_model_parallel_rank() if sp else 0, self._tp_size() if sp else 1)
+        return self.routing.replay(targets)
 
     def _all_reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
         # the loss sums exist on the last pipeline stage only, where the TP peers hold the same ones
@@ -394,8 +433,14 @@ class MegatronTrainWorker(FSDPTrainWorker):
             loss, metrics = self._loss(rollout_data, inputs, logits.float())
             return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
 
+        around = None
+        if self.routing is not None:
+            self.routing.start_step()
+            around = self._replay_rollout_routing if self.args.use_rollout_routing_replay else \
+                (lambda inputs: self.routing.replay(self.routing.recorded_targets(inputs)))
         payloads = pipeline.forward_backward(self.model, batches, loss_fn, forward_only=False,
-                                             vocab_size=self._output_width(), autocast_dtype=self._autocast_dtype())
+                                             vocab_size=self._output_width(), autocast_dtype=self._autocast_dtype(),
+                                             around_forward=around)
         sums: dict[str, torch.Tensor] = {}
         for metrics in payloads:
             for key, value in metrics.items():

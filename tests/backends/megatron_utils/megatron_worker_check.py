@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--routing-check", action="store_true",
+                        help="MoE routing replay (pass --use-routing-replay or --use-rollout-routing-replay): the expert "
+                             "choices the training forward uses, after the routers were perturbed")
     parser.add_argument("--save-hf", default=None, help="with --no-optimizer: also write the model as an HF directory")
     parser.add_argument("--no-optimizer", action="store_true",
                         help="one rollout step's passes without the optimizer (Megatron's optimizer needs CUDA): "
@@ -57,6 +60,8 @@ def main() -> None:
         argv += ["--load", cli.save]
     args = parse_args(argv)
     worker = MegatronTrainWorker(args, role=cli.role)
+    if cli.routing_check:
+        return routing_check(worker, args, cli, rank, world)
     if cli.no_optimizer:
         return no_optimizer_pass(worker, args, cli, rank, world)
     start = worker.init()
@@ -95,6 +100,74 @@ def weight_sums(worker) -> dict[str, float]:
             if getattr(gpt, "post_process", False) else None
         named += list(pipeline.broadcast_from_last_stage(head).items())
     return {name: float(t.double().sum()) + float((t.double() ** 2).sum()) for name, t in named}
+
+
+def routing_check(worker, args, cli, rank: int, world: int) -> None:
+    """π_old pass, then the routers' weights perturbed (their own top-k would now choose other
+    experts), then the first optimizer step's forward/backward; records which experts every
+    router call used against what it should have used (R2: the π_old pass's choice; R3: the
+    engine's, given here as random choices per token)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from slime.backends.megatron_utils import model as mm
+    from slime.backends.megatron_utils.routing_replay import rollout_targets
+    from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
+
+    worker._build_optimizer = lambda: (None, None)
+    worker.init()
+    samples = make_samples(8, seed=1, vocab=400)
+    topk, experts, layers = args.moe_router_topk, worker.layout.num_experts, worker.layout.num_layers
+    generator = torch.Generator().manual_seed(7)
+    for sample in samples:  # the engine's choice: distinct random experts per token and layer
+        sample.rollout_routed_experts = torch.rand(len(sample.tokens) - 1, layers, experts, generator=generator
+                                                   ).argsort(-1)[..., :topk].tolist()
+    data = worker._merge_model_parallel_shards(rank_data(args, samples, dp_size=world, rank=rank))
+    calls: list = []
+    original = RouterReplay.get_replay_topk
+
+    def logged(self, scores, topk_, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, indices = original(self, scores, topk_, num_groups, group_topk, default_compute_topk)
+        own = default_compute_topk(scores, topk_, num_groups, group_topk)[1]
+        calls.append((self, self.router_replay_action, indices.detach().clone(), own.detach().clone()))
+        return probs, indices
+
+    RouterReplay.get_replay_topk = logged
+    worker._routed = data.get("rollout_routed_experts")
+    prepared = worker.prepare(0, data)
+    old_pass = list(calls)
+    gpt = mm.unwrap(worker.model)
+    with torch.no_grad():
+        for module in gpt.modules():
+            if getattr(module, "router_replay", None) is not None:
+                module.weight.add_(torch.randn(module.weight.shape, generator=generator) * 2.0)
+    calls.clear()
+    worker.forward_backward(prepared, 0)
+    train_pass = list(calls)
+    expected_train: list = []
+    if args.use_rollout_routing_replay:
+        counts = prepared["num_microbatches"]
+        batches = [worker._inputs(prepared, mb) for mb in worker._micro_batches(prepared) if mb]
+        routed = prepared["rollout_routed_experts"]
+        for inputs in batches:
+            expected_train += rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], worker.routing.layers, topk, "cpu")
+        expected_old = expected_train
+        expected_train = expected_train[: len(worker.routing.layers) * counts[0]]
+    else:
+        expected_old = [c[2] for c in old_pass]
+        expected_train = expected_old[: len(train_pass)]
+    result = {
+        "old_pass_calls": len(old_pass), "train_calls": len(train_pass),
+        "old_pass_actions": sorted({str(c[1]) for c in old_pass}), "train_actions": sorted({str(c[1]) for c in train_pass}),
+        "old_pass_matches": all(torch.equal(c[2], e) for c, e in zip(old_pass, expected_old)) and len(old_pass) == len(expected_old),
+        "train_matches": all(torch.equal(c[2], e) for c, e in zip(train_pass, expected_train)) and len(train_pass) == len(expected_train),
+        # what the perturbed routers would have chosen themselves: must differ, or the check shows nothing
+        "train_own_choice_differs": sum(int((c[3] != c[2]).any(-1).sum()) for c in train_pass),
+    }
+    if rank == 0:
+        with open(cli.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:

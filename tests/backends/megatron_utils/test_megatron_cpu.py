@@ -47,12 +47,13 @@ def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp):
     assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
 
 
-def test_moe_expert_parallel_matches_hf_on_cpu(tmp_path):
-    """A Qwen3-MoE (8 experts, top-2, a dense first layer, vocabulary 4000 padded to 4096) at EP=2:
-    experts split over the two ranks, tokens dispatched between them; export, log-probs and
-    gradients (router and experts included) equal HF's."""
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    """A Qwen3-MoE: 8 experts, top-2, a dense first layer, vocabulary 4000 (padded to 4096)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from slime.utils.tiny_model import build_tokenizer
 
     config = Qwen3MoeConfig(vocab_size=4000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3,
@@ -63,8 +64,16 @@ def test_moe_expert_parallel_matches_hf_on_cpu(tmp_path):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.08)
-    model.save_pretrained(tmp_path / "moe")
-    result = _run(str(tmp_path / "moe"), tmp_path / "result.json", ep=2)
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path)
+    build_tokenizer(1024).save_pretrained(path)
+    return str(path)
+
+
+def test_moe_expert_parallel_matches_hf_on_cpu(tiny_moe_dir, tmp_path):
+    """The MoE at EP=2: experts split over the two ranks, tokens dispatched between them; export,
+    log-probs and gradients (router and experts included) equal HF's."""
+    result = _run(tiny_moe_dir, tmp_path / "result.json", ep=2)
     assert result["padded_vocab_size"] == 4096
     assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
     assert result["logprob_std"] > 0.5 and result["logprob_fp32_max_abs"] < 1e-4, result
@@ -158,3 +167,27 @@ def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
     for a, b in zip(saved["values"], prepared["values"]):
         assert a.tolist() == pytest.approx(b.tolist(), abs=0.1)
     assert saved_loss == pytest.approx(value_loss, rel=0.05)
+
+
+@pytest.mark.parametrize("flag", ["--use-routing-replay", "--use-rollout-routing-replay"], ids=["R2", "R3"])
+def test_routing_replay_uses_the_recorded_or_engine_experts(tiny_moe_dir, tmp_path, flag):
+    """After the π_old pass the routers are perturbed so that their own top-k picks other experts
+    for many tokens; the training forward still uses, call by call, the experts the π_old pass
+    recorded (R2) or the engine reported per token (R3, also in the π_old pass)."""
+    path = megatron_cpu.pythonpath()
+    if path is None:
+        pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
+    out = tmp_path / "routing.json"
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone", str(WORKER),
+               "--hf-dir", tiny_moe_dir, "--save", str(tmp_path / "ckpt"), "--out", str(out), "--routing-check", flag]
+    proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    # 2 MoE layers x 8 micro-batches of one sample (π_old), x 4 in the first optimizer step
+    assert result["old_pass_calls"] == 16 and result["train_calls"] == 8, result
+    assert result["train_actions"] == ["RouterReplayAction.REPLAY_FORWARD"], result
+    expected_old = "RouterReplayAction.RECORD" if flag == "--use-routing-replay" else "RouterReplayAction.REPLAY_FORWARD"
+    assert result["old_pass_actions"] == [expected_old], result
+    assert result["old_pass_matches"] and result["train_matches"], result
+    assert result["train_own_choice_differs"] > 10, result
