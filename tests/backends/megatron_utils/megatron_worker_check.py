@@ -128,7 +128,7 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     def logged(self, scores, topk_, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, indices = original(self, scores, topk_, num_groups, group_topk, default_compute_topk)
         own = default_compute_topk(scores, topk_, num_groups, group_topk)[1]
-        calls.append((self, self.router_replay_action, indices.detach().clone(), own.detach().clone()))
+        calls.append((self, self.router_replay_action, indices.detach().cpu(), own.detach().cpu()))
         return probs, indices
 
     RouterReplay.get_replay_topk = logged
@@ -139,7 +139,7 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     with torch.no_grad():
         for module in gpt.modules():
             if getattr(module, "router_replay", None) is not None:
-                module.weight.add_(torch.randn(module.weight.shape, generator=generator) * 2.0)
+                module.weight.add_(torch.randn(module.weight.shape, generator=generator).to(module.weight.device) * 2.0)
     calls.clear()
     worker.forward_backward(prepared, 0)
     train_pass = list(calls)

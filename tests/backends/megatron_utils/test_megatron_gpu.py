@@ -26,6 +26,8 @@ What each check shows (``MEGATRON <check>: ...`` lines):
   resume from the checkpoint that reproduces rollout 1's metrics and weights exactly; the same for
   the PPO critic (value head included in the checkpoint and the weights compared).
 * ``pp2-vs-1gpu`` — rollout 0 at PP=2 equals the one-GPU run within bf16 tolerance.
+* ``routing-replay[...]`` — MoE routing replay (R2: recorded in the π_old pass; R3: the engine's
+  per-token experts) is what the training forward uses after the routers were perturbed.
 * ``conversion-tools`` — tools/convert_hf_to_torch_dist.py then convert_torch_dist_to_hf.py give
   back the same tensors.
 """
@@ -217,6 +219,22 @@ def test_2gpu_pipeline_parallel_train_step_equals_one_gpu(tiny_dir, worker_root)
     assert y == pytest.approx(x, rel=5e-2)
     x, y = diffs["train/pg_loss"]
     assert abs(x - y) < 2e-2 * max(1.0, abs(x))
+
+
+@pytest.mark.parametrize("flag", ["--use-routing-replay", "--use-rollout-routing-replay"], ids=["1gpu-R2", "1gpu-R3"])
+def test_routing_replay(qwen3_moe, tmp_path, flag):
+    """MoE routing replay on the GPU (alltoall dispatcher): after the routers are perturbed, the
+    training forward still uses the experts of the π_old pass (R2) or of the engine (R3)."""
+    from slime.utils.tiny_model import build_tokenizer
+
+    build_tokenizer(1024).save_pretrained(qwen3_moe)
+    out = tmp_path / "routing.json"
+    _torchrun(WORKER, 1, "--hf-dir", qwen3_moe, "--save", str(tmp_path / "ckpt"), "--out", str(out), "--routing-check", flag)
+    r = json.loads(out.read_text())
+    _report(f"routing-replay[{flag}]: calls {r['old_pass_calls']}+{r['train_calls']} actions {r['old_pass_actions']}/"
+            f"{r['train_actions']} old-pass ok {r['old_pass_matches']} train ok {r['train_matches']} "
+            f"(own top-k would differ on {r['train_own_choice_differs']} tokens)")
+    assert r["old_pass_matches"] and r["train_matches"] and r["train_own_choice_differs"] > 0, r
 
 
 def test_1gpu_conversion_tools_round_trip(tiny_dir, tmp_path):
