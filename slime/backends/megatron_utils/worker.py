@@ -17,8 +17,11 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
   forward-only pass, the before-train-step hook before every optimizer step (INTERFACES §2.19);
 * ``--megatron-config-path``: a YAML with ``actor:`` / ``critic:`` sections of flag overrides
   (argparse names) applied to this role's copy of ``args``;
-* offload/onload for colocation: ``torch_memory_saver`` when installed, else parameters and
-  optimizer state copied to host memory and the device storage freed.
+* offload/onload for colocation: parameters, gradient buffers and optimizer state copied to host
+  memory and their device storage freed, restored in place (``torch_memory_saver`` is not used yet);
+* the PPO critic (``role="critic"``): the same model with a value head as its output layer;
+* MoE routing replay (``--use-routing-replay``, ``--use-rollout-routing-replay``):
+  :mod:`~slime.backends.megatron_utils.routing_replay`.
 
 Parallelism supported by this worker: data, tensor, pipeline (non-interleaved 1F1B) and expert
 parallel. The ranks of one model-parallel group (TP × PP) compute one model together, so the
@@ -26,7 +29,7 @@ rollout shards of the group are merged and all of them train on the union
 (:mod:`~slime.backends.megatron_utils.data`); the last stage's log-probs are broadcast to the
 other stages, so every rank of the group holds the same rollout data. Refused with an explicit
 error: context parallelism (CP slicing of the packed sequences is not written), virtual pipeline
-stages, ``--rollout-top-p`` < 1 (no nucleus renormalisation here), and the PPO critic.
+stages, ``--rollout-top-p`` < 1 (no nucleus renormalisation here) and ``--keep-old-actor``.
 """
 
 from __future__ import annotations
