@@ -110,6 +110,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         self.args = args
         self.routing = None  # RoutingReplay of the actor model with --use-routing-replay
         self._routed = None  # this rollout step's rollout_routed_experts (R3)
+        self._merged = False  # inside a call whose data is already the model-parallel group's merged shards
         self.attn_implementation = "megatron"
         self.ddp_model = None
         self.layout: wm.ModelLayout | None = None
@@ -315,12 +316,35 @@ class MegatronTrainWorker(FSDPTrainWorker):
             self.ref_model.to("cpu")
 
     def compute_log_probs(self, rollout_data: dict, **kwargs) -> dict[str, list[torch.Tensor]]:
+        """π_old / reference log-probs and KL. Called by the loop on this rank's own shard (PPO), or
+        from ``train`` on the model-parallel group's merged data; either way the answer is for the
+        samples it was given."""
+        if not self._merged:
+            return self._on_merged_shards(rollout_data, lambda merged: self.compute_log_probs(merged, **kwargs))
         if self.ref_model is not None:
             self.ref_model.to(self.device)
         try:
             return super().compute_log_probs(rollout_data, **kwargs)
         finally:
             self._park_ref()
+
+    def compute_values(self, rollout_data: dict) -> list[torch.Tensor]:
+        if not self._merged:
+            return self._on_merged_shards(rollout_data, self.compute_values)
+        return super().compute_values(rollout_data)
+
+    def _on_merged_shards(self, rollout_data: dict, compute):
+        """``compute`` over the model-parallel group's merged shards (its ranks must run the same
+        samples), then this rank's own samples of the per-sample result (a list, or a dict of lists)."""
+        merged, own = self._merge_model_parallel_shards(rollout_data, with_own_slice=True)
+        self._merged = True
+        try:
+            result = compute(merged)
+        finally:
+            self._merged = False
+        if isinstance(result, dict):
+            return {key: value[own] if isinstance(value, list) else value for key, value in result.items()}
+        return result[own]
 
     def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
         # the Megatron loss reads π_old from rollout_data["log_probs"]: the forward-only pass always runs
@@ -348,26 +372,34 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
         return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
 
-    def _merge_model_parallel_shards(self, rollout_data: dict) -> dict:
+    def _merge_model_parallel_shards(self, rollout_data: dict, with_own_slice: bool = False):
         """The ranks of a model-parallel group received different shards from the rollout manager;
-        all of them train on their union."""
+        all of them compute on their union. ``with_own_slice``: also the slice of the merged
+        samples that are this rank's own."""
         from megatron.core import parallel_state as ps
 
         from slime.backends.megatron_utils.data import merge_shards
 
         if self._mp_size() == 1:
-            return rollout_data
+            return (rollout_data, slice(None)) if with_own_slice else rollout_data
         group = ps.get_model_parallel_group()
         shards: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(shards, rollout_data, group=group)
-        return merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        merged = merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        if not with_own_slice:
+            return merged
+        me = dist.get_rank(group)
+        start = sum(len(shard["tokens"]) for shard in shards[:me])
+        return merged, slice(start, start + len(rollout_data["tokens"]))
 
     def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
         merged = self._merge_model_parallel_shards(rollout_data)
         self._routed = merged.get("rollout_routed_experts")
+        self._merged = True
         try:
             return super().train(rollout_id, merged)
         finally:
+            self._merged = False
             self._routed = None
             if self.routing is not None:
                 self.routing.finish()

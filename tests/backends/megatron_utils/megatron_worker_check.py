@@ -122,6 +122,7 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
         sample.rollout_routed_experts = torch.rand(len(sample.tokens) - 1, layers, experts, generator=generator
                                                    ).argsort(-1)[..., :topk].tolist()
     data = worker._merge_model_parallel_shards(rank_data(args, samples, dp_size=world, rank=rank))
+    worker._merged = True  # as inside train()
     calls: list = []
     original = RouterReplay.get_replay_topk
 
@@ -182,7 +183,12 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
 
     worker._build_optimizer = lambda: (None, None)
     worker.init()
-    data = worker._merge_model_parallel_shards(rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=world, rank=rank))
+    shard = rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=world, rank=rank)
+    # the loop's direct call on this rank's own shard (PPO): answered for exactly these samples
+    direct = worker.compute_values(shard) if cli.role == "critic" else worker.compute_log_probs(shard)["log_probs"]
+    direct = {str(int(i)): v.tolist() for i, v in zip(shard["sample_indices"], direct)}
+    data = worker._merge_model_parallel_shards(shard)
+    worker._merged = True  # as inside train()
     prepared = worker.prepare(0, data)
     worker.ddp_model.zero_grad_buffer()
     sums, _, _ = worker.forward_backward(prepared, 0)
@@ -204,10 +210,11 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     per_sample = prepared["log_probs"] if cli.role == "actor" else prepared["values"]
     log_probs = {str(k): v.tolist() for k, v in zip(samples, per_sample)}
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, log_probs)
+    dist.all_gather_object(gathered, (log_probs, direct))
     if rank == 0:
-        merged = {k: v for part in gathered for k, v in part.items()}
-        torch.save({"metrics": metrics, "rollout": rollout, "log_probs": merged, "grads": grads}, cli.out)
+        merged = {k: v for part, _ in gathered for k, v in part.items()}
+        direct_all = {k: v for _, part in gathered for k, v in part.items()}
+        torch.save({"metrics": metrics, "rollout": rollout, "log_probs": merged, "direct": direct_all, "grads": grads}, cli.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -110,6 +110,8 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
     assert len(one["log_probs"]) == 8 and sorted(one["log_probs"]) == sorted(two["log_probs"])
     for sample, values in one["log_probs"].items():
         assert values == pytest.approx(two["log_probs"][sample], abs=1e-5), sample
+        # compute_log_probs called on each rank's own shard (the PPO loop does): the same values
+        assert values == pytest.approx(two["direct"][sample], abs=1e-5), sample
     assert one["metrics"]["ppo_kl"] == 0.0 and two["metrics"]["ppo_kl"] == 0.0
     for key, value in one["metrics"].items():
         assert two["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -158,9 +160,10 @@ def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
         sums, _, _ = critic.forward_backward(prepared, 0)
         results[name] = (prepared, float(sums["value_loss"]) / critic.step_normaliser(prepared, 0))
     prepared, value_loss = results["original"]
-    assert len(megatron["log_probs"]) == 8
+    assert len(megatron["log_probs"]) == 8 and len(megatron["direct"]) == 8
     for index, values in zip(prepared["sample_indices"], prepared["values"]):
         assert megatron["log_probs"][str(index)] == pytest.approx(values.tolist(), abs=1e-4), index
+        assert megatron["direct"][str(index)] == pytest.approx(values.tolist(), abs=1e-4), index  # the loop's call
     assert megatron["metrics"]["value_loss"] == pytest.approx(value_loss, rel=1e-5)
     # the HF directory the Megatron critic wrote (bf16 backbone, fp32 head) gives the FSDP critic nearly the same values
     saved, saved_loss = results["saved"]
