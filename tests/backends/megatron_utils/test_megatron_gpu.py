@@ -67,17 +67,18 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 @pytest.fixture(scope="module", autouse=True)
 def summary():
     yield
-    if not SUMMARY:
-        return
-    text = "\n".join(SUMMARY)
-    sys.__stdout__.write("\n==== Megatron GPU summary ====\n" + text + "\n")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "megatron_gpu_summary.txt").write_text(text + "\n")
+    if SUMMARY:
+        sys.__stdout__.write("\n==== Megatron GPU summary ====\n" + "\n".join(SUMMARY) + "\n")
 
 
 def _report(line: str) -> None:
+    """One summary line; appended to $OUT/megatron_gpu_summary.txt at once, so a run cut short by a
+    time limit still brings back the lines of the checks that finished."""
     SUMMARY.append("MEGATRON " + line)
     print("MEGATRON " + line)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"], "megatron_gpu_summary.txt"), "a") as f:
+            f.write("MEGATRON " + line + "\n")
 
 
 def _gpus() -> int:
