@@ -47,6 +47,7 @@ from slime.backends.megatron_utils import checkpoint as ckpt
 from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils import weight_mapping as wm
 from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, load_hf_config
+from slime.backends.megatron_utils.offload import offload_to_host, onload_from_host
 from slime.utils import ppo_utils
 from slime.utils.misc import load_function
 
@@ -610,38 +611,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     def offload(self) -> None:
         """Free the device memory of parameters, gradients and optimizer state (host copies kept)."""
-        if self.offloaded:
-            return
-        self.ddp_model.offload_grad_buffers(synchronize=True, empty_cache=False)
-        for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
-            self._host_copies[("param", i)] = buffer.param_data.to("cpu", non_blocking=True)
-            buffer.param_data.untyped_storage().resize_(0)
-        for state in self._optimizer_states():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    state[key] = value.to("cpu", non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self.offloaded = True
+        if not self.offloaded:
+            self._host_copies = offload_to_host(self.ddp_model, self.optimizer)
+            self.offloaded = True
 
     def onload(self) -> None:
-        if not self.offloaded:
-            return
-        for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
-            host = self._host_copies.pop(("param", i))
-            buffer.param_data.untyped_storage().resize_(host.numel() * host.element_size())
-            buffer.param_data.copy_(host, non_blocking=True)
-        self.ddp_model.restore_grad_buffers(synchronize=True)
-        for state in self._optimizer_states():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and not value.is_cuda and key != "step":
-                    state[key] = value.to(self.device, non_blocking=True)
-        torch.cuda.synchronize()
-        self.offloaded = False
-
-    def _optimizer_states(self):
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for opt in chained:
-            inner = getattr(opt, "optimizer", None)
-            if inner is not None:
-                yield from inner.state.values()
+        if self.offloaded:
+            onload_from_host(self.ddp_model, self.optimizer, self._host_copies, self.device)
+            self._host_copies = {}
+            self.offloaded = False
