@@ -183,7 +183,8 @@ def _worker_runs(case: str, tiny_dir: str, root: Path) -> tuple[dict, dict]:
         _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(first), "--offload", *flags)
         _torchrun(WORKER, nproc, "--hf-dir", tiny_dir, "--save", str(save), "--out", str(resumed), "--resume", *flags)
         a, b = json.loads(first.read_text()), json.loads(resumed.read_text())
-        a["latest"] = (save / "latest_checkpointed_iteration.txt").read_text()
+        ckpt_dir = save / "critic" if "--role" in flags else save  # the critic saves under <save>/critic
+        a["latest"] = (ckpt_dir / "latest_checkpointed_iteration.txt").read_text()
         _WORKER_RESULTS[case] = (a, b)
     return _WORKER_RESULTS[case]
 
