@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 # --sglang-* flags the embedded engine understands (SGLang names); others are SGLang-only.
 EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
-                         "random-seed", "log-level", "custom-pull-weights-pre-read-hook"}
+                         "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
+                         "disable-cuda-graph", "cuda-graph-max-bs"}
 
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
