@@ -10,6 +10,14 @@ async def even_first_token_reward(args, sample, **kwargs) -> float:
     return 1.0 if response_tokens and response_tokens[0] in REWARDED_TOKENS else 0.0
 
 
+async def even_token_fraction_reward(args, sample, **kwargs) -> float:
+    """The fraction of the response's tokens whose id is even: about 0.5 for a random model. Every
+    response token carries signal (with a first-token reward the other tokens' log-prob gradients are
+    pure noise), so GRPO learns it within a few steps on every seed (tests/ray/test_loop.py)."""
+    response_tokens = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return sum(token in REWARDED_TOKENS for token in response_tokens) / len(response_tokens) if response_tokens else 0.0
+
+
 # ---------------------------------------------------------------- fault injection
 
 _calls = {"n": 0}
