@@ -4,7 +4,7 @@ client, that the OpenAI adapter turns into exact-token training samples.
 
 Per slot: open an adapter session (id = API key; slime's sampling params as defaults, the context
 budget from ``--rollout-max-context-len``), run the agent — ask the model, execute each tool call
-with the weather service, answer the model, until it replies without a tool call or ``MAX_TURNS`` is
+with the thermometer, answer the model, until it replies without a tool call or ``MAX_TURNS`` is
 reached — then ``finish_session`` returns the session's samples (a fan-out list sharing one
 ``rollout_id``). The reward is left to ``--custom-rm-path examples.tool_use.reward.reward``, which
 reads the episode summary stored in each sample's metadata. In evaluation one sample per episode is
@@ -46,20 +46,20 @@ def agent_server(args) -> tuple[OpenAIAdapter, str]:
         return entry[0], entry[1].url
 
 
-def run_tool(name: str, arguments: str, forecast: dict) -> tuple[str, dict | None]:
-    """The weather service: ``(answer for the model, parsed arguments or None when not JSON)``."""
+def run_tool(name: str, arguments: str, temperature: str) -> tuple[str, dict | None]:
+    """The thermometer: ``(answer for the model, parsed arguments or None when not JSON)``."""
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError:
         parsed = None
-    if name != "get_weather":
-        return f"error: unknown tool {name!r}; the only tool is get_weather", parsed
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("city"), str):
-        return 'error: get_weather needs a string argument city, e.g. {"city": "Paris"}', parsed
-    return forecast.get(parsed["city"], f"error: no forecast for {parsed['city']!r}"), parsed
+    if name != "get_temperature":
+        return f"error: unknown tool {name!r}; the only tool is get_temperature", parsed
+    if not isinstance(parsed, dict):
+        return "error: the arguments of get_temperature must be a JSON object, e.g. {}", parsed
+    return temperature, parsed
 
 
-async def run_episode(client, messages: list[dict], tools: list[dict], forecast: dict) -> dict:
+async def run_episode(client, messages: list[dict], tools: list[dict], temperature: str) -> dict:
     """The agent: plain OpenAI Chat Completions with tools. Returns the episode summary."""
     tool_calls, final_answer, turns = [], None, 0
     for _ in range(MAX_TURNS):
@@ -72,8 +72,8 @@ async def run_episode(client, messages: list[dict], tools: list[dict], forecast:
         messages.append({"role": "assistant", "content": message.content,
                          "tool_calls": [call.model_dump() for call in message.tool_calls]})
         for call in message.tool_calls:
-            answer, parsed = run_tool(call.function.name, call.function.arguments, forecast)
-            tool_calls.append({"name": call.function.name, "arguments": parsed})
+            answer, parsed = run_tool(call.function.name, call.function.arguments, temperature)
+            tool_calls.append({"name": call.function.name, "arguments": parsed, "result": answer})
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
     return {"final_answer": final_answer, "tool_calls": tool_calls, "turns": turns}
 
@@ -90,8 +90,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     samples = None
     try:
         episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [],
-                                    sample.metadata.get("forecast") or {})
-        episode["city"] = sample.metadata.get("city")
+                                    str(sample.metadata.get("temperature")))
         samples = await adapter.finish_session(sid, base_sample=sample, reward=None, extra_metadata=episode)
     except Exception as e:  # an episode that breaks is dropped from training, the run goes on
         logger.error("tool-use episode of sample %s failed: %s: %s", sample.index, type(e).__name__, e)

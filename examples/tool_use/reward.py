@@ -1,25 +1,17 @@
 """Reward of the tool-use task (``--custom-rm-path examples.tool_use.reward.reward``).
 
-Three parts, so that a policy that has only begun to learn the task still gets a signal:
-0.25 for a well-formed ``get_weather`` call (arguments a JSON object with a string ``city``), another
-0.25 when it asks for the city of the question, and 0.5 when the final answer is then that city's
-weather (the forecast is only reachable through the tool, so a right answer needs the right lookup).
-The generate function stores what it saw in each sample's metadata (``final_answer``,
-``tool_calls``, ``city``); a fan-out list is scored in one call and every segment of an episode gets
-the episode's reward.
+1.0 when the episode's final answer is the problem's temperature, else 0.0 — whether or not the tool
+was used. The reading is only reachable through the tool, so an answer without a call is right one
+time in ten, while a call returns the answer to copy. The generate function stores what
+it saw in each sample's metadata (``final_answer``, ``tool_calls``, ``turns``); a fan-out list is
+scored in one call and every segment of an episode gets the episode's reward.
 """
 
 from __future__ import annotations
 
 
-def score(label: str, city: str, final_answer: str | None, tool_calls: list[dict]) -> float:
-    lookups = [c["arguments"]["city"] for c in tool_calls if c.get("name") == "get_weather"
-               and isinstance(c.get("arguments"), dict) and isinstance(c["arguments"].get("city"), str)]
-    if not lookups:
-        return 0.0
-    if city not in lookups:
-        return 0.25
-    return 1.0 if final_answer is not None and final_answer.strip() == label else 0.5
+def score(label: str, final_answer: str | None) -> float:
+    return 1.0 if final_answer is not None and final_answer.strip() == str(label).strip() else 0.0
 
 
 async def reward(args, sample_or_samples, **kwargs):
@@ -32,5 +24,4 @@ async def reward(args, sample_or_samples, **kwargs):
 def _sample_score(sample) -> float:
     if sample.remove_sample:
         return 0.0
-    metadata = sample.metadata
-    return score(sample.label, metadata.get("city"), metadata.get("final_answer"), metadata.get("tool_calls", []))
+    return score(sample.label, sample.metadata.get("final_answer"))

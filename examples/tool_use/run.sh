@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The tool-use example end to end on CPU: a tiny Qwen3 model, a weather-lookup task, an SFT warm start on
-# tool-call transcripts, then GRPO where every rollout slot is an agent episode run with the official
-# openai client through slime's OpenAI adapter (Ray, the smg router, the embedded engine, FSDP2).
+# The tool-use example end to end on CPU: a tiny Qwen3 model, a temperature it can only report by calling a
+# get_temperature() tool, an SFT warm start on a demonstrator that looks only some of the time (and otherwise
+# answers without looking), then GRPO where every
+# rollout slot is an agent episode run with the official openai client through slime's OpenAI adapter
+# (Ray, the smg router, the embedded engine, FSDP2), greedy evaluation on 64 held-out problems.
 #   bash examples/tool_use/run.sh          (outputs under outputs/tool-use; OUT=dir to change)
-#   SFT_STEPS=.. GRPO_STEPS=.. GRPO_LR=.. to change the two phases; SKIP_SFT=1 reruns GRPO only, from the
-#   SFT checkpoint of an earlier run in the same OUT.
+#   SFT_STEPS=.. SFT_TOOL_FRACTION=.. GRPO_STEPS=.. GRPO_LR=.. to change the two phases; SKIP_SFT=1 reruns
+#   GRPO only, from the SFT checkpoint of an earlier run in the same OUT.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -17,20 +19,21 @@ common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-sty
 
 if [ "${SKIP_SFT:-0}" != 1 ]; then
 rm -rf "$out" && mkdir -p "$out"
-echo "== 1/4 tiny model and the weather-lookup task"
+echo "== 1/4 tiny model and the temperature task"
 $py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
-$py -m examples.tool_use.task --out "$out/data" --seed 0 --num-train 64 --num-eval 32 --num-sft 256
+$py -m examples.tool_use.template "$out/model"  # one-line tool list instead of the 250-token Qwen preamble
+$py -m examples.tool_use.task --out "$out/data" --seed 0 --num-train 256 --num-eval 64 --num-sft 4096 \
+  --sft-tool-fraction "${SFT_TOOL_FRACTION:-0.3}"
 
-
-echo "== 2/4 SFT warm start on tool-call transcripts (teaches the <tool_call> format)"
+echo "== 2/4 SFT warm start: look-ups (<tool_call> format) and unlooked answers, mixed"
 $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-40}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-400}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 fi
-rm -rf "$out/runs/grpo"
+rm -rf "$out/runs/grpo" "$out/dumps"
 
 echo "== 3/4 GRPO: each slot is an agent episode through the OpenAI adapter"
 $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
@@ -38,10 +41,13 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-generate-function-path examples.tool_use.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 32 --rollout-max-context-len 512 \
-  --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-40}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-5e-4}" --eps-clip 0.2 \
-  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 10 --eval-temperature 0.01 \
-  --n-samples-per-eval-prompt 1 --run-dir "$out/runs/grpo"
+  --rollout-batch-size "${GRPO_PROMPTS:-8}" --n-samples-per-prompt 8 --rollout-max-response-len 32 \
+  --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
+  --num-steps-per-rollout 1 --lr "${GRPO_LR:-5e-4}" --eps-clip 0.2 \
+  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" --eval-temperature 0.01 \
+  --n-samples-per-eval-prompt 1 --save-debug-rollout-data "$out/dumps/rollout_{rollout_id}.pt" \
+  --run-dir "$out/runs/grpo"
 
 echo "== 4/4 summary"
 $py -m slime.utils.run_summary --sft-run "$out/runs/sft" --grpo-run "$out/runs/grpo" --eval-name heldout
+$py -m examples.tool_use.summary --out "$out" --json "$out/summary.json"
