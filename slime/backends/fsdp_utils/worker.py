@@ -233,7 +233,8 @@ class FSDPTrainWorker:
         """§5: with exactly one optimizer step in this rollout step and nothing else needing π_old
         from a separate pass, the loss uses log π_old = stopgrad(log π_θ) (ratio ≡ 1, the same
         loss and gradients) and the forward-only π_old pass is skipped. Custom advantage and
-        rollout-data hooks may read ``log_probs``, so they keep the pass."""
+        rollout-data hooks may read ``log_probs``, and the train debug dump (§7.6) records them, so
+        they keep the pass."""
         args = self.args
         return (
             self.role == "actor"
@@ -249,6 +250,7 @@ class FSDPTrainWorker:
             and not getattr(args, "use_routing_replay", False)
             and not getattr(args, "custom_advantage_function_path", None)
             and not getattr(args, "rollout_data_postprocess_path", None)
+            and not getattr(args, "save_debug_train_data", None)
         )
 
     def compute_log_probs(self, rollout_data: dict, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:

@@ -116,7 +116,8 @@ def test_pi_old_pass_kept_when_something_needs_it(tiny_model_dir):
     data = rank_data(base, make_samples(4))
     assert FSDPTrainWorker(base).skips_old_log_prob_pass(data)
     for extra in (("--kl-coef", "0.1"), ("--use-rollout-entropy",), ("--advantage-estimator", "gspo"), ("--keep-old-actor",),
-                  ("--use-rollout-logprobs",), ("--rollout-data-postprocess-path", "os.path.join")):
+                  ("--use-rollout-logprobs",), ("--rollout-data-postprocess-path", "os.path.join"),
+                  ("--save-debug-train-data", "/tmp/train_{rollout_id}_{rank}.pt")):
         assert not FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", *extra)).skips_old_log_prob_pass(data), extra
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "2")
     worker = new_worker(args)
