@@ -43,7 +43,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
   --rollout-batch-size "${GRPO_PROMPTS:-8}" --n-samples-per-prompt 8 --rollout-max-response-len 32 \
   --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
-  --num-steps-per-rollout 1 --lr "${GRPO_LR:-5e-4}" --eps-clip 0.2 \
+  --num-steps-per-rollout 1 --lr "${GRPO_LR:-3e-4}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --save-debug-rollout-data "$out/dumps/rollout_{rollout_id}.pt" \
   --run-dir "$out/runs/grpo"
