@@ -322,6 +322,7 @@ def test_update_weights_from_disk_and_get_weights(http, new_weights, tiny_model_
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
+@pytest.mark.timeout(900)  # trains the tiny model to emit a tool call first: minutes on a busy 2-core machine
 def test_chat_completion_parses_tool_call(http, tiny_model_dir, tmp_path_factory, hf_model):
     trained = copy_with_weights(tiny_model_dir, tmp_path_factory.mktemp("tool") / "m", train_tool_call(tiny_model_dir))
     assert http.post("/update_weights_from_disk", json={"model_path": str(trained)}).json()["success"]
