@@ -145,8 +145,8 @@ class Engine:
     def step(self) -> None:
         start = time.perf_counter()
         produced = 0
-        if self.scheduler.waiting:  # admission changes the batch (and may need the slots of finished rows)
-            produced += self._drain()
+        if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.num_slots:
+            produced += self._drain()  # admission changes the batch (with every slot taken, admit() is a no-op)
         admitted = self.scheduler.admit()
         if admitted:
             now = time.monotonic()
