@@ -40,7 +40,7 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if lengths is not None and dim >= 16 and dim & (dim - 1) == 0:  # the kernel wants a power-of-two head size
         from slime.backends.embedded_engine import triton_attention
 
-        batch, heads, _, dim = query.shape
+        batch, heads = query.shape[:2]
         scale = dim ** -0.5 if scaling is None else scaling
         out = triton_attention.decode_attention(query.reshape(batch, heads, dim), key, value, lengths, key.shape[2], scale)
         return out.view(batch, 1, heads, dim), None

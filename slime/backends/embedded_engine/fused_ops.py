@@ -21,6 +21,7 @@ Results equal HF's to rounding (tests compare them in fp32 and bf16).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -117,22 +118,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """Drop-in for the HF function of the same name (the ``unsqueeze_dim=1`` layout; others fall back)."""
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1, fallback=None):
+    """Drop-in for the HF function of the same name, for the ``unsqueeze_dim=1`` layout with an even,
+    power-of-two half head size; other calls go to ``fallback`` (the model family's own function,
+    which :func:`install` binds)."""
     dim = q.shape[-1]
     if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3 or dim % 2 or (dim // 2) & (dim // 2 - 1):
-        return _hf_apply_rotary(q, k, cos, sin, unsqueeze_dim)
+        if fallback is None:
+            raise ValueError(f"fused rotary embedding supports [B, H, S, D] with a power-of-two D/2, got "
+                             f"{tuple(q.shape)} (unsqueeze_dim={unsqueeze_dim})")
+        return fallback(q, k, cos, sin, unsqueeze_dim)
     return rotate(q, cos, sin), rotate(k, cos, sin)
-
-
-def _hf_apply_rotary(q, k, cos, sin, unsqueeze_dim):
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-
-    def rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -163,8 +159,11 @@ def install(model: torch.nn.Module) -> dict:
     family = type(model).__module__.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # transformers.models.<family>.modeling_x
     if family in ROPE_MODULES:
         modeling = importlib.import_module(type(model).__module__)
-        if hasattr(modeling, "apply_rotary_pos_emb"):
-            modeling.apply_rotary_pos_emb = apply_rotary_pos_emb  # looked up at call time by the attention modules
+        original = getattr(modeling, "apply_rotary_pos_emb", None)
+        if original is not None:
+            if getattr(original, "func", None) is not apply_rotary_pos_emb:  # not installed yet in this process
+                # looked up at call time by the attention modules; the family's own function handles the rest
+                modeling.apply_rotary_pos_emb = functools.partial(apply_rotary_pos_emb, fallback=original)
             counts["rope"] = 1
     logger.info("fused Triton ops installed: %s", counts)
     return counts
