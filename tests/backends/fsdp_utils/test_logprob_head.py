@@ -1,10 +1,19 @@
 """The chunked log-prob/entropy head: exact against the plain float32 log-softmax (values and
 gradients), with top-p renormalisation, and inside an FSDP2-sharded model with tied embeddings."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.logprob_head import Nucleus, chunked_log_probs_and_entropy, resolve_chunk_rows
+from slime.backends.fsdp_utils.logprob_head import (
+    HEAD_ENV,
+    Nucleus,
+    chunked_log_probs_and_entropy,
+    head_path,
+    resolve_chunk_rows,
+)
 from slime.utils import ppo_utils
 
 
@@ -162,3 +171,139 @@ def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
     for a, b in ((chunk[2], full[2]), (chunk[3], full[3])):
         assert float((a - b).abs().max()) <= 2e-2 * float(b.abs().max())
     assert chunk[4] < full[4] / 4, (chunk[4], full[4])
+
+
+# ---- the fused Triton path (triton_logprob.py) against the torch path --------------------------------------
+# On the CPU these run only under Triton's interpreter, e.g.
+#   PYTHONPATH=/tmp/triton-site TRITON_INTERPRET=1 pytest tests/backends/fsdp_utils/test_logprob_head.py -k triton
+# (triton is not a dependency of the project; CI skips them). On CUDA the `gpu` tests run the compiled kernels.
+
+def _triton_runs_on(device: str) -> bool:
+    from slime.backends.fsdp_utils import triton_logprob
+
+    return triton_logprob.available(device)
+
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1 and an importable triton")
+
+
+def _head_in_both_paths(monkeypatch, h, w, targets, coef, temperature, chunk_rows, entropy_grad, spy=None):
+    """Values and (hidden, weight) gradients of the head forced through each path: {path: tensors}."""
+    from slime.backends.fsdp_utils import triton_logprob
+
+    if spy is not None:  # count kernel launches, so a silent fall-back to the torch path fails the test
+        for name in ("log_probs_and_entropy", "grad_logits_"):
+            real = getattr(triton_logprob, name)
+            monkeypatch.setattr(triton_logprob, name, lambda *a, _real=real, _name=name, **k: (
+                spy.append(_name), _real(*a, **k))[1])
+    out = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv(HEAD_ENV, path)
+        log_probs, entropy = chunked_log_probs_and_entropy(h, w, targets, temperature, chunk_rows, entropy_grad=entropy_grad)
+        loss = (coef[0] * log_probs).sum() + ((coef[1] * entropy).sum() if entropy_grad else 0.0)
+        loss.backward()
+        out[path] = [log_probs.detach(), entropy.detach(), *_grads([h, w])]
+    return out
+
+
+def _assert_paths_agree(out, dtype):
+    (lp_t, ent_t, gh_t, gw_t), (lp_k, ent_k, gh_k, gw_k) = out["torch"], out["triton"]
+    if dtype == torch.float32:
+        torch.testing.assert_close(lp_k, lp_t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent_k, ent_t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gh_k, gh_t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gw_k, gw_t, atol=1e-5, rtol=1e-5)
+        return
+    # bf16: the same bf16 logits, float32 softmax math in both; grad_z is rounded to bf16 in both, so a
+    # last-bit difference in float32 can flip one rounding: compare against the gradients' scale
+    torch.testing.assert_close(lp_k, lp_t, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_k, ent_t, atol=2e-5, rtol=1e-5)
+    for got, expected in ((gh_k, gh_t), (gw_k, gw_t)):
+        assert got.dtype == expected.dtype == torch.bfloat16
+        scale = float(expected.float().abs().max())
+        assert scale > 0 and float((got.float() - expected.float()).abs().max()) <= 1e-2 * scale
+
+
+def _head_inputs(rows, hidden, vocab, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 2.0 / hidden**0.5).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[1] = vocab - 1  # the last column of the last, partial block
+    coef = torch.randn(2, rows, generator=g)
+    return h, w, targets.to(device), coef.to(device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,entropy_grad", [(1.0, True), (0.7, True), (0.7, False)])
+def test_triton_interpreted_matches_torch_path(monkeypatch, dtype, temperature, entropy_grad):
+    """7 rows in chunks of 3, V = 300 in blocks of 64 (neither divides): the kernels (interpreted on the
+    CPU) give the torch path's log-probs, entropy and hidden/weight gradients."""
+    spy = []
+    h, w, targets, coef = _head_inputs(7, 16, 300, dtype, "cpu")
+    out = _head_in_both_paths(monkeypatch, h, w, targets, coef, temperature, 3, entropy_grad, spy)
+    assert spy.count("log_probs_and_entropy") == 3 and spy.count("grad_logits_") == 3
+    _assert_paths_agree(out, dtype)
+
+
+@needs_interpreter
+def test_triton_interpreted_single_gradient_terms_and_edge_targets(monkeypatch):
+    """A loss on log-probs alone, on entropy alone (no log-prob gradient) and a plain ``.sum()`` (a
+    stride-0 incoming gradient) match the torch path; an out-of-vocabulary target gives NaN, not a
+    read outside the row."""
+    from slime.backends.fsdp_utils import triton_logprob
+
+    h, w, targets, _ = _head_inputs(5, 8, 130, torch.float32, "cpu", seed=1)
+    losses = {"log_probs": lambda lp, ent: (lp * torch.arange(5.0)).sum(),
+              "entropy": lambda lp, ent: (ent * torch.arange(5.0)).sum(),
+              "plain_sum": lambda lp, ent: lp.sum() + ent.sum()}
+    for name, loss_fn in losses.items():
+        grads = {}
+        for path in ("torch", "triton"):
+            monkeypatch.setenv(HEAD_ENV, path)
+            loss_fn(*chunked_log_probs_and_entropy(h, w, targets, 0.9, 2)).backward()
+            grads[path] = _grads([h, w])
+        for got, expected in zip(grads["triton"], grads["torch"]):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
+    logits = torch.randn(3, 130)
+    _, log_probs, entropy = triton_logprob.log_probs_and_entropy(logits, torch.tensor([0, 130, -1]), 1.0)
+    assert torch.isfinite(log_probs[0]) and torch.isnan(log_probs[1:]).all() and torch.isfinite(entropy).all()
+
+
+def test_head_path_choice_and_bad_setting(monkeypatch):
+    """``SLIME_LOGPROB_HEAD``: unset → the Triton kernels on CUDA only; ``torch`` always the torch path;
+    a nucleus always the torch path; ``triton`` where the kernels cannot run and a typo raise."""
+    monkeypatch.delenv(HEAD_ENV, raising=False)
+    assert head_path("cpu") == "torch"
+    monkeypatch.setenv(HEAD_ENV, "torch")
+    assert head_path("cpu") == "torch" and head_path("cuda") == "torch"
+    monkeypatch.setenv(HEAD_ENV, "triton")
+    nucleus = Nucleus(torch.zeros(0, dtype=torch.long), torch.zeros(2, dtype=torch.long), "cpu")
+    assert head_path("cpu", nucleus) == "torch"
+    if not _triton_runs_on("cpu"):
+        with pytest.raises(RuntimeError, match=f"{HEAD_ENV}=triton"):
+            head_path("cpu")
+    monkeypatch.setenv(HEAD_ENV, "tritn")
+    with pytest.raises(ValueError, match=f"{HEAD_ENV}='tritn'"):
+        head_path("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [1000, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,entropy_grad", [(1.0, True), (0.7, True), (0.7, False)])
+def test_gpu_triton_head_matches_torch_path(monkeypatch, vocab, dtype, temperature, entropy_grad):
+    """Compiled kernels on CUDA: 2,500 rows in chunks of 1,024 (partial last chunk), V = 1,000 and the
+    Qwen3 vocabulary (partial last block), fp32 (tight) and bf16 (the bf16 gradients' rounding)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    monkeypatch.delenv(HEAD_ENV, raising=False)
+    assert head_path("cuda") == "triton"
+    spy = []
+    h, w, targets, coef = _head_inputs(2500, 256, vocab, dtype, "cuda")
+    out = _head_in_both_paths(monkeypatch, h, w, targets, coef, temperature, 1024, entropy_grad, spy)
+    assert spy.count("log_probs_and_entropy") == 3 and spy.count("grad_logits_") == 3
+    _assert_paths_agree(out, dtype)
