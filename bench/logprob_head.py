@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--chunks", default="1024,2048,4096")
     parser.add_argument("--paths", default="torch,triton", help="chunked-head paths to run (triton: where it can)")
-    parser.add_argument("--triton-blocks", default="2048:4,4096:8,8192:16",
+    parser.add_argument("--triton-blocks", default="2048:4,4096:8,8192:8,8192:16",
                         help="BLOCK_V:num_warps settings for the kernel-only timings")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-full", action="store_true", help="do not run the full-logits path (memory)")

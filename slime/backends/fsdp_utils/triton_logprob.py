@@ -27,6 +27,7 @@ must be set before this module is imported; slow, for tests on tiny shapes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -130,6 +131,11 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"targets must be [R] = [{logits.shape[0]}], got {tuple(targets.shape)}")
 
 
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _launch_config(vocab: int, block_v: int | None, num_warps: int | None) -> tuple[int, int]:
     if block_v is None:
         block_v = INTERPRETER_BLOCK_V if interpreting() else GPU_BLOCK_V
@@ -147,8 +153,9 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
     out = torch.empty(3, rows, dtype=torch.float32, device=logits.device)
     if rows:
         block_v, num_warps = _launch_config(vocab, block_v, num_warps)
-        _forward_kernel[(rows,)](logits, targets.contiguous(), out[0], out[1], out[2], logits.stride(0),
-                                 float(temperature), VOCAB=vocab, BLOCK_V=block_v, num_warps=num_warps)
+        with _on(logits.device):
+            _forward_kernel[(rows,)](logits, targets.contiguous(), out[0], out[1], out[2], logits.stride(0),
+                                     float(temperature), VOCAB=vocab, BLOCK_V=block_v, num_warps=num_warps)
     return out[0], out[1], out[2]
 
 
@@ -164,8 +171,10 @@ def grad_logits_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
     if rows:
         block_v, num_warps = _launch_config(vocab, block_v, num_warps)
         as_rows = lambda t: lse if t is None else t.to(torch.float32).contiguous()  # lse: an unread stand-in
-        _backward_kernel[(rows,)](logits, logits, targets.contiguous(), lse.contiguous(), entropy.contiguous(),
-                                  as_rows(grad_log_probs), as_rows(grad_entropy), logits.stride(0), logits.stride(0),
-                                  float(temperature), VOCAB=vocab, HAS_LOG_PROB_GRAD=grad_log_probs is not None,
-                                  HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_V=block_v, num_warps=num_warps)
+        with _on(logits.device):
+            _backward_kernel[(rows,)](logits, logits, targets.contiguous(), lse.contiguous(), entropy.contiguous(),
+                                      as_rows(grad_log_probs), as_rows(grad_entropy), logits.stride(0),
+                                      logits.stride(0), float(temperature), VOCAB=vocab,
+                                      HAS_LOG_PROB_GRAD=grad_log_probs is not None,
+                                      HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_V=block_v, num_warps=num_warps)
     return logits

@@ -251,9 +251,9 @@ def test_triton_interpreted_matches_torch_path(monkeypatch, dtype, temperature, 
 
 @needs_interpreter
 def test_triton_interpreted_single_gradient_terms_and_edge_targets(monkeypatch):
-    """A loss on log-probs alone, on entropy alone (no log-prob gradient) and a plain ``.sum()`` (a
-    stride-0 incoming gradient) match the torch path; an out-of-vocabulary target gives NaN, not a
-    read outside the row."""
+    """A loss on log-probs alone, on entropy alone (no log-prob gradient), a plain ``.sum()`` (a
+    stride-0 incoming gradient) and a bias with a gradient match the torch path; an out-of-vocabulary
+    target gives NaN, not a read outside the row."""
     from slime.backends.fsdp_utils import triton_logprob
 
     h, w, targets, _ = _head_inputs(5, 8, 130, torch.float32, "cpu", seed=1)
@@ -268,6 +268,16 @@ def test_triton_interpreted_single_gradient_terms_and_edge_targets(monkeypatch):
             grads[path] = _grads([h, w])
         for got, expected in zip(grads["triton"], grads["torch"]):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
+    # a bias that needs a gradient: the forward kernel, then the torch backward (it sums the fp32 grad_z)
+    bias = (torch.randn(130) * 0.1).requires_grad_()
+    grads = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv(HEAD_ENV, path)
+        log_probs, entropy = chunked_log_probs_and_entropy(h, w, targets, 0.9, 2, bias=bias)
+        (log_probs.sum() - entropy.sum()).backward()
+        grads[path] = (log_probs.detach(), *_grads([h, w, bias]))
+    for got, expected in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     logits = torch.randn(3, 130)
     _, log_probs, entropy = triton_logprob.log_probs_and_entropy(logits, torch.tensor([0, 130, -1]), 1.0)
     assert torch.isfinite(log_probs[0]) and torch.isnan(log_probs[1:]).all() and torch.isfinite(entropy).all()
