@@ -615,9 +615,13 @@ def make_sum_of_sample_mean(
             denom = float(rollout_mask_sums[i]) if rollout_mask_sums is not None else float(mask.sum())
             weights.append(mask / max(denom, 1.0))
     weight = torch.cat(weights) if weights else torch.zeros(0)
+    placed: dict = {}  # the weight on each (device, dtype) it is applied on: one copy per micro-batch
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        return (x * weight.to(device=x.device, dtype=x.dtype)).sum()
+        key = (x.device, x.dtype)
+        if key not in placed:
+            placed[key] = weight.to(device=x.device, dtype=x.dtype)
+        return (x * placed[key]).sum()
 
     return reduce
 
@@ -628,6 +632,13 @@ def make_sum_of_sample_mean(
 # metrics are *sums* S(·) to be added over micro-batches and DP ranks and divided by the step
 # normaliser. ``reducer`` is the default S, ``pg_reducer`` the custom one if configured.
 # ----------------------------------------------------------------------------------------------
+
+
+def _on_device(tensors: list[torch.Tensor], lengths: list[int], device) -> list[torch.Tensor]:
+    """Per-sample tensors on ``device`` with one host-to-device copy (not one per sample)."""
+    if not tensors or all(t.device == torch.device(device) for t in tensors):
+        return list(tensors)
+    return list(torch.cat([t.reshape(-1) for t in tensors]).to(device).split(lengths))
 
 
 def _flat(values: list[torch.Tensor] | None, device) -> torch.Tensor | None:
@@ -654,7 +665,7 @@ def policy_loss_function(
     train_rollout_logprob_abs_diff."""
     device = log_probs.device
     lengths = [int(n) for n in batch["response_lengths"]]
-    masks = [m.to(device) for m in batch["loss_masks"]]
+    masks = _on_device(batch["loss_masks"], lengths, device)
     advantages = _flat(batch["advantages"], device)
     use_rollout = getattr(args, "use_rollout_logprobs", False)
     old_source = batch.get("rollout_log_probs") if use_rollout else batch.get("log_probs")
@@ -689,7 +700,7 @@ def policy_loss_function(
             args=args, pg_loss=pg_loss, train_log_probs=train_lp, rollout_log_probs=rollout_log_probs,
             loss_masks=masks, total_lengths=batch.get("total_lengths"), response_lengths=lengths,
         )
-        pg_masks = [m.to(device) for m in pg_masks]
+        pg_masks = _on_device(pg_masks, lengths, device)
         metrics["ois"] = reducer(torch.exp(-ppo_kl).detach())
         for key, value in tis_metrics.items():
             metrics[key] = reducer(value.detach().float())

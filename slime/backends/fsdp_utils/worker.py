@@ -377,8 +377,12 @@ class FSDPTrainWorker:
         for micro_batch in self._micro_batches(rollout_data)[first : first + counts[step_id]]:
             step_sums, tokens, flops = self._train_micro_batch(rollout_data, micro_batch, normaliser)
             tokens_done, flops_done = tokens_done + tokens, flops_done + flops
-            for key, value in step_sums.items():
-                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
+            if not step_sums:
+                continue
+            keys = list(step_sums)  # one device-to-host copy for all of the micro-batch's metric sums
+            values = torch.stack([step_sums[k].detach().double().reshape(()) for k in keys]).cpu()
+            for key, value in zip(keys, values):
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
         return sums, tokens_done, flops_done
 
     def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
@@ -460,9 +464,9 @@ class FSDPTrainWorker:
             zero.backward()  # every rank runs the same FSDP collectives, with or without tokens
             return {}, int(packed.input_ids.numel()) if not packed.dummy else 0, 0.0
         batch = self._micro_batch_fields(rollout_data, micro_batch)
-        masks = [m.to(self.device) for m in batch["loss_masks"]]
-        per_token = args.calculate_per_token_loss
-        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], masks, batch["rollout_mask_sums"], per_token)
+        per_token = args.calculate_per_token_loss  # the reducer's weights are built on the host, copied once
+        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"], batch["rollout_mask_sums"],
+                                                    per_token)
         if self.role == "critic":
             loss, metrics = ppo_utils.value_loss_function(args, batch, output.float(), reducer)
         elif custom_loss:
@@ -508,6 +512,10 @@ class FSDPTrainWorker:
         attention = sum(6.0 * layers * attn_dim * s * s for s in lengths)
         return 6.0 * body * sum(lengths) + 6.0 * head * num_predicted + attention
 
+    def _mp_size(self) -> int:
+        """Ranks that hold the same samples (a model-parallel group; 1 under FSDP)."""
+        return 1
+
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""
         return list(self.step_metrics)
@@ -518,7 +526,10 @@ class FSDPTrainWorker:
         """``rollout/<key>``: token-weighted per-rollout means for log-prob-like keys (Σ_i Σ_t x·m/D_i
         over all ranks ÷ number of rollouts), plain sample means for the rest (§5.9)."""
         keys, values = [], []
-        num_rollouts = float(sum(rollout_data["global_batch_sizes"]))
+        # every rank of a model-parallel group holds the same samples (1 rank in FSDP) and every rank
+        # the same global rollout count: weights that make the sum over all ranks count each once
+        share = 1.0 / self._mp_size()
+        num_rollouts = float(sum(rollout_data["global_batch_sizes"])) / self.world_size
         for key in TOKEN_WEIGHTED_KEYS:
             if rollout_data.get(key) is None:
                 continue
@@ -526,15 +537,15 @@ class FSDPTrainWorker:
             for x, m, d in zip(rollout_data[key], rollout_data["loss_masks"], rollout_data["rollout_mask_sums"]):
                 total += float((torch.as_tensor(x).float() * m.float()).sum()) / max(float(d), 1.0)
             keys.append(key)
-            values += [total, num_rollouts]
+            values += [total * share, num_rollouts]
         sources = {"response_lengths": rollout_data["response_lengths"], "total_lengths": rollout_data["total_lengths_local"]}
-        for key in PLAIN_MEAN_KEYS:
+        for key in (*PLAIN_MEAN_KEYS, "raw_reward"):
             column = sources.get(key, rollout_data.get(key))
             if column is None:
                 continue
             per_sample = [float(torch.as_tensor(v).float().mean()) if torch.as_tensor(v).numel() else 0.0 for v in column]
             keys.append(key)
-            values += [sum(per_sample), float(len(per_sample))]
+            values += [sum(per_sample) * share, len(per_sample) * share]
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, keys)
         if any(g != keys for g in gathered):
@@ -546,9 +557,6 @@ class FSDPTrainWorker:
         for i, key in enumerate(keys):
             total, count = reduced[2 * i], reduced[2 * i + 1]
             out[f"rollout/{key}"] = float(total / count) if count > 0 else 0.0
-        if "raw_reward" in rollout_data:
-            raw = rollout_data["raw_reward"]
-            out["rollout/raw_reward"] = sum(float(r) for r in raw) / max(len(raw), 1)
         return out
 
     # ------------------------------------------------------------------ reference model

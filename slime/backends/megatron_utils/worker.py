@@ -430,8 +430,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         the same algorithm calls as the FSDP backend."""
         args = self.args
         batch = self._micro_batch_fields(rollout_data, inputs.sample_indices)
-        masks = [m.to(self.device) for m in batch["loss_masks"]]
-        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], masks, batch["rollout_mask_sums"],
+        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"], batch["rollout_mask_sums"],
                                                     args.calculate_per_token_loss)
         if self.role == "critic":
             return ppo_utils.value_loss_function(args, batch, logits[:, 0], reducer)

@@ -59,11 +59,12 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def step_zero_gradients(worker, rollout_data):
-    """(reduced step-0 metrics, full gradients) of one optimizer step's forward/backward, no update."""
+    """(reduced step-0 metrics and rollout/* metrics, full gradients) of one optimizer step's forward/backward, no update."""
     prepared = worker.prepare(0, rollout_data)
     worker.optimizer.zero_grad(set_to_none=True)
     sums, _, _ = worker.forward_backward(prepared, 0)
     reduced = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
+    reduced.update(worker._rollout_metrics(prepared))  # rollout/*: the same on 1 rank and on N
     grads = full_grads(worker.model)
     worker.optimizer.zero_grad(set_to_none=True)
     return reduced, grads
