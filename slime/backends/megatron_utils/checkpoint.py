@@ -132,6 +132,34 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _inner_optimizers(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            yield inner
+
+
+def _adam_step(optimizer) -> float | None:
+    """The optimizer's step count (torch Adam keeps one per parameter state; all equal)."""
+    steps = {float(state["step"]) for inner in _inner_optimizers(optimizer) for state in inner.state.values() if "step" in state}
+    steps |= {float(group["step"]) for inner in _inner_optimizers(optimizer) for group in inner.param_groups if "step" in group}
+    return max(steps) if steps else None
+
+
+def _set_adam_step(optimizer, step: float) -> None:
+    """Megatron-Core's distributed-optimizer load (without Apex/Transformer Engine) leaves torch
+    Adam's per-parameter ``step`` at the 1 of the dummy step that allocated the state, so the bias
+    correction of the first resumed update would be wrong; the saved count is put back."""
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                value = state["step"]
+                state["step"] = torch.full_like(value, step) if isinstance(value, torch.Tensor) else step
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = type(group["step"])(step) if not isinstance(group["step"], torch.Tensor) else torch.full_like(group["step"], step)
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer=None, scheduler=None, global_step: int = 0) -> str:
     """Collective: write ``iter_{iteration:07d}`` in torch_dist format, then the latest marker."""
     from megatron.core import dist_checkpointing
@@ -147,7 +175,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, scheduler=
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, directory)
     extra = {"iteration": iteration, "global_step": global_step, "rng": _rng_state(),
-             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "adam_step": _adam_step(optimizer) if optimizer is not None else None}
     torch.save(extra, os.path.join(directory, f"slime_extra_rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -183,6 +212,8 @@ def load_checkpoint(choice: CheckpointChoice, model, optimizer=None, scheduler=N
     extra = torch.load(extra_path, weights_only=False)
     if scheduler is not None and extra.get("scheduler") is not None:
         scheduler.load_state_dict(extra["scheduler"])
+    if "optimizer" in loaded and extra.get("adam_step") is not None:
+        _set_adam_step(optimizer, extra["adam_step"])
     if load_rng:
         _set_rng_state(extra["rng"])
     return extra

@@ -120,7 +120,7 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True, vp
     from megatron.core.models.gpt import GPTModel
 
     config = config or transformer_config(args)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings or args.seq_length, pre_process=pre_process,
         post_process=post_process, parallel_output=True,
@@ -128,6 +128,27 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True, vp
         position_embedding_type="rope", rotary_percent=args.rotary_percent, rotary_base=int(args.rotary_base),
         rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor, vp_stage=vp_stage,
     )
+    _routers_outside_autocast(model)
+    return model
+
+
+def _routers_outside_autocast(model) -> None:
+    """Run every MoE router's gating matmul with autocast off, so ``moe_router_dtype="fp32"`` really
+    routes in fp32. Megatron-Core's gating function casts its inputs to fp32 but autocast would turn
+    its matmul back to bf16, and its backward (run without autocast) then multiplies a bf16 gradient
+    by the fp32 weight and fails; Transformer Engine's GEMM, used when installed, is not autocast."""
+    from megatron.core.transformer.moe.router import Router
+
+    for module in model.modules():
+        if isinstance(module, Router) and not getattr(module, "_slime_fp32_gating", False):
+            gating = module.gating
+
+            def fp32_gating(input, _gating=gating):
+                with torch.autocast(device_type=input.device.type, enabled=False):
+                    return _gating(input)
+
+            module.gating = fp32_gating
+            module._slime_fp32_gating = True
 
 
 def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):

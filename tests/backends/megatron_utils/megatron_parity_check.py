@@ -13,7 +13,9 @@ TP/PP/EP shard, loads the safetensors into it, and records in one JSON (written 
   padding cut) — the first large entry names the place where the two models part;
 * ``logprob_fp32_*``: response-token log-probs through the trainer's path (the pipeline schedule,
   two micro-batches) vs HF, fp32; on GPU also ``logprob_*`` under bf16 autocast on both sides and
-  HF's own bf16-vs-fp32 drift ``hf_bf16_vs_fp32_mean_abs``;
+  HF's own bf16-vs-fp32 drift ``hf_bf16_vs_fp32_mean_abs`` / ``_max_abs``, and Megatron's bf16
+  against HF's fp32 (``logprob_vs_fp32_*``: in an MoE a near-tie router decision flips between two
+  bf16 runs and moves that token by up to a nat, so its bound is HF's own bf16 error);
 * ``grad_*`` (fp32, unless ``--no-grads``): the gradient of Σ w·log π (fixed random w) through the
   schedule's training pass vs HF's, per parameter shard: ``grad_max_rel`` and the worst tensors.
 """
@@ -225,7 +227,10 @@ def logprob_parity(model, hf, tokens, responses, layout, device, cuda: bool) -> 
         hf16 = _hf_log_probs(hf, tokens, responses, device, autocast=True).cpu()
         diff = (megatron16 - hf16).abs()
         out.update(logprob_max_abs=float(diff.max()), logprob_mean_abs=float(diff.mean()),
-                   hf_bf16_vs_fp32_mean_abs=float((hf16 - hf32).abs().mean()))
+                   hf_bf16_vs_fp32_mean_abs=float((hf16 - hf32).abs().mean()),
+                   hf_bf16_vs_fp32_max_abs=float((hf16 - hf32).abs().max()),
+                   logprob_vs_fp32_max_abs=float((megatron16 - hf32).abs().max()),
+                   logprob_vs_fp32_mean_abs=float((megatron16 - hf32).abs().mean()))
     return out
 
 

@@ -77,8 +77,11 @@ def main() -> None:
             worker.offload()
             result["offload_freed_bytes"] = before - torch.cuda.memory_allocated()
             worker.onload()
+    result["optimizer_before_rollout1"] = optimizer_summary(worker.optimizer)
+    result["weights_before_rollout1"] = weight_sums(worker)
     metrics = worker.train(1, data[1])
     result["rollout1"] = {k: v for k, v in metrics.items() if k.startswith("train/")}
+    result["rollout1_steps"] = worker.get_step_metrics()
     result["rollout1_ppo_kl"] = [m.get("train/ppo_kl") for m in worker.get_step_metrics()]
     result["weights"] = weight_sums(worker)
     if rank == 0:
@@ -86,6 +89,25 @@ def main() -> None:
             json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def optimizer_summary(optimizer) -> dict:
+    """What a resume must restore of the optimizer: each param group's lr/step and the sums of
+    every Adam state tensor (so a diverging resume names the part that differs)."""
+    out = {}
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        out[f"opt{i}_groups"] = [{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else str(v))
+                                  for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        sums: dict = {}
+        for state in inner.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    sums[key] = sums.get(key, 0.0) + float(value.double().abs().sum())
+        out[f"opt{i}_state_sums"] = sums
+    return out
 
 
 def weight_sums(worker) -> dict[str, float]:

@@ -147,13 +147,18 @@ def test_parity_with_hf(request, tmp_path, case, hf, tp, pp, ep):
     bad = len(r["roundtrip_mismatches"]) + len(r["roundtrip_missing"]) + len(r["roundtrip_extra"])
     _report(f"parity[{case}]: vocab {r['vocab_size']}->{r['padded_vocab_size']} roundtrip_bad={bad} "
             f"fp32 lp max {r['logprob_fp32_max_abs']:.2e} mean {r['logprob_fp32_mean_abs']:.1e} (std {r['logprob_std']:.2f}) | "
-            f"bf16 lp max {r['logprob_max_abs']:.3f} mean {r['logprob_mean_abs']:.4f} (HF bf16 drift {r['hf_bf16_vs_fp32_mean_abs']:.4f}) | "
+            f"bf16 lp max {r['logprob_max_abs']:.3f} mean {r['logprob_mean_abs']:.4f} (HF bf16 drift {r['hf_bf16_vs_fp32_mean_abs']:.4f} "
+            f"max {r['hf_bf16_vs_fp32_max_abs']:.3f}; Megatron bf16 vs HF fp32 max {r['logprob_vs_fp32_max_abs']:.3f}) | "
             f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r['layer_max_abs']]} "
             f"logits {r['logits_max_abs']:.1e}")
     assert bad == 0, r
     assert r["logprob_std"] > 1.0, r  # the log-probs spread over nats: a wrong layout would be far off
     assert r["logprob_fp32_max_abs"] < 2e-3, r
-    assert r["logprob_mean_abs"] < max(0.06, 3 * r["hf_bf16_vs_fp32_mean_abs"]) and r["logprob_max_abs"] < 0.5, r
+    assert r["logprob_mean_abs"] < max(0.06, 3 * r["hf_bf16_vs_fp32_mean_abs"]), r
+    if hf == "qwen3_dense":
+        assert r["logprob_max_abs"] < 0.5, r
+    else:  # a router near-tie flips between any two bf16 runs: no further from fp32 than HF's own bf16
+        assert r["logprob_vs_fp32_max_abs"] < max(0.5, 2 * r["hf_bf16_vs_fp32_max_abs"]), r
     # fp32 gradients; an MoE router decision that flips on a near-tie moves a few expert gradients
     assert r["grad_max_rel"] < (1e-3 if hf == "qwen3_dense" else 2e-2), r
 
@@ -213,6 +218,10 @@ def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, worker_root, case):
         assert len(a["rollout0_ppo_kl"]) == 2 and a["rollout0_ppo_kl"][0] == 0.0 and a["rollout1_ppo_kl"][0] == 0.0
         assert a["rollout0_ppo_kl"][1] != 0.0  # the second step sees updated weights
     assert a["offload_freed_bytes"] > 0
+    assert b["weights_before_rollout1"] == a["weights_before_rollout1"]
+    sums = [r["optimizer_before_rollout1"] for r in (a, b)]  # Adam moments and step counts, per inner optimizer
+    assert [{k: v for k, v in s.items() if k.endswith("_state_sums")} for s in sums][0] == \
+        [{k: v for k, v in s.items() if k.endswith("_state_sums")} for s in sums][1], sums
     assert b["rollout1"] == a["rollout1"]
     assert same_weights
     assert a["latest"] == "0"
