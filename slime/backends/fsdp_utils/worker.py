@@ -94,7 +94,9 @@ class FSDPTrainWorker:
         if getattr(self.args, "gradient_checkpointing", False):
             model.gradient_checkpointing_enable() if self.role == "actor" else model.model.gradient_checkpointing_enable()
         model.to(self.device)
-        return shard_model(model, self._mesh(), self.mixed_precision,
+        # one rank: the trained model keeps its unsharded (bf16) parameters from forward to backward
+        # instead of gathering them twice (a host-side cost per layer; no memory is saved by resharding)
+        return shard_model(model, self._mesh(), self.mixed_precision, reshard_after_forward=not trainable or self.world_size > 1,
                            compile_layers=getattr(self.args, "fsdp_compile", False))
 
     def _checkpoint_dir(self, root: str | None) -> str | None:
@@ -222,11 +224,13 @@ class FSDPTrainWorker:
             else:
                 per_token, entropy = forward_log_probs(model, packed, self.attn_implementation, temperature, self.chunk_rows,
                                                        self._nucleus(rollout_data, micro_batch))
-            for j, piece in zip(micro_batch, torch.split(per_token, packed.response_lengths)):
-                out[j] = piece.detach().float().cpu()
+            # one device-to-host copy per micro-batch, split on the host
+            for j, piece in zip(micro_batch, torch.split(per_token.detach().float().cpu(), packed.response_lengths)):
+                out[j] = piece
             if with_entropy:
-                for j, piece in zip(micro_batch, torch.split(entropy, packed.response_lengths)):
-                    entropy_out[j] = piece.detach().float().cpu()
+                for j, piece in zip(micro_batch, torch.split(entropy.detach().float().cpu(), packed.response_lengths)):
+                    entropy_out[j] = piece
+        _reshard(model)
         return out, (entropy_out if with_entropy else None)
 
     def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
@@ -598,6 +602,7 @@ class FSDPTrainWorker:
     def _move(self, device) -> None:
         if torch.device(device).type == self.device.type == "cpu":
             return
+        _reshard(self.model)
         self.model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
@@ -607,6 +612,16 @@ class FSDPTrainWorker:
             torch.cuda.synchronize()
             if torch.device(device).type == "cpu":
                 torch.cuda.empty_cache()
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free the unsharded parameters a forward without backward leaves behind when the model does
+    not reshard after forward (one rank): parameters read outside a pass are the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @torch.no_grad()

@@ -38,6 +38,11 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def have_sequence_parallel_norm() -> bool:
+    """Sequence parallelism needs Transformer Engine's or Apex's norms (the torch fallback refuses it)."""
+    return have_transformer_engine() or importlib.util.find_spec("apex") is not None
+
+
 def transformer_config(args, **overrides):
     """``TransformerConfig`` from the parsed flags (parallel sizes, shape, MoE, precision)."""
     from megatron.core.transformer import TransformerConfig

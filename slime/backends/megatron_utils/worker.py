@@ -98,6 +98,9 @@ class MegatronTrainWorker(FSDPTrainWorker):
             f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
             f"--train-backend fsdp only)": getattr(args, "rollout_top_p", 1.0) != 1.0,
             "--keep-old-actor (--train-backend fsdp only)": getattr(args, "keep_old_actor", False),
+            "--sequence-parallel without Transformer Engine or Apex (Megatron-Core's local layer spec then norms "
+            "with torch modules that do not support it; drop --sequence-parallel or install transformer_engine)":
+                getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1 and not mm.have_sequence_parallel_norm(),
         }
         names = [name for name, active in refused.items() if active]
         if names:

@@ -58,13 +58,14 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def step_zero_gradients(worker, rollout_data):
+def step_zero_gradients(worker, rollout_data, rollout_metrics: bool = False):
     """(reduced step-0 metrics and rollout/* metrics, full gradients) of one optimizer step's forward/backward, no update."""
     prepared = worker.prepare(0, rollout_data)
     worker.optimizer.zero_grad(set_to_none=True)
     sums, _, _ = worker.forward_backward(prepared, 0)
     reduced = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
-    reduced.update(worker._rollout_metrics(prepared))  # rollout/*: the same on 1 rank and on N
+    if rollout_metrics:  # rollout/*: the same on 1 rank and on N
+        reduced.update(worker._rollout_metrics(prepared))
     grads = full_grads(worker.model)
     worker.optimizer.zero_grad(set_to_none=True)
     return reduced, grads
@@ -81,7 +82,7 @@ def spawned_step_gradients(rank, world_size, port, model_dir, extra, num_samples
         worker = FSDPTrainWorker(args)
         worker.init()
         data = rank_data(args, make_samples(num_samples, seed=1), dp_size=world_size, rank=rank)
-        reduced, grads = step_zero_gradients(worker, data)
+        reduced, grads = step_zero_gradients(worker, data, rollout_metrics=True)
         if rank == 0:
             torch.save({"reduced": reduced, "grads": grads}, out_path)
         dist.barrier()

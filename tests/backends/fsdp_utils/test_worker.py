@@ -79,7 +79,7 @@ def test_one_vs_two_gloo_ranks(tiny_model_dir, tmp_path):
 
     extra = LOSS_FLAGS + ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")
     args = make_args(tiny_model_dir, *extra, rbs=4)
-    single = step_zero_gradients(new_worker(args), rank_data(args, make_samples(8, seed=1)))
+    single = step_zero_gradients(new_worker(args), rank_data(args, make_samples(8, seed=1)), rollout_metrics=True)
     out = tmp_path / "two_ranks.pt"
     mp.spawn(spawned_step_gradients, args=(2, free_port(), str(tiny_model_dir), extra, 8, 4, str(out)), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)

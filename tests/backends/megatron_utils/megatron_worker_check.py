@@ -72,6 +72,10 @@ def main() -> None:
         result["rollout0"] = {k: v for k, v in metrics0.items() if k.startswith(("train/", "rollout/"))}
         result["rollout0_ppo_kl"] = [m.get("train/ppo_kl") for m in worker.get_step_metrics()]
         worker.save(0)
+        if cli.role == "critic" and rank == 0:  # in a PPO run the actor's checkpoint marker sits beside <save>/critic;
+            # --load validation reads that one (without it, --load would count as empty and the critic start fresh)
+            with open(os.path.join(cli.save, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("0")
         if cli.offload and cuda:
             before = torch.cuda.memory_allocated()
             worker.offload()

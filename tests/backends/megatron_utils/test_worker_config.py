@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils.worker import MegatronTrainWorker, apply_megatron_config
 
 
@@ -42,6 +43,9 @@ def test_unsupported_layouts_are_refused_before_any_gpu_work():
         MegatronTrainWorker(_args(virtual_pipeline_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="--rollout-top-p 0.9"):
         MegatronTrainWorker(_args(rollout_top_p=0.9))
+    if not mm.have_sequence_parallel_norm():
+        with pytest.raises(NotImplementedError, match="--sequence-parallel without Transformer Engine"):
+            MegatronTrainWorker(_args(tensor_model_parallel_size=2, sequence_parallel=True))
     with pytest.raises(ValueError, match="role must be 'actor' or 'critic', got 'policy'"):
         MegatronTrainWorker(_args(), role="policy")
     # pipeline parallelism and the critic are accepted now: what stops them here is the missing GPU
