@@ -61,8 +61,14 @@ def sft_args(model_dir, data_path, *extra):
     return parse_args(["--train-backend", "fsdp", "--debug-train-only", "--hf-checkpoint", str(model_dir), "--seed", "0",
                        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
                        "--prompt-data", str(data_path), "--input-key", "messages", "--tool-key", "tools",
-                       "--rollout-shuffle", "--loss-type", "sft_loss", "--disable-compute-advantages-and-returns",
+                       "--loss-type", "sft_loss", "--disable-compute-advantages-and-returns",
                        "--rollout-batch-size", "4", "--num-rollout", "3", *extra])
+
+
+def trained_text(tokenizer, sample) -> str:
+    """The decoded tokens of ``sample`` whose loss mask is 1."""
+    response = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return tokenizer.decode([t for t, m in zip(response, sample.loss_mask) if m])
 
 
 def test_sft_rollout_masks_every_assistant_token_and_nothing_else(tiny_model_dir, tmp_path):
@@ -73,28 +79,21 @@ def test_sft_rollout_masks_every_assistant_token_and_nothing_else(tiny_model_dir
     rows = conversations()
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = sft_args(tiny_model_dir, path, "--rollout-batch-size", str(len(rows)))
-    args.rollout_shuffle = False
     samples = [g[0] for g in generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples]
     tok = load_tokenizer(tiny_model_dir)
     for row, sample in zip(rows, samples):
         text = tok.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=False)
         assert sample.tokens == tok(text, add_special_tokens=False)["input_ids"]
-        prompt_length = len(sample.tokens) - sample.response_length
         assert len(sample.loss_mask) == sample.response_length and sample.loss_mask[0] == 1
-        trained = tok.decode([t for t, m in zip(sample.tokens[prompt_length:], sample.loss_mask) if m])
         expected = ""
         for message in row["messages"]:
             if message["role"] == "assistant" and message.get("step_loss_mask", 1):
                 body = tok.apply_chat_template([message], tokenize=False).split("<|im_start|>assistant\n", 1)[1]
                 expected += body.rstrip("\n")
-        assert trained == expected
-
-    def trained_text(sample):
-        return tok.decode([t for t, m in zip(sample.tokens[-sample.response_length:], sample.loss_mask) if m])
-
-    assert trained_text(samples[0]).startswith("<tool_call>\n{\"name\": \"get_temperature\"")
-    assert trained_text(samples[0]).endswith("</tool_call><|im_end|>It is 3 degrees.<|im_end|>")
-    assert trained_text(samples[3]) == "2<|im_end|>4<|im_end|>"
+        assert trained_text(tok, sample) == expected
+    assert trained_text(tok, samples[0]).startswith("<tool_call>\n{\"name\": \"get_temperature\"")
+    assert trained_text(tok, samples[0]).endswith("</tool_call><|im_end|>It is 3 degrees.<|im_end|>")
+    assert trained_text(tok, samples[3]) == "2<|im_end|>4<|im_end|>"
 
 
 def _reference_lr(step: int, args, total_steps: int) -> float:
@@ -145,7 +144,7 @@ def test_sft_steps_equal_plain_pytorch_loop(tiny_model_dir, tmp_path, case):
 
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in conversations()))
-    args = sft_args(tiny_model_dir, path, *CASES[case])
+    args = sft_args(tiny_model_dir, path, "--rollout-shuffle", *CASES[case])
     worker = FSDPTrainWorker(args)
     worker.init()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
