@@ -359,10 +359,12 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch.dtype | None = None,
-                    skip_prefixes: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                    skip_prefixes: tuple[str, ...] = (), param_source=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model, full and HF-shaped, on every rank. Collective over all ranks
     (TP all-gathers, EP all-gathers, and a broadcast per pipeline stage): every rank must iterate
-    to the end. Parameters under ``skip_prefixes`` (the critic's value head) are not exported."""
+    to the end. Parameters under ``skip_prefixes`` (the critic's value head) are not exported.
+    ``param_source(param)`` gives the tensor to read for a parameter (an offloaded model's host
+    copy) instead of the parameter itself."""
     from megatron.core import parallel_state as ps
 
     ranks = _rank_info()
@@ -374,7 +376,7 @@ def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch
         if skip_prefixes and local_name.startswith(skip_prefixes):
             continue
         name = names[local_name]
-        tensor = param.detach()
+        tensor = param.detach() if param_source is None else param_source(param)
         if wm.is_expert_param(name):
             full = wm.tp_merge(name, _gather(tensor, ps.get_expert_tensor_parallel_group()))
             for ep_rank, part in enumerate(_gather(full, ps.get_expert_model_parallel_group())):

@@ -595,7 +595,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             raise RuntimeError("iter_weight_buckets is an actor method: engines take the actor's weights, not the critic's")
         limit = bucket_bytes or self.args.update_weight_buffer_size
         bucket, size = [], 0
-        named = mm.iter_hf_weights(self.model, self.layout, dtype)
+        named = mm.iter_hf_weights(self.model, self.layout, dtype, param_source=self._offloaded_param_source())
         if self.layout.num_experts and getattr(self.args, "rollout_backend", None) == "embedded":
             # the embedded engine loads by transformers' in-memory names (3-D expert tensors)
             named = wm.fuse_experts_for_transformers(named, self.layout)
@@ -610,6 +610,24 @@ class MegatronTrainWorker(FSDPTrainWorker):
             yield bucket
 
     # ------------------------------------------------------------------ colocation
+
+    def _offloaded_param_source(self):
+        """While offloaded (colocated mode pushes weights after offloading the trainer) the
+        parameters' device storage is freed: read each one from its slice of the host copy of its
+        buffer instead. With one model-parallel rank the export stays on the host (the transport
+        moves one bucket at a time); otherwise each parameter goes to the device for the gathers."""
+        if not self.offloaded:
+            return None
+        from megatron.core import parallel_state as ps
+
+        views = {}
+        for i, buffer in enumerate(self.ddp_model.buffers + self.ddp_model.expert_parallel_buffers):
+            host = self._host_copies[i]
+            for param, (start, _end, _bucket) in buffer.param_index_map.items():
+                views[param] = host[start:start + param.numel()].view(param.shape)
+        collective = (self._mp_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
+                      or ps.get_expert_tensor_parallel_world_size() > 1)
+        return (lambda param: views[param].to(self.device)) if collective else views.__getitem__
 
     def offload(self) -> None:
         """Free the device memory of parameters, gradients and optimizer state (host copies kept)."""

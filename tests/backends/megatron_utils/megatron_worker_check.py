@@ -197,6 +197,38 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     dist.destroy_process_group()
 
 
+def offloaded_export_equal(worker) -> bool:
+    """Colocated mode pushes the weights after offloading the trainer: the HF tensors exported from
+    the host copies equal those exported before. On the CPU the offload is simulated the way the
+    GPU path leaves the model (host copies of the parameter buffers, device storage freed)."""
+    from slime.backends.megatron_utils import model as mm
+
+    def export():
+        return {name: tensor.detach().cpu().clone() for name, tensor in mm.iter_hf_weights(
+            worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes(),
+            param_source=worker._offloaded_param_source())}
+
+    before = export()
+    buffers = worker.ddp_model.buffers + worker.ddp_model.expert_parallel_buffers
+    if torch.cuda.is_available():
+        worker.offload()
+    else:
+        worker._host_copies = {i: buffer.param_data.clone() for i, buffer in enumerate(buffers)}
+        for buffer in buffers:
+            buffer.param_data.untyped_storage().resize_(0)
+        worker.offloaded = True
+    after = export()
+    if torch.cuda.is_available():
+        worker.onload()
+    else:
+        for i, buffer in enumerate(buffers):
+            saved = worker._host_copies[i]
+            buffer.param_data.untyped_storage().resize_(saved.numel() * saved.element_size())
+            buffer.param_data.copy_(saved)
+        worker._host_copies, worker.offloaded = {}, False
+    return before.keys() == after.keys() and len(before) > 0 and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     """compute_log_probs + advantages + the first optimizer step's forward/backward and
     finalize_model_grads, through the worker's own code; records per-sample log-probs (the
@@ -230,6 +262,7 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
              mm.iter_hf_weights(worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes())}
     for name, p in gpt.named_parameters():
         p.data.copy_(saved[name])
+    offloaded_equal = offloaded_export_equal(worker)
     if cli.role == "critic" and cli.save_hf:
         worker.save_hf(cli.save_hf)
     samples = [int(i) for i in prepared["sample_indices"]] if "sample_indices" in prepared else list(range(len(prepared["tokens"])))
@@ -240,7 +273,8 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     if rank == 0:
         merged = {k: v for part, _ in gathered for k, v in part.items()}
         direct_all = {k: v for _, part in gathered for k, v in part.items()}
-        torch.save({"metrics": metrics, "rollout": rollout, "log_probs": merged, "direct": direct_all, "grads": grads}, cli.out)
+        torch.save({"metrics": metrics, "rollout": rollout, "log_probs": merged, "direct": direct_all, "grads": grads,
+                    "offloaded_export_equal": offloaded_equal}, cli.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -113,6 +113,8 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
         # compute_log_probs called on each rank's own shard (the PPO loop does): the same values
         assert values == pytest.approx(two["direct"][sample], abs=1e-5), sample
     assert one["metrics"]["ppo_kl"] == 0.0 and two["metrics"]["ppo_kl"] == 0.0
+    # colocated mode exports the weights of an offloaded trainer (from the host copies)
+    assert one["offloaded_export_equal"] and two["offloaded_export_equal"]
     for key, value in one["metrics"].items():
         assert two["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     for key, value in one["rollout"].items():
