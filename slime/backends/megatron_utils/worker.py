@@ -239,6 +239,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
                                                           args.tensor_model_parallel_size)
         self.hf_config = hf_config
         self.layout = mm.layout_for(args, hf_config)
+        if self.layout.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+            raise ValueError(
+                f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model ({args.hf_checkpoint}) "
+                "needs --sequence-parallel (Megatron-Core requires it for MoE training"
+                + ("" if mm.have_sequence_parallel_norm() else ", and it needs Transformer Engine or Apex")
+                + "); or split the experts with --expert-model-parallel-size and keep TP at 1")
         model = self._build_model(trainable=True)
         if getattr(args, "use_routing_replay", False):
             if not self.layout.num_experts:

@@ -196,3 +196,18 @@ def test_routing_replay_uses_the_recorded_or_engine_experts(tiny_moe_dir, tmp_pa
     assert result["old_pass_actions"] == [expected_old], result
     assert result["old_pass_matches"] and result["train_matches"], result
     assert result["train_own_choice_differs"] > 10, result
+
+
+def test_moe_at_tp2_without_sequence_parallel_is_refused_by_name(tiny_moe_dir, tmp_path):
+    """Megatron-Core refuses MoE training at TP > 1 without sequence parallelism only at the first
+    forward; the worker says so at start-up, naming the flags."""
+    path = megatron_cpu.pythonpath()
+    if path is None:
+        pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(WORKER),
+               "--hf-dir", tiny_moe_dir, "--save", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out.pt"), "--no-optimizer",
+               "--tensor-model-parallel-size", "2"]
+    proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--tensor-model-parallel-size 2 on an MoE model" in proc.stderr and "--sequence-parallel" in proc.stderr, proc.stderr[-3000:]
