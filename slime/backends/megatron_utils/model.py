@@ -420,8 +420,10 @@ class MicroBatchInputs:
     ``[n, L_max]`` right-padded; ``packed_seq_params``: the thd boundaries, or None when padded;
     ``starts``: the row of each sample's first token in the flattened ``[b·s]`` output;
     ``lengths``/``response_lengths``: tokens and response tokens per sample; ``targets``: ``[K]``
-    the response tokens (what the K logit rows predict); ``sample_indices``: the samples' indices in
-    the caller's rollout data."""
+    the response tokens (what the K logit rows predict); ``rows_bs`` / ``rows_sb``: ``[K]`` the
+    positions predicting them, as rows of the flattened ``[b·s]`` logits and of Megatron's
+    ``[s·b]`` hidden states; ``sample_indices``: the samples' indices in the caller's rollout data.
+    The device tensors are views of one buffer, copied from the host at once."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -430,7 +432,21 @@ class MicroBatchInputs:
     lengths: list[int]
     response_lengths: list[int]
     targets: torch.Tensor
+    rows_bs: torch.Tensor
+    rows_sb: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
+
+
+def _response_positions(lengths: list[int], response_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample, position) ``[K]`` each, on the host: position ``p`` of sample ``i`` predicts token
+    ``p + 1``, so the K response tokens are predicted at ``n_i − r_i − 1 … n_i − 2``."""
+    responses = torch.tensor(response_lengths, dtype=torch.long)
+    if bool((responses < 0).any()) or any(r >= n for r, n in zip(response_lengths, lengths)):
+        raise ValueError(f"response lengths {response_lengths} must be in [0, len(tokens)) for lengths {lengths}")
+    first = torch.tensor(lengths, dtype=torch.long) - responses - 1
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), responses)
+    offset = torch.arange(int(responses.sum())) - torch.repeat_interleave(torch.cumsum(responses, 0) - responses, responses)
+    return sample, first[sample] + offset
 
 
 def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], device, packed: bool | None = None,
@@ -438,35 +454,45 @@ def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], 
     """Lay out ``tokens`` packed (thd, with Transformer Engine) or right-padded ``[n, L_max]`` (the
     local spec's attention has no packed mode; causal attention never looks at the padding on the
     right, so both are exact). ``pad_multiple``: the sequence dimension is padded to a multiple of
-    it (sequence parallelism splits it over TP ranks)."""
+    it (sequence parallelism splits it over TP ranks). Everything is built on the host and goes to
+    ``device`` in one copy."""
     if packed is None:
         packed = have_transformer_engine()
     lengths = [int(t.numel()) for t in tokens]
-    targets = response_targets(tokens, response_lengths).to(device)
-    extra = dict(targets=targets, sample_indices=list(sample_indices or []))
+    targets = response_targets(tokens, response_lengths)
+    sample, position = _response_positions(lengths, list(response_lengths))
+    params, cu = None, None
+    if packed:
+        pad = -sum(lengths) % pad_multiple
+        # the padding is a sequence of its own: nothing attends to it and no logit of it is read
+        seq_lengths = lengths + ([pad] if pad else [])
+        input_ids = torch.cat([t.long() for t in tokens] + [torch.zeros(pad, dtype=torch.long)])[None]
+        position_ids = torch.cat([torch.arange(n) for n in seq_lengths])[None]
+        cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor(seq_lengths), 0)
+        starts = [int(c) for c in cu[:len(lengths)]]
+        rows_bs = rows_sb = cu[sample] + position  # one row of samples: both orders agree
+    else:
+        longest = -(-max(lengths) // pad_multiple) * pad_multiple
+        input_ids = torch.zeros(len(tokens), longest, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            input_ids[i, : lengths[i]] = t
+        position_ids = torch.arange(longest).expand(len(tokens), -1)
+        starts = [i * longest for i in range(len(tokens))]
+        rows_bs = sample * longest + position
+        rows_sb = position * len(tokens) + sample
+    pieces = [input_ids, position_ids, targets, rows_bs, rows_sb] + ([cu] if cu is not None else [])
+    on_device = torch.cat([p.reshape(-1) for p in pieces]).to(device).split([p.numel() for p in pieces])
+    input_ids, position_ids, targets, rows_bs, rows_sb = (d.view(p.shape) for d, p in zip(on_device, pieces[:5]))
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        pad = -sum(lengths) % pad_multiple
-        pieces = [t.long() for t in tokens] + ([torch.zeros(pad, dtype=torch.long)] if pad else [])
-        input_ids = torch.cat(pieces).to(device)[None]
-        # the padding is a sequence of its own: nothing attends to it and no logit of it is read
-        seq_lengths = lengths + ([pad] if pad else [])
-        position_ids = torch.cat([torch.arange(n) for n in seq_lengths]).to(device)[None]
-        cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(seq_lengths), 0)
-        starts = [int(c) for c in cu[:len(lengths)]]
-        cu = cu.to(device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seq_lengths),
-                                 max_seqlen_kv=max(seq_lengths))
-        return MicroBatchInputs(input_ids, position_ids, params, starts, lengths, list(response_lengths), **extra)
-    longest = -(-max(lengths) // pad_multiple) * pad_multiple
-    input_ids = torch.zeros(len(tokens), longest, dtype=torch.long, device=device)
-    for i, t in enumerate(tokens):
-        input_ids[i, : lengths[i]] = t.to(device)
-    position_ids = torch.arange(longest, device=device)[None].expand(len(tokens), -1)
-    starts = [i * longest for i in range(len(tokens))]
-    return MicroBatchInputs(input_ids, position_ids, None, starts, lengths, list(response_lengths), **extra)
+        longest = max(seq_lengths)
+        cu = on_device[5].int()
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+    return MicroBatchInputs(input_ids, position_ids, params, starts, lengths, list(response_lengths), targets,
+                            rows_bs, rows_sb, sample_indices=list(sample_indices or []))
 
 
 def run_model(model: torch.nn.Module, inputs: MicroBatchInputs) -> torch.Tensor:
@@ -477,14 +503,12 @@ def run_model(model: torch.nn.Module, inputs: MicroBatchInputs) -> torch.Tensor:
 
 
 def response_logits(logits: torch.Tensor, inputs: MicroBatchInputs, vocab_size: int) -> torch.Tensor:
-    """Rows ``[K, vocab_size]`` of ``logits`` at the K = Σ response positions, samples in order.
+    """Rows ``[K, vocab_size]`` of ``logits`` ``[b, s, V_padded]`` at the K = Σ response positions,
+    samples in order.
 
     The columns past ``vocab_size`` are Megatron's vocabulary padding (zero rows of the output
     layer, logit 0): they are cut off here, or every log-softmax would count them as tokens."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    rows = [torch.arange(s + n - r - 1, s + n - 1, device=flat.device)
-            for s, n, r in zip(inputs.starts, inputs.lengths, inputs.response_lengths)]
-    picked = flat[torch.cat(rows)] if rows else flat[:0]
+    picked = logits.reshape(-1, logits.shape[-1])[inputs.rows_bs]
     return picked[:, :vocab_size]
 
 
