@@ -8,9 +8,10 @@
   reads only the tensors of its layers and keeps only its shard.
 * :func:`iter_hf_weights` — the model's parameters as HF-named, HF-shaped full tensors: TP shards
   all-gathered, experts all-gathered over EP, pipeline stages broadcast, vocabulary padding removed.
-* :func:`micro_batch_inputs` / :func:`run_model` / :func:`response_logits` (and their composition
-  :func:`forward_logits`) — logits at the positions that predict response tokens, for a micro-batch
-  of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec; the
+* :func:`micro_batch_inputs` / :func:`run_model` / :func:`cut_vocabulary_padding` (and their
+  composition :func:`forward_logits`) — logits at the positions that predict response tokens, for
+  a micro-batch of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec;
+  the output layer runs on those rows only (``GPTModel``'s ``output_processor`` hook); the
   vocabulary padding is cut off.
 
 Megatron is imported inside functions: this module imports on a machine without it.
@@ -31,7 +32,7 @@ from slime.backends.megatron_utils import weight_mapping as wm
 
 __all__ = ["ValueHead", "attach_value_head", "VALUE_HEAD_FILE", "have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
            "iter_hf_weights", "forward_logits", "MicroBatchInputs", "micro_batch_inputs", "run_model",
-           "response_logits", "response_targets", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
+           "response_logits", "cut_vocabulary_padding", "response_targets", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
 
 
 def have_transformer_engine() -> bool:
@@ -495,11 +496,52 @@ def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], 
                             rows_bs, rows_sb, sample_indices=list(sample_indices or []))
 
 
-def run_model(model: torch.nn.Module, inputs: MicroBatchInputs) -> torch.Tensor:
-    """``GPTModel.forward`` on one micro-batch: full-vocabulary logits ``[b, s, V_padded]`` on the
-    last pipeline stage (TP-gathered), the hidden states to send on every other stage."""
+def run_model(model: torch.nn.Module, inputs: MicroBatchInputs, all_positions: bool = False) -> torch.Tensor:
+    """``GPTModel.forward`` on one micro-batch. On the last pipeline stage: the output layer's
+    result (TP-gathered, vocabulary padding included) at the K response rows only, ``[K, V_padded]``
+    — or at every position, ``[b, s, V_padded]``, with ``all_positions``; on every other stage the
+    hidden states to send."""
     kwargs = {"packed_seq_params": inputs.packed_seq_params} if inputs.packed_seq_params is not None else {}
-    return model(inputs.input_ids, inputs.position_ids, attention_mask=None, runtime_gather_output=True, **kwargs)
+    rows_only = not all_positions and _takes_output_processor(unwrap(model))
+    if rows_only:
+        kwargs.update(output_processor=_response_rows_output, output_processor_context=inputs.rows_sb)
+    output = model(inputs.input_ids, inputs.position_ids, attention_mask=None, runtime_gather_output=True, **kwargs)
+    if all_positions or rows_only or not getattr(unwrap(model), "post_process", True):
+        return output
+    # a model without the output_processor hook (a custom provider's): every position, then the rows
+    return response_logits(output, inputs, output.shape[-1])
+
+
+def _takes_output_processor(gpt: torch.nn.Module) -> bool:
+    import inspect
+
+    return "output_processor" in inspect.signature(type(gpt).forward).parameters
+
+
+def _response_rows_output(*, hidden_states: torch.Tensor, output_layer, output_weight, context: torch.Tensor,
+                          scale_logits=None, **_ignored) -> torch.Tensor:
+    """``GPTModel``'s ``output_processor``: the output layer (the LM head, or the critic's
+    :class:`ValueHead`) on the rows ``context`` of the ``[s·b]`` hidden states only → ``[K, V]``.
+
+    Under sequence parallelism the hidden states are split over the TP ranks along ``s``: they are
+    gathered first and the layer runs in its non-sequence-parallel mode, whose backward all-reduces
+    the input gradient over TP; the gather's backward then keeps each rank's own slice of it —
+    together the reduce-scatter the sequence-parallel layer would have done."""
+    sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
+    if sequence_parallel:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                             group=getattr(output_layer, "tp_group", None))
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, context).unsqueeze(1)  # [K, 1, h]
+    output_layer.sequence_parallel = False
+    try:
+        logits, _ = output_layer(rows, weight=output_weight, runtime_gather_output=True)
+    finally:
+        output_layer.sequence_parallel = sequence_parallel
+    if scale_logits is not None:
+        logits = scale_logits(logits)
+    return logits.squeeze(1)
 
 
 def response_logits(logits: torch.Tensor, inputs: MicroBatchInputs, vocab_size: int) -> torch.Tensor:
@@ -518,7 +560,13 @@ def forward_logits(model: torch.nn.Module, tokens: list[torch.Tensor], response_
     positions, samples in order — the same rows as the FSDP backend's ``forward_response_logits``.
     One stage only (no pipeline parallelism); the trainer goes through :mod:`.pipeline`."""
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed, pad_multiple)
-    return response_logits(run_model(model, inputs), inputs, vocab_size)
+    return cut_vocabulary_padding(run_model(model, inputs), vocab_size)
+
+
+def cut_vocabulary_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The first ``vocab_size`` columns of ``[K, V_padded]`` logits (a view; the tensor itself when
+    there is no padding, so that its gradient is not copied into a zero-padded one)."""
+    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size]
 
 
 def response_targets(tokens: list[torch.Tensor], response_lengths: list[int]) -> torch.Tensor:

@@ -8,7 +8,8 @@ must be handed the same micro-batches in the same order (the trainer merges the 
 model-parallel group, :mod:`.data`).
 
 The caller's ``loss_fn(inputs, logits)`` runs on the last stage only, on the response rows
-(``[K, V]``, vocabulary padding removed) of one micro-batch, and returns ``(loss, payload)``; the
+(``[K, V]``, in the autocast dtype, vocabulary padding removed; the output layer computed only
+those rows) of one micro-batch, and returns ``(loss, payload)``; the
 gradient accumulated over a training pass is exactly that of Σ loss. (The schedule divides what it
 is handed by the number of micro-batches and multiplies it by the context-parallel size, Megatron's
 own loss averaging; :func:`forward_backward` undoes both, so the scaling of INTERFACES §5.8 stays
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.model import MicroBatchInputs, response_logits, run_model, unwrap
+from slime.backends.megatron_utils.model import MicroBatchInputs, cut_vocabulary_padding, run_model, unwrap
 
 __all__ = ["forward_backward", "broadcast_from_last_stage", "is_last_stage"]
 
@@ -69,7 +70,7 @@ def forward_backward(model: torch.nn.Module, batches: Sequence[MicroBatchInputs]
                                f"{config.pipeline_dtype}; they must agree")
 
         def loss_func(output_tensor):
-            loss, payload = loss_fn(inputs, response_logits(output_tensor, inputs, vocab_size))
+            loss, payload = loss_fn(inputs, cut_vocabulary_padding(output_tensor, vocab_size))
             return loss * count / cp_size, payload
 
         return output, loss_func

@@ -12,7 +12,8 @@ TP/PP/EP shard, loads the safetensors into it, and records in one JSON (written 
   hidden state after that layer, plus ``embedding_max_abs`` and ``logits_max_abs`` (vocabulary
   padding cut) — the first large entry names the place where the two models part;
 * ``logprob_fp32_*``: response-token log-probs through the trainer's path (the pipeline schedule,
-  two micro-batches) vs HF, fp32; on GPU also ``logprob_*`` under bf16 autocast on both sides and
+  two micro-batches) vs HF, fp32, and ``output_layer_rows``: the most hidden-state rows the output
+  layer was run on in one micro-batch of that path (its response rows only: 50); on GPU also ``logprob_*`` under bf16 autocast on both sides and
   HF's own bf16-vs-fp32 drift ``hf_bf16_vs_fp32_mean_abs`` / ``_max_abs``, and Megatron's bf16
   against HF's fp32 (``logprob_vs_fp32_*``: in an MoE a near-tie router decision flips between two
   bf16 runs and moves that token by up to a nat, so its bound is HF's own bf16 error);
@@ -160,7 +161,7 @@ def layer_diffs(model, hf, tokens, responses, layout, device) -> dict:
             first = gpt.decoder.layers[0].layer_number - 1
             gpt.set_input_tensor(hf_states[first].transpose(0, 1).contiguous())
         inputs = mm.micro_batch_inputs([t], [r], device, packed=False)
-        output = mm.run_model(gpt, inputs)
+        output = mm.run_model(gpt, inputs, all_positions=True)
         for h in hooks:
             h.remove()
         if "emb" in captured:
@@ -192,16 +193,27 @@ def _trainer_batches(tokens, responses, device):
             mm.micro_batch_inputs(tokens[half:], responses[half:], device, sample_indices=list(range(half, len(tokens))))]
 
 
+OUTPUT_LAYER_ROWS: list[int] = []
+
+
 def _megatron_log_probs(model, tokens, responses, layout, device, autocast) -> torch.Tensor:
+    from slime.backends.megatron_utils import model as mm
     from slime.backends.megatron_utils import pipeline
     from slime.utils import ppo_utils
 
     def collect(inputs, logits):
         return logits.new_zeros(()), ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0).cpu()
 
+    gpt = mm.unwrap(model)
+    rows: list[int] = []  # hidden-state rows the output layer is run on, per micro-batch (last stage)
+    hook = gpt.output_layer.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0] * inp[0].shape[1])) \
+        if getattr(gpt, "post_process", False) else None
     with torch.no_grad():
         parts = pipeline.forward_backward(model, _trainer_batches(tokens, responses, device), collect, forward_only=True,
                                           vocab_size=layout.vocab_size, autocast_dtype=torch.bfloat16 if autocast else None)
+    if hook is not None:
+        hook.remove()
+    OUTPUT_LAYER_ROWS[:] = rows
     return torch.cat(pipeline.broadcast_from_last_stage(parts))
 
 
@@ -221,7 +233,8 @@ def logprob_parity(model, hf, tokens, responses, layout, device, cuda: bool) -> 
     hf32 = _hf_log_probs(hf, tokens, responses, device, autocast=False).cpu()
     diff32 = (megatron32 - hf32).abs()
     out = dict(logprob_fp32_max_abs=float(diff32.max()), logprob_fp32_mean_abs=float(diff32.mean()),
-               logprob_mean=float(hf32.mean()), logprob_std=float(hf32.std()), num_tokens=int(diff32.numel()))
+               logprob_mean=float(hf32.mean()), logprob_std=float(hf32.std()), num_tokens=int(diff32.numel()),
+               output_layer_rows=_gather_to_all({"rows": max(OUTPUT_LAYER_ROWS, default=0)})["rows"])
     if cuda:
         megatron16 = _megatron_log_probs(model, tokens, responses, layout, device, autocast=True)
         hf16 = _hf_log_probs(hf, tokens, responses, device, autocast=True).cpu()

@@ -42,6 +42,8 @@ def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp):
     assert len(result["layer_max_abs"]) == 3 and max(result["layer_max_abs"]) < 1e-5, result
     assert result["logits_max_abs"] < 1e-4 and result["padding_logits_max_abs"] == 0.0, result
     assert result["num_tokens"] == 96 and result["logprob_fp32_max_abs"] < 1e-4, result
+    # the output layer ran on the response rows only (20 + 30 in the first micro-batch), not on all 2 x 64 positions
+    assert result["output_layer_rows"] == 50, result
     # every parameter shard's gradient, incl. the qk-layernorm weights TP ranks share and the tied
     # embedding both end stages hold
     assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
@@ -77,6 +79,7 @@ def test_moe_expert_parallel_matches_hf_on_cpu(tiny_moe_dir, tmp_path):
     assert result["padded_vocab_size"] == 4096
     assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
     assert result["logprob_std"] > 0.5 and result["logprob_fp32_max_abs"] < 1e-4, result
+    assert result["output_layer_rows"] == 50, result  # the response rows only
     assert result["grad_tensors"] == 57 and result["grad_max_rel"] < 1e-4, result
 
 

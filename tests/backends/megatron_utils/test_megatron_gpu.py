@@ -154,6 +154,7 @@ def test_parity_with_hf(request, tmp_path, case, hf, tp, pp, ep):
             f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r['layer_max_abs']]} "
             f"logits {r['logits_max_abs']:.1e}")
     assert bad == 0, r
+    assert r["output_layer_rows"] == 50, r  # the LM head ran on the first micro-batch's 20 + 30 response rows only
     assert r["logprob_std"] > 1.0, r  # the log-probs spread over nats: a wrong layout would be far off
     assert r["logprob_fp32_max_abs"] < 2e-3, r
     assert r["logprob_mean_abs"] < max(0.06, 3 * r["hf_bf16_vs_fp32_mean_abs"]), r
