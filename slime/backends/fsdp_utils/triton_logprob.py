@@ -38,7 +38,7 @@ try:
 except ImportError:  # a CPU-only install: the torch path is used
     triton = None
 
-__all__ = ["available", "grad_logits_", "interpreting", "log_probs_and_entropy"]
+__all__ = ["available", "grad_logits", "grad_logits_", "interpreting", "log_probs_and_entropy"]
 
 # 4096 columns a step with 8 warps = 16 fp32 values per thread and vector; 37 steps at V = 151,936
 GPU_BLOCK_V, GPU_NUM_WARPS = 4096, 8
@@ -164,17 +164,33 @@ def grad_logits_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                  block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Overwrite ``logits`` (the same values the forward saw) with ∂L/∂logits, in their dtype, and
     return it. ``lse`` and ``entropy`` are the forward's outputs; a ``None`` gradient drops its term."""
+    return grad_logits(logits, targets, lse, entropy, grad_log_probs, grad_entropy, temperature, block_v, num_warps,
+                       out=logits)
+
+
+def grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float,
+                block_v: int | None = None, num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """∂L/∂logits ``[R, V]`` in the logits' dtype, written to ``out`` (a new contiguous tensor when
+    None; ``logits`` itself to overwrite them). ``logits`` may be a column slice of wider rows (only
+    their row stride is read); ``lse`` and ``entropy`` are the forward's outputs; a ``None``
+    gradient drops its term."""
     _check(logits, targets)
     if grad_log_probs is None and grad_entropy is None:
-        raise ValueError("grad_logits_ needs at least one of grad_log_probs and grad_entropy")
+        raise ValueError("grad_logits needs at least one of grad_log_probs and grad_entropy")
+    if out is None:
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    elif out.shape != logits.shape or out.dtype != logits.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a {logits.dtype} {tuple(logits.shape)} tensor with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     rows, vocab = logits.shape
     if rows:
         block_v, num_warps = _launch_config(vocab, block_v, num_warps)
         as_rows = lambda t: lse if t is None else t.to(torch.float32).contiguous()  # lse: an unread stand-in
         with _on(logits.device):
-            _backward_kernel[(rows,)](logits, logits, targets.contiguous(), lse.contiguous(), entropy.contiguous(),
+            _backward_kernel[(rows,)](logits, out, targets.contiguous(), lse.contiguous(), entropy.contiguous(),
                                       as_rows(grad_log_probs), as_rows(grad_entropy), logits.stride(0),
-                                      logits.stride(0), float(temperature), VOCAB=vocab,
+                                      out.stride(0), float(temperature), VOCAB=vocab,
                                       HAS_LOG_PROB_GRAD=grad_log_probs is not None,
                                       HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_V=block_v, num_warps=num_warps)
-    return logits
+    return out

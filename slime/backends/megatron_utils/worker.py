@@ -46,6 +46,7 @@ from slime.backends.fsdp_utils.worker import FSDPTrainWorker
 from slime.backends.megatron_utils import checkpoint as ckpt
 from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils import weight_mapping as wm
+from slime.backends.megatron_utils.logprobs import log_probs_and_entropy
 from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, load_hf_config
 from slime.backends.megatron_utils.offload import offload_to_host, onload_from_host
 from slime.utils import ppo_utils
@@ -294,12 +295,15 @@ class MegatronTrainWorker(FSDPTrainWorker):
         batches = [self._inputs(rollout_data, mb) for mb in self._micro_batches(rollout_data) if mb]
 
         def collect(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
-            logits = logits.float()
+            zero = torch.zeros((), device=logits.device)
             if values:  # the value head's one column: V at the positions predicting response tokens
-                return logits.new_zeros(()), (logits[:, 0].cpu(), None)
-            log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, temperature).cpu()
-            entropy = ppo_utils.compute_entropy(logits, temperature).cpu() if with_entropy else None
-            return logits.new_zeros(()), (log_probs, entropy)
+                return zero, (logits[:, 0].float().cpu(), None)
+            log_probs, entropy = log_probs_and_entropy(logits, inputs.targets, temperature, with_entropy=with_entropy,
+                                                       entropy_grad=False)
+            if entropy is None:
+                return zero, (log_probs.cpu(), None)
+            both = torch.stack([log_probs, entropy]).cpu()  # one device-to-host copy
+            return zero, (both[0], both[1])
 
         around = None
         if self.routing is not None and model is self.model:  # π_old: R2 records the routing, R3 replays the engine's
@@ -435,22 +439,20 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
 
     def _loss(self, rollout_data: dict, inputs: mm.MicroBatchInputs, logits: torch.Tensor):
-        """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` —
-        the same algorithm calls as the FSDP backend."""
+        """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` (in
+        the autocast dtype) — the same algorithm calls as the FSDP backend; log-probs and entropy
+        through :func:`~slime.backends.megatron_utils.logprobs.log_probs_and_entropy` (fused Triton
+        kernels on CUDA)."""
         args = self.args
         batch = self._micro_batch_fields(rollout_data, inputs.sample_indices)
         reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"], batch["rollout_mask_sums"],
                                                     args.calculate_per_token_loss)
         if self.role == "critic":
-            return ppo_utils.value_loss_function(args, batch, logits[:, 0], reducer)
+            return ppo_utils.value_loss_function(args, batch, logits[:, 0].float(), reducer)
         if args.loss_type == "custom_loss":
-            return load_function(args.custom_loss_function_path)(args, batch, logits[None], reducer)
-        log_probs = ppo_utils.compute_log_probs(logits, inputs.targets, args.rollout_temperature)
-        if args.entropy_coef != 0:
-            entropy = ppo_utils.compute_entropy(logits, args.rollout_temperature)
-        else:
-            with torch.no_grad():
-                entropy = ppo_utils.compute_entropy(logits.detach(), args.rollout_temperature)
+            return load_function(args.custom_loss_function_path)(args, batch, logits.float()[None], reducer)
+        log_probs, entropy = log_probs_and_entropy(logits, inputs.targets, args.rollout_temperature,
+                                                   entropy_grad=args.entropy_coef != 0)
         if args.loss_type == "sft_loss":
             return ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
         return ppo_utils.policy_loss_function(args, batch, log_probs, entropy, reducer, self._pg_reducer(batch),
@@ -474,7 +476,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         batches = [self._inputs(rollout_data, mb, full) for mb in self._micro_batches(rollout_data)[first: first + counts[step_id]] if mb]
 
         def loss_fn(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
-            loss, metrics = self._loss(rollout_data, inputs, logits.float())
+            loss, metrics = self._loss(rollout_data, inputs, logits)
             return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
 
         around = None

@@ -86,16 +86,16 @@ def test_moe_expert_parallel_matches_hf_on_cpu(tiny_moe_dir, tmp_path):
 WORKER = HERE / "megatron_worker_check.py"
 
 
-def _worker_pass(hf_dir: str, tmp_path: Path, nproc: int, *flags: str) -> dict:
+def _worker_pass(hf_dir: str, tmp_path: Path, nproc: int, *flags: str, env: dict | None = None, name: str = "") -> dict:
     import torch
 
     path = megatron_cpu.pythonpath()
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
-    out = tmp_path / f"worker_{nproc}.pt"
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / f"worker_{nproc}{name}.pt"
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(WORKER),
-               "--hf-dir", hf_dir, "--save", str(tmp_path / f"ckpt_{nproc}"), "--out", str(out), "--no-optimizer", *flags]
+               "--hf-dir", hf_dir, "--save", str(tmp_path / f"ckpt_{nproc}{name}"), "--out", str(out), "--no-optimizer", *flags]
     proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
@@ -126,6 +126,27 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
     assert sum(float(g.abs().sum()) for g in one["grads"].values()) > 0
     for name, grad in one["grads"].items():
         assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
+
+
+def test_worker_fused_triton_head_equals_the_torch_head(tiny_model_dir, tmp_path):
+    """The trainer's log-probs and entropy through the fused Triton kernels (run by Triton's
+    interpreter on the CPU; SLIME_LOGPROB_HEAD=triton fails where they cannot run) give the torch
+    path's π_old log-probs, step metrics and reduced gradients, with an entropy term in the loss."""
+    import torch
+
+    flags = ("--entropy-coef", "0.01")
+    torch_head = _worker_pass(str(tiny_model_dir), tmp_path, 1, *flags, env={"SLIME_LOGPROB_HEAD": "torch"}, name="torch")
+    fused = _worker_pass(str(tiny_model_dir), tmp_path, 1, *flags, name="triton",
+                         env={"SLIME_LOGPROB_HEAD": "triton", "TRITON_INTERPRET": "1"})
+    assert len(torch_head["log_probs"]) == 8 and sorted(torch_head["log_probs"]) == sorted(fused["log_probs"])
+    for sample, values in torch_head["log_probs"].items():
+        assert values == pytest.approx(fused["log_probs"][sample], abs=1e-5), sample
+    assert fused["metrics"]["ppo_kl"] == 0.0 and fused["metrics"]["entropy_loss"] > 1.0
+    for key, value in torch_head["metrics"].items():
+        assert fused["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert set(torch_head["grads"]) == set(fused["grads"]) and len(fused["grads"]) > 30
+    for name, grad in torch_head["grads"].items():
+        assert torch.allclose(fused["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
 
 
 def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
