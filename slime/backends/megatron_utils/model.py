@@ -3,14 +3,15 @@
 * :func:`transformer_config` — ``TransformerConfig`` from slime's Megatron-named flags (shape flags
   from a ``scripts/models`` preset, or filled from ``--hf-checkpoint`` when no preset is given).
 * :func:`model_provider` — ``GPTModel`` with Transformer Engine layers when TE imports, else the
-  local spec (Megatron-Core's own modules; runs on GPU under ``torch.autocast(bfloat16)``).
+  local spec (Megatron-Core's own modules; runs on GPU under ``torch.autocast(bfloat16)``) with
+  :class:`~.packed_attention.PackedCoreAttention` as its attention, so that it takes packed rows.
 * :func:`load_hf_weights` — HF safetensors straight into the (TP/PP/EP-sharded) model: each rank
   reads only the tensors of its layers and keeps only its shard.
 * :func:`iter_hf_weights` — the model's parameters as HF-named, HF-shaped full tensors: TP shards
   all-gathered, experts all-gathered over EP, pipeline stages broadcast, vocabulary padding removed.
 * :func:`micro_batch_inputs` / :func:`run_model` / :func:`cut_vocabulary_padding` (and their
   composition :func:`forward_logits`) — logits at the positions that predict response tokens, for
-  a micro-batch of samples: packed (thd) with TE, right-padded ``[n, L_max]`` with the local spec;
+  a micro-batch of samples: packed (thd), or right-padded ``[n, L_max]``;
   the output layer runs on those rows only (``GPTModel``'s ``output_processor`` hook); the
   vocabulary padding is cut off.
 
@@ -19,6 +20,7 @@ Megatron is imported inside functions: this module imports on a machine without 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils import weight_mapping as wm
 
 __all__ = ["ValueHead", "attach_value_head", "VALUE_HEAD_FILE", "have_transformer_engine", "transformer_config", "model_provider", "layout_for", "load_hf_weights",
-           "iter_hf_weights", "forward_logits", "MicroBatchInputs", "micro_batch_inputs", "run_model",
+           "iter_hf_weights", "forward_logits", "MicroBatchInputs", "default_packed", "packs_micro_batches", "micro_batch_inputs", "run_model",
            "response_logits", "cut_vocabulary_padding", "response_targets", "HFCheckpointReader", "unwrap", "build_model_for_layout_check"]
 
 
@@ -114,11 +116,17 @@ def _layer_spec(args, config, vp_stage: int | None):
 
     use_te = have_transformer_engine()
     if getattr(args, "num_experts", None):
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                           vp_stage=vp_stage)
-    if use_te:
+    elif use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if use_te:
+        return spec
+    from slime.backends.megatron_utils.packed_attention import use_packed_core_attention
+
+    return use_packed_core_attention(spec)  # the local spec's attention, taking packed rows too
 
 
 def model_provider(args, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None, config=None):
@@ -450,15 +458,39 @@ def _response_positions(lengths: list[int], response_lengths: list[int]) -> tupl
     return sample, first[sample] + offset
 
 
+def default_packed(device) -> bool:
+    """Whether micro-batches are packed (thd) by default: with Transformer Engine; without it when
+    :mod:`.packed_attention` runs flash attention (CUDA with PyTorch's varlen attention) or on the
+    CPU, where its exact per-sample attention is what the tests check. Else right-padded (on CUDA
+    without varlen attention the per-sample fallback would be slower than the padding)."""
+    from slime.backends.fsdp_utils import varlen_attention
+
+    return have_transformer_engine() or torch.device(device).type != "cuda" or varlen_attention.available()
+
+
+def packs_micro_batches(model: torch.nn.Module, device) -> bool:
+    """Whether the trainer packs ``model``'s micro-batches: :func:`default_packed`, and the model
+    takes packed rows (Transformer Engine, or the local spec of :func:`model_provider`; a custom
+    provider's model of the plain local spec is padded)."""
+    if not default_packed(device):
+        return False
+    if have_transformer_engine():
+        return True
+    from slime.backends.megatron_utils.packed_attention import supports_packing
+
+    return supports_packing(unwrap(model))
+
+
 def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], device, packed: bool | None = None,
                        pad_multiple: int = 1, sample_indices: list[int] | None = None) -> MicroBatchInputs:
-    """Lay out ``tokens`` packed (thd, with Transformer Engine) or right-padded ``[n, L_max]`` (the
-    local spec's attention has no packed mode; causal attention never looks at the padding on the
-    right, so both are exact). ``pad_multiple``: the sequence dimension is padded to a multiple of
-    it (sequence parallelism splits it over TP ranks). Everything is built on the host and goes to
+    """Lay out ``tokens`` packed (thd: Transformer Engine's attention, or the local spec's
+    :class:`~.packed_attention.PackedCoreAttention`) or right-padded ``[n, L_max]`` (causal
+    attention never looks at the padding on the right, so both are exact); ``packed=None``:
+    :func:`default_packed`. ``pad_multiple``: the sequence dimension is padded to a multiple of it
+    (sequence parallelism splits it over TP ranks). Everything is built on the host and goes to
     ``device`` in one copy."""
     if packed is None:
-        packed = have_transformer_engine()
+        packed = default_packed(device)
     lengths = [int(t.numel()) for t in tokens]
     targets = response_targets(tokens, response_lengths)
     sample, position = _response_positions(lengths, list(response_lengths))
@@ -486,12 +518,18 @@ def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], 
     on_device = torch.cat([p.reshape(-1) for p in pieces]).to(device).split([p.numel() for p in pieces])
     input_ids, position_ids, targets, rows_bs, rows_sb = (d.view(p.shape) for d, p in zip(on_device, pieces[:5]))
     if packed:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         longest = max(seq_lengths)
         cu = on_device[5].int()
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)
+        if have_transformer_engine():
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+        else:
+            from slime.backends.megatron_utils.packed_attention import LocalPackedSeqParams
+
+            params = LocalPackedSeqParams(qkv_format="thd", max_seqlen_q=longest, max_seqlen_kv=longest,
+                                          sample_cu_seqlens=cu, sample_lengths=seq_lengths)
     return MicroBatchInputs(input_ids, position_ids, params, starts, lengths, list(response_lengths), targets,
                             rows_bs, rows_sb, sample_indices=list(sample_indices or []))
 
@@ -505,7 +543,17 @@ def run_model(model: torch.nn.Module, inputs: MicroBatchInputs, all_positions: b
     rows_only = not all_positions and _takes_output_processor(unwrap(model))
     if rows_only:
         kwargs.update(output_processor=_response_rows_output, output_processor_context=inputs.rows_sb)
-    output = model(inputs.input_ids, inputs.position_ids, attention_mask=None, runtime_gather_output=True, **kwargs)
+    rotary = contextlib.nullcontext()
+    if inputs.packed_seq_params is not None and not have_transformer_engine():
+        from slime.backends.megatron_utils.packed_attention import per_token_rotary, supports_packing
+
+        if not supports_packing(unwrap(model)):
+            raise ValueError("packed micro-batches without Transformer Engine need the local spec's attention from "
+                             "slime.backends.megatron_utils.model.model_provider (PackedCoreAttention) and RoPE; "
+                             "pass packed=False for this model")
+        rotary = per_token_rotary(unwrap(model), inputs.position_ids)
+    with rotary:
+        output = model(inputs.input_ids, inputs.position_ids, attention_mask=None, runtime_gather_output=True, **kwargs)
     if all_positions or rows_only or not getattr(unwrap(model), "post_process", True):
         return output
     # a model without the output_processor hook (a custom provider's): every position, then the rows

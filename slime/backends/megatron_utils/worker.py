@@ -7,8 +7,9 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
 * model: ``GPTModel`` from :func:`~slime.backends.megatron_utils.model.model_provider` (or
   ``--custom-model-provider-path``), wrapped in Megatron's ``DistributedDataParallel``; weights from
   an HF directory or a torch_dist checkpoint (:mod:`~slime.backends.megatron_utils.checkpoint`);
-* forward: fp32 parameters, bf16 autocast; micro-batches packed (thd) with Transformer Engine,
-  right-padded with the local spec (:func:`~slime.backends.megatron_utils.model.micro_batch_inputs`),
+* forward: fp32 parameters, bf16 autocast; micro-batches packed (thd: Transformer Engine's
+  attention, or varlen flash attention in the local spec; right-padded where neither runs:
+  :func:`~slime.backends.megatron_utils.model.packs_micro_batches`),
   run through Megatron's pipeline schedule (:mod:`~slime.backends.megatron_utils.pipeline`) for
   the forward-only passes and for training, at any pipeline size;
 * optimizer: Megatron's distributed optimizer (``--optimizer-cpu-offload`` passed through) and
@@ -120,6 +121,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         self.ddp_model = None
         self.layout: wm.ModelLayout | None = None
         self._host_copies: dict = {}
+        self.packed = False  # micro-batches packed (thd) rather than right-padded: set by init from the model
 
     # ------------------------------------------------------------------ set-up
 
@@ -247,6 +249,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
                 + ("" if mm.have_sequence_parallel_norm() else ", and it needs Transformer Engine or Apex")
                 + "); or split the experts with --expert-model-parallel-size and keep TP at 1")
         model = self._build_model(trainable=True)
+        self.packed = mm.packs_micro_batches(model, self.device)
         if getattr(args, "use_routing_replay", False):
             if not self.layout.num_experts:
                 raise ValueError("--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
@@ -280,7 +283,8 @@ class MegatronTrainWorker(FSDPTrainWorker):
         tokens = [rollout_data["tokens"][i] for i in micro_batch]
         responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         pad = self._tp_size() if self.args.sequence_parallel else 1
-        return mm.micro_batch_inputs(tokens, responses, self.device, pad_multiple=pad, sample_indices=micro_batch)
+        return mm.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
+                                     sample_indices=micro_batch)
 
     @torch.no_grad()
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):

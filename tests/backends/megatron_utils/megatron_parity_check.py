@@ -1,7 +1,7 @@
 """Megatron vs HF on one checkpoint, run under torchrun (GPU: NCCL; CPU: gloo, see megatron_cpu.py).
 
     torchrun --nproc-per-node N tests/backends/megatron_utils/megatron_parity_check.py \
-        --hf-dir DIR --tp 1 --pp 1 --ep 1 --out result.json [--no-grads]
+        --hf-dir DIR --tp 1 --pp 1 --ep 1 --out result.json [--no-grads] [--padded]
 
 Builds the GPTModel of the HF checkpoint at DIR (shape flags from its config.json) for this rank's
 TP/PP/EP shard, loads the safetensors into it, and records in one JSON (written by rank 0):
@@ -12,7 +12,7 @@ TP/PP/EP shard, loads the safetensors into it, and records in one JSON (written 
   hidden state after that layer, plus ``embedding_max_abs`` and ``logits_max_abs`` (vocabulary
   padding cut) — the first large entry names the place where the two models part;
 * ``logprob_fp32_*``: response-token log-probs through the trainer's path (the pipeline schedule,
-  two micro-batches) vs HF, fp32, and ``output_layer_rows``: the most hidden-state rows the output
+  two micro-batches, packed unless ``--padded``) vs HF, fp32, and ``output_layer_rows``: the most hidden-state rows the output
   layer was run on in one micro-batch of that path (its response rows only: 50); on GPU also ``logprob_*`` under bf16 autocast on both sides and
   HF's own bf16-vs-fp32 drift ``hf_bf16_vs_fp32_mean_abs`` / ``_max_abs``, and Megatron's bf16
   against HF's fp32 (``logprob_vs_fp32_*``: in an MoE a near-tie router decision flips between two
@@ -38,10 +38,13 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--no-grads", action="store_true")
+    parser.add_argument("--padded", action="store_true", help="right-padded micro-batches on the trainer's path (default: packed)")
     cli = parser.parse_args()
 
     sys.path.insert(0, os.getcwd())
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    global PACKED
+    PACKED = not cli.padded
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -88,7 +91,7 @@ def main() -> None:
     layout = mm.layout_for(args, hf_config)
     mm.load_hf_weights(model, cli.hf_dir, layout)
 
-    result = {"tp": cli.tp, "pp": cli.pp, "ep": cli.ep, "device": device.type, "model_type": hf_config["model_type"],
+    result = {"tp": cli.tp, "pp": cli.pp, "ep": cli.ep, "packed": PACKED, "device": device.type, "model_type": hf_config["model_type"],
               "vocab_size": layout.vocab_size, "padded_vocab_size": layout.padded_vocab_size,
               "transformer_engine": mm.have_transformer_engine()}
     result.update(roundtrip(model, layout, cli.hf_dir, hf_config))
@@ -185,12 +188,16 @@ def layer_diffs(model, hf, tokens, responses, layout, device) -> dict:
             **{k: v for k, v in merged.items() if not k.startswith("layer_")}}
 
 
+PACKED = True  # the layout of the trainer's path (--padded)
+
+
 def _trainer_batches(tokens, responses, device):
     from slime.backends.megatron_utils import model as mm
 
     half = len(tokens) // 2
-    return [mm.micro_batch_inputs(tokens[:half], responses[:half], device, sample_indices=list(range(half))),
-            mm.micro_batch_inputs(tokens[half:], responses[half:], device, sample_indices=list(range(half, len(tokens))))]
+    return [mm.micro_batch_inputs(tokens[:half], responses[:half], device, packed=PACKED, sample_indices=list(range(half))),
+            mm.micro_batch_inputs(tokens[half:], responses[half:], device, packed=PACKED,
+                                  sample_indices=list(range(half, len(tokens))))]
 
 
 OUTPUT_LAYER_ROWS: list[int] = []

@@ -22,21 +22,25 @@ import megatron_cpu  # noqa: E402
 CHECK = HERE / "megatron_parity_check.py"
 
 
-def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, padded: bool = False) -> dict:
     path = megatron_cpu.pythonpath()
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * ep), "--standalone",
                str(CHECK), "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
+    command += ["--padded"] if padded else []
     proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp):
-    result = _run(str(tiny_model_dir), tmp_path / "result.json", tp=tp, pp=pp)
+@pytest.mark.parametrize("tp,pp,padded", [(2, 1, False), (1, 2, False), (2, 1, True)], ids=["tp2", "pp2", "tp2-padded"])
+def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp, padded):
+    """The trainer's path in the packed (thd) layout — the local spec's PackedCoreAttention, per-token
+    rotary angles — and right-padded."""
+    result = _run(str(tiny_model_dir), tmp_path / "result.json", tp=tp, pp=pp, padded=padded)
+    assert result["packed"] == (not padded) and not result["transformer_engine"]
     assert result["padded_vocab_size"] > result["vocab_size"]  # the padding is there, and must not count
     assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
     assert len(result["layer_max_abs"]) == 3 and max(result["layer_max_abs"]) < 1e-5, result

@@ -133,7 +133,8 @@ def qwen3_moe(tmp_path_factory):
     return _save(Qwen3MoeForCausalLM(config), tmp_path_factory.mktemp("qwen3_moe"))
 
 
-PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("2gpu-dense-tp2", "qwen3_dense", 2, 1, 1),
+PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("1gpu-dense-tp1-padded", "qwen3_dense", 1, 1, 1),
+          ("2gpu-dense-tp2", "qwen3_dense", 2, 1, 1),
           ("2gpu-dense-pp2", "qwen3_dense", 1, 2, 1), ("1gpu-moe", "qwen3_moe", 1, 1, 1),
           ("2gpu-moe-ep2", "qwen3_moe", 1, 1, 2), ("2gpu-moe-pp2", "qwen3_moe", 1, 2, 1)]
 # (an MoE at TP=2 needs sequence parallelism, hence Transformer Engine: refused on the lent machine;
@@ -144,16 +145,18 @@ PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("2gpu-dense-tp2", "qwen3_
 def test_parity_with_hf(request, tmp_path, case, hf, tp, pp, ep):
     out = tmp_path / "result.json"
     _torchrun(CHECK, tp * pp * ep, "--hf-dir", request.getfixturevalue(hf), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-              "--out", str(out))
+              "--out", str(out), *(["--padded"] if case.endswith("-padded") else []))
     r = json.loads(out.read_text())
     bad = len(r["roundtrip_mismatches"]) + len(r["roundtrip_missing"]) + len(r["roundtrip_extra"])
-    _report(f"parity[{case}]: vocab {r['vocab_size']}->{r['padded_vocab_size']} roundtrip_bad={bad} "
+    _report(f"parity[{case}]: {'thd' if r['packed'] else 'padded'} vocab {r['vocab_size']}->{r['padded_vocab_size']} roundtrip_bad={bad} "
             f"fp32 lp max {r['logprob_fp32_max_abs']:.2e} mean {r['logprob_fp32_mean_abs']:.1e} (std {r['logprob_std']:.2f}) | "
             f"bf16 lp max {r['logprob_max_abs']:.3f} mean {r['logprob_mean_abs']:.4f} (HF bf16 drift {r['hf_bf16_vs_fp32_mean_abs']:.4f} "
             f"max {r['hf_bf16_vs_fp32_max_abs']:.3f}; Megatron bf16 vs HF fp32 max {r['logprob_vs_fp32_max_abs']:.3f}) | "
             f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r['layer_max_abs']]} "
             f"logits {r['logits_max_abs']:.1e}")
     assert bad == 0, r
+    # the trainer's path is packed (varlen flash attention without Transformer Engine) unless asked to pad
+    assert r["packed"] == (not case.endswith("-padded")), r
     assert r["output_layer_rows"] == 50, r  # the LM head ran on the first micro-batch's 20 + 30 response rows only
     assert r["logprob_std"] > 1.0, r  # the log-probs spread over nats: a wrong layout would be far off
     assert r["logprob_fp32_max_abs"] < 2e-3, r

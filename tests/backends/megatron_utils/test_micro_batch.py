@@ -79,8 +79,12 @@ assert inputs.targets.tolist() == expected.tolist()
 assert inputs.input_ids[0][inputs.rows_bs + 1].tolist() == expected.tolist()
 assert torch.equal(inputs.rows_bs, inputs.rows_sb)
 params = inputs.packed_seq_params
-assert params.cu_seqlens_q.dtype == torch.int32 and params.cu_seqlens_q.tolist() == [0, 7, 11, 20, 24]
-assert params.max_seqlen_q == 9 and inputs.starts == [0, 7, 11]
+assert params.qkv_format == "thd" and params.max_seqlen_q == 9 and inputs.starts == [0, 7, 11]
+# without Transformer Engine the boundaries are where only PackedCoreAttention reads them (Megatron's
+# own thd RoPE, which loops over the samples, is not used)
+assert params.cu_seqlens_q is None and params.sample_lengths == [7, 4, 9, 4]
+cu = params.sample_cu_seqlens
+assert cu.dtype == torch.int32 and cu.tolist() == [0, 7, 11, 20, 24]
 print("ok")
 """
 
