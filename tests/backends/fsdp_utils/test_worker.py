@@ -242,6 +242,31 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
 
 
 @pytest.mark.gpu
+def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path):
+    """On CUDA the optimizer is the fused AdamW (its step counts are device tensors): a resume from
+    the checkpoint restores the step count and moments, so the next rollout's metrics and weights
+    match the uninterrupted run (to GPU rounding: kernels with atomics are not bit-deterministic)."""
+    extra = ("--num-steps-per-rollout", "2", "--lr", "1e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
+    save_dir = str(tmp_path / "ckpt")
+    args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
+    data = rank_data(args, make_samples(4))
+    worker = new_worker(args)
+    assert worker.optimizer.defaults.get("fused")
+    worker.train(0, data)
+    worker.save(0)
+    expected = worker.train(1, copy.copy(data))
+    resumed = FSDPTrainWorker(make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2))
+    assert resumed.init() == 1
+    steps = {float(s["step"]) for s in resumed.optimizer.state.values()}
+    assert steps == {2.0}, steps
+    got = resumed.train(1, copy.copy(data))
+    for key in ("train/loss", "train/pg_loss", "train/ppo_kl", "train/grad_norm", "train/entropy_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-6), key
+    for (name, a), (_, b) in zip(worker.model.state_dict().items(), resumed.model.state_dict().items()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
 def test_gpu_packed_varlen_attention_matches_unpacked_fp32(tiny_model_dir):
     """On GPU the packed micro-batch runs PyTorch's varlen flash attention (no [T, T] mask); its
     log-probs match per-sample fp32 HF forwards within bf16 tolerance."""
