@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.model import MicroBatchInputs, cut_vocabulary_padding, run_model, unwrap
+from slime.backends.megatron_utils.forward import MicroBatchInputs, cut_vocabulary_padding, run_model
+from slime.backends.megatron_utils.model import unwrap
 
 __all__ = ["forward_backward", "broadcast_from_last_stage", "is_last_stage"]
 

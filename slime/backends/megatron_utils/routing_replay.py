@@ -25,7 +25,8 @@ import contextlib
 
 import torch
 
-from slime.backends.megatron_utils.model import MicroBatchInputs, unwrap
+from slime.backends.megatron_utils.forward import MicroBatchInputs
+from slime.backends.megatron_utils.model import unwrap
 
 __all__ = ["RoutingReplay", "rollout_targets"]
 

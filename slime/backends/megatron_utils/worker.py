@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from slime.backends.fsdp_utils.worker import FSDPTrainWorker
 from slime.backends.megatron_utils import checkpoint as ckpt
+from slime.backends.megatron_utils import forward as fw
 from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils import weight_mapping as wm
 from slime.backends.megatron_utils.logprobs import log_probs_and_entropy
@@ -249,7 +250,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
                 + ("" if mm.have_sequence_parallel_norm() else ", and it needs Transformer Engine or Apex")
                 + "); or split the experts with --expert-model-parallel-size and keep TP at 1")
         model = self._build_model(trainable=True)
-        self.packed = mm.packs_micro_batches(model, self.device)
+        self.packed = fw.packs_micro_batches(model, self.device)
         if getattr(args, "use_routing_replay", False):
             if not self.layout.num_experts:
                 raise ValueError("--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
@@ -277,13 +278,13 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _inputs(self, rollout_data: dict, micro_batch: list[int], full: bool = False) -> mm.MicroBatchInputs:
+    def _inputs(self, rollout_data: dict, micro_batch: list[int], full: bool = False) -> fw.MicroBatchInputs:
         """One micro-batch laid out for the model; ``full``: every position (custom loss), not only
         the response."""
         tokens = [rollout_data["tokens"][i] for i in micro_batch]
         responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         pad = self._tp_size() if self.args.sequence_parallel else 1
-        return mm.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
+        return fw.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
                                      sample_indices=micro_batch)
 
     @torch.no_grad()
@@ -298,7 +299,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         temperature = self.args.rollout_temperature
         batches = [self._inputs(rollout_data, mb) for mb in self._micro_batches(rollout_data) if mb]
 
-        def collect(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+        def collect(inputs: fw.MicroBatchInputs, logits: torch.Tensor):
             zero = torch.zeros((), device=logits.device)
             if values:  # the value head's one column: V at the positions predicting response tokens
                 return zero, (logits[:, 0].float().cpu(), None)
@@ -422,7 +423,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             if self.routing is not None:
                 self.routing.finish()
 
-    def _replay_rollout_routing(self, inputs: mm.MicroBatchInputs):
+    def _replay_rollout_routing(self, inputs: fw.MicroBatchInputs):
         """R3: replay the engine's expert choices for this micro-batch."""
         from megatron.core import parallel_state as ps
 
@@ -442,7 +443,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         # the loss sums exist on the last pipeline stage only, where the TP peers hold the same ones
         return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
 
-    def _loss(self, rollout_data: dict, inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+    def _loss(self, rollout_data: dict, inputs: fw.MicroBatchInputs, logits: torch.Tensor):
         """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` (in
         the autocast dtype) — the same algorithm calls as the FSDP backend; log-probs and entropy
         through :func:`~slime.backends.megatron_utils.logprobs.log_probs_and_entropy` (fused Triton
@@ -479,7 +480,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         # a rank without samples in this step still joins the gradient reduction (finalize_model_grads)
         batches = [self._inputs(rollout_data, mb, full) for mb in self._micro_batches(rollout_data)[first: first + counts[step_id]] if mb]
 
-        def loss_fn(inputs: mm.MicroBatchInputs, logits: torch.Tensor):
+        def loss_fn(inputs: fw.MicroBatchInputs, logits: torch.Tensor):
             loss, metrics = self._loss(rollout_data, inputs, logits)
             return loss * dp / normaliser, {k: v.detach().double().cpu() for k, v in metrics.items()}
 

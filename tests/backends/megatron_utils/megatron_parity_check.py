@@ -146,6 +146,7 @@ def layer_diffs(model, hf, tokens, responses, layout, device) -> dict:
     (a later stage is fed HF's hidden state at its first layer, so a stage is judged on its own)."""
     from megatron.core import parallel_state as ps
 
+    from slime.backends.megatron_utils import forward as fw
     from slime.backends.megatron_utils import model as mm
 
     gpt = mm.unwrap(model)
@@ -163,8 +164,8 @@ def layer_diffs(model, hf, tokens, responses, layout, device) -> dict:
         else:
             first = gpt.decoder.layers[0].layer_number - 1
             gpt.set_input_tensor(hf_states[first].transpose(0, 1).contiguous())
-        inputs = mm.micro_batch_inputs([t], [r], device, packed=False)
-        output = mm.run_model(gpt, inputs, all_positions=True)
+        inputs = fw.micro_batch_inputs([t], [r], device, packed=False)
+        output = fw.run_model(gpt, inputs, all_positions=True)
         for h in hooks:
             h.remove()
         if "emb" in captured:
@@ -192,11 +193,11 @@ PACKED = True  # the layout of the trainer's path (--padded)
 
 
 def _trainer_batches(tokens, responses, device):
-    from slime.backends.megatron_utils import model as mm
+    from slime.backends.megatron_utils import forward as fw
 
     half = len(tokens) // 2
-    return [mm.micro_batch_inputs(tokens[:half], responses[:half], device, packed=PACKED, sample_indices=list(range(half))),
-            mm.micro_batch_inputs(tokens[half:], responses[half:], device, packed=PACKED,
+    return [fw.micro_batch_inputs(tokens[:half], responses[:half], device, packed=PACKED, sample_indices=list(range(half))),
+            fw.micro_batch_inputs(tokens[half:], responses[half:], device, packed=PACKED,
                                   sample_indices=list(range(half, len(tokens))))]
 
 

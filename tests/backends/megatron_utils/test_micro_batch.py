@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime.backends.megatron_utils.model import micro_batch_inputs, response_logits
+from slime.backends.megatron_utils.forward import micro_batch_inputs, response_logits
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,7 +69,7 @@ def test_bad_response_lengths_are_refused():
 
 PACKED_CHECK = """
 import torch
-from slime.backends.megatron_utils.model import micro_batch_inputs
+from slime.backends.megatron_utils.forward import micro_batch_inputs
 tokens = [torch.arange(10, 17), torch.arange(20, 24), torch.arange(30, 39)]
 inputs = micro_batch_inputs(tokens, [3, 2, 5], "cpu", packed=True, pad_multiple=8)
 expected = torch.cat([t[-r:] for t, r in zip(tokens, [3, 2, 5])])
