@@ -28,6 +28,8 @@ import random
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron_utils.offload import inner_optimizers
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
 __all__ = ["LATEST_FILE", "iteration_dir", "read_latest_iteration", "resolve_checkpoint", "CheckpointChoice",
@@ -132,32 +134,23 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _inner_optimizers(optimizer):
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is not None:
-            yield inner
-
-
 def _adam_step(optimizer) -> float | None:
     """The optimizer's step count (torch Adam keeps one per parameter state; all equal)."""
-    steps = {float(state["step"]) for inner in _inner_optimizers(optimizer) for state in inner.state.values() if "step" in state}
-    steps |= {float(group["step"]) for inner in _inner_optimizers(optimizer) for group in inner.param_groups if "step" in group}
+    holders = [h for inner in inner_optimizers(optimizer) for h in (*inner.state.values(), *inner.param_groups)]
+    steps = {float(h["step"]) for h in holders if "step" in h}
     return max(steps) if steps else None
 
 
 def _set_adam_step(optimizer, step: float) -> None:
     """Megatron-Core's distributed-optimizer load (without Apex/Transformer Engine) leaves torch
     Adam's per-parameter ``step`` at the 1 of the dummy step that allocated the state, so the bias
-    correction of the first resumed update would be wrong; the saved count is put back."""
-    for inner in _inner_optimizers(optimizer):
-        for state in inner.state.values():
-            if "step" in state:
-                value = state["step"]
-                state["step"] = torch.full_like(value, step) if isinstance(value, torch.Tensor) else step
-        for group in inner.param_groups:
-            if "step" in group:
-                group["step"] = type(group["step"])(step) if not isinstance(group["step"], torch.Tensor) else torch.full_like(group["step"], step)
+    correction of the first resumed update would be wrong; the saved count is put back (per
+    parameter state, and in the param groups where Transformer Engine's Adam keeps it)."""
+    for inner in inner_optimizers(optimizer):
+        for holder in (*inner.state.values(), *inner.param_groups):
+            value = holder.get("step")
+            if value is not None:
+                holder["step"] = torch.full_like(value, step) if isinstance(value, torch.Tensor) else type(value)(step)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer=None, scheduler=None, global_step: int = 0) -> str:

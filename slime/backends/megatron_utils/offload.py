@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["offload_to_host", "onload_from_host"]
+__all__ = ["offload_to_host", "onload_from_host", "inner_optimizers"]
 
 
-def _optimizer_states(optimizer):
+def inner_optimizers(optimizer):
+    """The torch optimizers inside a Megatron-Core optimizer (chained or not)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is not None:
-            yield from inner.state.values()
+            yield inner
+
+
+def _optimizer_states(optimizer):
+    for inner in inner_optimizers(optimizer):
+        yield from inner.state.values()
 
 
 def offload_to_host(ddp_model, optimizer) -> dict:

@@ -88,8 +88,13 @@ def main() -> None:
     result["rollout1_steps"] = worker.get_step_metrics()
     result["rollout1_ppo_kl"] = [m.get("train/ppo_kl") for m in worker.get_step_metrics()]
     result["weights"] = weight_sums(worker)
+    finish(result, cli.out, rank)
+
+
+def finish(result: dict, out: str, rank: int) -> None:
+    """Rank 0 writes ``result`` as JSON to ``out``; every rank leaves the process group."""
     if rank == 0:
-        with open(cli.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
@@ -98,11 +103,10 @@ def main() -> None:
 def optimizer_summary(optimizer) -> dict:
     """What a resume must restore of the optimizer: each param group's lr/step and the sums of
     every Adam state tensor (so a diverging resume names the part that differs)."""
+    from slime.backends.megatron_utils.offload import inner_optimizers
+
     out = {}
-    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
+    for i, inner in enumerate(inner_optimizers(optimizer)):
         out[f"opt{i}_groups"] = [{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else str(v))
                                   for k, v in g.items() if k != "params"} for g in inner.param_groups]
         sums: dict = {}
@@ -190,11 +194,7 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
         # what the perturbed routers would have chosen themselves: must differ, or the check shows nothing
         "train_own_choice_differs": sum(int((c[3] != c[2]).any(-1).sum()) for c in train_pass),
     }
-    if rank == 0:
-        with open(cli.out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, cli.out, rank)
 
 
 def offloaded_export_equal(worker) -> bool:

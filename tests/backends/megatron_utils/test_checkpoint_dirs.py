@@ -91,3 +91,25 @@ def test_missing_checkpoints_are_explained(tmp_path):
         resolve_checkpoint(ckpt, 9)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_checkpoint(str(tmp_path / "nowhere"))
+
+
+def test_adam_step_count_is_read_and_put_back():
+    """Resume restores torch Adam's step count (Megatron-Core's load leaves the dummy step's 1)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from slime.backends.megatron_utils.checkpoint import _adam_step, _set_adam_step
+
+    param = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.AdamW([param], lr=0.1)
+    for _ in range(2):
+        param.grad = torch.ones(3)
+        adam.step()
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)])
+    assert _adam_step(chained) == 2.0
+    adam.param_groups[0]["step"] = 1  # where Transformer Engine's Adam keeps it
+    adam.state[param]["step"] = torch.tensor(1.0)
+    _set_adam_step(chained, 2.0)
+    assert float(adam.state[param]["step"]) == 2.0 and adam.param_groups[0]["step"] == 2
+    assert isinstance(adam.state[param]["step"], torch.Tensor) and isinstance(adam.param_groups[0]["step"], int)
