@@ -75,8 +75,9 @@ def _assert_close(got, expected, dtype):
     torch.testing.assert_close(lp, lp_ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_ref, atol=2e-5, rtol=1e-5)
     assert grad.dtype == grad_ref.dtype == dtype
-    if dtype == torch.float32:
-        torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-5)
+    if dtype == torch.float32:  # two summation orders over 151,936 columns: on the H200 one element in
+        # 311M came 7.6e-5 relative off (1.2e-6 absolute); a wrong term would be off by far more
+        torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=2e-4)
     else:  # the same fp32 math rounded to bf16 once in both: a last-bit float32 difference can flip one rounding
         scale = float(grad_ref.float().abs().max())
         assert scale > 0 and float((grad.float() - grad_ref.float()).abs().max()) <= 1e-2 * scale
