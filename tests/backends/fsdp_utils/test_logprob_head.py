@@ -174,9 +174,9 @@ def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
 
 
 # ---- the fused Triton path (triton_logprob.py) against the torch path --------------------------------------
-# On the CPU these run only under Triton's interpreter, e.g.
-#   PYTHONPATH=/tmp/triton-site TRITON_INTERPRET=1 pytest tests/backends/fsdp_utils/test_logprob_head.py -k triton
-# (triton is not a dependency of the project; CI skips them). On CUDA the `gpu` tests run the compiled kernels.
+# On the CPU these run only under Triton's interpreter: `bash scripts/test.sh` runs this file a second
+# time with PYTHONPATH=.venv/triton-interpreter TRITON_INTERPRET=1 (triton is not a dependency; setup-env.sh
+# keeps a copy off the import path). On CUDA the `gpu` tests run the compiled kernels.
 
 def _triton_runs_on(device: str) -> bool:
     from slime.backends.fsdp_utils import triton_logprob

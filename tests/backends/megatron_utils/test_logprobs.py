@@ -2,10 +2,10 @@
 fused Triton path equals ``ppo_utils.compute_log_probs`` / ``compute_entropy`` in values and
 gradients, on logits whose rows are a column slice of wider rows (the vocabulary padding cut off).
 
-The Triton tests run on the CPU only under Triton's interpreter, e.g.
-    PYTHONPATH=/tmp/triton-site TRITON_INTERPRET=1 pytest tests/backends/megatron_utils/test_logprobs.py
-(triton is not a dependency of the project; CI skips them); on CUDA the ``gpu`` tests run the
-compiled kernels.
+The Triton tests run on the CPU only under Triton's interpreter: ``bash scripts/test.sh`` runs this
+file a second time with ``PYTHONPATH=.venv/triton-interpreter TRITON_INTERPRET=1`` (triton is not a
+dependency of the project; setup-env.sh keeps a copy off the import path); on CUDA the ``gpu`` tests
+run the compiled kernels.
 """
 
 import importlib.util
