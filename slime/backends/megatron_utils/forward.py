@@ -47,6 +47,16 @@ class MicroBatchInputs:
     rows_bs: torch.Tensor
     rows_sb: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
+    cp: object | None = None  # context_parallel.CPLayout of this rank under context parallelism
+
+    def gather(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """Values at this rank's response rows ``[K_local, …]`` → ``[K, …]`` in sample order (under
+        context parallelism each rank holds some of the rows; otherwise ``values`` itself)."""
+        if self.cp is None or values is None:
+            return values
+        from slime.backends.megatron_utils.context_parallel import gather_rows
+
+        return gather_rows(values, self.cp)
 
 
 def _response_positions(lengths: list[int], response_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,13 +95,19 @@ def packs_micro_batches(model: torch.nn.Module, device) -> bool:
 
 
 def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], device, packed: bool | None = None,
-                       pad_multiple: int = 1, sample_indices: list[int] | None = None) -> MicroBatchInputs:
+                       pad_multiple: int = 1, sample_indices: list[int] | None = None, cp_size: int = 1,
+                       cp_rank: int = 0) -> MicroBatchInputs:
     """Lay out ``tokens`` packed (thd: Transformer Engine's attention, or the local spec's
     :class:`~.packed_attention.PackedCoreAttention`) or right-padded ``[n, L_max]`` (causal
     attention never looks at the padding on the right, so both are exact); ``packed=None``:
     :func:`default_packed`. ``pad_multiple``: the sequence dimension is padded to a multiple of it
-    (sequence parallelism splits it over TP ranks). Everything is built on the host and goes to
-    ``device`` in one copy."""
+    (sequence parallelism splits it over TP ranks). ``cp_size > 1``: this context-parallel rank's
+    chunks of every sample (:mod:`.context_parallel`; packed, local spec). Everything is built on
+    the host and goes to ``device`` in one copy."""
+    if cp_size > 1:
+        if packed is False or pad_multiple != 1:
+            raise ValueError("context parallelism needs packed micro-batches without sequence-parallel padding")
+        return _context_parallel_inputs(tokens, list(response_lengths), device, cp_size, cp_rank, sample_indices)
     if packed is None:
         packed = default_packed(device)
     lengths = [int(t.numel()) for t in tokens]
@@ -137,6 +153,35 @@ def micro_batch_inputs(tokens: list[torch.Tensor], response_lengths: list[int], 
                             rows_bs, rows_sb, sample_indices=list(sample_indices or []))
 
 
+def _context_parallel_inputs(tokens: list[torch.Tensor], response_lengths: list[int], device, cp_size: int, cp_rank: int,
+                             sample_indices: list[int] | None) -> MicroBatchInputs:
+    from slime.backends.megatron_utils import context_parallel as cpm
+    from slime.backends.megatron_utils.packed_attention import LocalPackedSeqParams
+
+    lengths = [int(t.numel()) for t in tokens]
+    if any(r < 0 or r >= n for r, n in zip(response_lengths, lengths)):
+        raise ValueError(f"response lengths {response_lengths} must be in [0, len(tokens)) for lengths {lengths}")
+    cp = cpm.layout(lengths, response_lengths, cp_size, cp_rank)
+    padded = cpm.padded_lengths(lengths, cp_size)
+    flat = torch.cat([torch.cat([t.long(), torch.zeros(m - n, dtype=torch.long)]) for t, n, m in zip(tokens, lengths, padded)])
+    sample_start = torch.cumsum(torch.tensor([0] + padded[:-1]), 0)
+    where = sample_start[cp.sample_of] + cp.positions  # each local token's index in ``flat``
+    first = torch.tensor([n - r - 1 for n, r in zip(lengths, response_lengths)])
+    last = torch.tensor(lengths) - 2
+    rows = torch.nonzero((cp.positions >= first[cp.sample_of]) & (cp.positions <= last[cp.sample_of])).reshape(-1)
+    pieces = {"input_ids": flat[where][None], "position_ids": cp.positions[None], "targets": flat[where[rows] + 1],
+              "rows": rows, "kv_index": cp.kv_index, "cu_q": cp.cu_q, "cu_k": cp.cu_k, "gather_index": cp.gather_index}
+    on_device = dict(zip(pieces, torch.cat([p.reshape(-1).long() for p in pieces.values()]).to(device).split(
+        [p.numel() for p in pieces.values()])))
+    cp.kv_index, cp.gather_index = on_device["kv_index"], on_device["gather_index"]
+    cp.cu_q, cp.cu_k = on_device["cu_q"].int(), on_device["cu_k"].int()
+    params = LocalPackedSeqParams(qkv_format="thd", max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp=cp)
+    rows = on_device["rows"]
+    return MicroBatchInputs(on_device["input_ids"].view(1, -1), on_device["position_ids"].view(1, -1), params,
+                            [int(x) for x in sample_start], lengths, list(response_lengths), on_device["targets"], rows, rows,
+                            sample_indices=list(sample_indices or []), cp=cp)
+
+
 def run_model(model: torch.nn.Module, inputs: MicroBatchInputs, all_positions: bool = False) -> torch.Tensor:
     """``GPTModel.forward`` on one micro-batch. On the last pipeline stage: the output layer's
     result (TP-gathered, vocabulary padding included) at the K response rows only, ``[K, V_padded]``
@@ -147,7 +192,7 @@ def run_model(model: torch.nn.Module, inputs: MicroBatchInputs, all_positions: b
     if rows_only:
         kwargs.update(output_processor=_response_rows_output, output_processor_context=inputs.rows_sb)
     rotary = contextlib.nullcontext()
-    if inputs.packed_seq_params is not None and not have_transformer_engine():
+    if inputs.packed_seq_params is not None and (inputs.cp is not None or not have_transformer_engine()):
         from slime.backends.megatron_utils.packed_attention import per_token_rotary, supports_packing
 
         if not supports_packing(unwrap(model)):

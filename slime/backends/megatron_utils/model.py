@@ -108,7 +108,8 @@ def _layer_spec(args, config, vp_stage: int | None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    use_te = have_transformer_engine()
+    # context parallelism runs through the local spec's PackedCoreAttention (context_parallel.py)
+    use_te = have_transformer_engine() and (getattr(args, "context_parallel_size", 1) or 1) == 1
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                           vp_stage=vp_stage)

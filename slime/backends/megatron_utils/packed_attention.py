@@ -41,19 +41,38 @@ class LocalPackedSeqParams(PackedSeqParams):
 
     sample_cu_seqlens: torch.Tensor | None = None
     sample_lengths: list[int] | None = None
+    cp: object | None = None  # context_parallel.CPLayout: this rank's chunks under context parallelism
 
 
 class PackedCoreAttention(DotProductAttention):
-    """``DotProductAttention`` that also takes a packed row (see the module docstring)."""
+    """``DotProductAttention`` that also takes a packed row (see the module docstring), and attends
+    across context-parallel ranks (:mod:`.context_parallel`)."""
+
+    def __init__(self, config, *args, **kwargs):
+        # DotProductAttention refuses context parallelism (only Transformer Engine's does it); this
+        # class does it for packed rows itself
+        context_parallel_size = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = context_parallel_size
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if self.config.context_parallel_size > 1 and getattr(packed_seq_params, "cp", None) is None:
+            raise ValueError("under context parallelism every micro-batch must be packed with its CP layout "
+                             "(slime.backends.megatron_utils.forward.micro_batch_inputs(..., cp_size=, cp_rank=))")
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
         if not isinstance(packed_seq_params, LocalPackedSeqParams):
             raise ValueError(f"{type(self).__name__} takes packed rows described by LocalPackedSeqParams "
                              f"(slime.backends.megatron_utils.model.micro_batch_inputs), got {type(packed_seq_params).__name__}")
         dtype = self._flash_dtype(query)
+        if packed_seq_params.cp is not None:
+            from slime.backends.megatron_utils import context_parallel
+
+            return context_parallel.attention(query, key, value, packed_seq_params.cp, self._unscaled_softmax_scale(), dtype)
         if dtype is not None:
             return self._varlen(query, key, value, packed_seq_params, dtype)
         return self._per_sample(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
@@ -72,14 +91,17 @@ class PackedCoreAttention(DotProductAttention):
     def _varlen(self, query, key, value, params: LocalPackedSeqParams, dtype) -> torch.Tensor:
         from slime.backends.fsdp_utils.varlen_attention import varlen_attention_forward
 
-        # DotProductAttention divides its scale by the layer number when it scales its softmax by it
-        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        scale = self._unscaled_softmax_scale()
         as_heads_first = lambda t: t.to(dtype).transpose(0, 1).unsqueeze(0)  # [T, h, d] -> [1, h, T, d]
         out, _ = varlen_attention_forward(self, as_heads_first(query), as_heads_first(key), as_heads_first(value), None,
                                           scaling=scale, cu_seq_lens_q=params.sample_cu_seqlens,
                                           cu_seq_lens_k=params.sample_cu_seqlens,
                                           max_length_q=params.max_seqlen_q, max_length_k=params.max_seqlen_kv)
         return out[0].reshape(out.shape[1], 1, -1)  # [T, 1, h·d]
+
+    def _unscaled_softmax_scale(self) -> float:
+        # DotProductAttention divides its scale by the layer number when it scales its softmax by it
+        return self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
 
     def _per_sample(self, query, key, value, attn_mask_type, attention_bias, params: LocalPackedSeqParams) -> torch.Tensor:
         outputs, start = [], 0
@@ -133,7 +155,8 @@ def per_token_rotary(gpt: torch.nn.Module, position_ids: torch.Tensor):
     positions = position_ids.reshape(-1)
 
     def per_token(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        table = table_of(rotary, max_seq_len, offset, packed_seq=False, cp_group=cp_group)  # [S, 1, 1, d]
+        # packed_seq=True: the whole table (Megatron would otherwise cut it per context-parallel rank)
+        table = table_of(rotary, max_seq_len, offset, packed_seq=True, cp_group=cp_group)  # [S, 1, 1, d]
         return table.reshape(table.shape[0], 1, table.shape[-1])[positions]
 
     rotary.forward = per_token

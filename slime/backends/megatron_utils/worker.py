@@ -24,13 +24,15 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
 * MoE routing replay (``--use-routing-replay``, ``--use-rollout-routing-replay``):
   :mod:`~slime.backends.megatron_utils.routing_replay`.
 
-Parallelism supported by this worker: data, tensor, pipeline (non-interleaved 1F1B) and expert
-parallel. The ranks of one model-parallel group (TP × PP) compute one model together, so the
+Parallelism supported by this worker: data, tensor, pipeline (non-interleaved 1F1B), expert and
+context parallel. The ranks of one model-parallel group (TP × PP) compute one model together, so the
 rollout shards of the group are merged and all of them train on the union
 (:mod:`~slime.backends.megatron_utils.data`); the last stage's log-probs are broadcast to the
-other stages, so every rank of the group holds the same rollout data. Refused with an explicit
-error: context parallelism (CP slicing of the packed sequences is not written), virtual pipeline
-stages, ``--rollout-top-p`` < 1 (no nucleus renormalisation here) and ``--keep-old-actor``.
+other stages, so every rank of the group holds the same rollout data. Context parallelism:
+:mod:`~slime.backends.megatron_utils.context_parallel` (packed CP chunks, K/V all-gathered, the
+response-row values gathered back so every CP rank computes the same loss). Refused with an explicit
+error: virtual pipeline stages, ``--rollout-top-p`` < 1 (no nucleus renormalisation here),
+``--keep-old-actor``, and CP together with a custom loss, routing replay or sequence parallelism.
 """
 
 from __future__ import annotations
@@ -93,9 +95,14 @@ class MegatronTrainWorker(FSDPTrainWorker):
         if role not in ("actor", "critic"):
             raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
         args = copy.copy(apply_megatron_config(args, role))
+        cp = args.context_parallel_size > 1
         refused = {
-            f"--context-parallel-size {args.context_parallel_size} (CP slicing of packed sequences is not written; "
-            f"use tensor/pipeline parallelism or --train-backend fsdp)": args.context_parallel_size > 1,
+            "--context-parallel-size > 1 with --loss-type custom_loss (the custom loss reads every position's logits; "
+            "under CP each rank holds a part of each sample)": cp and args.loss_type == "custom_loss",
+            "--context-parallel-size > 1 with MoE routing replay (the replayed experts are laid out per sample, not per "
+            "CP chunk)": cp and (getattr(args, "use_routing_replay", False) or getattr(args, "use_rollout_routing_replay", False)),
+            "--context-parallel-size > 1 with --sequence-parallel (not combined yet; CP runs on the local layer spec)":
+                cp and getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1,
             f"--virtual-pipeline-model-parallel-size {getattr(args, 'virtual_pipeline_model_parallel_size', None)} "
             f"(the trainer builds one model chunk per stage)": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
             f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
@@ -251,6 +258,14 @@ class MegatronTrainWorker(FSDPTrainWorker):
                 + "); or split the experts with --expert-model-parallel-size and keep TP at 1")
         model = self._build_model(trainable=True)
         self.packed = fw.packs_micro_batches(model, self.device)
+        if args.context_parallel_size > 1:
+            from slime.backends.megatron_utils.packed_attention import supports_packing
+
+            if not supports_packing(mm.unwrap(model)):
+                raise ValueError(f"--context-parallel-size {args.context_parallel_size} needs the attention of "
+                                 "slime.backends.megatron_utils.model.model_provider (PackedCoreAttention, RoPE); "
+                                 "--custom-model-provider-path gave a model without it")
+            self.packed = True  # CP chunks are packed rows (exact attention where flash attention does not run)
         if getattr(args, "use_routing_replay", False):
             if not self.layout.num_experts:
                 raise ValueError("--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
@@ -283,9 +298,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
         the response."""
         tokens = [rollout_data["tokens"][i] for i in micro_batch]
         responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
+        from megatron.core import parallel_state as ps
+
         pad = self._tp_size() if self.args.sequence_parallel else 1
         return fw.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
-                                     sample_indices=micro_batch)
+                                     sample_indices=micro_batch, cp_size=ps.get_context_parallel_world_size(),
+                                     cp_rank=ps.get_context_parallel_rank())
 
     @torch.no_grad()
     def _forward_only(self, model, rollout_data: dict, with_entropy: bool = False, values: bool = False):
@@ -302,12 +320,12 @@ class MegatronTrainWorker(FSDPTrainWorker):
         def collect(inputs: fw.MicroBatchInputs, logits: torch.Tensor):
             zero = torch.zeros((), device=logits.device)
             if values:  # the value head's one column: V at the positions predicting response tokens
-                return zero, (logits[:, 0].float().cpu(), None)
+                return zero, (inputs.gather(logits[:, 0].float()).cpu(), None)
             log_probs, entropy = log_probs_and_entropy(logits, inputs.targets, temperature, with_entropy=with_entropy,
                                                        entropy_grad=False)
             if entropy is None:
-                return zero, (log_probs.cpu(), None)
-            both = torch.stack([log_probs, entropy]).cpu()  # one device-to-host copy
+                return zero, (inputs.gather(log_probs).cpu(), None)
+            both = inputs.gather(torch.stack([log_probs, entropy], dim=1)).T.cpu()  # one device-to-host copy
             return zero, (both[0], both[1])
 
         around = None
@@ -386,10 +404,27 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return ps.get_tensor_model_parallel_world_size()
 
     def _mp_size(self) -> int:
-        """Ranks of one model-parallel group (TP × PP): they hold the same samples."""
+        """Ranks that hold the same samples: one model-parallel group (TP × PP) and its context-parallel peers."""
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+        return (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+                * ps.get_context_parallel_world_size())
+
+    def _same_samples_group(self):
+        """The process group of the :meth:`_mp_size` ranks that hold the same samples (Megatron's
+        model-parallel group, widened by the context-parallel ranks when CP > 1)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_context_parallel_world_size() == 1:
+            return ps.get_model_parallel_group()
+        if getattr(self, "_samples_group", None) is None:
+            dp_ranks: list = [None] * dist.get_world_size()
+            dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+            for dp_rank in sorted(set(dp_ranks)):  # every rank creates every group, in the same order
+                group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp_rank])
+                if dp_rank == ps.get_data_parallel_rank():
+                    self._samples_group = group
+        return self._samples_group
 
     def _merge_model_parallel_shards(self, rollout_data: dict, with_own_slice: bool = False):
         """The ranks of a model-parallel group received different shards from the rollout manager;
@@ -401,7 +436,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
         if self._mp_size() == 1:
             return (rollout_data, slice(None)) if with_own_slice else rollout_data
-        group = ps.get_model_parallel_group()
+        group = self._same_samples_group()
         shards: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(shards, rollout_data, group=group)
         merged = merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
@@ -440,8 +475,11 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return self.routing.replay(targets)
 
     def _all_reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
-        # the loss sums exist on the last pipeline stage only, where the TP peers hold the same ones
-        return {k: v / self._tp_size() for k, v in super()._all_reduce_sums(sums, normaliser).items()}
+        # the loss sums exist on the last pipeline stage only, where the TP and CP peers hold the same ones
+        from megatron.core import parallel_state as ps
+
+        peers = self._tp_size() * ps.get_context_parallel_world_size()
+        return {k: v / peers for k, v in super()._all_reduce_sums(sums, normaliser).items()}
 
     def _loss(self, rollout_data: dict, inputs: fw.MicroBatchInputs, logits: torch.Tensor):
         """(S-reduced loss, metric sums) of one micro-batch from its response logits ``[K, V]`` (in
@@ -453,11 +491,13 @@ class MegatronTrainWorker(FSDPTrainWorker):
         reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"], batch["rollout_mask_sums"],
                                                     args.calculate_per_token_loss)
         if self.role == "critic":
-            return ppo_utils.value_loss_function(args, batch, logits[:, 0].float(), reducer)
+            return ppo_utils.value_loss_function(args, batch, inputs.gather(logits[:, 0].float()), reducer)
         if args.loss_type == "custom_loss":
             return load_function(args.custom_loss_function_path)(args, batch, logits.float()[None], reducer)
         log_probs, entropy = log_probs_and_entropy(logits, inputs.targets, args.rollout_temperature,
                                                    entropy_grad=args.entropy_coef != 0)
+        # under context parallelism: every CP rank gets the whole micro-batch's values and computes the same loss
+        log_probs, entropy = inputs.gather(log_probs), inputs.gather(entropy)
         if args.loss_type == "sft_loss":
             return ppo_utils.sft_loss_function(args, batch, log_probs, reducer)
         return ppo_utils.policy_loss_function(args, batch, log_probs, entropy, reducer, self._pg_reducer(batch),

@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (packed micro-batches only)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--no-grads", action="store_true")
     parser.add_argument("--padded", action="store_true", help="right-padded micro-batches on the trainer's path (default: packed)")
@@ -63,7 +64,8 @@ def main() -> None:
     from slime.utils.arguments import get_parser
 
     dist.init_process_group("nccl" if cuda else "gloo")
-    ps.initialize_model_parallel(cli.tp, cli.pp, expert_model_parallel_size=cli.ep, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(cli.tp, cli.pp, context_parallel_size=cli.cp, expert_model_parallel_size=cli.ep,
+                                 expert_tensor_parallel_size=1)
     if cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -72,6 +74,7 @@ def main() -> None:
     parser_, _ = get_parser(parse_sglang=False)
     args = parser_.parse_args(["--rollout-batch-size", "1", "--num-rollout", "1", "--tensor-model-parallel-size", str(cli.tp),
                                "--pipeline-model-parallel-size", str(cli.pp), "--expert-model-parallel-size", str(cli.ep),
+                               "--context-parallel-size", str(cli.cp),
                                "--expert-tensor-parallel-size", "1", "--hf-checkpoint", cli.hf_dir])
     hf_config = load_hf_config(cli.hf_dir)
     fill_model_args(args, hf_config)
@@ -91,7 +94,7 @@ def main() -> None:
     layout = mm.layout_for(args, hf_config)
     mm.load_hf_weights(model, cli.hf_dir, layout)
 
-    result = {"tp": cli.tp, "pp": cli.pp, "ep": cli.ep, "packed": PACKED, "device": device.type, "model_type": hf_config["model_type"],
+    result = {"tp": cli.tp, "pp": cli.pp, "ep": cli.ep, "cp": cli.cp, "packed": PACKED, "device": device.type, "model_type": hf_config["model_type"],
               "vocab_size": layout.vocab_size, "padded_vocab_size": layout.padded_vocab_size,
               "transformer_engine": mm.have_transformer_engine()}
     result.update(roundtrip(model, layout, cli.hf_dir, hf_config))
@@ -104,7 +107,8 @@ def main() -> None:
     tokens = [torch.randint(0, hf_config["vocab_size"], (n,), generator=generator) for n in lengths]
     weights = [torch.randn(r, generator=generator) for r in responses]
     model.eval()
-    result.update(layer_diffs(model, hf, tokens, responses, layout, device))
+    if cli.cp == 1:  # (one sample at a time through the padded layout: not a context-parallel layout)
+        result.update(layer_diffs(model, hf, tokens, responses, layout, device))
     result.update(logprob_parity(model, hf, tokens, responses, layout, device, cuda))
     if not cli.no_grads:
         model.train()
@@ -193,12 +197,15 @@ PACKED = True  # the layout of the trainer's path (--padded)
 
 
 def _trainer_batches(tokens, responses, device):
+    from megatron.core import parallel_state as ps
+
     from slime.backends.megatron_utils import forward as fw
 
     half = len(tokens) // 2
-    return [fw.micro_batch_inputs(tokens[:half], responses[:half], device, packed=PACKED, sample_indices=list(range(half))),
+    cp = dict(cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
+    return [fw.micro_batch_inputs(tokens[:half], responses[:half], device, packed=PACKED, sample_indices=list(range(half)), **cp),
             fw.micro_batch_inputs(tokens[half:], responses[half:], device, packed=PACKED,
-                                  sample_indices=list(range(half, len(tokens))))]
+                                  sample_indices=list(range(half, len(tokens))), **cp)]
 
 
 OUTPUT_LAYER_ROWS: list[int] = []
@@ -210,7 +217,7 @@ def _megatron_log_probs(model, tokens, responses, layout, device, autocast) -> t
     from slime.utils import ppo_utils
 
     def collect(inputs, logits):
-        return logits.new_zeros(()), ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0).cpu()
+        return logits.new_zeros(()), inputs.gather(ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0)).cpu()
 
     gpt = mm.unwrap(model)
     rows: list[int] = []  # hidden-state rows the output layer is run on, per micro-batch (last stage)
@@ -292,10 +299,15 @@ def grad_parity(model, hf, tokens, responses, weights, layout, device) -> dict:
     ddp.zero_grad_buffer()
     w = {i: weights[i].to(device) for i in range(len(tokens))}
 
+    # Megatron's DDP averages the gradients over the data- and context-parallel ranks; here every
+    # data-parallel rank (the EP=2 case) runs the same samples, while the CP ranks' gradients are
+    # parts of one sum (the trainer's loss carries the whole factor, its DP ranks run different samples)
+    scale = ps.get_context_parallel_world_size()
+
     def loss_fn(inputs, logits):
-        log_probs = ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0)
+        log_probs = inputs.gather(ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0))
         weight = torch.cat([w[i] for i in inputs.sample_indices])
-        return (log_probs * weight).sum(), None
+        return (log_probs * weight).sum() * scale, None
 
     pipeline.forward_backward(ddp, _trainer_batches(tokens, responses, device), loss_fn, forward_only=False,
                               vocab_size=layout.vocab_size)

@@ -229,6 +229,21 @@ def offloaded_export_equal(worker) -> bool:
     return before.keys() == after.keys() and len(before) > 0 and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def gather_reduced_grad_shards(ddp) -> None:
+    """With the distributed optimizer, finalize_model_grads reduce-scatters the gradient buffers:
+    each data(-and-context)-parallel rank then holds only its shard of the reduced gradient. Put
+    the shards together on every rank (as the optimizer's all-gather does for the weights)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        group = buffer.data_parallel_group
+        if group.size() == 1:
+            continue
+        for bucket in buffer.buckets:
+            shards = shard_buffer(bucket.grad_data, group.size())
+            dist.all_gather(shards, shards[group.rank()].clone(), group=group)
+
+
 def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     """compute_log_probs + advantages + the first optimizer step's forward/backward and
     finalize_model_grads, through the worker's own code; records per-sample log-probs (the
@@ -251,6 +266,7 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     worker.ddp_model.zero_grad_buffer()
     sums, _, _ = worker.forward_backward(prepared, 0)
     finalize_model_grads([worker.ddp_model])
+    gather_reduced_grad_shards(worker.ddp_model)
     metrics = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
     rollout = worker._rollout_metrics(prepared) if cli.role == "actor" else {}
     # gradients in the HF layout: the same export path as the weights, applied to main_grad

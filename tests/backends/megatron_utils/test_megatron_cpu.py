@@ -22,13 +22,14 @@ import megatron_cpu  # noqa: E402
 CHECK = HERE / "megatron_parity_check.py"
 
 
-def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, padded: bool = False) -> dict:
+def _run(hf_dir: str, out: Path, tp: int = 1, pp: int = 1, ep: int = 1, padded: bool = False, cp: int = 1) -> dict:
     path = megatron_cpu.pythonpath()
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * ep), "--standalone",
-               str(CHECK), "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp * ep * cp), "--standalone",
+               str(CHECK), "--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp),
+               "--out", str(out)]
     command += ["--padded"] if padded else []
     proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -50,6 +51,18 @@ def test_megatron_matches_hf_on_cpu(tiny_model_dir, tmp_path, tp, pp, padded):
     assert result["output_layer_rows"] == 50, result
     # every parameter shard's gradient, incl. the qk-layernorm weights TP ranks share and the tied
     # embedding both end stages hold
+    assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
+
+
+def test_context_parallel_matches_hf_on_cpu(tiny_model_dir, tmp_path):
+    """CP=2: each rank holds two of the four chunks of every sample (padded to a multiple of 4),
+    attends to the keys and values gathered from both ranks, and the response log-probs gathered
+    back — and the gradients summed over the two ranks — equal HF's."""
+    result = _run(str(tiny_model_dir), tmp_path / "result.json", cp=2)
+    assert result["cp"] == 2 and result["packed"]
+    assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
+    assert result["num_tokens"] == 96 and result["logprob_fp32_max_abs"] < 1e-4, result
+    assert 0 < result["output_layer_rows"] < 50, result  # each rank ran the output layer on its share of the rows
     assert result["grad_tensors"] >= 34 and result["grad_max_rel"] < 1e-4, result
 
 
@@ -128,6 +141,29 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
         assert two["rollout"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 30
     assert sum(float(g.abs().sum()) for g in one["grads"].values()) > 0
+    for name, grad in one["grads"].items():
+        assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
+
+
+def test_worker_context_parallel_equals_one_rank(tiny_model_dir, tmp_path):
+    """MegatronTrainWorker at CP=2 (shards merged over the two CP ranks, each sample's chunks split
+    between them, K/V gathered, the response values gathered back): the same per-sample log-probs,
+    step metrics and reduced gradients as one rank."""
+    import torch
+
+    one = _worker_pass(str(tiny_model_dir), tmp_path, 1)
+    two = _worker_pass(str(tiny_model_dir), tmp_path, 2, "--context-parallel-size", "2", name="cp")
+    assert len(one["log_probs"]) == 8 and sorted(one["log_probs"]) == sorted(two["log_probs"])
+    for sample, values in one["log_probs"].items():
+        assert values == pytest.approx(two["log_probs"][sample], abs=1e-5), sample
+        assert values == pytest.approx(two["direct"][sample], abs=1e-5), sample
+    assert two["metrics"]["ppo_kl"] == 0.0
+    assert two["offloaded_export_equal"]
+    for key, value in one["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for key, value in one["rollout"].items():
+        assert two["rollout"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 30
     for name, grad in one["grads"].items():
         assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
 

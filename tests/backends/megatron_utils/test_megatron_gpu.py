@@ -39,7 +39,7 @@ What each check shows (``MEGATRON <check>: ...`` lines):
   steps each), ``ppo_kl`` exactly 0 at each rollout's first step, offload/onload, save, and a
   resume from the checkpoint that reproduces rollout 1's metrics and weights exactly; the same for
   the PPO critic (value head included in the checkpoint and the weights compared).
-* ``pp2-vs-1gpu`` — rollout 0 at PP=2 equals the one-GPU run within bf16 tolerance.
+* ``pp2-vs-1gpu`` / ``cp2-vs-1gpu`` — rollout 0 at PP=2 / CP=2 equals the one-GPU run within bf16 tolerance.
 * ``routing-replay[...]`` — MoE routing replay (R2: recorded in the π_old pass; R3: the engine's
   per-token experts) is what the training forward uses after the routers were perturbed.
 * ``conversion-tools`` — tools/convert_hf_to_torch_dist.py then convert_torch_dist_to_hf.py give
@@ -137,7 +137,8 @@ def qwen3_moe(tmp_path_factory):
 PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("1gpu-dense-tp1-padded", "qwen3_dense", 1, 1, 1),
           ("2gpu-dense-tp2", "qwen3_dense", 2, 1, 1),
           ("2gpu-dense-pp2", "qwen3_dense", 1, 2, 1), ("1gpu-moe", "qwen3_moe", 1, 1, 1),
-          ("2gpu-moe-ep2", "qwen3_moe", 1, 1, 2), ("2gpu-moe-pp2", "qwen3_moe", 1, 2, 1)]
+          ("2gpu-moe-ep2", "qwen3_moe", 1, 1, 2), ("2gpu-moe-pp2", "qwen3_moe", 1, 2, 1),
+          ("2gpu-dense-cp2", "qwen3_dense", 1, 1, 1)]  # context parallel: CP=2 from the case name
 # (an MoE at TP=2 needs sequence parallelism, hence Transformer Engine: refused on the lent machine;
 # the MoE at PP=2 runs only here: on the CPU MoE models use fixed sequence lengths)
 
@@ -145,20 +146,24 @@ PARITY = [("1gpu-dense-tp1", "qwen3_dense", 1, 1, 1), ("1gpu-dense-tp1-padded", 
 @pytest.mark.parametrize("case,hf,tp,pp,ep", PARITY, ids=[p[0] for p in PARITY])
 def test_parity_with_hf(request, tmp_path, case, hf, tp, pp, ep):
     out = tmp_path / "result.json"
-    _torchrun(CHECK, tp * pp * ep, "--hf-dir", request.getfixturevalue(hf), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-              "--out", str(out), *(["--padded"] if case.endswith("-padded") else []))
+    cp = 2 if case.endswith("-cp2") else 1
+    _torchrun(CHECK, tp * pp * ep * cp, "--hf-dir", request.getfixturevalue(hf), "--tp", str(tp), "--pp", str(pp),
+              "--ep", str(ep), "--cp", str(cp), "--out", str(out), *(["--padded"] if case.endswith("-padded") else []))
     r = json.loads(out.read_text())
     bad = len(r["roundtrip_mismatches"]) + len(r["roundtrip_missing"]) + len(r["roundtrip_extra"])
     _report(f"parity[{case}]: {'thd' if r['packed'] else 'padded'} vocab {r['vocab_size']}->{r['padded_vocab_size']} roundtrip_bad={bad} "
             f"fp32 lp max {r['logprob_fp32_max_abs']:.2e} mean {r['logprob_fp32_mean_abs']:.1e} (std {r['logprob_std']:.2f}) | "
             f"bf16 lp max {r['logprob_max_abs']:.3f} mean {r['logprob_mean_abs']:.4f} (HF bf16 drift {r['hf_bf16_vs_fp32_mean_abs']:.4f} "
             f"max {r['hf_bf16_vs_fp32_max_abs']:.3f}; Megatron bf16 vs HF fp32 max {r['logprob_vs_fp32_max_abs']:.3f}) | "
-            f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r['layer_max_abs']]} "
-            f"logits {r['logits_max_abs']:.1e}")
+            f"grad rel {r['grad_max_rel']:.1e} worst {r['grad_worst'][:2]} | layers {[f'{x:.1e}' for x in r.get('layer_max_abs', [])]} "
+            f"logits {r.get('logits_max_abs', float('nan')):.1e} | output-layer rows {r['output_layer_rows']}")
     assert bad == 0, r
     # the trainer's path is packed (varlen flash attention without Transformer Engine) unless asked to pad
     assert r["packed"] == (not case.endswith("-padded")), r
-    assert r["output_layer_rows"] == 50, r  # the LM head ran on the first micro-batch's 20 + 30 response rows only
+    if cp == 1:
+        assert r["output_layer_rows"] == 50, r  # the LM head ran on the first micro-batch's 20 + 30 response rows only
+    else:  # each CP rank ran it on its own share of those rows
+        assert 0 < r["output_layer_rows"] < 50, r
     assert r["logprob_std"] > 1.0, r  # the log-probs spread over nats: a wrong layout would be far off
     assert r["logprob_fp32_max_abs"] < 2e-3, r
     assert r["logprob_mean_abs"] < max(0.06, 3 * r["hf_bf16_vs_fp32_mean_abs"]), r
@@ -183,6 +188,7 @@ WORKER_CASES = {"1gpu-dp1": (1, ()), "2gpu-dp2": (2, ()),
                 # sequence parallelism needs Transformer Engine's (or Apex's) norms, absent on the lent machine
                 "2gpu-tp2": (2, ("--tensor-model-parallel-size", "2")),
                 "2gpu-pp2": (2, ("--pipeline-model-parallel-size", "2")),
+                "2gpu-cp2": (2, ("--context-parallel-size", "2")),
                 "2gpu-critic-pp2": (2, ("--role", "critic", "--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2"))}
 _WORKER_RESULTS: dict = {}
 
@@ -235,15 +241,16 @@ def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, worker_root, case):
     assert a["latest"] == "0"
 
 
-def test_2gpu_pipeline_parallel_train_step_equals_one_gpu(tiny_dir, worker_root):
-    """Rollout 0 at PP=2 (schedule 1F1B, stages on two GPUs) vs one GPU: the same samples, so the
-    same metrics up to bf16 rounding (the merge, the schedule, the loss scaling and the gradient
-    reductions are all on the path)."""
+@pytest.mark.parametrize("case", ["2gpu-pp2", "2gpu-cp2"])
+def test_2gpu_model_parallel_train_step_equals_one_gpu(tiny_dir, worker_root, case):
+    """Rollout 0 at PP=2 (schedule 1F1B, stages on two GPUs) or CP=2 (each sample's chunks on two
+    GPUs) vs one GPU: the same samples, so the same metrics up to bf16 rounding (the merge, the
+    schedule, the loss scaling and the gradient reductions are all on the path)."""
     one, _ = _worker_runs("1gpu-dp1", tiny_dir, worker_root)
-    two, _ = _worker_runs("2gpu-pp2", tiny_dir, worker_root)
+    two, _ = _worker_runs(case, tiny_dir, worker_root)
     keys = ["rollout/log_probs", "rollout/advantages", "train/entropy_loss", "train/pg_loss", "train/grad_norm", "train/ppo_kl"]
     diffs = {k: (one["rollout0"][k], two["rollout0"][k]) for k in keys}
-    _report("pp2-vs-1gpu: " + ", ".join(f"{k} {x:.5g}/{y:.5g}" for k, (x, y) in diffs.items()))
+    _report(f"{case[5:]}-vs-1gpu: " + ", ".join(f"{k} {x:.5g}/{y:.5g}" for k, (x, y) in diffs.items()))
     for key in ("rollout/log_probs", "train/entropy_loss"):
         x, y = diffs[key]
         assert y == pytest.approx(x, rel=2e-2), key

@@ -10,7 +10,7 @@ from slime.backends.megatron_utils.worker import MegatronTrainWorker, apply_mega
 
 def _args(**kw):
     base = dict(megatron_config_path=None, lr=1e-6, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1)
+                context_parallel_size=1, loss_type="policy_loss")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -37,8 +37,11 @@ def test_megatron_config_path_errors_name_the_problem(tmp_path):
 
 
 def test_unsupported_layouts_are_refused_before_any_gpu_work():
-    with pytest.raises(NotImplementedError, match="--context-parallel-size 2"):
-        MegatronTrainWorker(_args(context_parallel_size=2))
+    # context parallelism is supported, but not with a loss over every position's logits or routing replay
+    with pytest.raises(NotImplementedError, match="--context-parallel-size > 1 with --loss-type custom_loss"):
+        MegatronTrainWorker(_args(context_parallel_size=2, loss_type="custom_loss"))
+    with pytest.raises(NotImplementedError, match="--context-parallel-size > 1 with MoE routing replay"):
+        MegatronTrainWorker(_args(context_parallel_size=2, loss_type="policy_loss", use_routing_replay=True))
     with pytest.raises(NotImplementedError, match="--virtual-pipeline-model-parallel-size 2"):
         MegatronTrainWorker(_args(virtual_pipeline_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="--rollout-top-p 0.9"):
@@ -51,5 +54,7 @@ def test_unsupported_layouts_are_refused_before_any_gpu_work():
     # pipeline parallelism and the critic are accepted now: what stops them here is the missing GPU
     with pytest.raises(RuntimeError, match="needs CUDA"):
         MegatronTrainWorker(_args(pipeline_model_parallel_size=2))
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        MegatronTrainWorker(_args(context_parallel_size=2))
     with pytest.raises(RuntimeError, match="needs CUDA"):
         MegatronTrainWorker(_args(), role="critic")
