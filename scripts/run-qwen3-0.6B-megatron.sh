@@ -3,7 +3,7 @@
 # One node: 4 GPUs train (data parallel), 4 GPUs generate (disaggregated); set COLOCATE=1 to share
 # all GPUs between training and generation. Needs megatron-core (pip install -e '.[megatron]').
 #   MODEL=/root/Qwen3-0.6B DATA=/root/dapo-math-17k.jsonl bash scripts/run-qwen3-0.6B-megatron.sh
-#   PP=2 bash scripts/run-qwen3-0.6B-megatron.sh      # two pipeline stages per model replica (TP=2 alike)
+#   PP=2 bash scripts/run-qwen3-0.6B-megatron.sh      # two pipeline stages per model replica (TP=2, CP=2 alike)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -33,8 +33,9 @@ ROLLOUT_ARGS=(
 )
 
 PERF_ARGS=(
-   # TP=2 / PP=2 split the model over 2 GPUs (tensor / pipeline stages); CP is not supported yet
-   --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" --context-parallel-size 1
+   # TP=2 / PP=2 split the model over 2 GPUs (tensor / pipeline stages); CP=2 splits every sample over
+   # 2 GPUs (long responses: each GPU then holds up to --max-tokens-per-gpu of a 2 x 9216-token micro-batch)
+   --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" --context-parallel-size "${CP:-1}"
    --use-dynamic-batch-size --max-tokens-per-gpu 9216
 )
 

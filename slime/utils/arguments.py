@@ -154,6 +154,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 12.-13.
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         raise ValueError("--use-dynamic-batch-size requires --max-tokens-per-gpu")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1 and getattr(args, "train_backend", "fsdp") != "megatron":
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size} needs --train-backend megatron "
+                         f"(the FSDP backend has no context parallelism)")
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
     if args.balance_by_flops:

@@ -222,6 +222,8 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list[dict]:
             f"{len(order)} rollouts do not fill one optimizer step of --global-batch-size {gbs} rollouts"
         )
     max_tokens = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
+    if max_tokens is not None:  # under context parallelism each GPU holds 1/CP of a micro-batch's tokens
+        max_tokens *= getattr(args, "context_parallel_size", 1) or 1
     rank_positions: list[list[int]] = [[] for _ in range(dp_size)]
     rank_micro_batches: list[list[list[int]]] = [[] for _ in range(dp_size)]
     num_microbatches, token_counts = [], []

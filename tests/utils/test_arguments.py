@@ -83,6 +83,7 @@ def test_missing_backend_library_names_install_command():
         (["--get-mismatch-metrics"], ValueError, "--get-mismatch-metrics requires --custom-tis-function-path"),  # 11
         (["--use-dynamic-batch-size"], ValueError, "--use-dynamic-batch-size requires --max-tokens-per-gpu"),  # 12
         (["--balance-by-flops"], ValueError, "--balance-by-flops requires --use-dynamic-batch-size"),  # 13
+        (["--context-parallel-size", "2"], ValueError, "--context-parallel-size 2 needs --train-backend megatron"),
         (["--save-debug-rollout-data", "x", "--save-debug-train-data", "x"], ValueError, "must not be equal"),  # 16
         (["--debug-rollout-only", "--debug-train-only"], ValueError, "cannot be combined"),  # 22
         (["--num-steps-per-rollout", "2", "--global-batch-size", "3"], ValueError, "disagrees"),  # 26

@@ -130,3 +130,18 @@ def test_split_balance_and_dynamic_batches():
     assert shards[0]["step_loss_token_counts"] == [32.0]
     with pytest.raises(ValueError, match="global-batch-size"):
         split_train_data_by_dp(make_args("--global-batch-size", "8", rbs=4, n=1), data, 1)
+
+
+def test_dynamic_batches_hold_max_tokens_per_gpu_times_cp():
+    """Under context parallelism each GPU holds 1/CP of a micro-batch: the budget per micro-batch is
+    --max-tokens-per-gpu × --context-parallel-size (INTERFACES §7.7)."""
+    lengths = [16, 2, 2, 12]
+    budgets = {}
+    for cp in (1, 2):
+        args = make_args("--num-steps-per-rollout", "1", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20", rbs=4, n=1)
+        args.context_parallel_size = cp  # (a Megatron run's; parse_args checks Megatron-Core is installed for it)
+        samples = [sample(i, i, 1.0, prompt_len=2, response_len=L) for i, L in enumerate(lengths)]
+        (shard,) = split_train_data_by_dp(args, convert_samples_to_train_data(args, samples), dp_size=1)
+        budgets[cp] = [sum(int(shard["tokens"][i].numel()) for i in mb) for mb in shard["micro_batch_indices"]]
+    assert max(budgets[1]) <= 20 and len(budgets[1]) >= 3
+    assert max(budgets[2]) <= 40 and max(budgets[2]) > 20 and len(budgets[2]) < len(budgets[1])
