@@ -63,7 +63,9 @@ def main(argv=None) -> None:
     from slime.utils.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
+        shared = [os.path.join(tmp, "model")]  # one machine: every rank reads rank 0's directory
+        dist.broadcast_object_list(shared, src=0)
+        model_dir = shared[0]
         if rank == 0:
             build_checkpoint(bench.model, model_dir)
         dist.barrier()
@@ -73,6 +75,7 @@ def main(argv=None) -> None:
         worker.init()
         device = torch.device("cuda", local_rank)
         results, shard, peak = run_workload(worker, args, bench, worker.hf_config["vocab_size"], rank, world, device)
+        dist.barrier()  # rank 0's directory outlives every rank's use of it
 
     metrics = workload_metrics(results, shard, bench, peak, device)
     if rank == 0:

@@ -141,6 +141,7 @@ def workload_metrics(results: list[dict], shard: dict, bench, peak: float, devic
     }
     if device.type == "cuda":
         metrics["mfu_vs_spec"] = tflops * 1e12 / H200_BF16_DENSE_PEAK
+        metrics["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30  # this rank's
     return metrics
 
 
