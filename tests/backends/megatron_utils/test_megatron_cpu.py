@@ -189,8 +189,10 @@ def test_worker_fused_triton_head_equals_the_torch_head(tiny_model_dir, tmp_path
         assert torch.allclose(fused["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name
 
 
-def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
-    """The Megatron critic (GPTModel + value head, no tied output layer) at PP=2 computes the same
+@pytest.mark.parametrize("parallel", [("--pipeline-model-parallel-size", "2"), ("--context-parallel-size", "2")],
+                         ids=["pp2", "cp2"])
+def test_critic_equals_the_fsdp_critic(tiny_model_dir, tmp_path, parallel):
+    """The Megatron critic (GPTModel + value head, no tied output layer) at PP=2 or CP=2 computes the same
     values V_old and the same value loss (§5.5, GAE returns) as the FSDP critic on the same weights
     and value head, and saves an HF directory with the value head the FSDP critic loads."""
     import shutil
@@ -206,8 +208,7 @@ def test_critic_at_pp2_equals_the_fsdp_critic(tiny_model_dir, tmp_path):
     generator = torch.Generator().manual_seed(3)
     save_file({"weight": torch.randn(1, 128, generator=generator) * 0.5, "bias": torch.tensor([0.3])},
               str(critic_dir / "value_head.safetensors"))
-    flags = ("--role", "critic", "--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2",
-             "--save-hf", str(tmp_path / "saved"))
+    flags = ("--role", "critic", "--advantage-estimator", "ppo", *parallel, "--save-hf", str(tmp_path / "saved"))
     megatron = _worker_pass(str(critic_dir), tmp_path, 2, *flags)
 
     ensure_single_rank_group()
