@@ -46,7 +46,6 @@ class CPLayout:
     ``gather_index``: for the K response tokens in sample order, their row in the CP-gathered
     ``[CP · max(rows_per_rank)]`` values."""
 
-    size: int
     rank: int
     positions: torch.Tensor
     sample_of: torch.Tensor
@@ -84,7 +83,7 @@ def layout(lengths: list[int], response_lengths: list[int], size: int, rank: int
     local_tokens = sum(c for _, _, c in chunks)
     # where (sample, position) lives in the gathered keys: rank ρ holds chunks ρ and 2·CP−1−ρ
     sample_start, start = [], 0
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)):
         sample_start.append(start)
         start += 2 * per_rank[rank][2 * i][2]  # 2 chunks of c tokens per sample, on every rank
     positions, sample_of = [], []
@@ -114,7 +113,7 @@ def layout(lengths: list[int], response_lengths: list[int], size: int, rank: int
         rows_per_rank.append(count)
     width = max(rows_per_rank + [1])
     gather_index = torch.tensor([owner_row[k][0] * width + owner_row[k][1] for k in range(int(offsets[-1]))], dtype=torch.long)
-    return CPLayout(size, rank, torch.cat(positions), torch.cat(sample_of), chunks, torch.cat(kv_parts), cu(q_lengths),
+    return CPLayout(rank, torch.cat(positions), torch.cat(sample_of), chunks, torch.cat(kv_parts), cu(q_lengths),
                     cu(k_lengths), max(q_lengths), max(k_lengths), rows_per_rank, gather_index)
 
 

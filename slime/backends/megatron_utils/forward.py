@@ -30,7 +30,8 @@ class MicroBatchInputs:
 
     ``input_ids``/``position_ids``: ``[1, T]`` packed (thd, every sample followed by the next) or
     ``[n, L_max]`` right-padded; ``packed_seq_params``: the thd boundaries, or None when padded;
-    ``starts``: the row of each sample's first token in the flattened ``[b·s]`` output;
+    ``starts``: the row of each sample's first token in the flattened ``[b·s]`` output (empty under
+    context parallelism, where a sample's tokens are split over the ranks: ``cp`` describes them);
     ``lengths``/``response_lengths``: tokens and response tokens per sample; ``targets``: ``[K]``
     the response tokens (what the K logit rows predict); ``rows_bs`` / ``rows_sb``: ``[K]`` the
     positions predicting them, as rows of the flattened ``[b·s]`` logits and of Megatron's
@@ -59,12 +60,16 @@ class MicroBatchInputs:
         return gather_rows(values, self.cp)
 
 
+def _check_response_lengths(lengths: list[int], response_lengths: list[int]) -> None:
+    if any(r < 0 or r >= n for r, n in zip(response_lengths, lengths)):
+        raise ValueError(f"response lengths {response_lengths} must be in [0, len(tokens)) for lengths {lengths}")
+
+
 def _response_positions(lengths: list[int], response_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample, position) ``[K]`` each, on the host: position ``p`` of sample ``i`` predicts token
     ``p + 1``, so the K response tokens are predicted at ``n_i − r_i − 1 … n_i − 2``."""
+    _check_response_lengths(lengths, response_lengths)
     responses = torch.tensor(response_lengths, dtype=torch.long)
-    if bool((responses < 0).any()) or any(r >= n for r, n in zip(response_lengths, lengths)):
-        raise ValueError(f"response lengths {response_lengths} must be in [0, len(tokens)) for lengths {lengths}")
     first = torch.tensor(lengths, dtype=torch.long) - responses - 1
     sample = torch.repeat_interleave(torch.arange(len(lengths)), responses)
     offset = torch.arange(int(responses.sum())) - torch.repeat_interleave(torch.cumsum(responses, 0) - responses, responses)
@@ -159,8 +164,7 @@ def _context_parallel_inputs(tokens: list[torch.Tensor], response_lengths: list[
     from slime.backends.megatron_utils.packed_attention import LocalPackedSeqParams
 
     lengths = [int(t.numel()) for t in tokens]
-    if any(r < 0 or r >= n for r, n in zip(response_lengths, lengths)):
-        raise ValueError(f"response lengths {response_lengths} must be in [0, len(tokens)) for lengths {lengths}")
+    _check_response_lengths(lengths, response_lengths)
     cp = cpm.layout(lengths, response_lengths, cp_size, cp_rank)
     padded = cpm.padded_lengths(lengths, cp_size)
     flat = torch.cat([torch.cat([t.long(), torch.zeros(m - n, dtype=torch.long)]) for t, n, m in zip(tokens, lengths, padded)])
@@ -178,7 +182,7 @@ def _context_parallel_inputs(tokens: list[torch.Tensor], response_lengths: list[
     params = LocalPackedSeqParams(qkv_format="thd", max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp=cp)
     rows = on_device["rows"]
     return MicroBatchInputs(on_device["input_ids"].view(1, -1), on_device["position_ids"].view(1, -1), params,
-                            [int(x) for x in sample_start], lengths, list(response_lengths), on_device["targets"], rows, rows,
+                            [], lengths, list(response_lengths), on_device["targets"], rows, rows,
                             sample_indices=list(sample_indices or []), cp=cp)
 
 

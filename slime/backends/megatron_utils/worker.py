@@ -25,8 +25,8 @@ advantages, the shared loss math of :mod:`slime.utils.ppo_utils`, metrics) by su
   :mod:`~slime.backends.megatron_utils.routing_replay`.
 
 Parallelism supported by this worker: data, tensor, pipeline (non-interleaved 1F1B), expert and
-context parallel. The ranks of one model-parallel group (TP × PP) compute one model together, so the
-rollout shards of the group are merged and all of them train on the union
+context parallel. The ranks of one model-parallel group (TP × PP, and its CP peers) compute one model
+together, so the rollout shards of the group are merged and all of them train on the union
 (:mod:`~slime.backends.megatron_utils.data`); the last stage's log-probs are broadcast to the
 other stages, so every rank of the group holds the same rollout data. Context parallelism:
 :mod:`~slime.backends.megatron_utils.context_parallel` (packed CP chunks, K/V all-gathered, the
@@ -130,6 +130,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
         self.layout: wm.ModelLayout | None = None
         self._host_copies: dict = {}
         self.packed = False  # micro-batches packed (thd) rather than right-padded: set by init from the model
+        self._samples_group = None  # the ranks holding the same samples (_build_same_samples_group), set by init
 
     # ------------------------------------------------------------------ set-up
 
@@ -148,6 +149,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
             )
         if torch.cuda.is_available():
             model_parallel_cuda_manual_seed(args.seed)
+        self._samples_group = self._build_same_samples_group()
 
     def _build_model(self, trainable: bool):
         from megatron.core import parallel_state as ps
@@ -296,10 +298,10 @@ class MegatronTrainWorker(FSDPTrainWorker):
     def _inputs(self, rollout_data: dict, micro_batch: list[int], full: bool = False) -> fw.MicroBatchInputs:
         """One micro-batch laid out for the model; ``full``: every position (custom loss), not only
         the response."""
-        tokens = [rollout_data["tokens"][i] for i in micro_batch]
-        responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         from megatron.core import parallel_state as ps
 
+        tokens = [rollout_data["tokens"][i] for i in micro_batch]
+        responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
         pad = self._tp_size() if self.args.sequence_parallel else 1
         return fw.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
                                      sample_indices=micro_batch, cp_size=ps.get_context_parallel_world_size(),
@@ -410,21 +412,22 @@ class MegatronTrainWorker(FSDPTrainWorker):
         return (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
                 * ps.get_context_parallel_world_size())
 
-    def _same_samples_group(self):
-        """The process group of the :meth:`_mp_size` ranks that hold the same samples (Megatron's
-        model-parallel group, widened by the context-parallel ranks when CP > 1)."""
+    def _build_same_samples_group(self):
+        """The process group of the :meth:`_mp_size` ranks that hold the same samples: Megatron's
+        model-parallel group, or with CP > 1 a group of the ranks with this data-parallel rank (built
+        here, at set-up: every rank creates every group, in the same order)."""
         from megatron.core import parallel_state as ps
 
         if ps.get_context_parallel_world_size() == 1:
             return ps.get_model_parallel_group()
-        if getattr(self, "_samples_group", None) is None:
-            dp_ranks: list = [None] * dist.get_world_size()
-            dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
-            for dp_rank in sorted(set(dp_ranks)):  # every rank creates every group, in the same order
-                group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp_rank])
-                if dp_rank == ps.get_data_parallel_rank():
-                    self._samples_group = group
-        return self._samples_group
+        dp_ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+        own = None
+        for dp_rank in sorted(set(dp_ranks)):
+            group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp_rank])
+            if dp_rank == ps.get_data_parallel_rank():
+                own = group
+        return own
 
     def _merge_model_parallel_shards(self, rollout_data: dict, with_own_slice: bool = False):
         """The ranks of a model-parallel group received different shards from the rollout manager;
@@ -436,7 +439,7 @@ class MegatronTrainWorker(FSDPTrainWorker):
 
         if self._mp_size() == 1:
             return (rollout_data, slice(None)) if with_own_slice else rollout_data
-        group = self._same_samples_group()
+        group = self._samples_group
         shards: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(shards, rollout_data, group=group)
         merged = merge_shards(shards, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())

@@ -1,7 +1,8 @@
 """GPU tests of the Megatron backend (marked ``gpu``; skipped without CUDA or Megatron-Core).
 
 Runbook — on the two-GPU kind (``nvidia-h200-x2``), TWO calls: ``-k 1gpu`` (7 checks, 4 min 46 s on
-2026-11-30) and ``-k 2gpu`` (9 checks, 7 min 24 s); 16 torchrun launches of ~15-60 s each. Each
+2026-11-30) and ``-k 2gpu`` (12 checks: 7 min 24 s, plus 2 min 26 s for the three CP=2 ones, ``-k cp2``);
+torchrun launches of ~15-60 s each. Each
 prints one summary line per check at the end (also written to ``$OUT/megatron_gpu_summary.txt``):
 
   1. wheels: ``megatron-core==0.19.2`` only (it imports nothing else the machine lacks; triton
