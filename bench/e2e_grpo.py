@@ -1,0 +1,241 @@
+"""slime's GRPO loop and TRL's ``GRPOTrainer`` side by side: same model directory, prompts, sample
+counts, response length and reward, each side in its own process, in one run.
+
+    python bench/e2e_grpo.py --model small --prompts 8 --max-new-tokens 16 --steps 6 --out          # 2-core CPU
+    python bench/e2e_grpo.py --model qwen3-0.6b --prompts 16 --max-new-tokens 256 --colocate --out  # one H200
+    python bench/e2e_grpo.py --model qwen3-0.6b --side slime --colocate --slime-extra --no-offload-train
+
+Workload: ``--prompts`` prompts of the tiny arithmetic task (chat template applied on both sides) ×
+``--n-samples`` samples each, temperature 1, up to ``--max-new-tokens`` new tokens, one optimizer
+step per rollout, no KL and no reference model (both frameworks' defaults). The reward is the fraction
+of even token ids in the response (``tests/ray/loop_plugins.even_token_fraction_reward`` on slime's
+side, the same rule over TRL's ``completion_ids``): no trained model needed and it costs nothing, so
+the step time is generation + training. ``--model`` is ``tiny``/``small`` (slime.utils.tiny_model;
+``small`` is the 3.6M-parameter Qwen3 of hidden 256, 6 layers, vocab 2048) or ``qwen3-0.6b`` /
+``qwen3-1.7b`` (the public architectures with random bf16 weights, bench/engine_decode.py).
+
+slime runs ``train.py`` with the README's flags (``--train-backend fsdp --rollout-backend embedded``,
+one training rank, one engine; ``--colocate`` adds the README's colocated mode) plus
+``--slime-extra``. TRL runs ``GRPOTrainer`` with its defaults (HF ``generate``; bf16 on CUDA) and
+``per_device_train_batch_size × gradient_accumulation_steps`` = prompts × samples, so one generation
+feeds exactly one optimizer step; ``--trl-grad-accum`` splits it when one micro-batch does not fit.
+
+Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps after the first
+``--warmup`` ones), its split ``rollout_time`` / ``train_time`` / ``update_weights_time`` (TRL: the
+time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
+``response_len_mean``, ``step_time_min/max``; and ``speedup_vs_trl`` = TRL step time / slime step
+time. ``--out`` writes ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import mean
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.common import machine_name, write_result  # noqa: E402
+
+REWARD_PATH = "loop_plugins.even_token_fraction_reward"
+
+
+def steady(values: list[float], warmup: int) -> list[float]:
+    if len(values) <= warmup:
+        raise RuntimeError(f"only {len(values)} steps recorded, need more than --warmup {warmup}")
+    return values[warmup:]
+
+
+# ---------------------------------------------------------------- slime side
+
+
+def slime_flags(args, model_dir: str, data: dict, run_dir: str) -> list[str]:
+    flags = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", model_dir,
+             "--prompt-data", data["train"], "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+             "--custom-rm-path", REWARD_PATH, "--rollout-batch-size", str(args.prompts),
+             "--n-samples-per-prompt", str(args.n_samples), "--rollout-max-response-len", str(args.max_new_tokens),
+             "--rollout-temperature", "1.0", "--num-rollout", str(args.steps), "--num-steps-per-rollout", "1",
+             "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", run_dir]
+    if args.colocate:
+        flags.append("--colocate")
+    return flags + args.slime_extra
+
+
+def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
+    run_dir = os.path.join(root, "slime-run")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests", "ray"), os.environ.get("PYTHONPATH", "")]),
+               TOKENIZERS_PARALLELISM="false", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+    command = [sys.executable, os.path.join(REPO, "train.py"), *slime_flags(args, model_dir, data, run_dir)]
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True, stdout=None if args.verbose else subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    perf = [r for r in records if r["kind"] == "perf" and "perf/step_time" in r]
+    rollouts = [r for r in records if r["kind"] == "rollout" and "rollout/response_len/mean" in r]
+    trains = [r for r in records if r["kind"] == "train"]
+    metrics = {}
+    for key in ("step_time", "rollout_time", "train_time", "update_weights_time"):
+        values = steady([r.get(f"perf/{key}", 0.0) for r in perf], args.warmup)
+        metrics[key] = mean(values)
+        if key == "step_time":
+            metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
+    metrics["response_len_mean"] = mean(steady([r["rollout/response_len/mean"] for r in rollouts], args.warmup))
+    metrics["steps"] = len(perf)
+    metrics["process_wall_time"] = wall
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in trains if "train/train_rollout_logprob_abs_diff" in r]
+    if diffs:
+        metrics["train_rollout_logprob_abs_diff"] = mean(diffs)
+    return metrics
+
+
+# ---------------------------------------------------------------- TRL side (runs in its own process)
+
+
+def trl_worker(spec: dict) -> None:
+    """Train with TRL's GRPOTrainer and write per-step timings to ``spec['result']``."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in open(spec["train"])][: spec["prompts"] * spec["steps"]]
+    while len(rows) < spec["prompts"] * spec["steps"]:  # repeat the task's prompts when there are too few
+        rows += rows[: spec["prompts"] * spec["steps"] - len(rows)]
+    dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in rows])  # chat messages: TRL applies the template
+
+    def even_token_fraction(prompts, completions, completion_ids, **kwargs):
+        return [sum(token % 2 == 0 and token < 10_000 for token in ids) / len(ids) if len(ids) else 0.0
+                for ids in completion_ids]
+
+    cuda = torch.cuda.is_available()
+    samples = spec["prompts"] * spec["n_samples"]
+    accum = spec["grad_accum"]
+    if samples % accum:
+        raise ValueError(f"--trl-grad-accum {accum} must divide prompts × samples = {samples}")
+    config = GRPOConfig(
+        output_dir=os.path.join(spec["root"], "trl-out"), per_device_train_batch_size=samples // accum,
+        gradient_accumulation_steps=accum, num_generations=spec["n_samples"], max_completion_length=spec["max_new_tokens"],
+        temperature=1.0, learning_rate=1e-6, max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to=[],
+        bf16=cuda, use_cpu=not cuda, seed=1, shuffle_dataset=False, dataloader_num_workers=0, **spec["trl_kwargs"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.padding_side = "left"
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        generate_seconds = 0.0
+
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                TimedGRPOTrainer.generate_seconds += time.perf_counter() - start
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            TimedGRPOTrainer.generate_seconds = 0.0
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            total = time.perf_counter() - self.start
+            steps.append({"step_time": total, "rollout_time": TimedGRPOTrainer.generate_seconds,
+                          "train_time": total - TimedGRPOTrainer.generate_seconds})
+
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=even_token_fraction, args=config, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.train()
+    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    with open(spec["result"], "w") as f:
+        json.dump({"steps": steps, "response_lengths": lengths}, f)
+
+
+def run_trl(args, model_dir: str, data: dict, root: str) -> dict:
+    spec = {"root": root, "model_dir": model_dir, "train": data["train"], "prompts": args.prompts, "n_samples": args.n_samples,
+            "max_new_tokens": args.max_new_tokens, "steps": args.steps, "grad_accum": args.trl_grad_accum,
+            "trl_kwargs": json.loads(args.trl_kwargs), "result": os.path.join(root, "trl-result.json")}
+    spec_path = os.path.join(root, "trl-spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], check=True,
+                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=None if args.verbose else subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    result = json.load(open(spec["result"]))
+    metrics = {}
+    for key in ("step_time", "rollout_time", "train_time"):
+        values = steady([step[key] for step in result["steps"]], args.warmup)
+        metrics[key] = mean(values)
+        if key == "step_time":
+            metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
+    metrics["update_weights_time"] = 0.0
+    metrics["response_len_mean"] = mean(steady(result["response_lengths"], args.warmup))
+    metrics["steps"] = len(result["steps"])
+    metrics["process_wall_time"] = wall
+    return metrics
+
+
+# ---------------------------------------------------------------- driver
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
+        trl_worker(json.load(open(sys.argv[2])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="tiny | small | qwen3-0.6b | qwen3-1.7b")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n-samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady figures")
+    parser.add_argument("--side", choices=("both", "slime", "trl"), default="both")
+    parser.add_argument("--colocate", action="store_true", help="slime's --colocate (the README's one-GPU mode)")
+    parser.add_argument("--trl-grad-accum", type=int, default=1)
+    parser.add_argument("--trl-kwargs", default="{}", help="more GRPOConfig fields, as JSON")
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
+    parser.add_argument("--verbose", action="store_true", help="show both sides' output")
+    parser.add_argument("--out", action="store_true")
+    parser.add_argument("--slime-extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags (last)")
+    args = parser.parse_args()
+
+    from bench.engine_decode import build_checkpoint
+    from slime.utils.tiny_task import build_task_data
+
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = build_checkpoint(args.model, os.path.join(root, "model"))
+        data = build_task_data(os.path.join(root, "data"), num_train=max(256, args.prompts * args.steps), num_eval=8, num_sft=8)
+        metrics: dict[str, float] = {}
+        sides = ("slime", "trl") if args.side == "both" else (args.side,)
+        for side in sides:
+            side_metrics = (run_slime if side == "slime" else run_trl)(args, model_dir, data, root)
+            metrics.update({f"{side}/{key}": value for key, value in side_metrics.items()})
+        if args.side == "both":
+            metrics["speedup_vs_trl"] = metrics["trl/step_time"] / metrics["slime/step_time"]
+    config = {"model": args.model, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
+              "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
+              "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
+    if "trl" in (args.side, "both"):
+        import trl
+
+        config["trl_version"] = trl.__version__
+    out = None
+    if args.out:
+        name = f"e2e_grpo-{machine_name()}-{time.strftime('%Y%m%d')}" + (f"-{args.tag}" if args.tag else "") + ".json"
+        out = os.path.join(REPO, "bench", "results", name)
+    write_result("e2e_grpo", config, metrics, out)
+
+
+if __name__ == "__main__":
+    main()
