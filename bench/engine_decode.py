@@ -261,7 +261,8 @@ def main() -> None:
                 tps = asyncio.run(run_engine(engine.url, prompts, lengths))
                 info = server_info(engine.url)
                 delta = {k: info["batch_stats"][k] - before[k]
-                         for k in ("decode_seconds", "decode_steps", "decode_rows", "decode_kv_tokens")}
+                         for k in ("decode_seconds", "decode_steps", "decode_rows", "decode_kv_tokens", "prefill_seconds",
+                                   "prefill_forwards", "prefill_tokens", "busy_seconds", "joins_while_decoding")}
                 engine_runs.append((tps, delta, info))
                 if hf is not None:
                     hf_runs.append(hf.run(prompts, lengths))
@@ -275,7 +276,11 @@ def main() -> None:
     memory = info["internal_states"][0]["memory_usage"]
     weight_bytes = memory["weight"] * 2**30
     kv_bytes_per_token = memory["kvcache"] * 2**30 / memory["token_capacity"]
-    metrics = {"engine_output_tokens_per_s": engine_tps}
+    burst_seconds = sum(lengths) / engine_tps
+    metrics = {"engine_output_tokens_per_s": engine_tps, "burst_seconds": burst_seconds,
+               "engine_busy_fraction": decode["busy_seconds"] / burst_seconds,
+               "prefill_seconds": decode["prefill_seconds"], "prefill_forwards": decode["prefill_forwards"],
+               "prefill_tokens": decode["prefill_tokens"], "joins_while_decoding": decode["joins_while_decoding"]}
     if hf_runs:
         hf_tps, hf_padded_tps = max(hf_runs)
         metrics.update({"hf_generate_output_tokens_per_s": hf_tps,
@@ -285,11 +290,13 @@ def main() -> None:
                     "decode_steps_per_s": steps / decode["decode_seconds"],
                     "decode_mean_batch": decode["decode_rows"] / steps,
                     "decode_mean_length": decode["decode_kv_tokens"] / decode["decode_rows"],
-                    "decode_output_tokens_per_s": decode["decode_rows"] / decode["decode_seconds"]})
+                    "decode_output_tokens_per_s": decode["decode_rows"] / decode["decode_seconds"],
+                    "end_to_end_over_decode_rate": engine_tps / (decode["decode_rows"] / decode["decode_seconds"])})
     if args.device == "cuda":
         traffic = (steps * weight_bytes + decode["decode_kv_tokens"] * kv_bytes_per_token) / decode["decode_seconds"]
         copy_bw = measured_copy_bytes_per_s()
         metrics.update({"decode_hbm_bytes_per_s": traffic, "roofline_fraction": traffic / H200_HBM_BYTES_PER_S,
+                        "roofline_fraction_over_burst_wall": traffic * decode["decode_seconds"] / burst_seconds / H200_HBM_BYTES_PER_S,
                         "measured_copy_bytes_per_s": copy_bw, "roofline_fraction_vs_measured_copy": traffic / copy_bw})
     config = {"model": args.model_path or (args.model + (" (slime.utils.tiny_model, seed 0)" if args.model in
                                                           ("tiny", "small") else " architecture, random bf16 weights, tiny tokenizer")),

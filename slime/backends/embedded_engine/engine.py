@@ -152,13 +152,16 @@ class Engine:
             now = time.monotonic()
             for seq in admitted:
                 seq.admitted = seq.admitted or now  # a retracted request keeps its first admission
+            prefill_start = time.perf_counter()
             with self.profiler.stage("prefill"):
                 produced += self._prefill(admitted)
+            self.scheduler.stats.prefill_seconds += time.perf_counter() - prefill_start
         if self.scheduler.running:  # everyone running now has a sampled token to feed
             with self.profiler.stage("decode"):
                 produced += self._decode()
         self.profiler.step_done()
         elapsed = time.perf_counter() - start
+        self.scheduler.stats.busy_seconds += elapsed
         if produced:
             self.last_gen_throughput = produced / max(elapsed, 1e-9)
 
@@ -175,6 +178,7 @@ class Engine:
             slots = [seq.slot for seq in pending]
             last_logits, all_logits = self.runner.forward(slots, rows)
             self.scheduler.stats.prefill_forwards += 1
+            self.scheduler.stats.prefill_tokens += sum(len(row.tokens) for row in rows)
             done = []
             for i, seq in enumerate(pending):
                 if all_logits[i] is not None:

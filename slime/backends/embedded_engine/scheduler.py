@@ -80,6 +80,11 @@ class SchedulerStats:
     decode_seconds: float = 0.0
     decode_rows: int = 0
     decode_kv_tokens: int = 0
+    # Where the rest of a burst goes: time in prefill (forwards + first-token sampling), time inside
+    # engine steps at all (the remainder of a burst's wall time is the engine waiting for requests).
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    busy_seconds: float = 0.0
 
 
 class Scheduler:
