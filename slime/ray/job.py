@@ -43,6 +43,7 @@ class Job:
         self.tracker = Tracker(args)
         self.timings: dict[str, float] = {}
         self.weight_version = 0
+        self._engine_memory = None  # device memory with the engines resident, for the offload decision
         self.owns_ray = False  # a Ray instance started by someone else (tests, notebooks) is left running
 
     # ------------------------------------------------------------------ start-up
@@ -113,6 +114,8 @@ class Job:
         if self.actor is None:
             return {}
         if self.args.offload_rollout:
+            if self._auto_offload_pending():
+                self._engine_memory = self.actor.device_memory()  # engines resident, trainer offloaded
             ray.get(self.rollout_manager.offload.remote())
         if self.args.offload_train:
             self.actor.onload()
@@ -152,7 +155,8 @@ class Job:
                 urls = ray.get(self.rollout_manager.get_runtime_args.remote())["rollout_engine_urls"]
                 self.args.rollout_engine_urls = urls
                 self.actor.connect_rollout_engines(urls, ray.get(self.rollout_manager.engine_gpu_counts.remote()))
-        if self.args.offload_train:
+        keep_resident = self._auto_offload_pending() and self._fits_without_offload()
+        if self.args.offload_train and not keep_resident:
             self.actor.offload()
         if self.args.offload_rollout:
             ray.get(self.rollout_manager.onload.remote(["weights"]))
@@ -162,10 +166,46 @@ class Job:
             metrics["perf/engines_restarted"] = len(restarted)
         if self.args.offload_rollout:
             ray.get(self.rollout_manager.onload.remote(["kv_cache"]))
+        if keep_resident:
+            self.args.offload_train = self.args.offload_rollout = False
+        if self._engine_memory is not None:
+            self.args.offload_auto = False  # decided once, after the first training step
+            self._engine_memory = None
         self.timings["update_weights"] = time.perf_counter() - start
         if self.weight_version > self.args.start_rollout_id:  # not the initial sync
             self.tracker.log(metrics, self.weight_version - 1, "perf")
         return metrics
+
+    # ------------------------------------------------------------------ colocated offload, decided by measurement
+
+    #: the share of a device that trainer and engines may hold together before offloading is needed
+    RESIDENT_FRACTION = 0.92
+
+    def _auto_offload_pending(self) -> bool:
+        return bool(getattr(self.args, "offload_auto", False)) and self.actor is not None
+
+    def _fits_without_offload(self) -> bool:
+        """After the first training step: do the engines' memory (measured before they released it)
+        and the trainer's peak (measured during the step) fit on every device together? Then both stay
+        resident for the rest of the run and no step pays for offloading."""
+        before = self._engine_memory
+        if before is None or any(m is None for m in before):
+            return False  # CPU (offloading is free there) or not measured yet (the first sync)
+        now = self.actor.device_memory()
+        if any(m is None for m in now):
+            return False
+        fits = []
+        for rank, (engine, trainer) in enumerate(zip(before, now)):
+            need = engine["used"] + trainer["peak_reserved"]
+            fits.append(need <= self.RESIDENT_FRACTION * trainer["total"])
+            logger.info("colocated memory, rank %d: engines + the rest %.1f GiB, trainer peak %.1f GiB, device %.1f GiB",
+                        rank, engine["used"] / 2**30, trainer["peak_reserved"] / 2**30, trainer["total"] / 2**30)
+        if all(fits):
+            logger.info("trainer and engines fit on the device together (<= %.0f%%): offloading turned off for the "
+                        "rest of the run (give --offload-train / --offload-rollout to force it)", 100 * self.RESIDENT_FRACTION)
+        else:
+            logger.info("trainer and engines do not fit together: offloading stays on")
+        return all(fits)
 
     def evaluate(self, rollout_id: int) -> dict:
         metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))

@@ -98,6 +98,20 @@ class TrainRayActor:
 
     def onload(self) -> None:
         self.worker.onload()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # device_memory() then reports this training phase's peak
+
+    def device_memory(self) -> dict | None:
+        """This rank's device: total and used bytes (all processes on it) and this process's peak
+        reserved bytes since the last onload; None without CUDA."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return {"total": total, "used": total - free, "peak_reserved": torch.cuda.max_memory_reserved()}
 
     # ------------------------------------------------------------------ weights to engines
 

@@ -66,6 +66,9 @@ class TrainGroup:
     def onload(self) -> None:
         ray.get([a.onload.remote() for a in self.actors])
 
+    def device_memory(self) -> list[dict | None]:
+        return ray.get([a.device_memory.remote() for a in self.actors])
+
     def connect_rollout_engines(self, engine_urls: list[str], engine_gpu_counts: list[int]) -> None:
         ray.get([a.connect_rollout_engines.remote(engine_urls, engine_gpu_counts) for a in self.actors])
 

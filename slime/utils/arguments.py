@@ -293,6 +293,10 @@ def _resolve_placement(args) -> None:
             args.actor_num_nodes = max(1, args.rollout_num_gpus // args.actor_num_gpus_per_node)
         args.colocate = False
         args.offload_train = args.offload_rollout = False
+    # Colocated with neither offload flag given: offload (the documented default) until the first
+    # training step has measured that trainer and engines fit on the device together (slime.ray.job).
+    args.offload_auto = bool(args.colocate and not args.release_train and not args.use_critic
+                             and args.offload_train is None and args.offload_rollout is None)
     if args.colocate:
         if args.release_train:
             args.offload_train, args.offload_rollout = False, True
