@@ -267,10 +267,17 @@ class RolloutManager:
             samples = load_debug_rollout_data(self.args.load_debug_rollout_data, rollout_id=rollout_id,
                                               subsample_ratio=self.args.load_debug_rollout_data_subsample)
         else:
+            from slime.rollout.engine_control import engine_counters, engine_time_metrics
+
             set_current_rollout_id(rollout_id)
+            counters = engine_counters(self.engine_urls) if self.engine_urls else None
             output = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
             check_fan_out(output.samples)
             samples, extra_metrics = _flatten(output.samples), output.metrics
+            if counters is not None:
+                engine_metrics = engine_time_metrics(counters, engine_counters(self.engine_urls),
+                                                     time.perf_counter() - start, len(self.engine_urls))
+                extra_metrics = {**(extra_metrics or {}), **engine_metrics}
         rollout_time = time.perf_counter() - start
         if self.args.save_debug_rollout_data:
             from slime.observability.rollout_data_utils import save_debug_rollout_data

@@ -73,3 +73,39 @@ async def wait_until_idle(engine_urls: list[str], timeout_s: float = IDLE_WAIT_T
             raise TimeoutError(f"engines still busy {timeout_s:.0f}s after abort_request: {busy}")
         await asyncio.sleep(ABORT_REPEAT_INTERVAL_S)
         await abort_all(list(busy))
+
+
+ENGINE_COUNTERS = ("busy_seconds", "decode_seconds", "prefill_seconds", "decode_steps", "prefill_forwards",
+                   "generated_tokens")
+
+
+def engine_counters(engine_urls: list[str]) -> dict[str, float] | None:
+    """The embedded engines' step counters (``/get_server_info`` → ``batch_stats``) summed over
+    engines; None when an engine does not report them (SGLang) or cannot be reached."""
+    import httpx
+
+    totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    try:
+        for url in engine_urls:
+            stats = httpx.get(f"{url.rstrip('/')}/get_server_info", timeout=10).json().get("batch_stats")
+            if not isinstance(stats, dict) or any(key not in stats for key in ENGINE_COUNTERS):
+                return None
+            for key in ENGINE_COUNTERS:
+                totals[key] += float(stats[key])
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.debug("engine counters unavailable: %s", exc)
+        return None
+    return totals
+
+
+def engine_time_metrics(before: dict | None, after: dict | None, rollout_time: float, num_engines: int) -> dict:
+    """Where a rollout step's time went inside the engines: ``perf/engine_busy_fraction`` (time in
+    engine steps over the step's wall time, mean over engines), decode and prefill seconds per engine,
+    decode steps and prefill forwards (totals). Empty when the engines keep no counters."""
+    if before is None or after is None or rollout_time <= 0 or num_engines <= 0:
+        return {}
+    delta = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
+    return {"perf/engine_busy_fraction": delta["busy_seconds"] / num_engines / rollout_time,
+            "perf/engine_decode_time": delta["decode_seconds"] / num_engines,
+            "perf/engine_prefill_time": delta["prefill_seconds"] / num_engines,
+            "perf/engine_decode_steps": delta["decode_steps"], "perf/engine_prefill_forwards": delta["prefill_forwards"]}

@@ -104,6 +104,16 @@ def test_sync_disaggregated_distributed_weights(tiny_model_dir, tiny_task_data, 
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--check-weight-update-equal"))
     records = check_learning(tmp_path / "run")
     assert by_kind(records, "perf", "perf/update_weights_time")
+    # the engine's own account of each rollout step: 64 samples of up to 4 tokens (the first one is
+    # sampled by the prefill), so 3 to 3 × 64 decode steps, at least one prefill, busy part of the step
+    steps = by_kind(records, "rollout", "perf/engine_decode_steps")
+    assert len(steps) == SYNC_STEPS and all(3 <= s <= 3 * 64 for s in steps), steps
+    assert all(f >= 1 for f in by_kind(records, "rollout", "perf/engine_prefill_forwards"))
+    busy = by_kind(records, "rollout", "perf/engine_busy_fraction")
+    assert all(0 < b <= 1 for b in busy), busy
+    decode = by_kind(records, "rollout", "perf/engine_decode_time")
+    rollout = by_kind(records, "perf", "perf/rollout_time")
+    assert all(0 < d < r for d, r in zip(decode, rollout)), (decode, rollout)
 
 
 def test_sync_colocated_tensor_weights(tiny_model_dir, tiny_task_data, tmp_path):
