@@ -15,15 +15,16 @@ the step time is generation + training. ``--model`` is ``tiny``/``small`` (slime
 ``qwen3-1.7b`` (the public architectures with random bf16 weights, bench/engine_decode.py).
 
 slime runs ``train.py`` with the README's flags (``--train-backend fsdp --rollout-backend embedded``,
-one training rank, one engine; ``--colocate`` adds the README's colocated mode) plus
-``--slime-extra``. TRL runs ``GRPOTrainer`` with its defaults (HF ``generate``; bf16 on CUDA) and
+one training rank, one engine, micro-batches packed by tokens: ``--use-dynamic-batch-size
+--max-tokens-per-gpu 16384``; ``--colocate`` adds the README's colocated mode) plus ``--slime-extra``. TRL runs ``GRPOTrainer`` with its defaults (HF ``generate``; bf16 on CUDA) and
 ``per_device_train_batch_size × gradient_accumulation_steps`` = prompts × samples, so one generation
 feeds exactly one optimizer step; ``--trl-grad-accum`` splits it when one micro-batch does not fit.
 
 Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps after the first
 ``--warmup`` ones), its split ``rollout_time`` / ``train_time`` / ``update_weights_time`` (TRL: the
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
-``response_len_mean``, ``step_time_min/max``; and ``speedup_vs_trl`` = TRL step time / slime step
+``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
+time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``); and ``speedup_vs_trl`` = TRL step time / slime step
 time. ``--out`` writes ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
 """
 
@@ -61,7 +62,8 @@ def slime_flags(args, model_dir: str, data: dict, run_dir: str) -> list[str]:
              "--custom-rm-path", REWARD_PATH, "--rollout-batch-size", str(args.prompts),
              "--n-samples-per-prompt", str(args.n_samples), "--rollout-max-response-len", str(args.max_new_tokens),
              "--rollout-temperature", "1.0", "--num-rollout", str(args.steps), "--num-steps-per-rollout", "1",
-             "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", run_dir]
+             "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", run_dir,
+             "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
     if args.colocate:
         flags.append("--colocate")
     return flags + args.slime_extra
@@ -86,6 +88,10 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
         if key == "step_time":
             metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
     metrics["response_len_mean"] = mean(steady([r["rollout/response_len/mean"] for r in rollouts], args.warmup))
+    for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time"):  # the engine's own account
+        values = [r[f"perf/{key}"] for r in rollouts if f"perf/{key}" in r]
+        if len(values) > args.warmup:
+            metrics[key] = mean(steady(values, args.warmup))
     metrics["steps"] = len(perf)
     metrics["process_wall_time"] = wall
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in trains if "train/train_rollout_logprob_abs_diff" in r]
@@ -202,6 +208,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady figures")
     parser.add_argument("--side", choices=("both", "slime", "trl"), default="both")
     parser.add_argument("--colocate", action="store_true", help="slime's --colocate (the README's one-GPU mode)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime's micro-batch token budget (README flags)")
     parser.add_argument("--trl-grad-accum", type=int, default=1)
     parser.add_argument("--trl-kwargs", default="{}", help="more GRPOConfig fields, as JSON")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
@@ -223,7 +230,7 @@ def main() -> None:
             metrics.update({f"{side}/{key}": value for key, value in side_metrics.items()})
         if args.side == "both":
             metrics["speedup_vs_trl"] = metrics["trl/step_time"] / metrics["slime/step_time"]
-    config = {"model": args.model, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
+    config = {"model": args.model, "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
               "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
     if "trl" in (args.side, "both"):

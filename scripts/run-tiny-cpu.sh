@@ -18,7 +18,7 @@ $py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
 $py -m slime.utils.tiny_task --out "$out/data" --seed 0 --max-operand 10 --num-train 64 --num-eval 32 --num-sft 48
 
 common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
-        --adam-beta2 0.99)
+        --adam-beta2 0.99 --use-dynamic-batch-size --max-tokens-per-gpu 4096)
 
 echo "== 2/4 SFT warm start (slime.rollout.sft_rollout, --debug-train-only)"
 $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
