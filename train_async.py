@@ -17,6 +17,7 @@ from slime.utils.arguments import parse_args
 def train_async(args) -> None:
     if args.colocate:
         raise ValueError("train_async.py overlaps generation and training, which --colocate cannot do; use train.py")
+    args.rollout_overlaps_training = True  # engines and trainers run at once (CPU engines size their threads by it)
     with Job(args) as job:
         rollout_ids = range(args.start_rollout_id, args.num_rollout)
         if job.eval_before_train(args.start_rollout_id):

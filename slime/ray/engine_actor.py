@@ -77,6 +77,19 @@ def probe_free_port(start: int, count: int) -> int:
     return find_free_port(start, count)
 
 
+def cpu_engine_threads(args, cpu_count: int | None = None) -> int:
+    """CPU threads of one embedded engine on a CPU machine: the cores shared by the engines, and also
+    by the training ranks when generation overlaps training (``train_async.py``); in the synchronous
+    loop the trainer is idle while the engines generate, so they take every core.
+    ``SLIME_ENGINE_THREADS`` overrides it."""
+    cores = cpu_count or os.cpu_count() or 1
+    engines = max(1, int(getattr(args, "rollout_num_gpus", None) or 1) // max(1, int(getattr(args, "rollout_num_gpus_per_engine", None) or 1)))
+    sharers = engines
+    if getattr(args, "rollout_overlaps_training", False):
+        sharers += max(1, int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1))
+    return max(1, cores // sharers)
+
+
 @ray.remote
 class EngineActor:
     """One engine (embedded), or one node's process of an SGLang engine (``process_plan``)."""
@@ -96,7 +109,7 @@ class EngineActor:
 
             env = dict(os.environ)
             if not gpu:
-                env["OMP_NUM_THREADS"] = env.get("SLIME_ENGINE_THREADS", "1")
+                env["OMP_NUM_THREADS"] = env.get("SLIME_ENGINE_THREADS") or str(cpu_engine_threads(self.args))
             self.process = EmbeddedEngineProcess(self.args.hf_checkpoint, port=self.port,
                                                  extra_args=embedded_engine_argv(self.args, gpu), env=env)
         else:

@@ -17,3 +17,17 @@ def test_engine_speed_flags_are_forwarded_and_sglang_only_ones_dropped():
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "32"
     assert argv[argv.index("--chunked-prefill-size") + 1] == "4096"
     assert "--enable-metrics" not in argv  # an SGLang option the embedded engine does not have
+
+
+def test_cpu_engine_threads_share_the_cores():
+    from types import SimpleNamespace
+
+    from slime.ray.engine_actor import cpu_engine_threads
+
+    sync_one = SimpleNamespace(rollout_num_gpus=1, rollout_num_gpus_per_engine=1, actor_num_nodes=1, actor_num_gpus_per_node=1)
+    assert cpu_engine_threads(sync_one, cpu_count=8) == 8  # the trainer is idle while the engine generates
+    two_engines = SimpleNamespace(**{**vars(sync_one), "rollout_num_gpus": 2})
+    assert cpu_engine_threads(two_engines, cpu_count=8) == 4
+    overlapping = SimpleNamespace(**{**vars(two_engines), "rollout_overlaps_training": True, "actor_num_gpus_per_node": 2})
+    assert cpu_engine_threads(overlapping, cpu_count=8) == 2  # 2 engines + 2 training ranks at once
+    assert cpu_engine_threads(overlapping, cpu_count=2) == 1
