@@ -21,7 +21,7 @@ from slime.utils.misc import load_function
 
 __all__ = ["async_rm", "batched_async_rm", "remote_rm", "RULE_RM_TYPES"]
 
-RULE_RM_TYPES = ("math", "dapo", "deepscaler", "f1", "gpqa", "ifbench", "remote_rm", "random")
+RULE_RM_TYPES = ("math", "dapo", "deepscaler", "f1", "gpqa", "ifbench", "reasoning_gym", "remote_rm", "random")
 
 
 def _rule_reward(rm_type: str, response: str, label, metadata: dict):
@@ -37,6 +37,10 @@ def _rule_reward(rm_type: str, response: str, label, metadata: dict):
         return compute_gpqa_reward(response, label, metadata=metadata)
     if rm_type == "ifbench":
         return compute_ifbench_reward(response, label, metadata=metadata)
+    if rm_type == "reasoning_gym":  # the gym's own verifier for rows of slime.rollout.reasoning_gym
+        from slime.rollout.reasoning_gym import score
+
+        return score(response, metadata)
     if rm_type == "random":
         return random.randint(0, 1)
     raise NotImplementedError(f"rm_type {rm_type!r} is not implemented; known types: {list(RULE_RM_TYPES)}")
