@@ -50,12 +50,13 @@ def render_ids(tokenizer, messages, tools=CHAT_TOOLS) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def teach_script(model_dir: str, out_dir: Path) -> Path:
+def teach_script(model_dir: str, out_dir: Path, script=SCRIPT, tools=CHAT_TOOLS) -> Path:
+    """A copy of the model taught ``script`` (``(messages, reply)`` pairs rendered with ``tools``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pairs = [(render_ids(tokenizer, messages), tokenizer.encode(reply, add_special_tokens=False))
-             for messages, reply in SCRIPT]
+    pairs = [(render_ids(tokenizer, messages, tools), tokenizer.encode(reply, add_special_tokens=False))
+             for messages, reply in script]
     width = max(len(p) + len(r) for p, r in pairs)
     ids = torch.zeros(len(pairs), width, dtype=torch.long)
     labels = torch.full((len(pairs), width), -100)
