@@ -1,5 +1,5 @@
 """The LM head's log-prob + entropy, forward and backward: the full ``[K, V]`` logits (the trainer's path
-before the chunked head), and ``fsdp_utils.logprob_head`` on its torch path and on its fused Triton
+before the chunked head), and ``training.logprob_head`` on its torch path and on its fused Triton
 path (``SLIME_LOGPROB_HEAD``) at several chunk sizes. Prints JSON.
 
     python bench/logprob_head.py                         # GPU: Qwen3-0.6B head (H 1024, V 151936), bf16, K 16384
@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import write_result  # noqa: E402
-from slime.backends.fsdp_utils import logprob_head  # noqa: E402
-from slime.backends.fsdp_utils.logprob_head import HEAD_ENV, chunked_log_probs_and_entropy  # noqa: E402
+from slime.backends.training import logprob_head  # noqa: E402
+from slime.backends.training.logprob_head import HEAD_ENV, chunked_log_probs_and_entropy  # noqa: E402
 from slime.utils import ppo_utils  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def kernel_metrics(bench, dtype, device, chunk_rows) -> dict:
            time_ms(lambda: logprob_head._torch_chunk_forward(logits.float().div_(T), targets, None), device, bench.repeats),
            time_ms(lambda: logprob_head._torch_chunk_grad(logits.float().div_(T), targets, lse, entropy, g_lp, g_ent,
                                                           None, None, T).to(dtype), device, bench.repeats))
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     if not triton_logprob.available(device):
         metrics["kernel/triton"] = f"unavailable on {device.type}"

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     from slime.backends.megatron_utils.model import have_transformer_engine
-    from slime.backends.megatron_utils.worker import MegatronTrainWorker
+    from slime.backends.training.worker import TrainWorker
     from slime.utils.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,10 +71,10 @@ def main(argv=None) -> None:
         dist.barrier()
         args = parse_args([*workload_flags(bench, "megatron", model_dir), "--actor-num-gpus-per-node", str(world),
                            *bench.megatron_flags.split()])
-        worker = MegatronTrainWorker(args)
+        worker = TrainWorker(args)
         worker.init()
         device = torch.device("cuda", local_rank)
-        results, shard, peak = run_workload(worker, args, bench, worker.hf_config["vocab_size"], rank, world, device)
+        results, shard, peak = run_workload(worker, args, bench, worker.backend.hf_config()["vocab_size"], rank, world, device)
         dist.barrier()  # rank 0's directory outlives every rank's use of it
 
     metrics = workload_metrics(results, shard, bench, peak, device)

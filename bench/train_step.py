@@ -114,7 +114,7 @@ def run_workload(worker, args, bench, vocab_size: int, rank: int, world: int, de
     from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
     data = convert_samples_to_train_data(args, make_samples(bench, vocab_size, seed=0))
-    shard = split_train_data_by_dp(args, data, world)[rank]
+    shard = split_train_data_by_dp(args, data, worker.layout.dp_size)[worker.layout.dp_rank]
     peak = measured_peak_flops(device)
     results = []
     for i in range(bench.warmup + bench.iters):
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
                                 rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from slime.backends.training.worker import TrainWorker
     from slime.utils.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,9 +182,9 @@ def main(argv=None) -> None:
             flags.append("--fsdp-compile")
         flags += ["--log-probs-chunk-size", str(bench.log_probs_chunk_size)]
         args = parse_args(flags)
-        worker = FSDPTrainWorker(args)
+        worker = TrainWorker(args)
         worker.init()
-        results, shard, peak = run_workload(worker, args, bench, worker.model.config.vocab_size, rank, world, device)
+        results, shard, peak = run_workload(worker, args, bench, worker.backend.model.config.vocab_size, rank, world, device)
 
     metrics = workload_metrics(results, shard, bench, peak, device)
     if rank == 0:
@@ -198,8 +198,8 @@ def main(argv=None) -> None:
             "config": {"model": bench.model, "world_size": world, "max_tokens_per_gpu": bench.max_tokens_per_gpu,
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
                        "iters": bench.iters, "dtype": "bf16" if worker.mixed_precision else "fp32",
-                       "attn_implementation": worker.attn_implementation,
-                       "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.chunk_rows,
+                       "attn_implementation": worker.backend.attn_implementation,
+                       "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.backend.chunk_rows,
                        "fsdp_compile": bench.compile, "warmup_steps": bench.warmup},
             "metrics": metrics,
         }

@@ -19,5 +19,5 @@ if [ -d .venv/sglang-args/triton ]; then
   mkdir -p "$interp_dir" && ln -sfn "$root/.venv/sglang-args/triton" "$interp_dir/triton"
   echo "[test] the Triton kernels under TRITON_INTERPRET=1"
   PYTHONPATH="$interp_dir" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -ra --timeout=900 -p no:cacheprovider \
-    tests/backends/fsdp_utils/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py
+    tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py
 fi

@@ -67,8 +67,7 @@ class Job:
         init_ray(args)
         _raise_on_sigterm()  # after ray.init, which installs a handler of its own
         self.placements = placements = create_placement_groups(args)
-        dp_size = 0 if args.debug_rollout_only else len(placements["actor"].bundle_indices)
-        self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"], max(dp_size, 1))
+        self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"])
         runtime = ray.get(self.rollout_manager.get_runtime_args.remote())
         for key, value in runtime.items():
             setattr(args, key, value)
@@ -81,6 +80,11 @@ class Job:
             if args.use_critic:
                 self.critic = TrainGroup(args, placements["critic"], role="critic")
                 self.critic.init()
+                if self.critic.dp_size != self.actor.dp_size:
+                    raise ValueError(f"the critic has {self.critic.dp_size} data-parallel shards and the actor "
+                                     f"{self.actor.dp_size}: PPO hands values shard by shard, so give both the same "
+                                     "data-parallel size (--critic-num-gpus-per-node, --megatron-config-path critic: section)")
+            ray.get(self.rollout_manager.set_data_parallel_size.remote(self.actor.dp_size))
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_id or 0
         if args.start_rollout_id > 0:
@@ -123,11 +127,12 @@ class Job:
         metrics, extras = {}, None
         if self.critic is not None:
             # PPO: V_old from the critic (and π_old from the actor when KL shapes the reward) are
-            # computed once, then both sides train on the same values and advantages
-            extras = [{"values": values} for values in self.critic.compute_values(data_refs)]
+            # computed once, then both sides train on the same values and advantages; the results
+            # stay object refs, fetched by the ranks that use them
+            extras = [[values] for values in self.critic.compute_values(data_refs)]
             if self.args.kl_coef != 0:
                 for extra, log_probs in zip(extras, self.actor.compute_log_probs(data_refs)):
-                    extra.update(log_probs)
+                    extra.append(log_probs)
             metrics.update(self.critic.train(rollout_id, data_refs, extras))
         if self.critic is None or rollout_id >= self.args.num_critic_only_steps:
             metrics.update(self.actor.train(rollout_id, data_refs, extras))

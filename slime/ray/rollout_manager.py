@@ -44,10 +44,11 @@ def check_fan_out(nested, depth: int = 0) -> None:
 
 @ray.remote
 class RolloutManager:
-    def __init__(self, args, rollout_placement, dp_size: int):
+    def __init__(self, args, rollout_placement):
         import slime.utils.http_utils as http_utils
 
-        self.args, self.dp_size = args, dp_size
+        self.args = args
+        self.dp_size: int | None = None  # the trainer's data-parallel size, declared once its ranks are up
         self.engines, self.engine_urls, self.router = [], [], None
         self.engine_plans, self.routers, self.gpu_counts = [], {}, []
         if not args.debug_train_only:
@@ -254,8 +255,14 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ a rollout step
 
+    def set_data_parallel_size(self, dp_size: int) -> None:
+        """The trainer's declared data-parallel size: each rollout step is cut into this many shards."""
+        if dp_size < 1:
+            raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+        self.dp_size = dp_size
+
     def generate(self, rollout_id: int) -> tuple[list, dict]:
-        """Run one rollout step; return (one train-data object ref per DP rank, rollout metrics)."""
+        """Run one rollout step; return (one train-data object ref per data-parallel shard, rollout metrics)."""
         from slime.rollout.sample_hooks import set_current_rollout_id
         from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
@@ -286,6 +293,9 @@ class RolloutManager:
         metrics = self._rollout_metrics(rollout_id, samples, extra_metrics, rollout_time)
         if self.args.debug_rollout_only:
             return [], metrics
+        if self.dp_size is None:
+            raise RuntimeError("generate() for training before the trainer declared its data-parallel size "
+                               "(set_data_parallel_size)")
         data = convert_samples_to_train_data(self.args, samples)
         shards = split_train_data_by_dp(self.args, data, self.dp_size)
         return [ray.put(shard) for shard in shards], metrics

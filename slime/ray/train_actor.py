@@ -1,7 +1,8 @@
-"""One training rank as a Ray actor: sets up torch.distributed and hosts the backend's worker.
+"""One training rank as a Ray actor: sets up torch.distributed and hosts the training worker.
 
-The worker (``FSDPTrainWorker`` or ``MegatronTrainWorker``) holds the model; this actor adds
-what only the Ray layer knows: the rank layout, the device, and the weight transport to the engines.
+The worker (:class:`~slime.backends.training.worker.TrainWorker` over the ``--train-backend``
+backend) holds the model; this actor adds what only the Ray layer knows: the process group, the
+device, the object refs of the train data, and the weight transport to the engines.
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ class TrainRayActor:
         addr = ray.util.get_node_ip_address()
         return ("127.0.0.1" if addr in ("127.0.0.1", "localhost") else addr), _free_port()
 
-    def init(self, args, role: str, master_addr: str, master_port: int) -> int | None:
+    def init(self, args, role: str, master_addr: str, master_port: int) -> tuple[int | None, dict]:
+        """Start this rank; returns (the rollout id to resume from or None, the data layout the
+        backend declared, as a dict of :class:`~slime.backends.training.backend.DataLayout` fields)."""
+        import dataclasses
+
         import torch
         import torch.distributed as dist
 
+        from slime.backends.training.worker import TrainWorker
         from slime.ray.placement import use_gpu
 
         self.args, self.role = args, role
@@ -53,36 +59,27 @@ class TrainRayActor:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
         torch.manual_seed(args.seed)
-        self.worker = self._make_worker(args, role)
-        return self.worker.init()
-
-    @staticmethod
-    def _make_worker(args, role: str):
-        if args.train_backend == "fsdp":
-            from slime.backends.fsdp_utils.worker import FSDPTrainWorker
-
-            return FSDPTrainWorker(args, role=role)
-        if args.train_backend == "megatron":
-            from slime.backends.megatron_utils.worker import MegatronTrainWorker
-
-            return MegatronTrainWorker(args, role=role)
-        raise ValueError(f"unknown --train-backend {args.train_backend!r} (fsdp or megatron)")
+        self.worker = TrainWorker(args, role=role)
+        start = self.worker.init()
+        return start, dataclasses.asdict(self.worker.layout)
 
     # ------------------------------------------------------------------ training
 
     @staticmethod
-    def _resolve(rollout_data_ref, extra: dict | None) -> dict:
-        # the driver passes [ref] so that Ray hands the ref over instead of resolving it in the caller
+    def _resolve(rollout_data_ref, extra_refs: list | None) -> dict:
+        # the driver passes [ref] so that Ray hands the ref over instead of resolving it in the caller;
+        # extra_refs: refs of per-sample fields computed by other ranks (the critic's values, the actor's
+        # log-probs), fetched here straight from the rank that produced them
         data = ray.get(rollout_data_ref[0]) if isinstance(rollout_data_ref, list) else rollout_data_ref
-        if extra:
+        for extra in ray.get(list(extra_refs)) if extra_refs else []:
             data = {**data, **extra}
         return data
 
-    def train(self, rollout_id: int, rollout_data_ref, extra: dict | None = None) -> dict:
-        return self.worker.train(rollout_id, self._resolve(rollout_data_ref, extra))
+    def train(self, rollout_id: int, rollout_data_ref, extra_refs: list | None = None) -> dict:
+        return self.worker.train(rollout_id, self._resolve(rollout_data_ref, extra_refs))
 
-    def compute_values(self, rollout_data_ref) -> list:
-        return self.worker.compute_values(self._resolve(rollout_data_ref, None))
+    def compute_values(self, rollout_data_ref) -> dict:
+        return {"values": self.worker.compute_values(self._resolve(rollout_data_ref, None))}
 
     def compute_log_probs(self, rollout_data_ref) -> dict:
         return self.worker.compute_log_probs(self._resolve(rollout_data_ref, None))

@@ -1,8 +1,16 @@
-"""A group of training ranks (the actor, or the PPO critic) and the calls the loop makes on it."""
+"""A group of training ranks (the actor, or the PPO critic) and the calls the loop makes on it.
+
+The ranks declare their data layout at start (:class:`~slime.backends.training.backend.DataLayout`):
+the rollout manager cuts each rollout step into ``dp_size`` shards and every rank of a data-parallel
+replica receives the shard of its ``dp_rank``. Per-sample results one group hands to another (the
+critic's values, the actor's log-probs) stay object refs: they travel rank to rank, not through the driver.
+"""
 
 from __future__ import annotations
 
 import ray
+
+from slime.backends.training.backend import DataLayout
 
 from slime.ray.placement import Placement
 from slime.ray.train_actor import TrainRayActor
@@ -15,6 +23,7 @@ class TrainGroup:
         if world_size == 0:
             raise ValueError(f"no devices for the {role}: set --actor-num-gpus-per-node (processes per node on CPU)")
         self.actors = []
+        self.layouts: list[DataLayout] = []
         # colocated: each bundle also hosts an engine actor (0.1 CPU, 0.2 GPU), so leave room for it
         share = 0.8 if args.colocate else 1.0
         for rank in range(world_size):
@@ -29,30 +38,64 @@ class TrainGroup:
         return len(self.actors)
 
     def init(self) -> int | None:
-        """Initialise every rank; return the rollout id to resume from (None = no checkpoint)."""
+        """Initialise every rank and record their layouts; return the rollout id to resume from (None = no checkpoint)."""
         try:
             addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote(), timeout=600)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the {self.role} ranks could not be scheduled within 600 s: not enough free "
                                f"CPUs/GPUs in the placement group (see `ray status`)") from None
         results = ray.get([a.init.remote(self.args, self.role, addr, port) for a in self.actors])
-        return results[0]
+        self.layouts = [DataLayout(**layout) for _, layout in results]
+        sizes = {layout.dp_size for layout in self.layouts}
+        if len(sizes) != 1 or sorted({layout.dp_rank for layout in self.layouts}) != list(range(sizes.pop())):
+            raise RuntimeError(f"the {self.role} ranks declared inconsistent data layouts: {self.layouts}")
+        return results[0][0]
 
-    def train(self, rollout_id: int, data_refs: list, extras: list[dict] | None = None) -> dict:
-        """Train on per-rank data (one object ref per rank, plus optional per-rank extra fields such as
-        the critic's values); return rank 0's metrics (already reduced over ranks)."""
-        extras = extras or [None] * len(self.actors)
-        results = ray.get([a.train.remote(rollout_id, [ref], extra) for a, ref, extra in zip(self.actors, data_refs, extras)])
-        return results[0]
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel shards per rollout step (declared by the backend at init)."""
+        return self.layouts[0].dp_size
+
+    def _shard_of(self, rank: int, per_shard: list):
+        return per_shard[self.layouts[rank].dp_rank]
+
+    def _check_shards(self, data_refs: list) -> None:
+        if len(data_refs) != self.dp_size:
+            raise ValueError(f"the {self.role} has {self.dp_size} data-parallel shards but was given {len(data_refs)}")
+
+    def train(self, rollout_id: int, data_refs: list, extras: list[list] | None = None) -> dict:
+        """Train on per-shard data (one object ref per data-parallel shard, plus optional per-shard
+        lists of refs of extra fields such as the critic's values); return rank 0's metrics (already
+        reduced over ranks)."""
+        self._check_shards(data_refs)
+        calls = []
+        for rank, actor in enumerate(self.actors):
+            extra = self._shard_of(rank, extras) if extras else None
+            calls.append(actor.train.remote(rollout_id, [self._shard_of(rank, data_refs)], extra))
+        return ray.get(calls)[0]
 
     def async_train(self, rollout_id: int, data_refs: list) -> list:
-        return [a.train.remote(rollout_id, [ref]) for a, ref in zip(self.actors, data_refs)]
+        self._check_shards(data_refs)
+        return [a.train.remote(rollout_id, [self._shard_of(rank, data_refs)]) for rank, a in enumerate(self.actors)]
+
+    def _per_shard(self, method: str, data_refs: list) -> list:
+        """Call ``method`` on every rank (it is collective); one result ref per data-parallel shard
+        (every rank of a replica returns the same per-sample fields)."""
+        self._check_shards(data_refs)
+        refs = [getattr(a, method).remote([self._shard_of(rank, data_refs)]) for rank, a in enumerate(self.actors)]
+        per_shard: list = [None] * self.dp_size
+        for rank, ref in enumerate(refs):
+            if per_shard[self.layouts[rank].dp_rank] is None:
+                per_shard[self.layouts[rank].dp_rank] = ref
+        return per_shard
 
     def compute_values(self, data_refs: list) -> list:
-        return ray.get([a.compute_values.remote([ref]) for a, ref in zip(self.actors, data_refs)])
+        """Critic: refs of ``{"values": [...]}``, one per shard, not fetched by the caller."""
+        return self._per_shard("compute_values", data_refs)
 
-    def compute_log_probs(self, data_refs: list) -> list[dict]:
-        return ray.get([a.compute_log_probs.remote([ref]) for a, ref in zip(self.actors, data_refs)])
+    def compute_log_probs(self, data_refs: list) -> list:
+        """Actor: refs of ``{"log_probs", "ref_log_probs", "kl", ...}``, one per shard."""
+        return self._per_shard("compute_log_probs", data_refs)
 
     def save(self, rollout_id: int) -> None:
         ray.get([a.save.remote(rollout_id) for a in self.actors])
@@ -86,3 +129,4 @@ class TrainGroup:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        self.layouts: list[DataLayout] = []

@@ -656,13 +656,20 @@ def policy_loss_function(
     log_probs: torch.Tensor,
     entropy: torch.Tensor | None,
     reducer: Callable[[torch.Tensor], torch.Tensor],
-    pg_reducer: Callable | None = None,
+    pg_reducer_factory: Callable[[list[torch.Tensor]], Callable] | None = None,
     tis_function: Callable | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss of §5.4 for one micro-batch; returns (loss, metrics) with every metric already
     reduced by S (sums over the micro-batch's samples). Keys: loss, pg_loss, entropy_loss,
     pg_clipfrac, ppo_kl, and when applicable kl_loss, opsm_clipfrac, ois, tis*,
-    train_rollout_logprob_abs_diff."""
+    train_rollout_logprob_abs_diff.
+
+    ``pg_reducer_factory(masks)`` builds the custom pg-loss reducer (§2.12) from the loss masks in
+    force. When the TIS function rejects tokens (returns modified masks), those masks are in force
+    for every loss term and training metric — pg_loss (default or custom reducer), pg_clipfrac,
+    ppo_kl, entropy_loss, kl_loss, opd_reverse_kl — with the original per-rollout denominators;
+    only the mismatch metrics (the TIS function's own, ois, train_rollout_logprob_abs_diff) keep the
+    original masks, since they describe every sampled token."""
     device = log_probs.device
     lengths = [int(n) for n in batch["response_lengths"]]
     masks = _on_device(batch["loss_masks"], lengths, device)
@@ -692,6 +699,7 @@ def policy_loss_function(
 
     rollout_log_probs = batch.get("rollout_log_probs")
     pg_masks = masks
+    trained = reducer  # S over the tokens in force (TIS rejection removes some)
     if tis_function is not None:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs rollout log-probs in the samples (sample.rollout_log_probs)")
@@ -704,17 +712,14 @@ def policy_loss_function(
         metrics["ois"] = reducer(torch.exp(-ppo_kl).detach())
         for key, value in tis_metrics.items():
             metrics[key] = reducer(value.detach().float())
-    if pg_reducer is not None:
-        pg_loss_value = pg_reducer(pg_loss)
-    elif pg_masks is not masks:
-        pg_loss_value = _reducer_with_masks(batch, pg_masks, args)(pg_loss)
-    else:
-        pg_loss_value = reducer(pg_loss)
+        if pg_masks is not masks:
+            trained = _reducer_with_masks(batch, pg_masks, args)
+    pg_loss_value = pg_reducer_factory(pg_masks)(pg_loss) if pg_reducer_factory is not None else trained(pg_loss)
 
     loss = pg_loss_value
     entropy_coef = getattr(args, "entropy_coef", 0.0)
     if entropy is not None:
-        entropy_loss = reducer(entropy)
+        entropy_loss = trained(entropy)
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * entropy_loss
         metrics["entropy_loss"] = entropy_loss.detach()
@@ -723,19 +728,19 @@ def policy_loss_function(
         if ref is None:
             raise ValueError("--use-kl-loss needs reference log-probs (ref_log_probs)")
         ratio = torch.exp(log_probs - old_log_probs) if getattr(args, "use_unbiased_kl", False) else None
-        kl_loss = reducer(compute_approx_kl(log_probs, ref, args.kl_loss_type, importance_ratio=ratio))
+        kl_loss = trained(compute_approx_kl(log_probs, ref, args.kl_loss_type, importance_ratio=ratio))
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     if rollout_log_probs is not None:
         base = log_probs.detach() if use_rollout else old_log_probs
         metrics["train_rollout_logprob_abs_diff"] = reducer((base - _flat(rollout_log_probs, device)).abs())
     if batch.get("opd_reverse_kl") is not None:
-        metrics["opd_reverse_kl"] = reducer(_flat(batch["opd_reverse_kl"], device))
+        metrics["opd_reverse_kl"] = trained(_flat(batch["opd_reverse_kl"], device))
     metrics.update(
         loss=loss.detach(),
         pg_loss=pg_loss_value.detach(),
-        pg_clipfrac=reducer(clipfrac),
-        ppo_kl=reducer(ppo_kl.detach()),
+        pg_clipfrac=trained(clipfrac),
+        ppo_kl=trained(ppo_kl.detach()),
     )
     return loss, metrics
 

@@ -36,7 +36,7 @@ def _spans(sample):
 def test_top_p_nucleus_from_engine_to_trainer(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from slime.backends.training.worker import TrainWorker
     from tests.backends.fsdp_utils.fsdp_test_utils import ensure_single_rank_group
 
     prompts = tmp_path / "prompts.jsonl"
@@ -85,7 +85,7 @@ def test_top_p_nucleus_from_engine_to_trainer(tiny_model_dir, tmp_path):
     ensure_single_rank_group()
     data = split_train_data_by_dp(args, convert_samples_to_train_data(args, samples), 1)[0]
     assert all(t.dtype == torch.int32 for t in data["rollout_top_p_token_ids"])
-    worker = FSDPTrainWorker(args)
+    worker = TrainWorker(args)
     worker.init()
     computed = worker.compute_log_probs(data)["log_probs"]
     for got, want, engine_lp in zip(computed, expected_trainer, data["rollout_log_probs"]):

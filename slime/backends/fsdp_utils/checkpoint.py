@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from slime.backends.fsdp_utils.backend import FSDPBackend
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
-__all__ = ["LATEST_FILE", "is_hf_dir", "save_checkpoint", "load_checkpoint", "save_hf", "iter_weight_buckets", "full_state_dict"]
+__all__ = ["LATEST_FILE", "is_hf_dir", "save_checkpoint", "load_checkpoint", "save_hf", "named_hf_weights", "full_state_dict"]
 
 
 def is_hf_dir(path: str | None) -> bool:
@@ -51,7 +51,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int) -> str:
+def save_checkpoint(backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
     """Collective save of model, optimizer, scheduler, step and RNG; returns the iteration dir."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -59,21 +59,21 @@ def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int
     if not root:
         raise ValueError("save needs --save (the checkpoint directory)")
     directory = _iteration_dir(root, rollout_id)
-    if worker.rank == 0:
+    if backend.rank == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(worker.model, worker.optimizer)
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     state = {"model": model_state}
-    if not getattr(worker.args, "no_save_optim", False):
+    if not getattr(backend.args, "no_save_optim", False):
         state["optim"] = optim_state
-    if getattr(worker, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
-        state["old_actor"] = get_model_state_dict(worker.old_actor)
+    if getattr(backend, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
+        state["old_actor"] = get_model_state_dict(backend.old_actor)
     dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
-    extra = {"scheduler": worker.scheduler.state_dict(), "global_step": worker.global_step, "rng": _rng_state(),
+    extra = {"scheduler": backend.scheduler.state_dict(), "global_step": backend.global_step, "rng": _rng_state(),
              "rollout_id": rollout_id}
-    torch.save(extra, os.path.join(directory, f"extra_state_rank{worker.rank}.pt"))
+    torch.save(extra, os.path.join(directory, f"extra_state_rank{backend.rank}.pt"))
     dist.barrier()
-    if worker.rank == 0:
+    if backend.rank == 0:
         tmp = os.path.join(root, LATEST_FILE + ".tmp")
         with open(tmp, "w") as f:
             f.write(str(rollout_id))
@@ -82,7 +82,7 @@ def save_checkpoint(worker: "FSDPTrainWorker", root: str | None, rollout_id: int
     return directory
 
 
-def load_checkpoint(worker: "FSDPTrainWorker", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
+def load_checkpoint(backend: "FSDPBackend", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
     """Collective load of the latest checkpoint under ``root``; returns its rollout id."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
@@ -90,24 +90,24 @@ def load_checkpoint(worker: "FSDPTrainWorker", root: str, no_load_optim: bool = 
     with open(os.path.join(root, LATEST_FILE)) as f:
         rollout_id = int(f.read().strip())
     directory = _iteration_dir(root, rollout_id)
-    model_state, optim_state = get_state_dict(worker.model, worker.optimizer)
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     load_optim = not no_load_optim and os.path.exists(os.path.join(directory, "dcp")) and _has_optim(directory)
     state = {"model": model_state, **({"optim": optim_state} if load_optim else {})}
-    load_old_actor = getattr(worker, "old_actor", None) is not None and _has_key(directory, "old_actor")
+    load_old_actor = getattr(backend, "old_actor", None) is not None and _has_key(directory, "old_actor")
     if load_old_actor:
-        state["old_actor"] = get_model_state_dict(worker.old_actor)
+        state["old_actor"] = get_model_state_dict(backend.old_actor)
     dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
-    set_state_dict(worker.model, worker.optimizer, model_state_dict=state["model"],
+    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if load_optim else {})
     if load_old_actor:
-        set_model_state_dict(worker.old_actor, state["old_actor"])
-        worker._old_actor_loaded = True
-    extra_path = os.path.join(directory, f"extra_state_rank{worker.rank}.pt")
+        set_model_state_dict(backend.old_actor, state["old_actor"])
+        backend._old_actor_loaded = True
+    extra_path = os.path.join(directory, f"extra_state_rank{backend.rank}.pt")
     if os.path.exists(extra_path):
         extra = torch.load(extra_path, weights_only=False)
         if load_optim:
-            worker.scheduler.load_state_dict(extra["scheduler"])
-            worker.global_step = int(extra["global_step"])
+            backend.scheduler.load_state_dict(extra["scheduler"])
+            backend.global_step = int(extra["global_step"])
         if not no_load_rng:
             _set_rng_state(extra["rng"])
     return rollout_id
@@ -124,11 +124,11 @@ def _has_key(directory: str, prefix: str) -> bool:
     return any(key.startswith(prefix) for key in metadata.state_dict_metadata)
 
 
-def full_state_dict(worker: "FSDPTrainWorker") -> dict[str, torch.Tensor]:
+def full_state_dict(backend: "FSDPBackend") -> dict[str, torch.Tensor]:
     """Full (unsharded) model state dict on CPU, on rank 0 only (empty elsewhere); collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _drop_tied(state: dict, config) -> dict:
@@ -137,18 +137,18 @@ def _drop_tied(state: dict, config) -> dict:
     return state
 
 
-def save_hf(worker: "FSDPTrainWorker", path: str) -> None:
+def save_hf(backend: "FSDPBackend", path: str) -> None:
     """HF directory readable by ``from_pretrained``: safetensors weights, config, generation config
     and tokenizer (copied from ``--hf-checkpoint``). The critic also writes ``value_head.safetensors``."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    state = full_state_dict(worker)
-    if worker.rank == 0:
+    state = full_state_dict(backend)
+    if backend.rank == 0:
         os.makedirs(path, exist_ok=True)
-        source = worker.args.hf_checkpoint
+        source = backend.args.hf_checkpoint
         config = AutoConfig.from_pretrained(source)
-        if worker.role == "critic":
+        if backend.role == "critic":
             head = {k[len("value_head."):]: v for k, v in state.items() if k.startswith("value_head.")}
             save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, "value_head.safetensors"))
             state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
@@ -164,24 +164,11 @@ def save_hf(worker: "FSDPTrainWorker", path: str) -> None:
     dist.barrier()
 
 
-def iter_weight_buckets(worker: "FSDPTrainWorker", bucket_bytes: int, dtype: torch.dtype | None = None
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """HF-named full tensors (all-gathered from the FSDP shards, on every rank, on the training
-    device) in buckets of at most ``bucket_bytes`` (a single larger tensor forms its own bucket).
-    The tied ``lm_head.weight`` is skipped when the config ties it to the embeddings."""
-    config = getattr(worker.model, "config", None)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in _drop_tied(worker.model.state_dict(), config).items():
+def named_hf_weights(backend: "FSDPBackend", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors, all-gathered from the FSDP shards one at a time, on every rank, on the
+    training device. The tied ``lm_head.weight`` is skipped when the config ties it to the embeddings."""
+    config = getattr(backend.model, "config", None)
+    for name, tensor in _drop_tied(backend.model.state_dict(), config).items():
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         full = full.detach()
-        if dtype is not None:
-            full = full.to(dtype)
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += nbytes
-    if bucket:
-        yield bucket
+        yield name, (full.to(dtype) if dtype is not None else full)

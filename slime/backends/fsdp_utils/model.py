@@ -6,13 +6,13 @@ at 0 for every sample, and attention never crosses samples:
 * ``flash_attention_2`` (GPU, when installed): transformers detects the packed layout from the
   position ids and runs varlen flash attention (no mask tensor);
 * ``slime_varlen`` (GPU without ``flash_attn``): PyTorch's varlen flash attention over the samples'
-  cumulative lengths (:mod:`slime.backends.fsdp_utils.varlen_attention`), no mask tensor;
+  cumulative lengths (:mod:`slime.backends.training.varlen_attention`), no mask tensor;
 * ``sdpa`` / ``eager`` (CPU and GPU fallback): an explicit block-diagonal causal mask ``[1, 1, T, T]``
   (the exact masked path; tested equal to per-sample forwards).
 
 Only the positions that predict response tokens go through the LM head (``logits_to_keep``), so
 the vocabulary projection costs Σ response lengths, not T; and for log-probs and entropy the head
-is replaced by the chunked one of :mod:`slime.backends.fsdp_utils.logprob_head` (no ``[K, V]``
+is replaced by the chunked one of :mod:`slime.backends.training.logprob_head` (no ``[K, V]``
 float32 logits or gradient is ever held whole).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slime.backends.fsdp_utils.logprob_head import chunked_log_probs_and_entropy
+from slime.backends.training.logprob_head import chunked_log_probs_and_entropy
 
 __all__ = ["PackedBatch", "pack_samples", "forward_log_probs", "forward_response_logits", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
 
@@ -90,7 +90,7 @@ def block_causal_mask(lengths: list[int], device, attn_implementation: str, dtyp
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
     if requested == "slime_varlen":
-        from slime.backends.fsdp_utils import varlen_attention
+        from slime.backends.training import varlen_attention
 
         if device_type != "cuda" or not varlen_attention.available():
             raise ValueError("--fsdp-attn-implementation slime_varlen needs CUDA and a PyTorch with "
@@ -103,7 +103,7 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
 
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
-        from slime.backends.fsdp_utils import varlen_attention
+        from slime.backends.training import varlen_attention
 
         if varlen_attention.available():
             return varlen_attention.register()
@@ -141,7 +141,7 @@ def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implemen
 def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation: str, temperature: float,
                       chunk_rows: int, nucleus=None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log π(target), entropy) ``[K]`` float32 of a packed micro-batch, computed by
-    :func:`~slime.backends.fsdp_utils.logprob_head.chunked_log_probs_and_entropy` from the final
+    :func:`~slime.backends.training.logprob_head.chunked_log_probs_and_entropy` from the final
     hidden states and the LM-head weight without materialising the ``[K, V]`` logits.
 
     The chunked head runs *inside* the model's forward (it stands in for ``lm_head.forward`` for
@@ -199,7 +199,7 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
 
     torch.manual_seed(seed)
     if attn_implementation == "slime_varlen":
-        from slime.backends.fsdp_utils import varlen_attention
+        from slime.backends.training import varlen_attention
 
         varlen_attention.register()
     if role == "actor":

@@ -151,7 +151,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: C
     keys = _AllGather.apply(key, group).index_select(0, cp.kv_index)
     values = _AllGather.apply(value, group).index_select(0, cp.kv_index)
     if flash_dtype is not None:
-        from slime.backends.fsdp_utils.varlen_attention import varlen_attention_forward
+        from slime.backends.training.varlen_attention import varlen_attention_forward
 
         as_heads_first = lambda t: t.to(flash_dtype).transpose(0, 1).unsqueeze(0)  # [T, h, d] -> [1, h, T, d]
         out, _ = varlen_attention_forward(None, as_heads_first(query), as_heads_first(keys), as_heads_first(values), None,

@@ -81,7 +81,7 @@ def default_packed(device) -> bool:
     :mod:`.packed_attention` runs flash attention (CUDA with PyTorch's varlen attention) or on the
     CPU, where its exact per-sample attention is what the tests check. Else right-padded (on CUDA
     without varlen attention the per-sample fallback would be slower than the padding)."""
-    from slime.backends.fsdp_utils import varlen_attention
+    from slime.backends.training import varlen_attention
 
     return have_transformer_engine() or torch.device(device).type != "cuda" or varlen_attention.available()
 

@@ -8,11 +8,11 @@ autocast, TP-gathered to the full vocabulary). With ``z = logits / T`` in float3
 and in backward ``∂ log π(t)/∂z = onehot(t) − p``, ``∂H/∂z = −p ⊙ (log p + H)``.
 
 Two implementations, chosen per call by ``SLIME_LOGPROB_HEAD`` as in the FSDP backend
-(:func:`slime.backends.fsdp_utils.logprob_head.head_path`):
+(:func:`slime.backends.training.logprob_head.head_path`):
 
 * ``torch`` — :func:`slime.utils.ppo_utils.compute_log_probs` / ``compute_entropy`` on the logits
   turned into float32 (the reference; the CPU path);
-* ``triton`` — the fused kernels of :mod:`slime.backends.fsdp_utils.triton_logprob`: the forward
+* ``triton`` — the fused kernels of :mod:`slime.backends.training.triton_logprob`: the forward
   reads the logits once, in their dtype, for lse, log π and H together; the backward reads them once
   more and writes ∂L/∂logits in their dtype; no float32 ``[K, V]`` tensor exists. Rows may be a
   column slice of wider rows (the vocabulary padding cut off): only their row stride is read;
@@ -34,7 +34,7 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
     """(log π(target), entropy or None), float32 ``[K]`` each, from ``logits`` ``[K, V]`` (any
     floating dtype, rows with a unit column stride) and ``targets`` ``[K]``. The entropy carries a
     gradient only with ``entropy_grad`` (else its backward work is skipped)."""
-    from slime.backends.fsdp_utils.logprob_head import head_path
+    from slime.backends.training.logprob_head import head_path
 
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits [K, V] and targets [K] expected, got {tuple(logits.shape)} and {tuple(targets.shape)}")
@@ -58,7 +58,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, entropy_grad):
-        from slime.backends.fsdp_utils import triton_logprob
+        from slime.backends.training import triton_logprob
 
         lse, log_probs, entropy = triton_logprob.log_probs_and_entropy(logits, targets, temperature)
         ctx.save_for_backward(logits, targets, lse, entropy)
@@ -70,7 +70,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        from slime.backends.fsdp_utils import triton_logprob
+        from slime.backends.training import triton_logprob
 
         logits, targets, lse, entropy = ctx.saved_tensors
         if not ctx.entropy_grad:

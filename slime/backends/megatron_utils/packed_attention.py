@@ -79,7 +79,7 @@ class PackedCoreAttention(DotProductAttention):
 
     def _flash_dtype(self, query: torch.Tensor) -> torch.dtype | None:
         """The dtype flash attention runs in here, or None where it does not apply."""
-        from slime.backends.fsdp_utils import varlen_attention
+        from slime.backends.training import varlen_attention
 
         if not query.is_cuda or not varlen_attention.available():
             return None
@@ -89,7 +89,7 @@ class PackedCoreAttention(DotProductAttention):
         return dtype if dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and vanilla else None
 
     def _varlen(self, query, key, value, params: LocalPackedSeqParams, dtype) -> torch.Tensor:
-        from slime.backends.fsdp_utils.varlen_attention import varlen_attention_forward
+        from slime.backends.training.varlen_attention import varlen_attention_forward
 
         scale = self._unscaled_softmax_scale()
         as_heads_first = lambda t: t.to(dtype).transpose(0, 1).unsqueeze(0)  # [T, h, d] -> [1, h, T, d]

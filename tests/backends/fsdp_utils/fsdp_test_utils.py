@@ -61,25 +61,25 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 def step_zero_gradients(worker, rollout_data, rollout_metrics: bool = False):
     """(reduced step-0 metrics and rollout/* metrics, full gradients) of one optimizer step's forward/backward, no update."""
     prepared = worker.prepare(0, rollout_data)
-    worker.optimizer.zero_grad(set_to_none=True)
+    worker.backend.optimizer.zero_grad(set_to_none=True)
     sums, _, _ = worker.forward_backward(prepared, 0)
-    reduced = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
+    reduced = worker.reduce_sums(sums, worker.step_normaliser(prepared, 0))
     if rollout_metrics:  # rollout/*: the same on 1 rank and on N
-        reduced.update(worker._rollout_metrics(prepared))
-    grads = full_grads(worker.model)
-    worker.optimizer.zero_grad(set_to_none=True)
+        reduced.update(worker.rollout_metrics(prepared))
+    grads = full_grads(worker.backend.model)
+    worker.backend.optimizer.zero_grad(set_to_none=True)
     return reduced, grads
 
 
 def spawned_step_gradients(rank, world_size, port, model_dir, extra, num_samples, rbs, out_path):
     """Entry point for torch.multiprocessing.spawn: FSDP2 over ``world_size`` gloo ranks."""
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from slime.backends.training.worker import TrainWorker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
         args = make_args(model_dir, *extra, rbs=rbs)
-        worker = FSDPTrainWorker(args)
+        worker = TrainWorker(args)
         worker.init()
         data = rank_data(args, make_samples(num_samples, seed=1), dp_size=world_size, rank=rank)
         reduced, grads = step_zero_gradients(worker, data, rollout_metrics=True)

@@ -5,20 +5,21 @@ needing the pass: log π_old = stopgrad(log π_θ), one forward saved)."""
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+from slime.backends.training.backend import ModelOutput
+from slime.backends.training.worker import TrainWorker
 from tests.backends.fsdp_utils.fsdp_test_utils import make_args, make_samples, rank_data, step_zero_gradients
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 def new_worker(args):
-    worker = FSDPTrainWorker(args)
+    worker = TrainWorker(args)
     worker.init()
     return worker
 
 
 def current_log_probs(worker, data):
-    return worker._forward_only(worker.model, data)[0]
+    return worker.backend.forward_only("model", data, ModelOutput("log_probs"))[0]
 
 
 def _assert_lists_equal(a, b):
@@ -37,8 +38,8 @@ def test_keep_old_actor_gives_pi_old_of_the_weights_before_the_last_update(tiny_
     extra = ("--num-steps-per-rollout", "1", "--lr", "5e-3", "--keep-old-actor", "--save", str(tmp_path / "ckpt"))
     args = make_args(tiny_model_dir, *extra)
     worker = new_worker(args)
-    assert worker.old_actor is not None and not worker.skips_old_log_prob_pass(rank_data(args, make_samples(4)))
-    assert all(p.device.type == "cpu" for p in worker.old_actor.parameters())
+    assert worker.backend.old_actor is not None and not worker.skips_old_log_prob_pass(rank_data(args, make_samples(4)))
+    assert all(p.device.type == "cpu" for p in worker.backend.old_actor.parameters())
     data = [rank_data(args, make_samples(4, seed=s, rewards=[1.0, 0.0, 0.0, 1.0])) for s in range(3)]
     weights_0 = [current_log_probs(worker, d) for d in data]
 
@@ -56,7 +57,7 @@ def test_keep_old_actor_gives_pi_old_of_the_weights_before_the_last_update(tiny_
     plain.train(0, data[0])  # the same first update without --keep-old-actor: π_old is the current actor
     _assert_lists_equal(plain.compute_log_probs(data[1])["log_probs"], weights_1[1])
 
-    resumed = FSDPTrainWorker(make_args(tiny_model_dir, *extra[:-2], "--load", str(tmp_path / "ckpt")))
+    resumed = TrainWorker(make_args(tiny_model_dir, *extra[:-2], "--load", str(tmp_path / "ckpt")))
     assert resumed.init() == 2
     _assert_lists_equal(resumed.compute_log_probs(data[2])["log_probs"], weights_1[2])  # the old actor was saved
     with pytest.raises(ValueError, match="--keep-old-actor .* --use-rollout-logprobs"):
@@ -70,10 +71,10 @@ def test_gpu_old_actor_lives_in_host_memory(tiny_model_dir):
     data = rank_data(args, make_samples(4, rewards=[1.0, 0.0, 0.0, 1.0]))
     before = current_log_probs(worker, data)
     worker.train(0, data)
-    assert all(p.device.type == "cpu" for p in worker.old_actor.parameters())
-    assert all(p.device.type == "cuda" for p in worker.model.parameters())
+    assert all(p.device.type == "cpu" for p in worker.backend.old_actor.parameters())
+    assert all(p.device.type == "cuda" for p in worker.backend.model.parameters())
     _assert_lists_equal(worker.compute_log_probs(data)["log_probs"], before)
-    assert all(p.device.type == "cpu" for p in worker.old_actor.parameters())
+    assert all(p.device.type == "cpu" for p in worker.backend.old_actor.parameters())
 
 
 def _count_forwards(model):
@@ -88,7 +89,7 @@ def test_skip_recompute_same_loss_and_grads_one_forward_saved(tiny_model_dir):
     worker = new_worker(args)
     data = rank_data(args, make_samples(4))
     assert len(data["micro_batch_indices"]) == 2 and worker.skips_old_log_prob_pass(data)
-    calls, handle = _count_forwards(worker.model)
+    calls, handle = _count_forwards(worker.backend.model)
     shortcut = step_zero_gradients(worker, data)
     shortcut_forwards = len(calls)
     calls.clear()
@@ -114,11 +115,11 @@ def test_skip_recompute_same_loss_and_grads_one_forward_saved(tiny_model_dir):
 def test_pi_old_pass_kept_when_something_needs_it(tiny_model_dir):
     base = make_args(tiny_model_dir, "--num-steps-per-rollout", "1")
     data = rank_data(base, make_samples(4))
-    assert FSDPTrainWorker(base).skips_old_log_prob_pass(data)
+    assert TrainWorker(base).skips_old_log_prob_pass(data)
     for extra in (("--kl-coef", "0.1"), ("--use-rollout-entropy",), ("--advantage-estimator", "gspo"), ("--keep-old-actor",),
                   ("--use-rollout-logprobs",), ("--rollout-data-postprocess-path", "os.path.join"),
                   ("--save-debug-train-data", "/tmp/train_{rollout_id}_{rank}.pt")):
-        assert not FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", *extra)).skips_old_log_prob_pass(data), extra
+        assert not TrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", *extra)).skips_old_log_prob_pass(data), extra
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "2")
     worker = new_worker(args)
     data = rank_data(args, make_samples(4))

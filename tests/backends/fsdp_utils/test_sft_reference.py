@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+from slime.backends.training.worker import TrainWorker
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sft_rollout import generate_rollout
 from slime.utils.arguments import parse_args
@@ -145,7 +145,7 @@ def test_sft_steps_equal_plain_pytorch_loop(tiny_model_dir, tmp_path, case):
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in conversations()))
     args = sft_args(tiny_model_dir, path, "--rollout-shuffle", *CASES[case])
-    worker = FSDPTrainWorker(args)
+    worker = TrainWorker(args)
     worker.init()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     reference.train()
@@ -183,12 +183,12 @@ def test_sft_steps_equal_plain_pytorch_loop(tiny_model_dir, tmp_path, case):
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference.eval()
     with torch.no_grad():
-        ours_logits, ref_logits, init_logits = worker.model(input_ids=probe).logits, reference(probe).logits, initial(probe).logits
+        ours_logits, ref_logits, init_logits = worker.backend.model(input_ids=probe).logits, reference(probe).logits, initial(probe).logits
     assert float((ref_logits - init_logits).abs().max()) > 0.1  # the weights did move
     torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
     if args.adam_eps >= 1e-6:
         # Adam's g/(|g|+eps) amplifies fp32 summation-order noise in gradients of ~1e-9 when eps is
         # 1e-8 (a handful of elements then differ by a few % of lr); with eps 1e-6 every weight matches.
-        state = worker.model.state_dict()
+        state = worker.backend.model.state_dict()
         for name, param in reference.named_parameters():
             torch.testing.assert_close(state[name].full_tensor(), param.detach(), atol=1e-5, rtol=0, msg=name)

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+from slime.backends.training.backend import ModelOutput
+from slime.backends.training.worker import TrainWorker
 from tests.backends.fsdp_utils.fsdp_test_utils import (
     free_port,
     make_args,
@@ -24,7 +25,7 @@ LOSS_FLAGS = ("--num-steps-per-rollout", "1", "--use-kl-loss", "--kl-loss-coef",
 
 
 def new_worker(args):
-    worker = FSDPTrainWorker(args)
+    worker = TrainWorker(args)
     worker.init()
     return worker
 
@@ -36,8 +37,8 @@ def test_packed_log_probs_equal_unpacked(tiny_model_dir):
     worker = new_worker(args)
     data = rank_data(args, make_samples(6))
     n = len(data["tokens"])
-    packed, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [list(range(n))]})
-    single, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [[i] for i in range(n)]})
+    packed, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [list(range(n))]}, ModelOutput("log_probs"))
+    single, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [[i] for i in range(n)]}, ModelOutput("log_probs"))
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for i in range(n):
         tokens, r = data["tokens"][i], int(data["response_lengths"][i])
@@ -107,14 +108,14 @@ def test_grpo_steps_raise_rewarded_log_probs(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "2e-3", "--clip-grad", "10")
     worker = new_worker(args)
     data = rank_data(args, make_samples(4, rewards=[1.0, 0.0, 0.0, 1.0]))
-    before_params = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
+    before_params = {k: v.full_tensor().clone() for k, v in worker.backend.model.state_dict().items()}
     before = [lp.sum() for lp in worker.compute_log_probs(data)["log_probs"]]
     for rollout_id in range(3):
         worker.train(rollout_id, data)
     after = [lp.sum() for lp in worker.compute_log_probs(data)["log_probs"]]
     assert after[0] > before[0] and after[3] > before[3]
     assert after[1] < before[1] and after[2] < before[2]
-    changed = [k for k, v in worker.model.state_dict().items() if not torch.equal(v.full_tensor(), before_params[k])]
+    changed = [k for k, v in worker.backend.model.state_dict().items() if not torch.equal(v.full_tensor(), before_params[k])]
     assert len(changed) > len(before_params) // 2
 
 
@@ -130,13 +131,13 @@ def test_save_load_resumes_bit_identical(tiny_model_dir, tmp_path):
     assert open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read() == "0"
     expected = worker.train(1, copy.copy(data))
     resumed_args = make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2)
-    resumed = FSDPTrainWorker(resumed_args)
+    resumed = TrainWorker(resumed_args)
     assert resumed.init() == 1
     got = resumed.train(1, copy.copy(data))
     for key, value in expected.items():
         if not key.startswith("perf/"):
             assert got[key] == value, key
-    for (name, a), (_, b) in zip(worker.model.state_dict().items(), resumed.model.state_dict().items()):
+    for (name, a), (_, b) in zip(worker.backend.model.state_dict().items(), resumed.backend.model.state_dict().items()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
@@ -152,7 +153,7 @@ def test_hf_export_reloads_with_same_logits(tiny_model_dir, tmp_path):
     AutoTokenizer.from_pretrained(out)
     tokens = torch.tensor([[5, 17, 42, 99, 7, 300]])
     with torch.no_grad():
-        ours = worker.model(input_ids=tokens).logits
+        ours = worker.backend.model(input_ids=tokens).logits
         theirs = reloaded(input_ids=tokens).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -180,7 +181,7 @@ def test_weight_buckets_are_full_hf_named_tensors(tiny_model_dir):
 def test_ppo_critic_value_loss_falls(tiny_model_dir):
     args = make_args(tiny_model_dir, "--advantage-estimator", "ppo", "--num-steps-per-rollout", "1", "--lr", "1e-3",
                      "--critic-lr", "3e-3", "--value-clip", "10")
-    critic = FSDPTrainWorker(args, role="critic")
+    critic = TrainWorker(args, role="critic")
     critic.init()
     actor = new_worker(args)
     data = rank_data(args, make_samples(4, rewards=[1.0, -1.0, 0.5, 2.0]))
@@ -251,18 +252,18 @@ def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path):
     args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
     data = rank_data(args, make_samples(4))
     worker = new_worker(args)
-    assert worker.optimizer.defaults.get("fused")
+    assert worker.backend.optimizer.defaults.get("fused")
     worker.train(0, data)
     worker.save(0)
     expected = worker.train(1, copy.copy(data))
-    resumed = FSDPTrainWorker(make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2))
+    resumed = TrainWorker(make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2))
     assert resumed.init() == 1
-    steps = {float(s["step"]) for s in resumed.optimizer.state.values()}
+    steps = {float(s["step"]) for s in resumed.backend.optimizer.state.values()}
     assert steps == {2.0}, steps
     got = resumed.train(1, copy.copy(data))
     for key in ("train/loss", "train/pg_loss", "train/ppo_kl", "train/grad_norm", "train/entropy_loss"):
         assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-6), key
-    for (name, a), (_, b) in zip(worker.model.state_dict().items(), resumed.model.state_dict().items()):
+    for (name, a), (_, b) in zip(worker.backend.model.state_dict().items(), resumed.backend.model.state_dict().items()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
 
 
@@ -272,15 +273,15 @@ def test_gpu_packed_varlen_attention_matches_unpacked_fp32(tiny_model_dir):
     log-probs match per-sample fp32 HF forwards within bf16 tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp_utils import varlen_attention
+    from slime.backends.training import varlen_attention
 
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", rbs=4)
     worker = new_worker(args)
     if varlen_attention.available():
-        assert worker.attn_implementation == "slime_varlen"
+        assert worker.backend.attn_implementation == "slime_varlen"
     data = rank_data(args, make_samples(8))
     n = len(data["tokens"])
-    packed, _ = worker._forward_only(worker.model, {**data, "micro_batch_indices": [list(range(n))]})
+    packed, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [list(range(n))]}, ModelOutput("log_probs"))
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
     for i in range(n):
         tokens, r = data["tokens"][i].cuda(), int(data["response_lengths"][i])
@@ -293,12 +294,12 @@ def test_gpu_packed_varlen_attention_matches_unpacked_fp32(tiny_model_dir):
 def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "1e-3", "--only-train-params-name-list", r"layers\.0\.mlp")
     worker = new_worker(args)
-    before = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
+    before = {k: v.full_tensor().clone() for k, v in worker.backend.model.state_dict().items()}
     worker.train(0, rank_data(args, make_samples(4, rewards=[1.0, 0.0, 1.0, 0.0])))
-    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v.full_tensor(), before[k])}
+    changed = {k for k, v in worker.backend.model.state_dict().items() if not torch.equal(v.full_tensor(), before[k])}
     assert changed and all("layers.0.mlp" in k for k in changed)
 
 
 def test_unsupported_flags_fail_naming_them(tiny_model_dir):
     with pytest.raises(NotImplementedError, match="--use-routing-replay"):
-        FSDPTrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay"))
+        TrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay"))

@@ -1,4 +1,4 @@
-"""GPU check of MegatronTrainWorker run under torchrun by test_megatron_gpu.py (no Ray, no engine).
+"""GPU check of the training worker on the Megatron backend, run under torchrun by test_megatron_gpu.py (no Ray, no engine).
 
     torchrun --nproc-per-node N tests/backends/megatron_utils/megatron_worker_check.py \
         --hf-dir DIR --save DIR --out result.json [--resume] [--offload] [extra slime flags...]
@@ -42,11 +42,11 @@ def main() -> None:
     else:
         from megatron_cpu import patch_for_cpu
 
-        from slime.backends.megatron_utils.worker import CPU_TESTING_ENV
+        from slime.backends.megatron_utils.backend import CPU_TESTING_ENV
 
         patch_for_cpu()
         os.environ[CPU_TESTING_ENV] = "1"
-    from slime.backends.megatron_utils.worker import MegatronTrainWorker
+    from slime.backends.training.worker import TrainWorker
     from slime.utils.arguments import parse_args
     from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
 
@@ -59,14 +59,15 @@ def main() -> None:
     if cli.resume:
         argv += ["--load", cli.save]
     args = parse_args(argv)
-    worker = MegatronTrainWorker(args, role=cli.role)
+    worker = TrainWorker(args, role=cli.role)
     if cli.routing_check:
         return routing_check(worker, args, cli, rank, world)
     if cli.no_optimizer:
         return no_optimizer_pass(worker, args, cli, rank, world)
     start = worker.init()
     result = {"start": start, "world": world}
-    data = [rank_data(args, make_samples(8, seed=s, vocab=400), dp_size=world, rank=rank) for s in (1, 2)]
+    layout = worker.layout
+    data = [rank_data(args, make_samples(8, seed=s, vocab=400), dp_size=layout.dp_size, rank=layout.dp_rank) for s in (1, 2)]
     if not cli.resume:
         metrics0 = worker.train(0, data[0])
         result["rollout0"] = {k: v for k, v in metrics0.items() if k.startswith(("train/", "rollout/"))}
@@ -81,7 +82,7 @@ def main() -> None:
             worker.offload()
             result["offload_freed_bytes"] = before - torch.cuda.memory_allocated()
             worker.onload()
-    result["optimizer_before_rollout1"] = optimizer_summary(worker.optimizer)
+    result["optimizer_before_rollout1"] = optimizer_summary(worker.backend.optimizer)
     result["weights_before_rollout1"] = weight_sums(worker)
     metrics = worker.train(1, data[1])
     result["rollout1"] = {k: v for k, v in metrics.items() if k.startswith("train/")}
@@ -123,9 +124,10 @@ def weight_sums(worker) -> dict[str, float]:
     from slime.backends.megatron_utils import model as mm
     from slime.backends.megatron_utils import pipeline
 
-    named = list(mm.iter_hf_weights(worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes()))
+    backend = worker.backend
+    named = list(mm.iter_hf_weights(backend.model, backend.model_layout, torch.float32, skip_prefixes=backend._head_prefixes()))
     if worker.role == "critic":
-        gpt = mm.unwrap(worker.model)
+        gpt = mm.unwrap(backend.model)
         head = {f"value_head.{k}": v.detach().float().cpu() for k, v in gpt.output_layer.named_parameters()} \
             if getattr(gpt, "post_process", False) else None
         named += list(pipeline.broadcast_from_last_stage(head).items())
@@ -143,16 +145,16 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     from slime.backends.megatron_utils.routing_replay import rollout_targets
     from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
 
-    worker._build_optimizer = lambda: (None, None)
+    backend = worker.backend
+    backend.build_optimizer = lambda: (None, None)
     worker.init()
     samples = make_samples(8, seed=1, vocab=400)
-    topk, experts, layers = args.moe_router_topk, worker.layout.num_experts, worker.layout.num_layers
+    topk, experts, layers = args.moe_router_topk, backend.model_layout.num_experts, backend.model_layout.num_layers
     generator = torch.Generator().manual_seed(7)
     for sample in samples:  # the engine's choice: distinct random experts per token and layer
         sample.rollout_routed_experts = torch.rand(len(sample.tokens) - 1, layers, experts, generator=generator
                                                    ).argsort(-1)[..., :topk].tolist()
-    data = worker._merge_model_parallel_shards(rank_data(args, samples, dp_size=world, rank=rank))
-    worker._merged = True  # as inside train()
+    data = rank_data(args, samples, dp_size=worker.layout.dp_size, rank=worker.layout.dp_rank)
     calls: list = []
     original = RouterReplay.get_replay_topk
 
@@ -163,10 +165,9 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
         return probs, indices
 
     RouterReplay.get_replay_topk = logged
-    worker._routed = data.get("rollout_routed_experts")
     prepared = worker.prepare(0, data)
     old_pass = list(calls)
-    gpt = mm.unwrap(worker.model)
+    gpt = mm.unwrap(backend.model)
     with torch.no_grad():
         for module in gpt.modules():
             if getattr(module, "router_replay", None) is not None:
@@ -177,12 +178,12 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     expected_train: list = []
     if args.use_rollout_routing_replay:
         counts = prepared["num_microbatches"]
-        batches = [worker._inputs(prepared, mb) for mb in worker._micro_batches(prepared) if mb]
+        batches = [backend.inputs(prepared, mb) for mb in prepared["micro_batch_indices"] if mb]
         routed = prepared["rollout_routed_experts"]
         for inputs in batches:
-            expected_train += rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], worker.routing.layers, topk, "cpu")
+            expected_train += rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], backend.routing.layers, topk, "cpu")
         expected_old = expected_train
-        expected_train = expected_train[: len(worker.routing.layers) * counts[0]]
+        expected_train = expected_train[: len(backend.routing.layers) * counts[0]]
     else:
         expected_old = [c[2] for c in old_pass]
         expected_train = expected_old[: len(train_pass)]
@@ -197,7 +198,7 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     finish(result, cli.out, rank)
 
 
-def offloaded_export_equal(worker) -> bool:
+def offloaded_export_equal(backend) -> bool:
     """Colocated mode pushes the weights after offloading the trainer: the HF tensors exported from
     the host copies equal those exported before. On the CPU the offload is simulated the way the
     GPU path leaves the model (host copies of the parameter buffers, device storage freed)."""
@@ -205,27 +206,27 @@ def offloaded_export_equal(worker) -> bool:
 
     def export():
         return {name: tensor.detach().cpu().clone() for name, tensor in mm.iter_hf_weights(
-            worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes(),
-            param_source=worker._offloaded_param_source())}
+            backend.model, backend.model_layout, torch.float32, skip_prefixes=backend._head_prefixes(),
+            param_source=backend.offloaded_param_source())}
 
     before = export()
-    buffers = worker.ddp_model.buffers + worker.ddp_model.expert_parallel_buffers
+    buffers = backend.ddp_model.buffers + backend.ddp_model.expert_parallel_buffers
     if torch.cuda.is_available():
-        worker.offload()
+        backend.offload()
     else:
-        worker._host_copies = {i: buffer.param_data.clone() for i, buffer in enumerate(buffers)}
+        backend._host_copies = {i: buffer.param_data.clone() for i, buffer in enumerate(buffers)}
         for buffer in buffers:
             buffer.param_data.untyped_storage().resize_(0)
-        worker.offloaded = True
+        backend.offloaded = True
     after = export()
     if torch.cuda.is_available():
-        worker.onload()
+        backend.onload()
     else:
         for i, buffer in enumerate(buffers):
-            saved = worker._host_copies[i]
+            saved = backend._host_copies[i]
             buffer.param_data.untyped_storage().resize_(saved.numel() * saved.element_size())
             buffer.param_data.copy_(saved)
-        worker._host_copies, worker.offloaded = {}, False
+        backend._host_copies, backend.offloaded = {}, False
     return before.keys() == after.keys() and len(before) > 0 and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -254,38 +255,40 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     from slime.backends.megatron_utils import model as mm
     from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
 
-    worker._build_optimizer = lambda: (None, None)
+    backend = worker.backend
+    backend.build_optimizer = lambda: (None, None)
     worker.init()
-    shard = rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=world, rank=rank)
-    # the loop's direct call on this rank's own shard (PPO): answered for exactly these samples
+    # every rank of a data-parallel replica (the TP x PP x CP ranks) gets the shard of its dp rank
+    shard = rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=worker.layout.dp_size, rank=worker.layout.dp_rank)
+    # the loop's direct call on this rank's shard (PPO): answered for exactly these samples
     direct = worker.compute_values(shard) if cli.role == "critic" else worker.compute_log_probs(shard)["log_probs"]
-    direct = {str(int(i)): v.tolist() for i, v in zip(shard["sample_indices"], direct)}
-    data = worker._merge_model_parallel_shards(shard)
-    worker._merged = True  # as inside train()
-    prepared = worker.prepare(0, data)
-    worker.ddp_model.zero_grad_buffer()
+    direct_by_sample = {str(int(i)): v.tolist() for i, v in zip(shard["sample_indices"], direct)}
+    prepared = worker.prepare(0, shard)
+    backend.ddp_model.zero_grad_buffer()
     sums, _, _ = worker.forward_backward(prepared, 0)
-    finalize_model_grads([worker.ddp_model])
-    gather_reduced_grad_shards(worker.ddp_model)
-    metrics = worker._all_reduce_sums(sums, worker.step_normaliser(prepared, 0))
-    rollout = worker._rollout_metrics(prepared) if cli.role == "actor" else {}
+    finalize_model_grads([backend.ddp_model])
+    gather_reduced_grad_shards(backend.ddp_model)
+    metrics = worker.reduce_sums(sums, worker.step_normaliser(prepared, 0))
+    rollout = worker.rollout_metrics(prepared) if cli.role == "actor" else {}
     # gradients in the HF layout: the same export path as the weights, applied to main_grad
-    gpt = mm.unwrap(worker.model)
+    gpt = mm.unwrap(backend.model)
     saved = {name: p.data.clone() for name, p in gpt.named_parameters()}
     for p in gpt.parameters():
         p.data.copy_(p.main_grad)
     grads = {name: tensor.double() for name, tensor in
-             mm.iter_hf_weights(worker.model, worker.layout, torch.float32, skip_prefixes=worker._head_prefixes())}
+             mm.iter_hf_weights(backend.model, backend.model_layout, torch.float32, skip_prefixes=backend._head_prefixes())}
     for name, p in gpt.named_parameters():
         p.data.copy_(saved[name])
-    offloaded_equal = offloaded_export_equal(worker)
+    offloaded_equal = offloaded_export_equal(backend)
     if cli.role == "critic" and cli.save_hf:
         worker.save_hf(cli.save_hf)
     samples = [int(i) for i in prepared["sample_indices"]] if "sample_indices" in prepared else list(range(len(prepared["tokens"])))
-    per_sample = prepared["log_probs"] if cli.role == "actor" else prepared["values"]
+    # the actor's step may skip the π_old pass (one optimizer step, nothing needs it): then the
+    # direct pass's log-probs are the recorded ones
+    per_sample = prepared.get("log_probs", direct) if cli.role == "actor" else prepared["values"]
     log_probs = {str(k): v.tolist() for k, v in zip(samples, per_sample)}
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (log_probs, direct))
+    dist.all_gather_object(gathered, (log_probs, direct_by_sample))
     if rank == 0:
         merged = {k: v for part, _ in gathered for k, v in part.items()}
         direct_all = {k: v for _, part in gathered for k, v in part.items()}

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.logprob_head import HEAD_ENV
+from slime.backends.training.logprob_head import HEAD_ENV
 from slime.backends.megatron_utils.logprobs import log_probs_and_entropy
 from slime.utils import ppo_utils
 
@@ -61,7 +61,7 @@ def _reference(full, vocab, targets, coef, temperature, entropy_grad, loss="both
 
 def _spy(monkeypatch):
     """Count the kernel launches, so that a silent fall-back to the torch path fails the test."""
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     calls = []
     for name in ("log_probs_and_entropy", "grad_logits"):

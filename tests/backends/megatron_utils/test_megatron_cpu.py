@@ -4,7 +4,7 @@ Tensor parallelism (2 ranks) and pipeline parallelism (2 stages, Megatron's 1F1B
 tiny Qwen3 (vocabulary 591, padded to 768 / 640), expert parallelism on a tiny Qwen3-MoE: HF ->
 Megatron -> HF export bit-exact, each decoder layer's hidden state, the response log-probs through
 the trainer's schedule, and the gradients after Megatron DDP + ``finalize_model_grads`` equal HF's
-to float32 rounding. Then MegatronTrainWorker's own passes at PP=2 against one rank.
+to float32 rounding. Then the training worker's own passes on the Megatron backend at PP=2 and CP=2 against one rank.
 """
 
 import json
@@ -119,7 +119,7 @@ def _worker_pass(hf_dir: str, tmp_path: Path, nproc: int, *flags: str, env: dict
 
 
 def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
-    """MegatronTrainWorker's own passes (shards merged over the pipeline group, π_old through the
+    """The training worker's own passes on the Megatron backend (both pipeline stages given the same shard, π_old through the
     schedule and broadcast from the last stage, advantages, the training forward/backward of the
     first optimizer step, finalize_model_grads) at PP=2 give what one rank gives: the same per-sample
     log-probs, the same step metrics (ppo_kl exactly 0), the same reduced gradient of every tensor."""
@@ -146,7 +146,7 @@ def test_worker_pipeline_parallel_equals_one_rank(tiny_model_dir, tmp_path):
 
 
 def test_worker_context_parallel_equals_one_rank(tiny_model_dir, tmp_path):
-    """MegatronTrainWorker at CP=2 (shards merged over the two CP ranks, each sample's chunks split
+    """The Megatron backend at CP=2 (both CP ranks given the same shard, each sample's chunks split
     between them, K/V gathered, the response values gathered back): the same per-sample log-probs,
     step metrics and reduced gradients as one rank."""
     import torch
@@ -200,7 +200,7 @@ def test_critic_equals_the_fsdp_critic(tiny_model_dir, tmp_path, parallel):
     import torch
     from safetensors.torch import save_file
 
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    from slime.backends.training.worker import TrainWorker
     from tests.backends.fsdp_utils.fsdp_test_utils import ensure_single_rank_group, make_samples, rank_data
 
     critic_dir = tmp_path / "critic"
@@ -221,7 +221,7 @@ def test_critic_equals_the_fsdp_critic(tiny_model_dir, tmp_path, parallel):
     results = {}
     for name, path in (("original", critic_dir), ("saved", tmp_path / "saved")):
         args.hf_checkpoint = str(path)
-        critic = FSDPTrainWorker(args, role="critic")
+        critic = TrainWorker(args, role="critic")
         critic.init()
         prepared = critic.prepare(0, data)
         sums, _, _ = critic.forward_backward(prepared, 0)

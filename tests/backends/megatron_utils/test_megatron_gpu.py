@@ -36,7 +36,7 @@ What each check shows (``MEGATRON <check>: ...`` lines):
   the trainer's reduced gradients (DDP + ``finalize_model_grads``) equal HF's in fp32. The line
   carries each decoder layer's hidden-state difference and the worst gradient tensors, so a
   failing layout is named by one run.
-* ``worker[...]`` — MegatronTrainWorker on the tiny model: two GRPO rollout steps (two optimizer
+* ``worker[...]`` — the training worker on the Megatron backend, tiny model: two GRPO rollout steps (two optimizer
   steps each), ``ppo_kl`` exactly 0 at each rollout's first step, offload/onload, save, and a
   resume from the checkpoint that reproduces rollout 1's metrics and weights exactly; the same for
   the PPO critic (value head included in the checkpoint and the weights compared).
@@ -245,7 +245,7 @@ def test_grpo_steps_ppo_kl_zero_and_exact_resume(tiny_dir, worker_root, case):
 @pytest.mark.parametrize("case", ["2gpu-pp2", "2gpu-cp2"])
 def test_2gpu_model_parallel_train_step_equals_one_gpu(tiny_dir, worker_root, case):
     """Rollout 0 at PP=2 (schedule 1F1B, stages on two GPUs) or CP=2 (each sample's chunks on two
-    GPUs) vs one GPU: the same samples, so the same metrics up to bf16 rounding (the merge, the
+    GPUs) vs one GPU: the same samples, so the same metrics up to bf16 rounding (the shared shard, the
     schedule, the loss scaling and the gradient reductions are all on the path)."""
     one, _ = _worker_runs("1gpu-dp1", tiny_dir, worker_root)
     two, _ = _worker_runs(case, tiny_dir, worker_root)

@@ -42,7 +42,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``, causal per sample."""
     if cu_seq_lens_q is None or query.shape[0] != 1:
         raise ValueError("slime_varlen attention needs a packed batch [1, T] and cu_seq_lens_q/k "
-                         "(see slime.backends.fsdp_utils.model.model_inputs)")
+                         "(a packed batch of one row, as both trainer backends build)")
     varlen_attn = _varlen_fn()
     params = inspect.signature(varlen_attn).parameters
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]

@@ -1,5 +1,5 @@
 """The chunked log-prob/entropy head: exact against the plain float32 log-softmax (values and
-gradients), with top-p renormalisation, and inside an FSDP2-sharded model with tied embeddings."""
+gradients), with top-p renormalisation; the fused Triton kernels against the torch path."""
 
 import importlib.util
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.logprob_head import (
+from slime.backends.training.logprob_head import (
     HEAD_ENV,
     Nucleus,
     chunked_log_probs_and_entropy,
@@ -99,48 +99,6 @@ def test_chunk_size_flag_and_bad_shapes():
         chunked_log_probs_and_entropy(h, w, targets[:3])
 
 
-@pytest.mark.usefixtures("single_rank")
-def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
-    """Through the FSDP2 trainer (sharded, tied embeddings, chunks of 3 rows): log-probs, entropy and
-    every parameter's gradient equal a plain HF model with the full-vocabulary log-softmax."""
-    from transformers import AutoModelForCausalLM
-
-    from slime.backends.fsdp_utils.model import forward_log_probs
-    from slime.backends.fsdp_utils.worker import FSDPTrainWorker
-    from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
-
-    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--log-probs-chunk-size", "3", rbs=3)
-    worker = FSDPTrainWorker(args)
-    worker.init()
-    assert worker.chunk_rows == 3
-    assert type(worker.model.lm_head.weight).__name__ == "DTensor" and worker.model.config.tie_word_embeddings
-    data = rank_data(args, make_samples(6))
-    packed = worker._pack(data, list(range(6)))
-    log_probs, entropy = forward_log_probs(worker.model, packed, worker.attn_implementation, 0.7, 3, entropy_grad=True)
-    coef = torch.linspace(-1.0, 1.0, log_probs.numel())
-    worker.optimizer.zero_grad(set_to_none=True)
-    ((coef * log_probs).sum() + (coef.flip(0) * entropy).sum()).backward()
-    grads = full_grads(worker.model)
-    worker.optimizer.zero_grad(set_to_none=True)
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref_lp, ref_h = [], []
-    for tokens, r in zip(data["tokens"], data["response_lengths"]):
-        logits = reference(tokens[None]).logits[0]
-        rows = logits[len(tokens) - int(r) - 1 : len(tokens) - 1]
-        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 0.7))
-        ref_h.append(ppo_utils.compute_entropy(rows, 0.7))
-    ref_lp, ref_h = torch.cat(ref_lp), torch.cat(ref_h)
-    ((coef * ref_lp).sum() + (coef.flip(0) * ref_h).sum()).backward()
-    torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy.detach(), ref_h.detach(), atol=1e-5, rtol=0)
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
-    assert "forward" not in vars(worker.model.lm_head)  # the plain head is back after the call
-
-
 @pytest.mark.gpu
 def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
     """Qwen3-0.6B head shape in bf16 on CUDA: same values and gradients as the full-logits path
@@ -179,7 +137,7 @@ def test_gpu_bf16_head_matches_full_logits_in_a_fraction_of_the_memory():
 # keeps a copy off the import path). On CUDA the `gpu` tests run the compiled kernels.
 
 def _triton_runs_on(device: str) -> bool:
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     return triton_logprob.available(device)
 
@@ -191,7 +149,7 @@ needs_interpreter = pytest.mark.skipif(
 
 def _head_in_both_paths(monkeypatch, h, w, targets, coef, temperature, chunk_rows, entropy_grad, spy=None):
     """Values and (hidden, weight) gradients of the head forced through each path: {path: tensors}."""
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     if spy is not None:  # count kernel launches, so a silent fall-back to the torch path fails the test
         for name in ("log_probs_and_entropy", "grad_logits_"):
@@ -254,7 +212,7 @@ def test_triton_interpreted_single_gradient_terms_and_edge_targets(monkeypatch):
     """A loss on log-probs alone, on entropy alone (no log-prob gradient), a plain ``.sum()`` (a
     stride-0 incoming gradient) and a bias with a gradient match the torch path; an out-of-vocabulary
     target gives NaN, not a read outside the row."""
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     h, w, targets, _ = _head_inputs(5, 8, 130, torch.float32, "cpu", seed=1)
     losses = {"log_probs": lambda lp, ent: (lp * torch.arange(5.0)).sum(),

@@ -82,7 +82,7 @@ def head_path(device: torch.device | str, nucleus: Nucleus | None = None) -> str
         raise ValueError(f"{HEAD_ENV}={os.environ[HEAD_ENV]!r}: expected auto, torch or triton")
     if choice == "torch" or nucleus is not None:
         return "torch"
-    from slime.backends.fsdp_utils import triton_logprob
+    from slime.backends.training import triton_logprob
 
     device = torch.device(device)
     if choice == "triton":
@@ -137,7 +137,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         num_rows, vocab = hidden.shape[0], weight.shape[0]
         use_triton = head_path(hidden.device, nucleus) == "triton"
         if use_triton:
-            from slime.backends.fsdp_utils import triton_logprob
+            from slime.backends.training import triton_logprob
         log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
@@ -178,7 +178,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             return None, None, None, None, None, None, None, None
         use_triton = ctx.use_triton and grad_bias is None  # the bias gradient sums the float32 grad_z
         if use_triton:
-            from slime.backends.fsdp_utils import triton_logprob
+            from slime.backends.training import triton_logprob
         for start in range(0, num_rows, chunk_rows):
             end = min(start + chunk_rows, num_rows)
             g_lp = None if grad_log_probs is None else grad_log_probs[start:end]

@@ -1,11 +1,12 @@
-"""MegatronTrainWorker's CPU-checkable behaviour: role overrides and refusals with clear messages."""
+"""MegatronBackend's CPU-checkable behaviour: role overrides and refusals with clear messages."""
 
 import argparse
 
 import pytest
 
 from slime.backends.megatron_utils import model as mm
-from slime.backends.megatron_utils.worker import MegatronTrainWorker, apply_megatron_config
+from slime.backends.megatron_utils.backend import MegatronBackend
+from slime.backends.megatron_utils.setup import apply_megatron_config
 
 
 def _args(**kw):
@@ -39,22 +40,22 @@ def test_megatron_config_path_errors_name_the_problem(tmp_path):
 def test_unsupported_layouts_are_refused_before_any_gpu_work():
     # context parallelism is supported, but not with a loss over every position's logits or routing replay
     with pytest.raises(NotImplementedError, match="--context-parallel-size > 1 with --loss-type custom_loss"):
-        MegatronTrainWorker(_args(context_parallel_size=2, loss_type="custom_loss"))
+        MegatronBackend(_args(context_parallel_size=2, loss_type="custom_loss"))
     with pytest.raises(NotImplementedError, match="--context-parallel-size > 1 with MoE routing replay"):
-        MegatronTrainWorker(_args(context_parallel_size=2, loss_type="policy_loss", use_routing_replay=True))
+        MegatronBackend(_args(context_parallel_size=2, loss_type="policy_loss", use_routing_replay=True))
     with pytest.raises(NotImplementedError, match="--virtual-pipeline-model-parallel-size 2"):
-        MegatronTrainWorker(_args(virtual_pipeline_model_parallel_size=2))
+        MegatronBackend(_args(virtual_pipeline_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="--rollout-top-p 0.9"):
-        MegatronTrainWorker(_args(rollout_top_p=0.9))
+        MegatronBackend(_args(rollout_top_p=0.9))
     if not mm.have_sequence_parallel_norm():
         with pytest.raises(NotImplementedError, match="--sequence-parallel without Transformer Engine"):
-            MegatronTrainWorker(_args(tensor_model_parallel_size=2, sequence_parallel=True))
+            MegatronBackend(_args(tensor_model_parallel_size=2, sequence_parallel=True))
     with pytest.raises(ValueError, match="role must be 'actor' or 'critic', got 'policy'"):
-        MegatronTrainWorker(_args(), role="policy")
+        MegatronBackend(_args(), role="policy")
     # pipeline parallelism and the critic are accepted now: what stops them here is the missing GPU
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        MegatronTrainWorker(_args(pipeline_model_parallel_size=2))
+        MegatronBackend(_args(pipeline_model_parallel_size=2))
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        MegatronTrainWorker(_args(context_parallel_size=2))
+        MegatronBackend(_args(context_parallel_size=2))
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        MegatronTrainWorker(_args(), role="critic")
+        MegatronBackend(_args(), role="critic")

@@ -1,0 +1,332 @@
+"""The training worker: one per rank, the rollout-step flow written once over a :class:`TrainBackend`.
+
+Used in a process where ``torch.distributed`` is initialised (gloo on CPU, NCCL on GPU); every
+method is collective (all ranks call it) and takes/returns picklable values.
+
+Rollout step, actor (``train``):
+  1. forward-only passes over this rank's micro-batches: π_old log-probs (unless
+     ``--use-rollout-logprobs``, or skipped: :meth:`TrainWorker.skips_old_log_prob_pass`), reference
+     log-probs (``--use-kl-loss`` / ``--kl-coef``), entropy (``--use-rollout-entropy``); skipped for
+     keys already present in ``rollout_data``;
+  2. shaping KL, advantages and returns (``--custom-advantage-function-path`` or the estimator),
+     OPD, whitening over the data-parallel ranks;
+  3. ``--rollout-data-postprocess-path`` hook ``(args, rollout_id, rollout_data)``;
+  4. one optimizer step per ``global_batch_sizes`` entry: the before-train-step hook, forward and
+     backward of each micro-batch with the loss scaled so that the step objective is exactly §5.8
+     (per-rollout: Σ S / B; per-token: Σ S / tokens) whatever the micro-batch split and layout,
+     then the backend's optimizer step.
+
+PPO, the critic API — a second worker with ``role="critic"``: ``values = critic.compute_values(data)``
+(V_old per sample over the response); with ``--kl-coef`` ≠ 0 also ``actor.compute_log_probs(data)``
+so both sides see the same KL; then ``critic.train(rollout_id, data)`` (GAE returns, fits V) and
+``actor.train(rollout_id, data)`` with the same fields. For the first ``--num-critic-only-steps``
+rollout steps the caller skips ``actor.train``.
+
+Every rank of a data-parallel replica (``layout.replica_size`` ranks) receives the same shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.training import metrics as metrics_lib
+from slime.backends.training.backend import DataLayout, ModelOutput, TrainBackend, backend_class
+from slime.backends.training.flops import FlopShape, training_flops
+from slime.backends.training.loss import LossDispatch, metrics_to_host
+from slime.backends.training.weights import bucket_weights
+from slime.utils import ppo_utils
+from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainWorker"]
+
+
+class TrainWorker:
+    """One rank of the actor (``role="actor"``) or critic (``role="critic"``) trainer."""
+
+    def __init__(self, args, role: str = "actor", backend: TrainBackend | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TrainWorker needs torch.distributed initialised (gloo on CPU, NCCL on GPU)")
+        self.backend = backend if backend is not None else backend_class(args.train_backend)(args, role)
+        self.args, self.role = self.backend.args, role  # a backend may apply per-role overrides to args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.loss = LossDispatch(self.args, role)
+        self.forward_only_passes = 0  # forward-only passes over a rollout's data (π_old, reference, values)
+        self.step_metrics: list[dict[str, float]] = []
+        self._flop_shape: FlopShape | None = None
+
+    @property
+    def layout(self) -> DataLayout:
+        return self.backend.layout
+
+    def init(self) -> int | None:
+        """Build the backend's models; returns the rollout id to start from (checkpoint + 1) or None."""
+        return self.backend.init()
+
+    # ------------------------------------------------------------------ forward-only passes
+
+    def _forward_only(self, which: str, rollout_data: dict, output: ModelOutput):
+        self.forward_only_passes += 1
+        return self.backend.forward_only(which, rollout_data, output)
+
+    def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
+        """§5: with exactly one optimizer step in this rollout step and nothing else needing π_old
+        from a separate pass, the loss uses log π_old = stopgrad(log π_θ) (ratio ≡ 1, the same
+        loss and gradients) and the forward-only π_old pass is skipped. Custom advantage and
+        rollout-data hooks may read ``log_probs``, and the train debug dump (§7.6) records them, so
+        they keep the pass."""
+        args = self.args
+        return (
+            self.role == "actor"
+            and args.loss_type == "policy_loss"
+            and len(rollout_data["num_microbatches"]) == 1
+            and args.kl_coef == 0
+            and not getattr(args, "use_rollout_logprobs", False)
+            and not getattr(args, "get_mismatch_metrics", False)
+            and not getattr(args, "use_rollout_entropy", False)
+            and args.advantage_estimator not in ("ppo", "gspo")
+            and not getattr(args, "keep_old_actor", False)
+            and not getattr(args, "use_opd", False)
+            and not (getattr(args, "use_routing_replay", False) and not getattr(args, "use_rollout_routing_replay", False))
+            and not getattr(args, "custom_advantage_function_path", None)
+            and not getattr(args, "rollout_data_postprocess_path", None)
+            and not getattr(args, "save_debug_train_data", None)
+        )
+
+    def compute_log_probs(self, rollout_data: dict, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
+        """π_old log-probs (not with ``skip_old``), reference log-probs and the shaping KL (§5.2)
+        for this rank's samples."""
+        args = self.args
+        result: dict[str, list[torch.Tensor]] = {}
+        if "log_probs" not in rollout_data and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
+            with_entropy = getattr(args, "use_rollout_entropy", False)
+            # --keep-old-actor: π_old = the actor before the last update
+            which = "old_actor" if self.backend.has_model("old_actor") else "model"
+            result["log_probs"], entropy = self._forward_only(which, rollout_data, ModelOutput("log_probs", entropy=with_entropy))
+            if entropy is not None:
+                result["entropy"] = entropy
+        if self.backend.has_model("ref") and "ref_log_probs" not in rollout_data:
+            result["ref_log_probs"], _ = self._forward_only("ref", rollout_data, ModelOutput("log_probs"))
+        merged = {**rollout_data, **result}
+        old = merged.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else merged.get("log_probs")
+        if args.kl_coef != 0 and old is not None and merged.get("ref_log_probs") is not None:
+            result["kl"] = [ppo_utils.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, merged["ref_log_probs"])]
+        else:
+            result["kl"] = [torch.zeros(int(n)) for n in rollout_data["response_lengths"]]
+        return result
+
+    def compute_values(self, rollout_data: dict) -> list[torch.Tensor]:
+        """Critic only: V_old per sample over its response tokens (position predicting each token)."""
+        if self.role != "critic":
+            raise RuntimeError("compute_values is a critic method (TrainWorker(args, role='critic'))")
+        values, _ = self._forward_only("model", rollout_data, ModelOutput("values"))
+        return values
+
+    # ------------------------------------------------------------------ advantages
+
+    def _compute_advantages(self, rollout_data: dict) -> None:
+        args = self.args
+        masks = [m.float() for m in rollout_data["loss_masks"]]
+        if getattr(args, "custom_advantage_function_path", None):
+            load_function(args.custom_advantage_function_path)(args, rollout_data)
+        else:
+            raw = torch.tensor([float(rollout_data["raw_reward"][p]) for p in rollout_data["partition"]])
+            advantages, returns = ppo_utils.compute_advantages_and_returns(
+                args.advantage_estimator,
+                rewards=torch.tensor([float(r) for r in rollout_data["rewards"]]),
+                raw_rewards=raw, kl=rollout_data["kl"], loss_masks=masks, values=rollout_data.get("values"),
+                kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
+            )
+            rollout_data["advantages"], rollout_data["returns"] = advantages, returns
+        if getattr(args, "use_opd", False):
+            teacher = rollout_data.get("teacher_log_probs")
+            old = rollout_data.get("log_probs") if not args.use_rollout_logprobs else rollout_data.get("rollout_log_probs")
+            rollout_data["advantages"], rollout_data["opd_reverse_kl"] = ppo_utils.apply_opd(
+                rollout_data["advantages"], old, teacher, args.opd_kl_coef
+            )
+        if args.normalize_advantages:
+            sums = ppo_utils.whitening_sums(rollout_data["advantages"], masks)
+            dist.all_reduce(sums)
+            sums /= self.layout.replica_size  # every sample counted once
+            rollout_data["advantages"] = ppo_utils.whiten_with_sums(rollout_data["advantages"], sums)
+
+    # ------------------------------------------------------------------ training
+
+    def prepare(self, rollout_id: int, rollout_data: dict) -> dict:
+        """Steps 1–3 of a rollout step (forward-only passes, KL, advantages/returns, the
+        postprocess hook) on a shallow copy of ``rollout_data``; returns the completed dict."""
+        if self.backend.offloaded:
+            self.backend.onload()
+        args = self.args
+        rollout_data = dict(rollout_data)
+        rollout_data.setdefault("total_lengths_local", [int(t.numel()) for t in rollout_data["tokens"]])
+        if self.role == "actor":
+            if getattr(args, "compute_advantages_and_returns", True) and args.loss_type != "sft_loss":
+                rollout_data.update(self.compute_log_probs(rollout_data, skip_old=self.skips_old_log_prob_pass(rollout_data)))
+                self._compute_advantages(rollout_data)
+        else:
+            if "values" not in rollout_data:
+                rollout_data["values"] = self.compute_values(rollout_data)
+            rollout_data.setdefault("kl", [torch.zeros(int(n)) for n in rollout_data["response_lengths"]])
+            if args.kl_coef != 0 and all(float(k.abs().sum()) == 0 for k in rollout_data["kl"]):
+                raise ValueError("critic.train with --kl-coef != 0 needs rollout_data['kl'] from actor.compute_log_probs")
+            self._compute_advantages(rollout_data)
+        if self.role == "actor" and getattr(args, "rollout_data_postprocess_path", None):
+            load_function(args.rollout_data_postprocess_path)(args, rollout_id, rollout_data)
+        return rollout_data
+
+    def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+        """One rollout step on this rank's data-parallel shard; returns metrics reduced over all ranks.
+
+        Returned keys: ``rollout/<key>`` (trainer-side data), ``train/<key>`` (mean over this rollout
+        step's optimizer steps; per-step values with ``train/step`` are in :meth:`get_step_metrics`),
+        ``train/grad_norm``, ``train/lr-pg_<k>``, ``perf/<role>_train_time``,
+        ``perf/<role>_train_tok_per_s``, ``perf/<role>_train_tflops`` (per rank). Critic keys carry the
+        ``critic-`` tag (``train/critic-value_loss``).
+        """
+        try:
+            rollout_data = self.prepare(rollout_id, rollout_data)
+            if self.backend.has_model("old_actor"):  # π_old of the next rollout step: these weights, before this update
+                self.backend.copy_weights("model", "old_actor")
+            if self.role == "actor" and getattr(self.args, "save_debug_train_data", None):
+                from slime.observability.train_data_utils import save_debug_train_data
+
+                save_debug_train_data(self.args.save_debug_train_data, rollout_id, rollout_data)
+            metrics = self.rollout_metrics(rollout_data) if self.role == "actor" else {}
+            metrics.update(self._train_steps(rollout_id, rollout_data))
+        finally:
+            self.backend.finish_rollout_step()
+        args = self.args
+        if self.role == "actor" and getattr(args, "ref_update_interval", None) and (rollout_id + 1) % args.ref_update_interval == 0:
+            self.update_ref_model()
+        if getattr(args, "reset_optimizer_states", False):
+            self.backend.reset_optimizer_state()
+        return metrics
+
+    def step_normaliser(self, rollout_data: dict, step_id: int) -> float:
+        """B (rollouts in the step) or, per-token mode, the step's total loss-token count (§5.8)."""
+        if self.args.calculate_per_token_loss:
+            return float(rollout_data["step_loss_token_counts"][step_id])
+        return float(rollout_data["global_batch_sizes"][step_id])
+
+    def step_micro_batches(self, rollout_data: dict, step_id: int) -> list[list[int]]:
+        counts = rollout_data["num_microbatches"]
+        first = sum(counts[:step_id])
+        return rollout_data["micro_batch_indices"][first: first + counts[step_id]]
+
+    def forward_backward(self, rollout_data: dict, step_id: int):
+        """Accumulate the gradients of optimizer step ``step_id``; returns (metric sums of this rank,
+        tokens, flops). Each micro-batch's loss is S(ℓ)/normaliser; the backend rescales it for its
+        gradient averaging so that the reduced gradient is that of Σ S / normaliser."""
+        normaliser = self.step_normaliser(rollout_data, step_id)
+        micro_batches = self.step_micro_batches(rollout_data, step_id)
+
+        def loss_fn(micro_batch: list[int], outputs):
+            loss, metrics = self.loss(rollout_data, micro_batch, outputs)
+            return loss / normaliser, metrics_to_host(metrics)
+
+        sums: dict[str, torch.Tensor] = {}
+        for metrics in self.backend.forward_backward(rollout_data, micro_batches, self.loss.output, loss_fn):
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
+        tokens, flops = self._work(rollout_data, micro_batches)
+        return sums, tokens, flops
+
+    def _work(self, rollout_data: dict, micro_batches: list[list[int]]) -> tuple[int, float]:
+        """(tokens, training FLOPs) of the micro-batches (:mod:`~slime.backends.training.flops`)."""
+        if self._flop_shape is None:
+            self._flop_shape = FlopShape.from_hf_config(self.backend.hf_config(), self.role)
+        tokens, flops = 0, 0.0
+        all_positions = self.loss.output.kind == "logits"
+        for micro_batch in micro_batches:
+            lengths = [int(rollout_data["tokens"][i].numel()) for i in micro_batch]
+            predicted = sum(lengths) - len(lengths) if all_positions else \
+                sum(int(rollout_data["response_lengths"][i]) for i in micro_batch)
+            tokens += sum(lengths)
+            flops += training_flops(self._flop_shape, lengths, predicted)
+        return tokens, flops
+
+    def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+        args, backend = self.args, self.backend
+        tag = "" if self.role == "actor" else "critic-"  # §5.5: critic metrics carry the role tag
+        hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
+        hook = load_function(hook) if hook else None
+        start_time, tokens_done, flops_done = time.perf_counter(), 0, 0.0
+        step_results = []
+        for step_id in range(len(rollout_data["num_microbatches"])):
+            if hook is not None:
+                hook(args, rollout_id, step_id, backend.model, backend.optimizer, backend.scheduler)
+            backend.zero_grad()
+            sums, tokens, flops = self.forward_backward(rollout_data, step_id)
+            tokens_done, flops_done = tokens_done + tokens, flops_done + flops
+            grad_norm, lrs = backend.optimizer_step()
+            reduced = self.reduce_sums(sums, self.step_normaliser(rollout_data, step_id))
+            step_metrics = {f"train/{tag}{k}": v for k, v in reduced.items()}
+            step_metrics[f"train/{tag}grad_norm"] = float(grad_norm)
+            for k, lr in enumerate(lrs):
+                step_metrics[f"train/{tag}lr-pg_{k}"] = float(lr)
+            step_metrics["train/step"] = float(backend.global_step)
+            backend.global_step += 1
+            step_results.append(step_metrics)
+        self.step_metrics = step_results
+        elapsed = time.perf_counter() - start_time
+        totals = torch.tensor([tokens_done, flops_done], dtype=torch.float64, device=self._device())
+        dist.all_reduce(totals)
+        totals = totals.cpu() / self.layout.replica_size  # a replica's ranks process the same tokens together
+        out = {k: sum(s[k] for s in step_results) / len(step_results) for k in step_results[0] if k != "train/step"}
+        out[f"perf/{self.role}_train_time"] = elapsed
+        out[f"perf/{self.role}_train_tok_per_s"] = float(totals[0]) / elapsed
+        out[f"perf/{self.role}_train_tflops"] = float(totals[1]) / elapsed / self.world_size / 1e12
+        return out
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
+        return metrics_lib.reduce_sums(sums, normaliser, self.layout)
+
+    def rollout_metrics(self, rollout_data: dict) -> dict[str, float]:
+        return metrics_lib.rollout_metrics(rollout_data, self.layout, self._device())
+
+    def get_step_metrics(self) -> list[dict[str, float]]:
+        """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""
+        return list(self.step_metrics)
+
+    # ------------------------------------------------------------------ models, checkpoints, weights
+
+    def update_ref_model(self) -> None:
+        """Copy the actor's weights into the reference model (``--ref-update-interval``)."""
+        if self.backend.has_model("ref"):
+            self.backend.copy_weights("model", "ref")
+
+    def save(self, rollout_id: int) -> None:
+        """Checkpoint of model, optimizer, schedule, RNG and step under ``--save`` (critic: ``<save>/critic``)."""
+        self.backend.save(rollout_id)
+
+    def save_hf(self, path: str) -> None:
+        """HF directory (safetensors + config + tokenizer), written by rank 0; collective."""
+        self.backend.save_hf(path)
+
+    def iter_weight_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = None
+                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors in buckets of about ``bucket_bytes`` (default
+        ``--update-weight-buffer-size``). Collective: every rank must iterate to the end; every rank
+        receives the full tensors, so any rank can send them."""
+        if self.role != "actor":
+            raise RuntimeError("iter_weight_buckets is an actor method: engines take the actor's weights, not the critic's")
+        named = self.backend.named_hf_weights(dtype if dtype is not None else self.backend.weight_dtype())
+        yield from bucket_weights(named, bucket_bytes or self.args.update_weight_buffer_size)
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (colocation)."""
+        self.backend.offload()
+
+    def onload(self) -> None:
+        """Bring parameters, gradients and optimizer state back to the training device."""
+        self.backend.onload()

@@ -1,0 +1,48 @@
+"""The shared log-prob head inside the FSDP2 model: sharded, tied embeddings, chunked rows."""
+
+import pytest
+import torch
+
+from slime.utils import ppo_utils
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
+    """Through the FSDP2 trainer (sharded, tied embeddings, chunks of 3 rows): log-probs, entropy and
+    every parameter's gradient equal a plain HF model with the full-vocabulary log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.model import forward_log_probs
+    from slime.backends.training.worker import TrainWorker
+    from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--log-probs-chunk-size", "3", rbs=3)
+    worker = TrainWorker(args)
+    worker.init()
+    assert worker.backend.chunk_rows == 3
+    assert type(worker.backend.model.lm_head.weight).__name__ == "DTensor" and worker.backend.model.config.tie_word_embeddings
+    data = rank_data(args, make_samples(6))
+    packed = worker.backend._pack(data, list(range(6)))
+    log_probs, entropy = forward_log_probs(worker.backend.model, packed, worker.backend.attn_implementation, 0.7, 3, entropy_grad=True)
+    coef = torch.linspace(-1.0, 1.0, log_probs.numel())
+    worker.backend.optimizer.zero_grad(set_to_none=True)
+    ((coef * log_probs).sum() + (coef.flip(0) * entropy).sum()).backward()
+    grads = full_grads(worker.backend.model)
+    worker.backend.optimizer.zero_grad(set_to_none=True)
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref_lp, ref_h = [], []
+    for tokens, r in zip(data["tokens"], data["response_lengths"]):
+        logits = reference(tokens[None]).logits[0]
+        rows = logits[len(tokens) - int(r) - 1 : len(tokens) - 1]
+        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 0.7))
+        ref_h.append(ppo_utils.compute_entropy(rows, 0.7))
+    ref_lp, ref_h = torch.cat(ref_lp), torch.cat(ref_h)
+    ((coef * ref_lp).sum() + (coef.flip(0) * ref_h).sum()).backward()
+    torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.detach(), ref_h.detach(), atol=1e-5, rtol=0)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert "forward" not in vars(worker.backend.model.lm_head)  # the plain head is back after the call
