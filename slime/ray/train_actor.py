@@ -66,23 +66,23 @@ class TrainRayActor:
     # ------------------------------------------------------------------ training
 
     @staticmethod
-    def _resolve(rollout_data_ref, extra_refs: list | None) -> dict:
+    def _resolve(batch_ref, extra_refs: list | None):
         # the driver passes [ref] so that Ray hands the ref over instead of resolving it in the caller;
-        # extra_refs: refs of per-sample fields computed by other ranks (the critic's values, the actor's
-        # log-probs), fetched here straight from the rank that produced them
-        data = ray.get(rollout_data_ref[0]) if isinstance(rollout_data_ref, list) else rollout_data_ref
-        for extra in ray.get(list(extra_refs)) if extra_refs else []:
-            data = {**data, **extra}
-        return data
+        # extra_refs: refs of per-sample columns computed by other ranks (the critic's values, the
+        # actor's log-probs), fetched here straight from the rank that produced them
+        batch = ray.get(batch_ref[0]) if isinstance(batch_ref, list) else batch_ref
+        for columns in ray.get(list(extra_refs)) if extra_refs else []:
+            batch = batch.replace(**columns)
+        return batch
 
-    def train(self, rollout_id: int, rollout_data_ref, extra_refs: list | None = None) -> dict:
-        return self.worker.train(rollout_id, self._resolve(rollout_data_ref, extra_refs))
+    def train(self, rollout_id: int, batch_ref, extra_refs: list | None = None) -> dict:
+        return self.worker.train(rollout_id, self._resolve(batch_ref, extra_refs))
 
-    def compute_values(self, rollout_data_ref) -> dict:
-        return {"values": self.worker.compute_values(self._resolve(rollout_data_ref, None))}
+    def compute_values(self, batch_ref) -> dict:
+        return {"values": self.worker.compute_values(self._resolve(batch_ref, None))}
 
-    def compute_log_probs(self, rollout_data_ref) -> dict:
-        return self.worker.compute_log_probs(self._resolve(rollout_data_ref, None))
+    def compute_log_probs(self, batch_ref) -> dict:
+        return self.worker.compute_log_probs(self._resolve(batch_ref, None))
 
     def save(self, rollout_id: int) -> None:
         self.worker.save(rollout_id)

@@ -3,8 +3,9 @@
 ``convert_samples_to_train_data(args, samples)`` runs in the rollout manager on the flattened
 ``list[Sample]`` and returns the whole-batch dict. ``split_train_data_by_dp(args, data, dp_size)``
 cuts it into optimizer steps of exactly ``global_batch_size`` rollouts (§1.8.7), assigns whole
-rollouts to DP ranks (token-balanced with ``--balance-data``), packs each rank's samples into
-micro-batches (same count on every rank) and returns one dict per rank.
+rollouts to data-parallel shards (token-balanced with ``--balance-data``), packs each shard's samples
+into micro-batches (same count on every shard) and returns one typed
+:class:`~slime.backends.training.batch.TrainBatch` per shard.
 
 Reward grouping (§5.1 and the §1.8 item 9 caveat), decided as follows:
 
@@ -194,17 +195,22 @@ def _tensorise(key: str, values: list) -> list:
     return [v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(list(v), dtype=dtype) for v in values]
 
 
-def split_train_data_by_dp(args, data: dict, dp_size: int) -> list[dict]:
-    """Cut ``data`` into steps of ``global_batch_size`` rollouts and into ``dp_size`` per-rank dicts.
+def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
+    """Cut ``data`` into steps of ``global_batch_size`` rollouts and into ``dp_size`` shards, one
+    :class:`~slime.backends.training.batch.TrainBatch` each (every rank of a data-parallel replica
+    trains on the same one).
 
-    Per-rank dict: the per-sample keys restricted to the rank's samples (tensorised: tokens int64,
+    A shard holds the per-sample columns restricted to its samples (tensorised: tokens int64,
     loss_masks int32, log-prob fields float32, ``rollout_mask_sums`` a float32 tensor), the whole-batch
-    ``raw_reward`` and ``total_lengths``, and the schedule: ``partition`` (global positions of the
-    rank's samples, step after step), ``global_batch_sizes`` (rollouts per step), ``num_microbatches``
-    (per step, equal on every rank), ``micro_batch_indices`` (per micro-batch, all steps in order,
-    lists of local positions; may be empty), ``step_loss_token_counts`` (per step, Σ_i max(Σ_t m, 1)
-    over all ranks — the per-token normaliser), ``dp_rank`` and ``dp_size``.
+    ``raw_reward`` and ``total_lengths``, ``partition`` (global positions of its samples, step after
+    step), ``dp_rank``/``dp_size``, and the :class:`~slime.backends.training.batch.StepSchedule`:
+    ``global_batch_sizes`` (rollouts per step), ``num_microbatches`` (per step, equal on every shard),
+    ``micro_batch_indices`` (per micro-batch, all steps in order, lists of local positions; may be
+    empty), ``step_loss_token_counts`` (per step, Σ_i max(Σ_t m, 1) over all shards — the per-token
+    normaliser).
     """
+    from slime.backends.training.batch import StepSchedule, TrainBatch
+
     num_samples = len(data["tokens"])
     rollout_ids = list(data["rollout_ids"])
     total_lengths = [len(t) for t in data["tokens"]]
@@ -249,31 +255,17 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list[dict]:
             rank_positions[rank].extend(step_positions[rank])
             rank_micro_batches[rank].extend([[offset + i for i in mb] for mb in schedule[rank]])
     dropped = num_samples - sum(len(p) for p in rank_positions)
+    schedule_fields = dict(global_batch_sizes=[gbs] * num_steps, num_microbatches=num_microbatches,
+                           step_loss_token_counts=token_counts)
+    whole_batch = {key: data[key] for key in WHOLE_BATCH_KEYS if key in data and key != "total_lengths"}
     result = []
     for rank in range(dp_size):
         positions = rank_positions[rank]
-        shard: dict[str, Any] = {
-            "partition": positions,
-            "global_batch_sizes": [gbs] * num_steps,
-            "num_microbatches": num_microbatches,
-            "micro_batch_indices": rank_micro_batches[rank],
-            "step_loss_token_counts": token_counts,
-            "dp_rank": rank,
-            "dp_size": dp_size,
-            "num_dropped_samples": dropped,
-            "total_lengths": total_lengths,
-        }
-        for key in WHOLE_BATCH_KEYS:
-            if key in data and key != "total_lengths":
-                shard[key] = data[key]
-        for key in PER_SAMPLE_KEYS:
-            if key in data and data[key] is not None:
-                shard[key] = _tensorise(key, [data[key][p] for p in positions])
-        shard["rollout_mask_sums"] = torch.tensor([float(data["rollout_mask_sums"][p]) for p in positions], dtype=torch.float32)
-        result.append(shard)
+        columns = {key: _tensorise(key, [data[key][p] for p in positions])
+                   for key in PER_SAMPLE_KEYS if key in data and data[key] is not None}
+        columns["rollout_mask_sums"] = torch.tensor([float(data["rollout_mask_sums"][p]) for p in positions], dtype=torch.float32)
+        schedule = StepSchedule(micro_batch_indices=rank_micro_batches[rank], **schedule_fields)
+        result.append(TrainBatch(schedule=schedule, partition=positions, total_lengths=total_lengths, dp_rank=rank,
+                                 dp_size=dp_size, num_dropped_samples=dropped, **whole_batch, **columns))
     return result
 
-
-def micro_batch_token_count(shard: dict, micro_batch: list[int]) -> int:
-    """Tokens in one micro-batch of a per-rank dict."""
-    return sum(int(shard["tokens"][i].numel()) for i in micro_batch)

@@ -84,11 +84,11 @@ def test_top_p_nucleus_from_engine_to_trainer(tiny_model_dir, tmp_path):
 
     ensure_single_rank_group()
     data = split_train_data_by_dp(args, convert_samples_to_train_data(args, samples), 1)[0]
-    assert all(t.dtype == torch.int32 for t in data["rollout_top_p_token_ids"])
+    assert all(t.dtype == torch.int32 for t in data.rollout_top_p_token_ids)
     worker = TrainWorker(args)
     worker.init()
     computed = worker.compute_log_probs(data)["log_probs"]
-    for got, want, engine_lp in zip(computed, expected_trainer, data["rollout_log_probs"]):
+    for got, want, engine_lp in zip(computed, expected_trainer, data.rollout_log_probs):
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
         assert bool((got >= engine_lp - 1e-4).all())  # renormalising over S only raises log-probs
     metrics = worker.train(0, data)
@@ -96,8 +96,8 @@ def test_top_p_nucleus_from_engine_to_trainer(tiny_model_dir, tmp_path):
     # |log π_old − log μ| = the mean −log(nucleus mass): the engine's log-probs are not renormalised
     assert metrics["train/train_rollout_logprob_abs_diff"] > 1e-3
 
-    broken = dict(data, rollout_top_p_token_offsets=[o[:-1] for o in data["rollout_top_p_token_offsets"]])
+    broken = data.replace(rollout_top_p_token_offsets=[o[:-1] for o in data.rollout_top_p_token_offsets])
     with pytest.raises(ValueError, match="rollout_top_p_token_offsets must have response_length"):
         worker.compute_log_probs(broken)
     with pytest.raises(ValueError, match="--rollout-top-p != 1 needs rollout_top_p_token_ids"):
-        worker.compute_log_probs({k: v for k, v in data.items() if not k.startswith("rollout_top_p")})
+        worker.compute_log_probs(data.replace(rollout_top_p_token_ids=None, rollout_top_p_token_offsets=None))

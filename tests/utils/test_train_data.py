@@ -102,19 +102,19 @@ def test_split_steps_ranks_and_fan_out():
     samples += [sample(6, 3, 0.0), sample(7, 3, 0.0)]  # 7 rollouts: the trailing one is dropped
     data = convert_samples_to_train_data(args, samples)
     shards = split_train_data_by_dp(args, data, dp_size=2)
-    assert [s["global_batch_sizes"] for s in shards] == [[3, 3], [3, 3]]
-    positions = sorted(p for s in shards for p in s["partition"])
+    assert [s.schedule.global_batch_sizes for s in shards] == [[3, 3], [3, 3]]
+    positions = sorted(p for s in shards for p in s.partition)
     assert positions == [0, 1, 2, 3, 4, 5, 6]
-    assert shards[0]["num_dropped_samples"] == 1
+    assert shards[0].num_dropped_samples == 1
     # fan-out siblings on one rank, in one step
-    owner = {p: r for r, s in enumerate(shards) for p in s["partition"]}
+    owner = {p: r for r, s in enumerate(shards) for p in s.partition}
     assert owner[1] == owner[2]
-    assert shards[0]["num_microbatches"] == shards[1]["num_microbatches"]
-    assert len(shards[0]["micro_batch_indices"]) == len(shards[1]["micro_batch_indices"]) == sum(shards[0]["num_microbatches"])
+    assert shards[0].schedule.num_microbatches == shards[1].schedule.num_microbatches
+    assert len(shards[0].schedule.micro_batch_indices) == len(shards[1].schedule.micro_batch_indices) == sum(shards[0].schedule.num_microbatches)
     for s in shards:
-        assert s["tokens"][0].dtype == torch.int64 and s["loss_masks"][0].dtype == torch.int32
-        assert s["rollout_mask_sums"].dtype == torch.float32
-        assert sorted(i for mb in s["micro_batch_indices"] for i in mb) == list(range(len(s["partition"])))
+        assert s.tokens[0].dtype == torch.int64 and s.loss_masks[0].dtype == torch.int32
+        assert s.rollout_mask_sums.dtype == torch.float32
+        assert sorted(i for mb in s.schedule.micro_batch_indices for i in mb) == list(range(len(s.partition)))
 
 
 def test_split_balance_and_dynamic_batches():
@@ -122,12 +122,12 @@ def test_split_balance_and_dynamic_batches():
     samples = [sample(i, i, 1.0, prompt_len=2, response_len=L) for i, L in enumerate([16, 2, 2, 12])]
     data = convert_samples_to_train_data(args, samples)
     shards = split_train_data_by_dp(args, data, dp_size=2)
-    loads = [sum(len(t) for t in s["tokens"]) for s in shards]
+    loads = [sum(len(t) for t in s.tokens) for s in shards]
     assert sorted(loads) == [18, 22]  # the optimum for lengths 18, 4, 4, 14
     for s in shards:
-        for mb in s["micro_batch_indices"]:
-            assert sum(int(s["tokens"][i].numel()) for i in mb) <= 20
-    assert shards[0]["step_loss_token_counts"] == [32.0]
+        for mb in s.schedule.micro_batch_indices:
+            assert sum(int(s.tokens[i].numel()) for i in mb) <= 20
+    assert shards[0].schedule.step_loss_token_counts == [32.0]
     with pytest.raises(ValueError, match="global-batch-size"):
         split_train_data_by_dp(make_args("--global-batch-size", "8", rbs=4, n=1), data, 1)
 
@@ -142,6 +142,6 @@ def test_dynamic_batches_hold_max_tokens_per_gpu_times_cp():
         args.context_parallel_size = cp  # (a Megatron run's; parse_args checks Megatron-Core is installed for it)
         samples = [sample(i, i, 1.0, prompt_len=2, response_len=L) for i, L in enumerate(lengths)]
         (shard,) = split_train_data_by_dp(args, convert_samples_to_train_data(args, samples), dp_size=1)
-        budgets[cp] = [sum(int(shard["tokens"][i].numel()) for i in mb) for mb in shard["micro_batch_indices"]]
+        budgets[cp] = [sum(int(shard.tokens[i].numel()) for i in mb) for mb in shard.schedule.micro_batch_indices]
     assert max(budgets[1]) <= 20 and len(budgets[1]) >= 3
     assert max(budgets[2]) <= 40 and max(budgets[2]) > 20 and len(budgets[2]) < len(budgets[1])

@@ -28,6 +28,7 @@ from slime.backends.fsdp_utils.model import (
 )
 from slime.backends.fsdp_utils.optim import LRScheduler, build_optimizer
 from slime.backends.training.backend import DataLayout, ModelOutput, ModelOutputs, TrainBackend, apply_freeze_lists
+from slime.backends.training.batch import TrainBatch
 from slime.backends.training.logprob_head import Nucleus, resolve_chunk_rows
 
 logger = logging.getLogger(__name__)
@@ -137,16 +138,16 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _pack(self, rollout_data: dict, micro_batch: list[int]):
-        tokens = [rollout_data["tokens"][i] for i in micro_batch]
-        lengths = [int(rollout_data["response_lengths"][i]) for i in micro_batch]
+    def _pack(self, batch: TrainBatch, micro_batch: list[int]):
+        tokens = [batch.tokens[i] for i in micro_batch]
+        lengths = [int(batch.response_lengths[i]) for i in micro_batch]
         return pack_samples(tokens, lengths, self.device)
 
-    def _nucleus(self, rollout_data: dict, micro_batch: list[int]) -> Nucleus | None:
+    def _nucleus(self, batch: TrainBatch, micro_batch: list[int]) -> Nucleus | None:
         """The engine's kept top-p sets of the micro-batch's response positions (``--rollout-top-p`` ≠ 1)."""
         if getattr(self.args, "rollout_top_p", 1.0) == 1.0 or not micro_batch:
             return None
-        all_ids, all_offsets = rollout_data.get("rollout_top_p_token_ids"), rollout_data.get("rollout_top_p_token_offsets")
+        all_ids, all_offsets = batch.rollout_top_p_token_ids, batch.rollout_top_p_token_offsets
         if all_ids is None or all_offsets is None:
             raise ValueError("--rollout-top-p != 1 needs rollout_top_p_token_ids and rollout_top_p_token_offsets in the "
                              "train data (the engine's nucleus per position; Sample fields of the same names)")
@@ -155,13 +156,13 @@ class FSDPBackend(TrainBackend):
         for i in micro_batch:
             sample_ids = torch.as_tensor(all_ids[i]).long()
             sample_offsets = torch.as_tensor(all_offsets[i]).long()
-            _check_nucleus(rollout_data, i, sample_ids, sample_offsets, vocab)
+            _check_nucleus(batch, i, sample_ids, sample_offsets, vocab)
             ids.append(sample_ids)
             offsets.append(sample_offsets[1:] + base)
             base += sample_ids.numel()
         return Nucleus(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long), torch.cat(offsets), self.device)
 
-    def _outputs(self, model, rollout_data: dict, micro_batch: list[int], packed, output: ModelOutput) -> ModelOutputs:
+    def _outputs(self, model, batch: TrainBatch, micro_batch: list[int], packed, output: ModelOutput) -> ModelOutputs:
         if output.kind == "values":
             return ModelOutputs(values=forward_response_logits(model, packed, self.attn_implementation).float())
         if output.kind == "logits":
@@ -169,12 +170,12 @@ class FSDPBackend(TrainBackend):
             return ModelOutputs(logits=logits, extras={"tokens": packed.input_ids,
                                                        "packed_seq_params": {"cu_seqlens": packed.cu_seqlens}})
         log_probs, entropy = forward_log_probs(model, packed, self.attn_implementation, self.args.rollout_temperature,
-                                               self.chunk_rows, self._nucleus(rollout_data, micro_batch),
+                                               self.chunk_rows, self._nucleus(batch, micro_batch),
                                                entropy_grad=output.entropy_grad)
         return ModelOutputs(log_probs=log_probs, entropy=entropy if output.entropy else None)
 
     @torch.no_grad()
-    def forward_only(self, which: str, rollout_data: dict, output: ModelOutput):
+    def forward_only(self, which: str, batch: TrainBatch, output: ModelOutput):
         """Per-sample log-probs (and entropy), or values, over the same micro-batches as training
         (so the first step's recomputed π_old equals the training forward bit for bit)."""
         model = self._models()[which]
@@ -182,22 +183,22 @@ class FSDPBackend(TrainBackend):
         if parked:
             model.to(self.device)
         try:
-            return self._forward_only(model, rollout_data, output)
+            return self._forward_only(model, batch, output)
         finally:
             if parked:
                 self._park(model)
 
-    def _forward_only(self, model, rollout_data: dict, output: ModelOutput):
-        n = len(rollout_data["tokens"])
+    def _forward_only(self, model, batch: TrainBatch, output: ModelOutput):
+        n = len(batch.tokens)
         out: list = [torch.zeros(0)] * n
         entropy_out: list = [torch.zeros(0)] * n
-        for micro_batch in rollout_data["micro_batch_indices"]:
+        for micro_batch in batch.schedule.micro_batch_indices:
             if not micro_batch:
                 continue
-            packed = self._pack(rollout_data, micro_batch)
+            packed = self._pack(batch, micro_batch)
             if packed.predict_positions.numel() == 0:
                 continue
-            result = self._outputs(model, rollout_data, micro_batch, packed, output)
+            result = self._outputs(model, batch, micro_batch, packed, output)
             per_token = result.values if output.kind == "values" else result.log_probs
             # one device-to-host copy per micro-batch, split on the host
             for j, piece in zip(micro_batch, torch.split(per_token.detach().float().cpu(), packed.response_lengths)):
@@ -208,18 +209,18 @@ class FSDPBackend(TrainBackend):
         _reshard(model)
         return out, (entropy_out if output.entropy else None)
 
-    def forward_backward(self, rollout_data: dict, micro_batches: list[list[int]], output: ModelOutput, loss_fn):
+    def forward_backward(self, batch: TrainBatch, micro_batches: list[list[int]], output: ModelOutput, loss_fn):
         """Forward + backward of each micro-batch. The loss is ``loss_fn``'s × dp: FSDP averages
         gradients over the dp ranks, so the accumulated gradient is that of Σ loss_fn."""
         results = []
         for micro_batch in micro_batches:
-            packed = self._pack(rollout_data, micro_batch)
+            packed = self._pack(batch, micro_batch)
             if packed.predict_positions.numel() == 0:
                 # every rank runs the same FSDP collectives, with or without tokens: a zero loss through every parameter
                 zero = forward_response_logits(self.model, packed, self.attn_implementation).float().sum() * 0.0
                 zero.backward()
                 continue
-            loss, metrics = loss_fn(micro_batch, self._outputs(self.model, rollout_data, micro_batch, packed, output))
+            loss, metrics = loss_fn(micro_batch, self._outputs(self.model, batch, micro_batch, packed, output))
             (loss * self.world_size).backward()
             results.append(metrics)
         return results
@@ -282,9 +283,9 @@ class FSDPBackend(TrainBackend):
                 torch.cuda.empty_cache()
 
 
-def _check_nucleus(rollout_data: dict, i: int, ids: torch.Tensor, offsets: torch.Tensor, vocab: int) -> None:
-    response = int(rollout_data["response_lengths"][i])
-    name = f"sample {rollout_data['sample_indices'][i]}" if "sample_indices" in rollout_data else f"sample {i}"
+def _check_nucleus(batch: TrainBatch, i: int, ids: torch.Tensor, offsets: torch.Tensor, vocab: int) -> None:
+    response = int(batch.response_lengths[i])
+    name = f"sample {batch.sample_indices[i]}" if batch.sample_indices is not None else f"sample {i}"
     if (offsets.numel() != response + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel()
             or bool((offsets.diff() < 0).any())):
         raise ValueError(f"{name}: rollout_top_p_token_offsets must have response_length + 1 = {response + 1} "

@@ -45,6 +45,7 @@ from slime.backends.megatron_utils.logprobs import log_probs_and_entropy
 from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, load_hf_config
 from slime.backends.megatron_utils.offload import offload_to_host, onload_from_host
 from slime.backends.training.backend import DataLayout, ModelOutput, ModelOutputs, TrainBackend
+from slime.backends.training.batch import TrainBatch
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -198,13 +199,13 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ forward passes
 
-    def inputs(self, rollout_data: dict, micro_batch: list[int], full: bool = False) -> fw.MicroBatchInputs:
+    def inputs(self, batch: TrainBatch, micro_batch: list[int], full: bool = False) -> fw.MicroBatchInputs:
         """One micro-batch laid out for the model; ``full``: every position (custom loss), not only
         the response."""
         from megatron.core import parallel_state as ps
 
-        tokens = [rollout_data["tokens"][i] for i in micro_batch]
-        responses = [int(t.numel()) - 1 for t in tokens] if full else [int(rollout_data["response_lengths"][i]) for i in micro_batch]
+        tokens = [batch.tokens[i] for i in micro_batch]
+        responses = [int(t.numel()) - 1 for t in tokens] if full else [int(batch.response_lengths[i]) for i in micro_batch]
         pad = self._tp_size() if self.args.sequence_parallel else 1
         return fw.micro_batch_inputs(tokens, responses, self.device, packed=self.packed, pad_multiple=pad,
                                      sample_indices=micro_batch, cp_size=ps.get_context_parallel_world_size(),
@@ -222,26 +223,26 @@ class MegatronBackend(TrainBackend):
         return ModelOutputs(log_probs=inputs.gather(log_probs), entropy=inputs.gather(entropy))
 
     @torch.no_grad()
-    def forward_only(self, which: str, rollout_data: dict, output: ModelOutput):
+    def forward_only(self, which: str, batch: TrainBatch, output: ModelOutput):
         """Per-sample log-probs (and entropy), or the critic's values, over the training
         micro-batches, through the pipeline schedule; every stage receives the last stage's results."""
         model = {"model": self.model, "ref": self.ref_model}[which]
         if which == "ref":
             model.to(self.device)
         try:
-            return self._forward_only(model, which, rollout_data, output)
+            return self._forward_only(model, which, batch, output)
         finally:
             if which == "ref":
                 model.to("cpu")
 
-    def _forward_only(self, model, which: str, rollout_data: dict, output: ModelOutput):
+    def _forward_only(self, model, which: str, batch: TrainBatch, output: ModelOutput):
         from slime.backends.megatron_utils import pipeline
 
         hook = getattr(self.args, "custom_megatron_before_log_prob_hook_path", None)
         if hook and output.kind != "values":
             load_function(hook)(self.args, model, "ref_" if which == "ref" else "")
-        self._routed = rollout_data.get("rollout_routed_experts")
-        batches = [self.inputs(rollout_data, mb) for mb in rollout_data["micro_batch_indices"] if mb]
+        self._routed = batch.rollout_routed_experts
+        batches = [self.inputs(batch, mb) for mb in batch.schedule.micro_batch_indices if mb]
 
         def collect(inputs: fw.MicroBatchInputs, logits: torch.Tensor):
             result = self._outputs(inputs, logits, output)
@@ -261,7 +262,7 @@ class MegatronBackend(TrainBackend):
         payloads = pipeline.broadcast_from_last_stage(payloads)
         if which == "model":
             model.train()
-        n = len(rollout_data["tokens"])
+        n = len(batch.tokens)
         out: list = [torch.zeros(0)] * n
         entropy_out: list = [torch.zeros(0)] * n
         for inputs, (per_token, entropy) in zip(batches, payloads):
@@ -288,7 +289,7 @@ class MegatronBackend(TrainBackend):
                                   ps.get_tensor_model_parallel_rank() if sp else 0, self._tp_size() if sp else 1)
         return self.routing.replay(targets)
 
-    def forward_backward(self, rollout_data: dict, micro_batches: list[list[int]], output: ModelOutput, loss_fn):
+    def forward_backward(self, batch: TrainBatch, micro_batches: list[list[int]], output: ModelOutput, loss_fn):
         """Accumulate the gradients of one optimizer step through the pipeline schedule. Each
         micro-batch's loss is ``loss_fn``'s × dp·cp because Megatron's DDP averages gradients over the
         data(-and-context)-parallel ranks, so the reduced gradient is that of Σ loss_fn; returns the
@@ -299,9 +300,9 @@ class MegatronBackend(TrainBackend):
 
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         full = output.kind == "logits"
-        self._routed = rollout_data.get("rollout_routed_experts")
+        self._routed = batch.rollout_routed_experts
         # a rank without samples in this step still joins the gradient reduction (finalize_model_grads)
-        batches = [self.inputs(rollout_data, mb, full) for mb in micro_batches if mb]
+        batches = [self.inputs(batch, mb, full) for mb in micro_batches if mb]
 
         def pipeline_loss(inputs: fw.MicroBatchInputs, logits: torch.Tensor):
             loss, metrics = loss_fn(inputs.sample_indices, self._outputs(inputs, logits, output))

@@ -8,7 +8,7 @@ FLOPs); a backend owns the model and its parallelism. The backend's side:
   the optimizer and its schedule, loads weights or resumes; it returns the rollout id to start
   from, and afterwards ``layout`` says how the ranks share samples;
 * ``forward_only(which, batch, output)``: per-sample results of a pass without gradients over
-  the batch's micro-batches (``which``: ``"model"``, ``"ref"`` or ``"old_actor"``);
+  the micro-batches of ``batch`` (a :class:`~slime.backends.training.batch.TrainBatch`) (``which``: ``"model"``, ``"ref"`` or ``"old_actor"``);
 * ``forward_backward(batch, micro_batches, output, loss_fn)``: gradients of Σ loss_fn over the
   micro-batches of one optimizer step; ``loss_fn`` returns ``(loss, host metrics)`` and the
   backend returns the host metrics of every micro-batch whose loss it computed;

@@ -19,12 +19,18 @@ _FIELDS = ("loss_masks", "advantages", "returns", "values", "log_probs", "ref_lo
            "teacher_log_probs", "opd_reverse_kl", "tokens")
 
 
-def micro_batch_fields(data: dict, micro_batch: list[int]) -> dict:
-    """The §2.10 ``batch`` of one micro-batch: per-sample lists of the rollout step's columns."""
-    batch = {key: [data[key][i] for i in micro_batch] for key in _FIELDS if data.get(key) is not None}
-    batch["response_lengths"] = [int(data["response_lengths"][i]) for i in micro_batch]
-    batch["total_lengths"] = [int(data["tokens"][i].numel()) for i in micro_batch]
-    batch["rollout_mask_sums"] = [float(data["rollout_mask_sums"][i]) for i in micro_batch]
+def micro_batch_fields(data, micro_batch: list[int]) -> dict:
+    """The §2.10 ``batch`` dict of one micro-batch of a :class:`~slime.backends.training.batch.TrainBatch`:
+    per-sample lists of its columns."""
+    batch = {}
+    for key in _FIELDS:
+        column = getattr(data, key)
+        if column is not None:
+            batch[key] = [column[i] for i in micro_batch]
+    batch["response_lengths"] = [int(data.response_lengths[i]) for i in micro_batch]
+    batch["total_lengths"] = [int(data.tokens[i].numel()) for i in micro_batch]
+    sums = data.rollout_mask_sums
+    batch["rollout_mask_sums"] = [float(sums[i]) for i in micro_batch]
     return batch
 
 
@@ -53,7 +59,7 @@ class LossDispatch:
         entropy_grad = getattr(self.args, "entropy_coef", 0.0) != 0
         return ModelOutput("log_probs", entropy=self.loss_type == "policy_loss", entropy_grad=entropy_grad)
 
-    def __call__(self, data: dict, micro_batch: list[int], outputs: ModelOutputs) -> tuple[torch.Tensor, dict]:
+    def __call__(self, data, micro_batch: list[int], outputs: ModelOutputs) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of one micro-batch; metrics are S-reduced sums (§5.8) on the device."""
         args = self.args
         batch = micro_batch_fields(data, micro_batch)

@@ -41,25 +41,26 @@ def _per_sample_means(column) -> list[float]:
     return out
 
 
-def rollout_metrics(data: dict, layout: DataLayout, device) -> dict[str, float]:
-    """``rollout/<key>``: token-weighted per-rollout means for log-prob-like keys (Σ_i Σ_t x·m / D_i over
+def rollout_metrics(batch, layout: DataLayout, device) -> dict[str, float]:
+    """Of a :class:`~slime.backends.training.batch.TrainBatch`: ``rollout/<key>``: token-weighted per-rollout means for log-prob-like keys (Σ_i Σ_t x·m / D_i over
     all samples ÷ number of rollouts), plain sample means for the rest (§5.9)."""
     keys, values = [], []
     share = 1.0 / layout.replica_size  # each replica's ranks hold the same samples
     world = dist.get_world_size()
-    num_rollouts = float(sum(data["global_batch_sizes"])) / world
-    masks, denominators = data["loss_masks"], data["rollout_mask_sums"]
+    num_rollouts = float(sum(batch.schedule.global_batch_sizes)) / world
+    masks, denominators = batch.loss_masks, batch.rollout_mask_sums
     for key in TOKEN_WEIGHTED_KEYS:
-        if data.get(key) is None:
+        column = getattr(batch, key)
+        if column is None:
             continue
         total = 0.0
-        for x, m, d in zip(data[key], masks, denominators):
+        for x, m, d in zip(column, masks, denominators):
             total += float((torch.as_tensor(x).float() * m.float()).sum()) / max(float(d), 1.0)
         keys.append(key)
         values += [total * share, num_rollouts]
-    sources = {"response_lengths": data["response_lengths"], "total_lengths": data["total_lengths_local"]}
+    sources = {"total_lengths": batch.local_total_lengths}
     for key in (*PLAIN_MEAN_KEYS, "raw_reward"):
-        column = sources.get(key, data.get(key))
+        column = sources[key] if key in sources else getattr(batch, key)
         if column is None:
             continue
         per_sample = _per_sample_means(column)

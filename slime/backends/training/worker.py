@@ -7,7 +7,7 @@ Rollout step, actor (``train``):
   1. forward-only passes over this rank's micro-batches: π_old log-probs (unless
      ``--use-rollout-logprobs``, or skipped: :meth:`TrainWorker.skips_old_log_prob_pass`), reference
      log-probs (``--use-kl-loss`` / ``--kl-coef``), entropy (``--use-rollout-entropy``); skipped for
-     keys already present in ``rollout_data``;
+     columns the batch already has;
   2. shaping KL, advantages and returns (``--custom-advantage-function-path`` or the estimator),
      OPD, whitening over the data-parallel ranks;
   3. ``--rollout-data-postprocess-path`` hook ``(args, rollout_id, rollout_data)``;
@@ -22,7 +22,9 @@ so both sides see the same KL; then ``critic.train(rollout_id, data)`` (GAE retu
 ``actor.train(rollout_id, data)`` with the same fields. For the first ``--num-critic-only-steps``
 rollout steps the caller skips ``actor.train``.
 
-Every rank of a data-parallel replica (``layout.replica_size`` ranks) receives the same shard.
+Every rank of a data-parallel replica (``layout.replica_size`` ranks) receives the same shard, a
+:class:`~slime.backends.training.batch.TrainBatch`; hooks documented to take the ``rollout_data``
+dict get its dict view.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 from slime.backends.training import metrics as metrics_lib
 from slime.backends.training.backend import DataLayout, ModelOutput, TrainBackend, backend_class
+from slime.backends.training.batch import TrainBatch
 from slime.backends.training.flops import FlopShape, training_flops
 from slime.backends.training.loss import LossDispatch, metrics_to_host
 from slime.backends.training.weights import bucket_weights
@@ -71,11 +74,11 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ forward-only passes
 
-    def _forward_only(self, which: str, rollout_data: dict, output: ModelOutput):
+    def _forward_only(self, which: str, batch: TrainBatch, output: ModelOutput):
         self.forward_only_passes += 1
-        return self.backend.forward_only(which, rollout_data, output)
+        return self.backend.forward_only(which, batch, output)
 
-    def skips_old_log_prob_pass(self, rollout_data: dict) -> bool:
+    def skips_old_log_prob_pass(self, batch: TrainBatch) -> bool:
         """§5: with exactly one optimizer step in this rollout step and nothing else needing π_old
         from a separate pass, the loss uses log π_old = stopgrad(log π_θ) (ratio ≡ 1, the same
         loss and gradients) and the forward-only π_old pass is skipped. Custom advantage and
@@ -85,7 +88,7 @@ class TrainWorker:
         return (
             self.role == "actor"
             and args.loss_type == "policy_loss"
-            and len(rollout_data["num_microbatches"]) == 1
+            and batch.schedule.num_steps == 1
             and args.kl_coef == 0
             and not getattr(args, "use_rollout_logprobs", False)
             and not getattr(args, "get_mismatch_metrics", False)
@@ -99,89 +102,91 @@ class TrainWorker:
             and not getattr(args, "save_debug_train_data", None)
         )
 
-    def compute_log_probs(self, rollout_data: dict, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
+    def compute_log_probs(self, batch: TrainBatch, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
         """π_old log-probs (not with ``skip_old``), reference log-probs and the shaping KL (§5.2)
-        for this rank's samples."""
+        for this shard's samples, as columns (``log_probs``, ``ref_log_probs``, ``entropy``, ``kl``)."""
         args = self.args
         result: dict[str, list[torch.Tensor]] = {}
-        if "log_probs" not in rollout_data and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
+        if batch.log_probs is None and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
             with_entropy = getattr(args, "use_rollout_entropy", False)
             # --keep-old-actor: π_old = the actor before the last update
             which = "old_actor" if self.backend.has_model("old_actor") else "model"
-            result["log_probs"], entropy = self._forward_only(which, rollout_data, ModelOutput("log_probs", entropy=with_entropy))
+            result["log_probs"], entropy = self._forward_only(which, batch, ModelOutput("log_probs", entropy=with_entropy))
             if entropy is not None:
                 result["entropy"] = entropy
-        if self.backend.has_model("ref") and "ref_log_probs" not in rollout_data:
-            result["ref_log_probs"], _ = self._forward_only("ref", rollout_data, ModelOutput("log_probs"))
-        merged = {**rollout_data, **result}
-        old = merged.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else merged.get("log_probs")
-        if args.kl_coef != 0 and old is not None and merged.get("ref_log_probs") is not None:
-            result["kl"] = [ppo_utils.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, merged["ref_log_probs"])]
+        if self.backend.has_model("ref") and batch.ref_log_probs is None:
+            result["ref_log_probs"], _ = self._forward_only("ref", batch, ModelOutput("log_probs"))
+        ref = result.get("ref_log_probs", batch.ref_log_probs)
+        old = batch.rollout_log_probs if getattr(args, "use_rollout_logprobs", False) else result.get("log_probs", batch.log_probs)
+        if args.kl_coef != 0 and old is not None and ref is not None:
+            result["kl"] = [ppo_utils.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, ref)]
         else:
-            result["kl"] = [torch.zeros(int(n)) for n in rollout_data["response_lengths"]]
+            result["kl"] = [torch.zeros(int(n)) for n in batch.response_lengths]
         return result
 
-    def compute_values(self, rollout_data: dict) -> list[torch.Tensor]:
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Critic only: V_old per sample over its response tokens (position predicting each token)."""
         if self.role != "critic":
             raise RuntimeError("compute_values is a critic method (TrainWorker(args, role='critic'))")
-        values, _ = self._forward_only("model", rollout_data, ModelOutput("values"))
+        values, _ = self._forward_only("model", batch, ModelOutput("values"))
         return values
 
     # ------------------------------------------------------------------ advantages
 
-    def _compute_advantages(self, rollout_data: dict) -> None:
+    def _compute_advantages(self, batch: TrainBatch) -> TrainBatch:
         args = self.args
-        masks = [m.float() for m in rollout_data["loss_masks"]]
+        masks = [m.float() for m in batch.loss_masks]
         if getattr(args, "custom_advantage_function_path", None):
-            load_function(args.custom_advantage_function_path)(args, rollout_data)
+            view = batch.as_rollout_data()  # §2.21: the hook sets rollout_data["advantages"] / ["returns"]
+            load_function(args.custom_advantage_function_path)(args, view)
+            batch = batch.with_rollout_data(view)
         else:
-            raw = torch.tensor([float(rollout_data["raw_reward"][p]) for p in rollout_data["partition"]])
+            raw = torch.tensor([float(batch.raw_reward[p]) for p in batch.partition])
             advantages, returns = ppo_utils.compute_advantages_and_returns(
                 args.advantage_estimator,
-                rewards=torch.tensor([float(r) for r in rollout_data["rewards"]]),
-                raw_rewards=raw, kl=rollout_data["kl"], loss_masks=masks, values=rollout_data.get("values"),
+                rewards=torch.tensor([float(r) for r in batch.rewards]),
+                raw_rewards=raw, kl=batch.kl, loss_masks=masks, values=batch.values,
                 kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
             )
-            rollout_data["advantages"], rollout_data["returns"] = advantages, returns
+            batch = batch.replace(advantages=advantages, returns=returns)
         if getattr(args, "use_opd", False):
-            teacher = rollout_data.get("teacher_log_probs")
-            old = rollout_data.get("log_probs") if not args.use_rollout_logprobs else rollout_data.get("rollout_log_probs")
-            rollout_data["advantages"], rollout_data["opd_reverse_kl"] = ppo_utils.apply_opd(
-                rollout_data["advantages"], old, teacher, args.opd_kl_coef
-            )
+            old = batch.log_probs if not args.use_rollout_logprobs else batch.rollout_log_probs
+            advantages, reverse_kl = ppo_utils.apply_opd(batch.advantages, old, batch.teacher_log_probs, args.opd_kl_coef)
+            batch = batch.replace(advantages=advantages, opd_reverse_kl=reverse_kl)
         if args.normalize_advantages:
-            sums = ppo_utils.whitening_sums(rollout_data["advantages"], masks)
+            sums = ppo_utils.whitening_sums(batch.advantages, masks)
             dist.all_reduce(sums)
             sums /= self.layout.replica_size  # every sample counted once
-            rollout_data["advantages"] = ppo_utils.whiten_with_sums(rollout_data["advantages"], sums)
+            batch = batch.replace(advantages=ppo_utils.whiten_with_sums(batch.advantages, sums))
+        return batch
 
     # ------------------------------------------------------------------ training
 
-    def prepare(self, rollout_id: int, rollout_data: dict) -> dict:
+    def prepare(self, rollout_id: int, batch: TrainBatch) -> TrainBatch:
         """Steps 1–3 of a rollout step (forward-only passes, KL, advantages/returns, the
-        postprocess hook) on a shallow copy of ``rollout_data``; returns the completed dict."""
+        postprocess hook); returns the completed record (the given one is not modified)."""
         if self.backend.offloaded:
             self.backend.onload()
         args = self.args
-        rollout_data = dict(rollout_data)
-        rollout_data.setdefault("total_lengths_local", [int(t.numel()) for t in rollout_data["tokens"]])
         if self.role == "actor":
             if getattr(args, "compute_advantages_and_returns", True) and args.loss_type != "sft_loss":
-                rollout_data.update(self.compute_log_probs(rollout_data, skip_old=self.skips_old_log_prob_pass(rollout_data)))
-                self._compute_advantages(rollout_data)
+                batch = batch.replace(**self.compute_log_probs(batch, skip_old=self.skips_old_log_prob_pass(batch)))
+                batch = self._compute_advantages(batch)
         else:
-            if "values" not in rollout_data:
-                rollout_data["values"] = self.compute_values(rollout_data)
-            rollout_data.setdefault("kl", [torch.zeros(int(n)) for n in rollout_data["response_lengths"]])
-            if args.kl_coef != 0 and all(float(k.abs().sum()) == 0 for k in rollout_data["kl"]):
-                raise ValueError("critic.train with --kl-coef != 0 needs rollout_data['kl'] from actor.compute_log_probs")
-            self._compute_advantages(rollout_data)
+            if batch.values is None:
+                batch = batch.replace(values=self.compute_values(batch))
+            if batch.kl is None:
+                batch = batch.replace(kl=[torch.zeros(int(n)) for n in batch.response_lengths])
+            if args.kl_coef != 0 and all(float(k.abs().sum()) == 0 for k in batch.kl):
+                raise ValueError("critic.train with --kl-coef != 0 needs the kl column from actor.compute_log_probs")
+            batch = self._compute_advantages(batch)
         if self.role == "actor" and getattr(args, "rollout_data_postprocess_path", None):
-            load_function(args.rollout_data_postprocess_path)(args, rollout_id, rollout_data)
-        return rollout_data
+            view = batch.as_rollout_data()  # §2.9: mutated in place by the hook
+            load_function(args.rollout_data_postprocess_path)(args, rollout_id, view)
+            batch = batch.with_rollout_data(view)
+        return batch
 
-    def train(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         """One rollout step on this rank's data-parallel shard; returns metrics reduced over all ranks.
 
         Returned keys: ``rollout/<key>`` (trainer-side data), ``train/<key>`` (mean over this rollout
@@ -191,15 +196,15 @@ class TrainWorker:
         ``critic-`` tag (``train/critic-value_loss``).
         """
         try:
-            rollout_data = self.prepare(rollout_id, rollout_data)
+            batch = self.prepare(rollout_id, batch)
             if self.backend.has_model("old_actor"):  # π_old of the next rollout step: these weights, before this update
                 self.backend.copy_weights("model", "old_actor")
             if self.role == "actor" and getattr(self.args, "save_debug_train_data", None):
                 from slime.observability.train_data_utils import save_debug_train_data
 
-                save_debug_train_data(self.args.save_debug_train_data, rollout_id, rollout_data)
-            metrics = self.rollout_metrics(rollout_data) if self.role == "actor" else {}
-            metrics.update(self._train_steps(rollout_id, rollout_data))
+                save_debug_train_data(self.args.save_debug_train_data, rollout_id, batch.as_rollout_data())
+            metrics = self.rollout_metrics(batch) if self.role == "actor" else {}
+            metrics.update(self._train_steps(rollout_id, batch))
         finally:
             self.backend.finish_rollout_step()
         args = self.args
@@ -209,64 +214,58 @@ class TrainWorker:
             self.backend.reset_optimizer_state()
         return metrics
 
-    def step_normaliser(self, rollout_data: dict, step_id: int) -> float:
+    def step_normaliser(self, batch: TrainBatch, step_id: int) -> float:
         """B (rollouts in the step) or, per-token mode, the step's total loss-token count (§5.8)."""
         if self.args.calculate_per_token_loss:
-            return float(rollout_data["step_loss_token_counts"][step_id])
-        return float(rollout_data["global_batch_sizes"][step_id])
+            return float(batch.schedule.step_loss_token_counts[step_id])
+        return float(batch.schedule.global_batch_sizes[step_id])
 
-    def step_micro_batches(self, rollout_data: dict, step_id: int) -> list[list[int]]:
-        counts = rollout_data["num_microbatches"]
-        first = sum(counts[:step_id])
-        return rollout_data["micro_batch_indices"][first: first + counts[step_id]]
-
-    def forward_backward(self, rollout_data: dict, step_id: int):
+    def forward_backward(self, batch: TrainBatch, step_id: int):
         """Accumulate the gradients of optimizer step ``step_id``; returns (metric sums of this rank,
         tokens, flops). Each micro-batch's loss is S(ℓ)/normaliser; the backend rescales it for its
         gradient averaging so that the reduced gradient is that of Σ S / normaliser."""
-        normaliser = self.step_normaliser(rollout_data, step_id)
-        micro_batches = self.step_micro_batches(rollout_data, step_id)
+        normaliser = self.step_normaliser(batch, step_id)
+        micro_batches = batch.schedule.micro_batches(step_id)
 
         def loss_fn(micro_batch: list[int], outputs):
-            loss, metrics = self.loss(rollout_data, micro_batch, outputs)
+            loss, metrics = self.loss(batch, micro_batch, outputs)
             return loss / normaliser, metrics_to_host(metrics)
 
         sums: dict[str, torch.Tensor] = {}
-        for metrics in self.backend.forward_backward(rollout_data, micro_batches, self.loss.output, loss_fn):
+        for metrics in self.backend.forward_backward(batch, micro_batches, self.loss.output, loss_fn):
             for key, value in metrics.items():
                 sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
-        tokens, flops = self._work(rollout_data, micro_batches)
+        tokens, flops = self._work(batch, micro_batches)
         return sums, tokens, flops
 
-    def _work(self, rollout_data: dict, micro_batches: list[list[int]]) -> tuple[int, float]:
+    def _work(self, batch: TrainBatch, micro_batches: list[list[int]]) -> tuple[int, float]:
         """(tokens, training FLOPs) of the micro-batches (:mod:`~slime.backends.training.flops`)."""
         if self._flop_shape is None:
             self._flop_shape = FlopShape.from_hf_config(self.backend.hf_config(), self.role)
         tokens, flops = 0, 0.0
         all_positions = self.loss.output.kind == "logits"
         for micro_batch in micro_batches:
-            lengths = [int(rollout_data["tokens"][i].numel()) for i in micro_batch]
-            predicted = sum(lengths) - len(lengths) if all_positions else \
-                sum(int(rollout_data["response_lengths"][i]) for i in micro_batch)
+            lengths = [int(batch.tokens[i].numel()) for i in micro_batch]
+            predicted = sum(lengths) - len(lengths) if all_positions else sum(int(batch.response_lengths[i]) for i in micro_batch)
             tokens += sum(lengths)
             flops += training_flops(self._flop_shape, lengths, predicted)
         return tokens, flops
 
-    def _train_steps(self, rollout_id: int, rollout_data: dict) -> dict[str, float]:
+    def _train_steps(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         args, backend = self.args, self.backend
         tag = "" if self.role == "actor" else "critic-"  # §5.5: critic metrics carry the role tag
         hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
         hook = load_function(hook) if hook else None
         start_time, tokens_done, flops_done = time.perf_counter(), 0, 0.0
         step_results = []
-        for step_id in range(len(rollout_data["num_microbatches"])):
+        for step_id in range(batch.schedule.num_steps):
             if hook is not None:
                 hook(args, rollout_id, step_id, backend.model, backend.optimizer, backend.scheduler)
             backend.zero_grad()
-            sums, tokens, flops = self.forward_backward(rollout_data, step_id)
+            sums, tokens, flops = self.forward_backward(batch, step_id)
             tokens_done, flops_done = tokens_done + tokens, flops_done + flops
             grad_norm, lrs = backend.optimizer_step()
-            reduced = self.reduce_sums(sums, self.step_normaliser(rollout_data, step_id))
+            reduced = self.reduce_sums(sums, self.step_normaliser(batch, step_id))
             step_metrics = {f"train/{tag}{k}": v for k, v in reduced.items()}
             step_metrics[f"train/{tag}grad_norm"] = float(grad_norm)
             for k, lr in enumerate(lrs):
@@ -291,8 +290,8 @@ class TrainWorker:
     def reduce_sums(self, sums: dict[str, torch.Tensor], normaliser: float) -> dict[str, float]:
         return metrics_lib.reduce_sums(sums, normaliser, self.layout)
 
-    def rollout_metrics(self, rollout_data: dict) -> dict[str, float]:
-        return metrics_lib.rollout_metrics(rollout_data, self.layout, self._device())
+    def rollout_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        return metrics_lib.rollout_metrics(batch, self.layout, self._device())
 
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""

@@ -88,3 +88,10 @@ def spawned_step_gradients(rank, world_size, port, model_dir, extra, num_samples
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def regrouped(batch, micro_batches: list[list[int]]):
+    """``batch`` with its samples packed into ``micro_batches`` instead (for forward-only comparisons)."""
+    import dataclasses
+
+    return batch.replace(schedule=dataclasses.replace(batch.schedule, micro_batch_indices=micro_batches))

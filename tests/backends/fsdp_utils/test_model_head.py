@@ -32,7 +32,7 @@ def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ref_lp, ref_h = [], []
-    for tokens, r in zip(data["tokens"], data["response_lengths"]):
+    for tokens, r in zip(data.tokens, data.response_lengths):
         logits = reference(tokens[None]).logits[0]
         rows = logits[len(tokens) - int(r) - 1 : len(tokens) - 1]
         ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 0.7))

@@ -88,13 +88,13 @@ def test_skip_recompute_same_loss_and_grads_one_forward_saved(tiny_model_dir):
                      "--use-tis", rbs=2)
     worker = new_worker(args)
     data = rank_data(args, make_samples(4))
-    assert len(data["micro_batch_indices"]) == 2 and worker.skips_old_log_prob_pass(data)
+    assert len(data.schedule.micro_batch_indices) == 2 and worker.skips_old_log_prob_pass(data)
     calls, handle = _count_forwards(worker.backend.model)
     shortcut = step_zero_gradients(worker, data)
     shortcut_forwards = len(calls)
     calls.clear()
     recomputed_old = worker.compute_log_probs(data)["log_probs"]
-    recompute = step_zero_gradients(worker, {**data, "log_probs": recomputed_old})
+    recompute = step_zero_gradients(worker, data.replace(log_probs=recomputed_old))
     recompute_forwards = len(calls)
     handle.remove()
     assert shortcut_forwards == 2 and recompute_forwards == 4  # 2 micro-batches: training only vs π_old pass + training
@@ -106,7 +106,7 @@ def test_skip_recompute_same_loss_and_grads_one_forward_saved(tiny_model_dir):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
     prepared = worker.prepare(0, data)
-    assert "log_probs" not in prepared  # the shortcut: no π_old pass
+    assert prepared.log_probs is None  # the shortcut: no π_old pass
     passes = worker.forward_only_passes
     metrics = worker.train(0, data)
     assert worker.forward_only_passes == passes and metrics["train/ppo_kl"] == 0.0
@@ -123,6 +123,6 @@ def test_pi_old_pass_kept_when_something_needs_it(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "2")
     worker = new_worker(args)
     data = rank_data(args, make_samples(4))
-    assert len(data["num_microbatches"]) == 2 and not worker.skips_old_log_prob_pass(data)
+    assert len(data.schedule.num_microbatches) == 2 and not worker.skips_old_log_prob_pass(data)
     passes = worker.forward_only_passes
-    assert "log_probs" in worker.prepare(0, data) and worker.forward_only_passes == passes + 1
+    assert worker.prepare(0, data).log_probs is not None and worker.forward_only_passes == passes + 1

@@ -163,7 +163,7 @@ def test_sft_steps_equal_plain_pytorch_loop(tiny_model_dir, tmp_path, case):
         samples = [g[0] for g in generate_rollout(args, rollout_id, source).samples]
         seen += [tuple(s.tokens) for s in samples]
         shard = split_train_data_by_dp(args, convert_samples_to_train_data(args, samples), 1)[0]
-        assert max(shard["num_microbatches"]) > 1  # gradient accumulation is exercised
+        assert max(shard.schedule.num_microbatches) > 1  # gradient accumulation is exercised
         worker.train(rollout_id, shard)
         ours = worker.get_step_metrics()
         assert len(ours) == steps_per_rollout

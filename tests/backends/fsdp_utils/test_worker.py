@@ -14,6 +14,7 @@ from tests.backends.fsdp_utils.fsdp_test_utils import (
     make_args,
     make_samples,
     rank_data,
+    regrouped,
     spawned_step_gradients,
     step_zero_gradients,
 )
@@ -36,12 +37,12 @@ def test_packed_log_probs_equal_unpacked(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--rollout-temperature", "0.7", rbs=3)
     worker = new_worker(args)
     data = rank_data(args, make_samples(6))
-    n = len(data["tokens"])
-    packed, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [list(range(n))]}, ModelOutput("log_probs"))
-    single, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [[i] for i in range(n)]}, ModelOutput("log_probs"))
+    n = len(data.tokens)
+    packed, _ = worker.backend.forward_only("model", regrouped(data, [list(range(n))]), ModelOutput("log_probs"))
+    single, _ = worker.backend.forward_only("model", regrouped(data, [[i] for i in range(n)]), ModelOutput("log_probs"))
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for i in range(n):
-        tokens, r = data["tokens"][i], int(data["response_lengths"][i])
+        tokens, r = data.tokens[i], int(data.response_lengths[i])
         with torch.no_grad():
             logits = reference(tokens[None]).logits[0].float() / 0.7
         expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - r - 1, len(tokens) - 1), tokens[-r:]]
@@ -68,7 +69,7 @@ def test_loss_and_grads_independent_of_micro_batching(tiny_model_dir, per_token)
                      ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")):
         args = make_args(tiny_model_dir, *extra, *batching, rbs=4)
         data = rank_data(args, make_samples(8, seed=1))
-        counts.append(len(data["micro_batch_indices"]))
+        counts.append(len(data.schedule.micro_batch_indices))
         results.append(step_zero_gradients(worker, data))
     assert counts[0] == 1 and counts[1] == 8 and 1 < counts[2] < 8
     _assert_same_step(results[0], results[1])
@@ -188,10 +189,10 @@ def test_ppo_critic_value_loss_falls(tiny_model_dir):
     losses = []
     for rollout_id in range(10):
         values = critic.compute_values(data)
-        assert [v.numel() for v in values] == [int(n) for n in data["response_lengths"]]
-        losses.append(critic.train(rollout_id, {**data, "values": values})["train/critic-value_loss"])
+        assert [v.numel() for v in values] == [int(n) for n in data.response_lengths]
+        losses.append(critic.train(rollout_id, data.replace(values=values))["train/critic-value_loss"])
     assert losses[-1] < 0.3 * losses[0], losses
-    metrics = actor.train(0, {**data, "values": critic.compute_values(data)})
+    metrics = actor.train(0, data.replace(values=critic.compute_values(data)))
     assert metrics["train/ppo_kl"] == 0.0 and "rollout/values" in metrics
 
 
@@ -233,7 +234,7 @@ def test_hooks_are_called_with_documented_signatures(tiny_model_dir, monkeypatch
 def test_gpu_bf16_offload_onload(tiny_model_dir):
     args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1")
     worker = new_worker(args)
-    assert worker.mixed_precision
+    assert worker.backend.mixed_precision
     worker.train(0, rank_data(args, make_samples(4)))
     before = torch.cuda.memory_allocated()
     worker.offload()
@@ -280,11 +281,11 @@ def test_gpu_packed_varlen_attention_matches_unpacked_fp32(tiny_model_dir):
     if varlen_attention.available():
         assert worker.backend.attn_implementation == "slime_varlen"
     data = rank_data(args, make_samples(8))
-    n = len(data["tokens"])
-    packed, _ = worker.backend.forward_only("model", {**data, "micro_batch_indices": [list(range(n))]}, ModelOutput("log_probs"))
+    n = len(data.tokens)
+    packed, _ = worker.backend.forward_only("model", regrouped(data, [list(range(n))]), ModelOutput("log_probs"))
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
     for i in range(n):
-        tokens, r = data["tokens"][i].cuda(), int(data["response_lengths"][i])
+        tokens, r = data.tokens[i].cuda(), int(data.response_lengths[i])
         with torch.no_grad():
             logits = reference(tokens[None]).logits[0].float()
         expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - r - 1, len(tokens) - 1), tokens[-r:]]

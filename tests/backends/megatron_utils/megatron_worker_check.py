@@ -177,9 +177,9 @@ def routing_check(worker, args, cli, rank: int, world: int) -> None:
     train_pass = list(calls)
     expected_train: list = []
     if args.use_rollout_routing_replay:
-        counts = prepared["num_microbatches"]
-        batches = [backend.inputs(prepared, mb) for mb in prepared["micro_batch_indices"] if mb]
-        routed = prepared["rollout_routed_experts"]
+        counts = prepared.schedule.num_microbatches
+        batches = [backend.inputs(prepared, mb) for mb in prepared.schedule.micro_batch_indices if mb]
+        routed = prepared.rollout_routed_experts
         for inputs in batches:
             expected_train += rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], backend.routing.layers, topk, "cpu")
         expected_old = expected_train
@@ -262,7 +262,7 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     shard = rank_data(args, make_samples(8, seed=1, vocab=400), dp_size=worker.layout.dp_size, rank=worker.layout.dp_rank)
     # the loop's direct call on this rank's shard (PPO): answered for exactly these samples
     direct = worker.compute_values(shard) if cli.role == "critic" else worker.compute_log_probs(shard)["log_probs"]
-    direct_by_sample = {str(int(i)): v.tolist() for i, v in zip(shard["sample_indices"], direct)}
+    direct_by_sample = {str(int(i)): v.tolist() for i, v in zip(shard.sample_indices, direct)}
     prepared = worker.prepare(0, shard)
     backend.ddp_model.zero_grad_buffer()
     sums, _, _ = worker.forward_backward(prepared, 0)
@@ -282,10 +282,13 @@ def no_optimizer_pass(worker, args, cli, rank: int, world: int) -> None:
     offloaded_equal = offloaded_export_equal(backend)
     if cli.role == "critic" and cli.save_hf:
         worker.save_hf(cli.save_hf)
-    samples = [int(i) for i in prepared["sample_indices"]] if "sample_indices" in prepared else list(range(len(prepared["tokens"])))
+    samples = [int(i) for i in prepared.sample_indices] if prepared.sample_indices is not None else list(range(len(prepared.tokens)))
     # the actor's step may skip the π_old pass (one optimizer step, nothing needs it): then the
     # direct pass's log-probs are the recorded ones
-    per_sample = prepared.get("log_probs", direct) if cli.role == "actor" else prepared["values"]
+    if cli.role == "critic":
+        per_sample = prepared.values
+    else:
+        per_sample = prepared.log_probs if prepared.log_probs is not None else direct
     log_probs = {str(k): v.tolist() for k, v in zip(samples, per_sample)}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (log_probs, direct_by_sample))

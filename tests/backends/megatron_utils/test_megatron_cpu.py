@@ -228,13 +228,13 @@ def test_critic_equals_the_fsdp_critic(tiny_model_dir, tmp_path, parallel):
         results[name] = (prepared, float(sums["value_loss"]) / critic.step_normaliser(prepared, 0))
     prepared, value_loss = results["original"]
     assert len(megatron["log_probs"]) == 8 and len(megatron["direct"]) == 8
-    for index, values in zip(prepared["sample_indices"], prepared["values"]):
+    for index, values in zip(prepared.sample_indices, prepared.values):
         assert megatron["log_probs"][str(index)] == pytest.approx(values.tolist(), abs=1e-4), index
         assert megatron["direct"][str(index)] == pytest.approx(values.tolist(), abs=1e-4), index  # the loop's call
     assert megatron["metrics"]["value_loss"] == pytest.approx(value_loss, rel=1e-5)
     # the HF directory the Megatron critic wrote (bf16 backbone, fp32 head) gives the FSDP critic nearly the same values
     saved, saved_loss = results["saved"]
-    for a, b in zip(saved["values"], prepared["values"]):
+    for a, b in zip(saved.values, prepared.values):
         assert a.tolist() == pytest.approx(b.tolist(), abs=0.1)
     assert saved_loss == pytest.approx(value_loss, rel=0.05)
 

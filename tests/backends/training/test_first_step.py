@@ -21,7 +21,7 @@ def _worker(tiny_model_dir):
 
 def test_first_step_ppo_kl_is_exactly_zero_with_the_old_policy_pass(tiny_model_dir):
     worker, data = _worker(tiny_model_dir)
-    assert len(data["num_microbatches"]) == 2 and not worker.skips_old_log_prob_pass(data)
+    assert len(data.schedule.num_microbatches) == 2 and not worker.skips_old_log_prob_pass(data)
     passes = worker.forward_only_passes
     metrics = worker.train(0, data)
     assert worker.forward_only_passes == passes + 1  # the π_old pass ran
@@ -41,5 +41,5 @@ def test_a_pi_old_pass_unlike_the_training_forward_breaks_the_invariant(tiny_mod
         broken = worker.compute_log_probs(data)
     finally:
         args.rollout_temperature = temperature
-    worker.train(0, {**data, **broken})
+    worker.train(0, data.replace(**broken))
     assert worker.get_step_metrics()[0]["train/ppo_kl"] != 0.0
