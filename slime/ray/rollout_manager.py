@@ -46,6 +46,7 @@ def check_fan_out(nested, depth: int = 0) -> None:
 class RolloutManager:
     def __init__(self, args, rollout_placement):
         import slime.utils.http_utils as http_utils
+        from slime.rollout.sglang_rollout import get_num_engines
 
         self.args = args
         self.dp_size: int | None = None  # the trainer's data-parallel size, declared once its ranks are up
@@ -53,7 +54,7 @@ class RolloutManager:
         self.engine_plans, self.routers, self.gpu_counts = [], {}, []
         if not args.debug_train_only:
             self._start_engines_and_router(rollout_placement)
-        http_utils.init_http_client(args)
+        http_utils.init_http_client(args, get_num_engines(args))
         self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path)

@@ -1,6 +1,6 @@
 """Process-global async HTTP client for talking to the router, the engines and remote reward models.
 
-``init_http_client(args)`` sizes the connection pool (``--sglang-server-concurrency`` × engines) and
+``init_http_client(args, num_engines)`` sizes the connection pool (``--sglang-server-concurrency`` × engines) and
 the timeout once per process; ``post``/``get`` then reuse one ``httpx.AsyncClient`` per event loop
 (an httpx client is bound to the loop it first ran on, and slime normally has exactly one: the
 background loop of :mod:`slime.utils.async_utils`).
@@ -33,13 +33,14 @@ class HTTPRequestError(RuntimeError):
         self.body = body
 
 
-def init_http_client(args) -> None:
-    """Configure the pool size and timeout from ``args``; existing clients are closed lazily."""
+def init_http_client(args, num_engines: int = 1) -> None:
+    """Configure the pool size (``--sglang-server-concurrency`` per engine, ``num_engines`` engines)
+    and the timeout from ``args``; existing clients are closed lazily."""
     global _pool_size, _timeout_s
-    from slime.rollout.sglang_rollout import get_num_engines  # local: avoid an import cycle
-
+    if num_engines < 1:
+        raise ValueError(f"init_http_client: num_engines must be >= 1, got {num_engines}")
     concurrency = int(getattr(args, "sglang_server_concurrency", None) or 512)
-    _pool_size = max(64, concurrency * get_num_engines(args))
+    _pool_size = max(64, concurrency * num_engines)
     _timeout_s = float(getattr(args, "http_timeout_s", None) or _DEFAULT_TIMEOUT_S)
     _clients.clear()
 

@@ -55,16 +55,11 @@ class EngineClient:
 
 
 def bucket_named_tensors(named_tensors, bucket_bytes: int):
-    """Group ``(name, tensor)`` pairs, in order, into lists of about ``bucket_bytes`` bytes."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+    """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` bytes (the
+    trainer's bucketing, :func:`slime.backends.training.weights.bucket_weights`)."""
+    from slime.backends.training.weights import bucket_weights
+
+    return bucket_weights(named_tensors, bucket_bytes)
 
 
 def make_weight_updater(args, engine_urls: list[str], engine_gpu_counts: list[int], colocate: bool):

@@ -29,7 +29,7 @@ def engine(tiny_model_dir, pre_read_log):
     env = {"OMP_NUM_THREADS": "1", "PRE_READ_LOG": str(pre_read_log),
            "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     process = EmbeddedEngineProcess(tiny_model_dir, env=env, extra_args=[
-        "--max-running-requests", "4", "--custom-pull-weights-pre-read-hook", "test_update_weight.record_pre_read"])
+        "--max-running-requests", "4", "--custom-pull-weights-pre-read-hook", "test_transports.record_pre_read"])
     process.start()
     try:
         process.wait_healthy(120)
