@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 
-from slime.backends.embedded_engine.launch import ServerProcess, find_free_port
+from slime.utils.process import ServerProcess, find_free_port
 
 
 class RouterProcess(ServerProcess):

@@ -4,11 +4,12 @@
 samples, or one). Validation raises :class:`RequestError` carrying the HTTP status SGLang uses:
 400 for invalid values, 500 for unknown keys inside ``sampling_params`` (SGLang splats the dict into
 a struct and the ``TypeError`` escapes). Unknown *top-level* keys are ignored, as SGLang does (the
-router adds some of its own).
+router adds some of its own). ``read_json`` reads any route's body as a JSON object.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass, field, fields
@@ -25,6 +26,23 @@ class RequestError(Exception):
         self.message = message
         self.status = status
         self.shape = shape  # "native": {"error": {"message"}}, "openai": {"object": "error", ...}
+
+
+async def read_json(request, required: bool = True) -> dict:
+    """The body of ``request`` (anything with an async ``body()``, e.g. a Starlette request) as a JSON
+    object; an empty body is ``{}`` unless ``required``. Raises :class:`RequestError` (400) otherwise."""
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise RequestError("request body is empty; send a JSON object", shape="openai")
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"JSON decode error: {exc.msg} at line {exc.lineno} column {exc.colno}", shape="openai")
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", shape="openai")
+    return body
 
 
 @dataclass

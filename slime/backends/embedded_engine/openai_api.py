@@ -13,7 +13,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams
+from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams, read_json
 from slime.backends.embedded_engine.tool_parser import get_tool_parser
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -55,8 +55,6 @@ def _requests(state, prompt_ids: list[int], params: SamplingParams, body: dict) 
 
 
 def add_openai_routes(app: FastAPI, state) -> None:
-    from slime.backends.embedded_engine.server import read_json
-
     engine, client, runner = state.engine, state.client, state.engine.runner
     tokenizer = runner.tokenizer
     model_name = lambda: state.args.served_model_name or state.model_path  # noqa: E731

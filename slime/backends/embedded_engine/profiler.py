@@ -18,6 +18,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from slime.backends.embedded_engine.io_struct import read_json
+
 logger = logging.getLogger(__name__)
 
 ACTIVITIES = ("CPU", "GPU", "MEM", "RPD")
@@ -214,8 +216,6 @@ def add_profile_routes(app, state) -> None:
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request):
-        from slime.backends.embedded_engine.server import read_json
-
         body = await read_json(request, required=False)
         try:
             profile_request = ProfileRequest.from_body(body)

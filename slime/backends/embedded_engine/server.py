@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from slime.backends.embedded_engine.async_engine import AsyncEngine
 from slime.backends.embedded_engine.config import ServerArgs
 from slime.backends.embedded_engine.engine import Engine
-from slime.backends.embedded_engine.io_struct import RequestError, parse_generate
+from slime.backends.embedded_engine.io_struct import RequestError, parse_generate, read_json
 from slime.backends.embedded_engine.profiler import add_profile_routes
 from slime.backends.embedded_engine import weight_loading
 from slime.utils.misc import load_function
@@ -36,21 +36,6 @@ def error_response(exc: RequestError) -> JSONResponse:
         return JSONResponse({"object": "error", "message": exc.message, "type": "Bad Request" if exc.status == 400
                              else str(exc.status), "param": None, "code": exc.status}, status_code=exc.status)
     return JSONResponse({"error": {"message": exc.message}}, status_code=exc.status)
-
-
-async def read_json(request: Request, required: bool = True) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise RequestError("request body is empty; send a JSON object", shape="openai")
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"JSON decode error: {exc.msg} at line {exc.lineno} column {exc.colno}", shape="openai")
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object", shape="openai")
-    return body
 
 
 class ServerState:

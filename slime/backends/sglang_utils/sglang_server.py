@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 
-from slime.backends.embedded_engine.launch import ServerProcess
 from slime.backends.sglang_utils.launch_plan import EngineProcess
+from slime.utils.process import ServerProcess
 
 
 class SGLangServerProcess(ServerProcess):
@@ -26,18 +26,11 @@ class SGLangServerProcess(ServerProcess):
     def command(self) -> list[str]:
         return list(self.plan.argv)
 
-    def start(self) -> "SGLangServerProcess":
-        import subprocess
-
-        from slime.backends.embedded_engine.launch import _die_with_parent
-
+    def environment(self) -> dict:
         env = {k: v for k, v in os.environ.items()
                if k not in ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
         env.update(self.env or {})
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
-        return self
+        return env
 
     def wait_healthy(self, timeout: float = 1800.0) -> None:
         if self.plan.node_rank == 0:
