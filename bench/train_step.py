@@ -124,7 +124,7 @@ def run_workload(worker, args, bench, vocab_size: int, rank: int, world: int, de
     return results, shard, peak
 
 
-def workload_metrics(results: list[dict], shard: dict, bench, peak: float, device: torch.device) -> dict:
+def workload_metrics(results: list[dict], shard, bench, peak: float, device: torch.device) -> dict:
     """tokens/s, MFU against the measured peak (and the H200 spec on GPU), packing figures."""
     micro_batch_tokens = [sum(int(shard.tokens[j].numel()) for j in mb) for mb in shard.schedule.micro_batch_indices]
     tok_per_s = sum(m["perf/actor_train_tok_per_s"] for m in results) / len(results)

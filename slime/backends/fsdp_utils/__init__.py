@@ -1,17 +1,18 @@
 """PyTorch FSDP2 training backend (CPU with gloo, GPU with NCCL) on Hugging Face models.
 
-``FSDPTrainWorker`` (worker.py) is the per-rank trainer; ``add_fsdp_arguments`` (arguments.py) its
-extra flags. Imported lazily so ``import slime.backends.fsdp_utils`` stays cheap.
+``FSDPBackend`` (backend.py) implements :class:`slime.backends.training.backend.TrainBackend`;
+``add_fsdp_arguments`` (arguments.py) adds its flags. Imported lazily so
+``import slime.backends.fsdp_utils`` stays cheap.
 """
 
-__all__ = ["FSDPTrainWorker", "add_fsdp_arguments"]
+__all__ = ["FSDPBackend", "add_fsdp_arguments"]
 
 
 def __getattr__(name):
-    if name == "FSDPTrainWorker":
-        from slime.backends.fsdp_utils.worker import FSDPTrainWorker
+    if name == "FSDPBackend":
+        from slime.backends.fsdp_utils.backend import FSDPBackend
 
-        return FSDPTrainWorker
+        return FSDPBackend
     if name == "add_fsdp_arguments":
         from slime.backends.fsdp_utils.arguments import add_fsdp_arguments
 
