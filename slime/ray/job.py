@@ -83,7 +83,8 @@ class Job:
                 if self.critic.dp_size != self.actor.dp_size:
                     raise ValueError(f"the critic has {self.critic.dp_size} data-parallel shards and the actor "
                                      f"{self.actor.dp_size}: PPO hands values shard by shard, so give both the same "
-                                     "data-parallel size (--critic-num-gpus-per-node, --megatron-config-path critic: section)")
+                                     "data-parallel size (the critic shares the actor's GPUs: keep TP × PP × CP of the "
+                                     "--megatron-config-path critic: section equal to the actor's)")
             ray.get(self.rollout_manager.set_data_parallel_size.remote(self.actor.dp_size))
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_id or 0
