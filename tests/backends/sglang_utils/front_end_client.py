@@ -118,6 +118,14 @@ def main() -> None:
         results["disk"] = {"sent": disk.update(buckets(), weight_version="7")}
     finally:
         disk.close()
+    delta_args = parse_args(argv + ["--update-weight-transport", "disk", "--update-weight-mode", "delta",
+                                    "--update-weight-local-checkpoint-dir", os.path.join(request["tmp_dir"], "local")])
+    delta = DiskWeightUpdater(delta_args, [url])  # vanilla SGLang lacks /pull_weights: full checkpoints instead
+    try:
+        results["delta_on_vanilla"] = {"delta_writer": delta.delta_writer is not None,
+                                       "sent": delta.update(buckets(), weight_version="8")}
+    finally:
+        delta.close()
     out["weights"] = results
     out["state"] = httpx.get(url + "/probe/state").json()
     print(json.dumps(out))

