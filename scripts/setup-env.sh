@@ -15,20 +15,27 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 
-# SGLang's argument code, for the CPU tests that check --sglang-* pass-through against the real
-# ServerArgs parser. It lives in its own directory, NOT on the default import path: on a CPU machine
-# slime must not believe SGLang is installed (it cannot run here). Installed without dependencies,
-# plus the few modules `sglang.srt.server_args` imports (triton is imported by sglang.srt.utils;
-# no CUDA build of torch and no kernels are pulled). Tests put it on PYTHONPATH in a subprocess.
+# SGLang's Python code, for the CPU tests that check slime against SGLang's own argument parser,
+# request classes, HTTP front end, weight-payload deserializer and tool-call/reasoning parsers. It
+# lives in its own directory, NOT on the default import path: on a CPU machine slime must not
+# believe SGLang is installed (it cannot run here). Installed without dependencies, plus the modules
+# its server_args, io_struct, http_server and parser modules import (pure Python or CPU wheels; no
+# CUDA build of torch and no kernels). torchvision is PyPI's build, whose C ops need CUDA torch:
+# tests/backends/sglang_utils/sglang_env.py declares the two ops its Python code registers, so its
+# pure-Python part imports. Tests put the directory on PYTHONPATH in a subprocess.
 sglang_version="0.5.23"
 sglang_args_dir=".venv/sglang-args"
-if [ "$extras" != "core" ] && [ ! -f "$sglang_args_dir/.installed-$sglang_version" ]; then
-  echo "[setup] installing SGLang $sglang_version's argument code into $sglang_args_dir (no dependencies)"
+sglang_stamp="$sglang_args_dir/.installed-$sglang_version-front-end"
+if [ "$extras" != "core" ] && [ ! -f "$sglang_stamp" ]; then
+  echo "[setup] installing SGLang $sglang_version's Python code into $sglang_args_dir (no dependencies)"
   rm -rf "$sglang_args_dir"
   "$py" -m pip install --quiet --no-deps --target "$sglang_args_dir" "sglang==$sglang_version" \
     "triton==3.9.0" "orjson==3.13.0" "psutil==7.2.2" "pybase64==1.5.1" "msgspec==0.23.0" "pyzmq==27.3.0" \
-    "ipython==9.18.1" "traitlets==5.16.1"
-  touch "$sglang_args_dir/.installed-$sglang_version"
+    "ipython==9.18.1" "traitlets==5.16.1" \
+    "partial-json-parser==0.2.1.1.post7" "xgrammar==0.2.7" "apache-tvm-ffi==0.1.11" "uvloop==0.23.0" \
+    "torchvision==0.28.0" "dill==0.4.1" "sentencepiece==0.2.1" "compressed-tensors==0.18.0" "loguru==0.7.3" \
+    "gguf==0.19.0" "einops==0.8.2" "soundfile==0.13.1"
+  touch "$sglang_args_dir/.installed-$sglang_version" "$sglang_stamp"
 fi
 
 # Megatron-Core's Python code, for the CPU tests of the Megatron backend (tests/backends/megatron_utils/

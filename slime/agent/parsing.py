@@ -24,7 +24,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from slime.backends.embedded_engine.tool_parser import TOOL_PARSERS, get_tool_parser
+from slime.agent.tool_parser import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def split_reasoning(raw: str, reasoning_parser_name: str | None) -> tuple[str, s
     if not reasoning_parser_name:
         return "", raw
     if sglang_available():
-        from sglang.srt.reasoning_parser import ReasoningParser
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
 
         reasoning, text = ReasoningParser(model_type=reasoning_parser_name, stream_reasoning=False).parse_non_stream(raw)
         return reasoning or "", text or ""

@@ -20,6 +20,8 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
                          "disable-cuda-graph", "cuda-graph-max-bs"}
+# SGLang 0.5.23's name of an option -> the embedded engine's flag for it
+EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs"}
 
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
@@ -34,6 +36,7 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
     if args.rollout_max_context_len is not None and "context-length" not in forwarded:
         forwarded["context-length"] = args.rollout_max_context_len
     for name, value in forwarded.items():
+        name = EMBEDDED_FLAG_FOR.get(name, name)
         if name not in EMBEDDED_SGLANG_FLAGS:
             logger.warning("--sglang-%s is an SGLang option the embedded engine does not have; ignored", name)
             continue

@@ -36,7 +36,7 @@ from slime.observability.trace_utils import (bind_trace, build_sglang_meta_trace
                                              trace_next_attempt, trace_span)
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.engine_control import abort_all, get_engine_urls, router_base_url, wait_until_idle
-from slime.rollout.filter_hub.base_types import as_dynamic_filter_output, should_drop_dynamic_filter_output
+from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
 from slime.utils.async_utils import run
@@ -470,7 +470,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
                     continue
                 finished.append(group)
                 if dynamic_filter is not None:
-                    verdict = as_dynamic_filter_output(dynamic_filter(args, group))
+                    verdict = call_dynamic_filter(dynamic_filter, args, group)
                     remaining = len(kept) + len(pending) + len(done_groups) - position
                     drop = should_drop_dynamic_filter_output(verdict, remaining_batch_size=remaining,
                                                              target_data_size=target)

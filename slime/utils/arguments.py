@@ -21,7 +21,8 @@ import os
 import sys
 
 from slime.utils.arguments_groups import add_slime_arguments, add_training_arguments
-from slime.utils.passthrough import PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message
+from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
+                                     rename_legacy_sglang_flags)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def parse_args(args_list: list[str] | None = None, add_custom_arguments=None) ->
     mode = _pre_parse(argv)
     skip_sglang = mode.debug_train_only or mode.load_debug_rollout_data is not None
     parser, passthrough = get_parser(add_custom_arguments, parse_sglang=True)
+    argv = rename_legacy_sglang_flags(argv, passthrough.sglang_flags if passthrough.sglang_introspected else None)
     args, unknown = parser.parse_known_args(argv)
     leftover = passthrough.absorb_unknown(unknown, args)
     if leftover:

@@ -46,6 +46,49 @@ ROUTER_EXCLUDED = {"worker_urls", "router_prefill", "router_decode", "router_enc
 ROUTER_DEFAULT_OVERRIDES = {"router_log_level": "warn", "router_balance_abs_threshold": 10, "router_balance_rel_threshold": 1.2}
 
 
+# SGLang options renamed or removed between the version slime's docs and scripts were first written
+# for (0.5.15) and the tested one (0.5.23), found by diffing the two releases' ServerArgs. An old
+# spelling is rewritten to the new one with a one-line warning; a removed one is refused by name.
+SGLANG_RENAMED = {
+    "cuda-graph-bs": "cuda-graph-bs-decode",
+    "cuda-graph-max-bs": "cuda-graph-max-bs-decode",
+    "nsa-decode-backend": "dsa-decode-backend",
+    "nsa-prefill-backend": "dsa-prefill-backend",
+    "fp8-gemm-runner-backend": "fp8-gemm-backend",
+    "fp4-gemm-runner-backend": "fp4-gemm-backend",
+}
+SGLANG_REMOVED = ("collect-tokens-histogram", "cuda-graph-tc-compiler", "disable-piecewise-cuda-graph",
+                  "enable-breakable-cuda-graph", "enforce-piecewise-cuda-graph", "piecewise-cuda-graph-compiler",
+                  "piecewise-cuda-graph-max-tokens", "piecewise-cuda-graph-tokens", "enable-deepep-waterfill",
+                  "enable-expert-distribution-metrics", "keep-mm-feature-on-device", "mamba-scheduler-strategy",
+                  "prefill-round-robin-balance", "speculative-dflash-draft-window-size", "stream-output",
+                  "torchao-config", "elastic-ep-rejoin", "optimistic-prefill-retries")
+
+
+def rename_legacy_sglang_flags(argv: list[str], current: set[str] | None = None) -> list[str]:
+    """``--sglang-<old>`` -> ``--sglang-<new>`` for SGLang's renamed options (a warning each); a
+    removed option raises naming it. ``current``: the installed SGLang's option names (no prefix),
+    so a name that is still valid there is left alone."""
+    out = []
+    for token in argv:
+        name, eq, value = token.partition("=")
+        flag = name[len("--sglang-"):] if name.startswith("--sglang-") else None
+        if flag is None or (current is not None and flag in current):
+            out.append(token)
+            continue
+        if flag in SGLANG_RENAMED:
+            new = f"--sglang-{SGLANG_RENAMED[flag]}"
+            logger.warning("%s is SGLang's old name for %s (renamed since SGLang 0.5.15); passing it as %s",
+                           name, new, new)
+            out.append(new + eq + value)
+        elif flag in SGLANG_REMOVED:
+            raise ValueError(f"{name}: SGLang removed --{flag} (it is not an option of SGLang 0.5.23, the tested "
+                             f"version); drop it from the command line")
+        else:
+            out.append(token)
+    return out
+
+
 def owned_flag_message(flag: str) -> str | None:
     """``--sglang-tp-size`` -> why the flag is not accepted and which slime flag sets the value."""
     if not flag.startswith("--sglang-"):
@@ -79,6 +122,7 @@ class PassThrough:
         self.sglang_negatable: set[str] = set()  # dests with a --sglang-no-<flag> form
         self.sglang_introspected = False
         self.router_introspected = False
+        self.sglang_flags: set[str] = set()  # option names of the installed SGLang, without "--"
 
     # ------------------------------------------------------------------ unknown tokens
 
@@ -184,6 +228,7 @@ def add_sglang_arguments(parser: argparse.ArgumentParser, state: PassThrough) ->
             prefixed.option_strings, prefixed.dest, prefixed.container = options, dest, group
         group._add_action(prefixed)
         state.sglang_dests[dest] = action.default
+        state.sglang_flags.update(opt[2:] for opt in action.option_strings if opt.startswith("--"))
     state.sglang_introspected = True
 
 

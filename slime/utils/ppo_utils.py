@@ -270,20 +270,42 @@ def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def get_grpo_returns(rewards: torch.Tensor, kl: list[torch.Tensor]) -> list[torch.Tensor]:
-    """GRPO/GSPO/CISPO (Shao et al. 2024): A_{i,t} = r_i broadcast over the response; KL not applied."""
-    return [torch.full_like(kl_i, float(rewards[i]), dtype=torch.float32) for i, kl_i in enumerate(kl)]
+def _out_dtype(kl_i: torch.Tensor) -> torch.dtype:
+    return kl_i.dtype if kl_i.is_floating_point() else torch.float32
+
+
+def _check_lengths(kl: list[torch.Tensor], response_lengths, name: str) -> None:
+    """``response_lengths`` (upstream's keyword) must match the per-sample tensors it describes."""
+    if response_lengths is None:
+        return
+    got = [int(t.numel()) for t in kl]
+    if list(map(int, response_lengths)) != got:
+        raise ValueError(f"{name}: response_lengths {list(response_lengths)} do not match the kl tensors' lengths {got}")
+
+
+def get_grpo_returns(rewards: torch.Tensor, kl: list[torch.Tensor], *, response_lengths=None,
+                     **_unused) -> list[torch.Tensor]:
+    """GRPO/GSPO/CISPO (Shao et al. 2024): A_{i,t} = r_i broadcast over the response; KL not applied.
+    Results are in kl's dtype."""
+    _check_lengths(kl, response_lengths, "get_grpo_returns")
+    return [torch.full_like(kl_i, float(rewards[i]), dtype=_out_dtype(kl_i)) for i, kl_i in enumerate(kl)]
 
 
 def get_reinforce_plus_plus_returns(
     rewards: torch.Tensor,
     kl: list[torch.Tensor],
     loss_masks: list[torch.Tensor],
-    kl_coef: float,
-    gamma: float,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    *,
+    response_lengths=None,
+    total_lengths=None,
 ) -> list[torch.Tensor]:
     """REINFORCE++ (Hu, 2025): u_t = −kl_coef·kl_t·m_t, plus r_i at the last loss-masked position;
-    A_t = G_t = Σ_{l≥0} γ^l u_{t+l}. A sample with no loss-masked token is an error."""
+    A_t = G_t = Σ_{l≥0} γ^l u_{t+l}. A sample with no loss-masked token is an error. Results are in
+    kl's dtype (computed in float32). ``response_lengths`` / ``total_lengths`` are accepted as
+    upstream's keywords; response lengths are checked against the tensors."""
+    _check_lengths(kl, response_lengths, "get_reinforce_plus_plus_returns")
     token_rewards = []
     for i, (kl_i, mask_i) in enumerate(zip(kl, loss_masks)):
         mask_i = mask_i.float()
@@ -296,14 +318,16 @@ def get_reinforce_plus_plus_returns(
     if not token_rewards:
         return []
     returns = chunked_discounted_returns(_pad(token_rewards), gamma)
-    return [returns[i, : t.numel()] for i, t in enumerate(token_rewards)]
+    return [returns[i, : t.numel()].to(_out_dtype(kl[i])) for i, t in enumerate(token_rewards)]
 
 
 def get_reinforce_plus_plus_baseline_advantages(
-    rewards: torch.Tensor, kl: list[torch.Tensor], kl_coef: float
+    rewards: torch.Tensor, kl: list[torch.Tensor], kl_coef: float = 0.0, *, loss_masks=None, response_lengths=None,
 ) -> list[torch.Tensor]:
-    """REINFORCE++-baseline (Hu, 2025): A_{i,t} = r_i − kl_coef·kl_{i,t}, r_i group-mean-centred."""
-    return [float(rewards[i]) - kl_coef * kl_i.float() for i, kl_i in enumerate(kl)]
+    """REINFORCE++-baseline (Hu, 2025): A_{i,t} = r_i − kl_coef·kl_{i,t}, r_i group-mean-centred.
+    Results are in kl's dtype; ``loss_masks`` (upstream's keyword) is accepted and not applied."""
+    _check_lengths(kl, response_lengths, "get_reinforce_plus_plus_baseline_advantages")
+    return [(float(rewards[i]) - kl_coef * kl_i.float()).to(_out_dtype(kl_i)) for i, kl_i in enumerate(kl)]
 
 
 def get_ppo_advantages_and_returns(

@@ -265,6 +265,13 @@ class Sample:
                 "cannot append trainable log-probs to a sample whose existing response has no rollout_log_probs"
             )
 
+        if not n and not text and meta_info is not None:
+            # meta_info alone (e.g. a turn that ended without new tokens): only the terminal info moves;
+            # the response, its mask and log-probs stay exactly as they were
+            if update_terminal_info and "finish_reason" in meta_info:
+                self._update_terminal_info(args, meta_info)
+            return
+
         old_response_length = self.response_length
         if text:
             self.response += text

@@ -310,3 +310,11 @@ def test_session_id_is_the_routing_key(serve, engine):
     finally:
         proxy.stop()
     assert seen == ["route-1"]
+
+
+def test_adapters_importable_under_upstreams_module_names():
+    from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
+    from slime.agent.adapters.anthropic import AnthropicAdapter as UpstreamAnthropic
+    from slime.agent.adapters.openai import OpenAIAdapter as UpstreamOpenAI
+
+    assert UpstreamOpenAI is OpenAIAdapter and UpstreamAnthropic is AnthropicAdapter

@@ -17,6 +17,9 @@ def test_engine_speed_flags_are_forwarded_and_sglang_only_ones_dropped():
     assert argv[argv.index("--cuda-graph-max-bs") + 1] == "32"
     assert argv[argv.index("--chunked-prefill-size") + 1] == "4096"
     assert "--enable-metrics" not in argv  # an SGLang option the embedded engine does not have
+    # SGLang 0.5.23's name (what --sglang-cuda-graph-max-bs is rewritten to) reaches the same engine flag
+    argv = embedded_engine_argv(parse_args(BASE + ["--sglang-cuda-graph-max-bs-decode", "16"]), gpu=True)
+    assert argv[argv.index("--cuda-graph-max-bs") + 1] == "16"
 
 
 def test_cpu_engine_threads_share_the_cores():

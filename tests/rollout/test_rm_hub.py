@@ -255,3 +255,21 @@ def test_remote_rm_retries_then_succeeds_and_errors_clearly(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("end", ["", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>", "\n<|im_end|>\n"])
+def test_dapo_answer_line_ignores_a_trailing_end_token(end):
+    from slime.rollout.rm_hub.math_dapo_utils import compute_score
+
+    assert compute_score("Let me think.\nAnswer: 2" + end, "2") == {"score": 1.0, "acc": True, "pred": "2"}
+
+
+@pytest.mark.parametrize("response", [None, "", "\\boxed{", "\\boxed{}", "Answer:", "</think>", "<|im_end|>"])
+def test_malformed_answers_score_zero_without_raising(response):
+    from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+    from slime.rollout.rm_hub.math_dapo_utils import compute_score
+    from slime.rollout.rm_hub.math_utils import compute_math_reward
+
+    assert compute_math_reward(response, "2") == 0
+    assert compute_score(response, "2")["acc"] is False
+    assert get_deepscaler_rule_based_reward(response, "2") == 0

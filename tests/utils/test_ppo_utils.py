@@ -321,3 +321,19 @@ def test_policy_loss_metrics_and_kl_entropy_terms():
     expect = reducer(pg) - 0.01 * reducer(ent) + 0.3 * reducer(pu.compute_approx_kl(new, ref, "k3"))
     assert float(loss) == pytest.approx(float(expect), abs=1e-6)
     assert set(m) >= {"loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}
+
+
+def test_returns_helpers_take_upstreams_keywords_and_keep_the_dtype():
+    rewards = torch.tensor([1.0, -1.0])
+    kl = [torch.tensor([0.5, 0.25], dtype=torch.bfloat16), torch.tensor([0.125], dtype=torch.bfloat16)]
+    masks = [torch.ones(2), torch.ones(1)]
+    grpo = pu.get_grpo_returns(rewards, kl, response_lengths=[2, 1])
+    rpp = pu.get_reinforce_plus_plus_returns(rewards=rewards, kl=kl, loss_masks=masks, response_lengths=[2, 1],
+                                             total_lengths=[5, 3], kl_coef=0.0, gamma=1.0)
+    base = pu.get_reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks=masks, kl_coef=0.0,
+                                                          response_lengths=[2, 1])
+    for result in (grpo, rpp, base):
+        assert [t.dtype for t in result] == [torch.bfloat16, torch.bfloat16]
+        assert [t.tolist() for t in result] == [[1.0, 1.0], [-1.0]]
+    with pytest.raises(ValueError, match=r"response_lengths \[2, 2\] do not match"):
+        pu.get_grpo_returns(rewards, kl, response_lengths=[2, 2])

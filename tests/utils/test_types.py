@@ -151,3 +151,21 @@ def test_rollout_output_containers():
     train = call_rollout_fn(fn, None, 0, None, evaluation=False)
     assert isinstance(train, RolloutFnTrainOutput) and train.metrics is None and len(train.samples) == 1
     assert isinstance(call_rollout_fn(fn, None, 0, None, evaluation=True), RolloutFnEvalOutput)
+
+
+def test_append_with_only_meta_info_updates_the_terminal_info_and_nothing_else():
+    from slime.utils.types import Sample
+
+    sample = Sample(prompt="p", tokens=[1, 2, 3], index=0)
+    before = (list(sample.tokens), sample.response, sample.response_length, sample.loss_mask,
+              sample.rollout_log_probs, sample.rollout_top_p_token_offsets)
+    sample.append_response_tokens(meta_info={"finish_reason": {"type": "stop"}, "weight_version": "3"})
+    assert (list(sample.tokens), sample.response, sample.response_length, sample.loss_mask,
+            sample.rollout_log_probs, sample.rollout_top_p_token_offsets) == before
+    assert sample.status == Sample.Status.COMPLETED and sample.weight_versions == ["3"]
+    # with a response already there, its mask and log-probs are untouched too
+    sample = Sample(prompt="p", tokens=[1, 2], index=0)
+    sample.append_response_tokens(tokens=[5, 6], log_probs=[-0.5, -0.25], meta_info={"finish_reason": {"type": "abort"}})
+    sample.append_response_tokens(meta_info={"finish_reason": {"type": "length", "length": 2}})
+    assert sample.tokens == [1, 2, 5, 6] and sample.loss_mask == [1, 1] and sample.rollout_log_probs == [-0.5, -0.25]
+    assert sample.status == Sample.Status.TRUNCATED

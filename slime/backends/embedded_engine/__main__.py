@@ -24,7 +24,7 @@ def build_server(args: ServerArgs):
     from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
     from slime.backends.embedded_engine.model_runner import ModelRunner
     from slime.backends.embedded_engine.server import ServerState, build_app
-    from slime.backends.embedded_engine.weight_loading import use_file_system_sharing
+    from slime.backends.update_weight.wire_format import use_file_system_sharing
 
     use_file_system_sharing()
     torch.manual_seed(args.random_seed)

@@ -22,7 +22,7 @@ from slime.backends.embedded_engine.config import ServerArgs
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import RequestError, parse_generate, read_json
 from slime.backends.embedded_engine.profiler import add_profile_routes
-from slime.backends.embedded_engine import weight_loading
+from slime.backends.update_weight import wire_format
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -329,6 +329,24 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
+    session = {"open": False}  # SGLang's weight-update session; loads are not refused outside one here
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        if session["open"]:
+            return JSONResponse({"success": False, "message": "a weight-update session is already open; call "
+                                 "end_weight_update() first"}, status_code=400)
+        session["open"] = True
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        if not session["open"]:
+            return JSONResponse({"success": False, "message": "no weight-update session is open; call "
+                                 "begin_weight_update() first"}, status_code=400)
+        session["open"] = False
+        return {"success": True, "message": "Success"}
+
     @app.post("/update_weights_from_disk")
     async def from_disk(request: Request):
         body = await read_json(request)
@@ -370,7 +388,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         load_format = body.get("load_format")
 
         def load():
-            named = weight_loading.deserialize_named_tensors(entries[0], load_format)
+            named = wire_format.deserialize_named_tensors(entries[0], load_format)
             runner.load_named_tensors(named)
         return await update(body, load)
 
@@ -385,7 +403,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         host = body["master_address"]
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         try:
-            group = await asyncio.to_thread(weight_loading.init_custom_process_group, backend,
+            group = await asyncio.to_thread(wire_format.init_custom_process_group, backend,
                                             f"tcp://{host}:{body['master_port']}", int(body["world_size"]),
                                             int(body["rank_offset"]), name)
         except Exception as exc:
@@ -417,7 +435,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"success": False, "message": f"group {body.get('group_name')!r} is not initialized; "
                                  "call /init_weights_update_group first"}, status_code=400)
         try:  # the broadcasts block: receive them on a worker thread, load between engine steps
-            named = await asyncio.to_thread(weight_loading.receive_broadcast, group, body["names"], body["dtypes"],
+            named = await asyncio.to_thread(wire_format.receive_broadcast, group, body["names"], body["dtypes"],
                                             body["shapes"], runner.device,
                                             body.get("load_format") == "flattened_bucket")
         except Exception as exc:

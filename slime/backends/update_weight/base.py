@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 
@@ -48,6 +49,24 @@ class EngineClient:
 
     def resume(self) -> None:
         self.post_all("/continue_generation", {})
+
+    @contextmanager
+    def weight_update_session(self):
+        """SGLang (since 0.5.2x) loads tensor and broadcast weights only inside a session:
+        ``/begin_weight_update`` first, ``/end_weight_update`` after the last bucket (which
+        finalizes the weights it restored for loading); outside one each update answers
+        ``success: false``. The session is closed even when a bucket fails, so the next update can
+        open one."""
+        self.post_all("/begin_weight_update", {})
+        try:
+            yield
+        except BaseException:
+            try:
+                self.post_all("/end_weight_update", {})
+            except Exception as e:  # the update's own error is the one to report
+                logger.warning("closing the weight-update session after a failed update failed too: %s", e)
+            raise
+        self.post_all("/end_weight_update", {})
 
     def close(self) -> None:
         self._client.close()

@@ -21,11 +21,16 @@ import os
 import re
 import shutil
 
+import logging
+
+import httpx
 from safetensors.torch import save_file
 
 from slime.backends.update_weight.base import EngineClient
 from slime.backends.update_weight.weight_files import version_dir_name
 from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
 
 _COPY_FROM_HF = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -39,11 +44,30 @@ class DiskWeightUpdater:
         os.makedirs(self.root, exist_ok=True)
         self.previous_dir: str | None = None
         self.delta_writer = None
-        if args.update_weight_mode == "delta":
+        if args.update_weight_mode == "delta" and not self._engines_serve_pull_weights(engine_urls):
+            logger.warning(
+                "--update-weight-mode delta needs /pull_weights on every engine, a slime patch that vanilla SGLang "
+                "(0.5.23) does not serve; these engines (%s) do not list it, so weights are synced as full "
+                "checkpoints (/update_weights_from_disk on each version directory)", ", ".join(engine_urls))
+        elif args.update_weight_mode == "delta":
             from slime.backends.update_weight.delta_writer import DeltaVersionWriter
 
             self.delta_writer = DeltaVersionWriter(args.hf_checkpoint, args.update_weight_delta_encoding,
                                                    args.update_weight_delta_checksum)
+
+    def _engines_serve_pull_weights(self, engine_urls: list[str]) -> bool:
+        """The embedded engine serves /pull_weights. An SGLang server does only when patched: its FastAPI
+        app lists its routes at /openapi.json, which is read instead of calling a route it may lack."""
+        if getattr(self.args, "rollout_backend", "sglang") == "embedded":
+            return True
+        for url in engine_urls:
+            try:
+                response = httpx.get(url + "/openapi.json", timeout=30)
+            except httpx.HTTPError as e:
+                raise RuntimeError(f"engine {url} is not reachable to read its routes (/openapi.json): {e}") from e
+            if response.status_code != 200 or "/pull_weights" not in response.json().get("paths", {}):
+                return False
+        return True
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """New engine URLs (engines restarted): published versions and the delta snapshot stay valid, since

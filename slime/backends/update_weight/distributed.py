@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime.backends.embedded_engine.weight_loading import flatten_tensors, init_custom_process_group
+from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 from slime.backends.update_weight.base import EngineClient
 
 GROUP_NAME = "slime"
@@ -68,6 +68,10 @@ class DistributedWeightUpdater:
         stream)."""
         if self.group is None:
             self.connect()
+        with self.client.weight_update_session():
+            return self._send(buckets, weight_version)
+
+    def _send(self, buckets, weight_version: str) -> int:
         total = 0
         pending = None  # (futures, flat tensor) of the bucket in flight
         buckets = iter(buckets)

@@ -3,19 +3,21 @@
 On CPU the bucket is one flattened uint8 tensor in shared memory (``file_system`` sharing, so an
 unrelated engine process can map it); on GPU torch pickles CUDA-IPC handles. The buffer is kept
 alive until every engine has answered, since the engine copies from it while handling the request.
+For SGLang engines (``--rollout-backend sglang``) the payload is built from SGLang's own metadata class
+and serializer, the only ones its unpickler accepts (``wire_format``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime.backends.embedded_engine.weight_loading import (
-    FlattenedTensorMetadata,
+from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.wire_format import (
     flatten_tensors,
+    metadata_class,
     serialize_for_engine,
     use_file_system_sharing,
 )
-from slime.backends.update_weight.base import EngineClient
 
 
 class TensorWeightUpdater:
@@ -24,6 +26,8 @@ class TensorWeightUpdater:
         self.client = EngineClient(engine_urls)
         self.engine_gpu_counts = engine_gpu_counts
         self._staging: torch.Tensor | None = None  # CPU: one shared-memory buffer reused for every bucket
+        self.for_sglang = getattr(args, "rollout_backend", "sglang") == "sglang"
+        self._metadata = metadata_class(self.for_sglang)  # fails here, at set-up, if SGLang's class is missing
         use_file_system_sharing()
 
     def _stage_on_cpu(self, bucket) -> dict:
@@ -38,25 +42,26 @@ class TensorWeightUpdater:
         for (name, tensor), size in zip(bucket, sizes):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             self._staging[offset:offset + size].copy_(raw)
-            metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + size, size))
+            metadata.append(self._metadata(name, torch.Size(tensor.shape), tensor.dtype, offset, offset + size, size))
             offset += size
         return {"flattened_tensor": self._staging[:total], "metadata": metadata}
 
     def update(self, buckets, weight_version: str) -> int:
         """Send every bucket; return the number of bytes sent to each engine."""
         total = 0
-        for bucket in buckets:
-            on_gpu = any(t.is_cuda for _, t in bucket)
-            flat = flatten_tensors(bucket) if on_gpu else self._stage_on_cpu(bucket)
-            payload = serialize_for_engine(flat)
-            requests = [
-                {"serialized_named_tensors": [payload] * count, "load_format": "flattened_bucket",
-                 "flush_cache": False, "weight_version": weight_version}
-                for count in self.engine_gpu_counts
-            ]
-            self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer
-            total += flat["flattened_tensor"].numel()
-            del flat
+        with self.client.weight_update_session():
+            for bucket in buckets:
+                on_gpu = any(t.is_cuda for _, t in bucket)
+                flat = flatten_tensors(bucket, self.for_sglang) if on_gpu else self._stage_on_cpu(bucket)
+                payload = serialize_for_engine(flat, self.for_sglang)
+                requests = [
+                    {"serialized_named_tensors": [payload] * count, "load_format": "flattened_bucket",
+                     "flush_cache": False, "weight_version": weight_version}
+                    for count in self.engine_gpu_counts
+                ]
+                self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer
+                total += flat["flattened_tensor"].numel()
+                del flat
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return total

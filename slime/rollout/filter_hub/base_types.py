@@ -28,6 +28,18 @@ def as_dynamic_filter_output(value) -> DynamicFilterOutput:
     raise TypeError(f"dynamic sampling filter must return DynamicFilterOutput or bool, got {type(value).__name__}")
 
 
+def call_dynamic_filter(dynamic_filter, args, samples, **kwargs) -> DynamicFilterOutput:
+    """Run a ``--dynamic-sampling-filter-path`` function on one finished prompt group and return its
+    verdict as a ``DynamicFilterOutput`` (a bare bool is wrapped); any other return raises, naming
+    the filter."""
+    value = dynamic_filter(args, samples, **kwargs)
+    try:
+        return as_dynamic_filter_output(value)
+    except TypeError as e:
+        name = getattr(dynamic_filter, "__qualname__", repr(dynamic_filter))
+        raise TypeError(f"--dynamic-sampling-filter-path {getattr(dynamic_filter, '__module__', '?')}.{name}: {e}") from None
+
+
 def should_drop_dynamic_filter_output(
     output: DynamicFilterOutput, *, remaining_batch_size: int, target_data_size: int
 ) -> bool:

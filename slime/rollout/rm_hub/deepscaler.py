@@ -7,6 +7,7 @@ from slime.rollout.rm_hub.math_utils import extract_answer, grade_answer_mathd, 
 
 def get_deepscaler_rule_based_reward(response: str, label) -> int:
     """1 if the boxed answer after the last ``</think>`` (or ``###Response``) matches ``label``, else 0."""
+    response = response or ""  # a missing response scores 0, as a malformed one does
     if "</think>" in response:
         model_solution = response.split("</think>")[-1]
     elif "###Response" in response:

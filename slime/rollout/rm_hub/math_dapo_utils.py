@@ -94,6 +94,23 @@ def verify(
     return is_correct_minerva(solution_str, answer)
 
 
+# End-of-turn tokens a response may still carry (rollouts keep the stop token, no_stop_trim=True).
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>",
+              "<|end|>", "<|return|>")
+
+
+def strip_end_tokens(text: str) -> str:
+    """``text`` without the end-of-turn tokens (and whitespace) at its end."""
+    text = text.rstrip()
+    stripped = True
+    while stripped:
+        stripped = False
+        for token in END_TOKENS:
+            if text.endswith(token):
+                text, stripped = text[: -len(token)].rstrip(), True
+    return text
+
+
 def _coerce_ground_truth(ground_truth) -> str:
     gt = str(ground_truth)
     if "\\boxed" in gt:
@@ -110,6 +127,6 @@ def compute_score(
     solution_str: str, ground_truth, strict_box_verify: bool = False, pause_tokens_index: list[int] | None = None
 ) -> dict:
     """``{"score": 1.0 | -1.0, "acc": bool, "pred": str}`` for a DAPO math answer."""
-    solution_str = (solution_str or "")[-300:]
+    solution_str = strip_end_tokens(solution_str or "")[-300:]
     correct, pred = verify(solution_str, _coerce_ground_truth(ground_truth), strict_box_verify, pause_tokens_index)
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred if pred is not None else ""}

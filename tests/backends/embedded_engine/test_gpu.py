@@ -25,7 +25,7 @@ import torch
 
 from engine_test_utils import perturbed_state_dict
 from slime.backends.embedded_engine.launch import EmbeddedEngineProcess, find_free_port
-from slime.backends.embedded_engine.weight_loading import flatten_tensors, init_custom_process_group
+from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 
 # NVLink multicast stays off on the lent machines, also in the engine processes we start.
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):

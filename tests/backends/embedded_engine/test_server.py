@@ -16,8 +16,8 @@ import torch
 from engine_test_utils import (TOOL_MESSAGES, TOOLS, copy_with_weights, hf_greedy, hf_logprobs, load_hf,
                                perturbed_state_dict, train_tool_call)
 from slime.backends.embedded_engine.launch import find_free_port, running_engine
-from slime.backends.embedded_engine.weight_loading import (flatten_tensors, init_custom_process_group,
-                                                           serialize_for_engine, use_file_system_sharing)
+from slime.backends.update_weight.wire_format import (flatten_tensors, init_custom_process_group,
+                                                     serialize_for_engine, use_file_system_sharing)
 
 pytestmark = pytest.mark.timeout(300)
 API_KEY = "test-key"

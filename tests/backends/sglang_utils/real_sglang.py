@@ -50,6 +50,9 @@ def _main() -> None:
     import contextlib
     import io
 
+    from tests.backends.sglang_utils.sglang_env import prepare_imports
+
+    prepare_imports()
     import sglang
     from sglang.srt.server_args import ServerArgs
 

@@ -36,6 +36,7 @@ class StandInSGLang:
         self.group = None
         self.weights: dict[str, list] = {}
         self.calls: list[str] = []
+        self.session_open = False  # SGLang 0.5.23 loads broadcast weights only inside a weight-update session
 
     # ---------------------------------------------------------------- generation
 
@@ -169,7 +170,7 @@ class StandInSGLang:
             return web.json_response({"success": False, "message": "stand-in joins groups with tp_size 1 only"}, status=400)
         from datetime import timedelta
 
-        from slime.backends.embedded_engine.weight_loading import init_custom_process_group
+        from slime.backends.update_weight.wire_format import init_custom_process_group
 
         address = body["master_address"].strip("[]")
         init = f"tcp://{address}:{body['master_port']}"
@@ -183,8 +184,27 @@ class StandInSGLang:
         self.calls.append("init_weights_update_group")
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        if self.session_open:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; call "
+                                      "end_weight_update() first"}, status=400)
+        self.session_open = True
+        self.calls.append("begin_weight_update")
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        if not self.session_open:
+            return web.json_response({"success": False, "message": "no weight-update session is open; call "
+                                      "begin_weight_update() first"}, status=400)
+        self.session_open = False
+        self.calls.append("end_weight_update")
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_distributed(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if not self.session_open:  # refused before the broadcast is joined, as SGLang's scheduler does
+            return web.json_response({"success": False, "message": "update_weights_from_distributed must run between "
+                                      "begin_weight_update() and end_weight_update()"}, status=400)
         missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
         if missing:
             return web.json_response({"object": "error", "message": f"missing fields {missing}", "type": "Bad Request",
@@ -192,7 +212,7 @@ class StandInSGLang:
         import torch
         import torch.distributed as dist
 
-        from slime.backends.embedded_engine.weight_loading import FlattenedTensorMetadata, unflatten_tensors
+        from slime.backends.update_weight.wire_format import FlattenedTensorMetadata, unflatten_tensors
 
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(body["shapes"], dtypes)]
@@ -235,7 +255,8 @@ class StandInSGLang:
                 "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                 "/release_memory_occupation": self.memory, "/resume_memory_occupation": self.memory,
                 "/init_weights_update_group": self.init_group, "/update_weights_from_distributed": self.update_distributed,
-                "/destroy_weights_update_group": self.destroy_group, "/flush_cache": self.flush_cache}
+                "/destroy_weights_update_group": self.destroy_group, "/flush_cache": self.flush_cache,
+                "/begin_weight_update": self.begin_weight_update, "/end_weight_update": self.end_weight_update}
         get = {"/health": self.health, "/health_generate": self.health, "/server_info": self.server_info,
                "/get_server_info": self.server_info, "/model_info": self.model_info,
                "/get_model_info": self.model_info, "/get_weight_version": self.weight_version_route,

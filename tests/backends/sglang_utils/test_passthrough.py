@@ -7,6 +7,8 @@ CPU test process keeps seeing no SGLang, as the rest of slime must.
 from __future__ import annotations
 
 import argparse
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from slime.backends.sglang_utils.launch_plan import PortAllocator, plan_launch, 
 from slime.backends.sglang_utils.sglang_config import models_from_args
 from slime.utils.arguments import parse_args
 
-from real_sglang import SGLANG_VERSION, run
+from real_sglang import REPO, SGLANG_VERSION, run
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +32,8 @@ CASES = {
     "typo": BASE + ["--sglang-mem-fraction-statc", "0.7"],
     "bad_float": BASE + ["--sglang-mem-fraction-static", "high"],
     "bad_choice": BASE + ["--sglang-dtype", "float64"],
-    "old_list_flag": BASE + ["--sglang-cuda-graph-bs", "1", "2", "4"],
+    "old_list_flag": BASE + ["--sglang-cuda-graph-bs", "1", "2", "4", "8", "--sglang-cuda-graph-max-bs=8"],
+    "removed_flag": BASE + ["--sglang-stream-output"],
     "colocated": BASE + ["--colocate", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus-per-engine", "4"],
 }
 
@@ -72,11 +75,46 @@ def test_types_defaults_and_list_values_come_from_serverargs(real):
     ("typo", "unknown flag --sglang-mem-fraction-statc; did you mean --sglang-mem-fraction-static?"),
     ("bad_float", "argument --sglang-mem-fraction-static: invalid float value: 'high'"),
     ("bad_choice", "argument --sglang-dtype: invalid choice: 'float64'"),
-    ("old_list_flag", "unknown flag --sglang-cuda-graph-bs; did you mean --sglang-cuda-graph-bs-"),
+    ("removed_flag", "--sglang-stream-output: SGLang removed --stream-output"),
 ])
 def test_bad_flags_fail_with_a_clear_message(real, case, message):
     result = real[1][case]
     assert not result["ok"] and message in result["error"], result
+
+
+def test_renamed_sglang_flags_map_to_the_new_names(real):
+    case = real[1]["old_list_flag"]  # the docs' spelling of SGLang <= 0.5.15
+    assert case["ok"], case.get("error")
+    assert case["args"]["sglang_passthrough"] == {"cuda-graph-bs-decode": [1, 2, 4, 8], "cuda-graph-max-bs-decode": 8}
+
+
+def _script_sglang_args(script: Path) -> list[str]:
+    """The SGLANG_ARGS array of a shell script, as bash expands it."""
+    body = subprocess.run(["sed", "-n", "/^SGLANG_ARGS=(/,/^)/p", str(script)], capture_output=True, text=True).stdout
+    done = subprocess.run(["bash", "-c", body + '\nprintf "%s\\n" "${SGLANG_ARGS[@]}"'], capture_output=True, text=True)
+    return [line for line in done.stdout.splitlines() if line]
+
+
+SCRIPTS = sorted(p for p in (REPO / "scripts").glob("run-*.sh") if "SGLANG_ARGS=(" in p.read_text())
+
+
+def test_example_scripts_sglang_args_parse_with_sglangs_own_parser():
+    cases = {script.name: _script_sglang_args(script) for script in SCRIPTS}
+    assert cases and all(cases.values()), cases
+    base = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--hf-checkpoint",
+            "/ckpt/qwen3-4b", "--rollout-num-gpus", "8"]
+    # parsed here (no CUDA) as --rollout-backend embedded, the last word; planned as the script's sglang
+    parsed = run(parse=[base + tokens + ["--rollout-backend", "embedded"] for tokens in cases.values()])["parse"]
+    plans = []
+    for name, result in zip(cases, parsed):
+        assert result["ok"], (name, result.get("error"))
+        args = argparse.Namespace(**result["args"])
+        args.rollout_backend = "sglang"
+        device_map = uniform_device_map(args.rollout_num_gpus, args.num_gpus_per_node, ["10.0.0.1"])
+        plans.append(plan_launch(args, models_from_args(args), device_map, PortAllocator(lambda n, s, c: s)))
+    argvs = [p.argv for plan in plans for e in plan.engines for p in e.processes]
+    checked = run(server_argv=argvs)["server_argv"]
+    assert checked and all(c["ok"] for c in checked), [c.get("error") for c in checked]
 
 
 def test_launch_plan_command_lines_parse_with_sglangs_own_parser(real):

@@ -143,7 +143,8 @@ def test_pause_health_and_distributed_weight_update(tiny_model_dir, tmp_path, en
         state = httpx.get(engine.url + "/stand_in/weights").json()
         assert state["weights"] == {"model.embed.weight": [0, 1, 2, 3, 4, 5], "lm_head.weight": [0.5] * 4,
                                     "model.norm.weight": [1.0, -1.0]}
-        assert state["calls"] == ["init_weights_update_group", "update_weights_from_distributed",
-                                  "update_weights_from_distributed"]
+        # SGLang 0.5.23 loads broadcast weights only inside a begin/end weight-update session
+        assert state["calls"] == ["init_weights_update_group", "begin_weight_update", "update_weights_from_distributed",
+                                  "update_weights_from_distributed", "end_weight_update"]
         assert httpx.get(engine.url + "/get_weight_version").json() == {"weight_version": "3"}
         assert httpx.get(engine.url + "/model_info").json()["weight_version"] == "3"

@@ -47,7 +47,7 @@ def _engine_greedy(url, prompt, n):
 def _args(tmp_path, transport):
     return SimpleNamespace(update_weight_transport=transport, update_weight_mode="full", update_weight_disk_dir=str(tmp_path),
                            update_weight_disk_keep_files=False, custom_update_weight_post_write_path=None,
-                           hf_checkpoint=None, distributed_timeout_minutes=5, cpu_only=True)
+                           hf_checkpoint=None, distributed_timeout_minutes=5, cpu_only=True, rollout_backend="embedded")
 
 
 @pytest.mark.parametrize("transport,colocate", [("nccl", True), ("nccl", False), ("disk", False)],

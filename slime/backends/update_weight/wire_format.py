@@ -1,15 +1,23 @@
-"""Weight-update payloads: the pickled tensor path, flattened buckets, and the broadcast group.
+"""Weight-update wire formats, shared by the senders (trainer transports) and the embedded engine.
 
 * ``/update_weights_from_tensor``: each entry of ``serialized_named_tensors`` is (base64 of) a
-  ``multiprocessing.reduction.ForkingPickler`` pickle (with torch's reductions registered). On CPU the tensors travel as shared
-  memory files, which works between unrelated processes only with the ``file_system`` sharing
-  strategy (both sides call :func:`use_file_system_sharing`). Unpickling goes through an allow-list
-  (:class:`_AllowListUnpickler`), never plain ``pickle.loads``.
+  ``multiprocessing.reduction.ForkingPickler`` pickle (with torch's reductions registered). On CPU
+  the tensors travel as shared memory files, which works between unrelated processes only with the
+  ``file_system`` sharing strategy (both sides call :func:`use_file_system_sharing`). Unpickling
+  goes through an allow-list, never plain ``pickle.loads``.
 * ``load_format="flattened_bucket"``: ``{"flattened_tensor": uint8[N], "metadata":
   [FlattenedTensorMetadata...]}``, byte ranges into the buffer, several dtypes allowed.
-* ``/init_weights_update_group``: :func:`init_custom_process_group` builds a torch.distributed group
-  outside the default one (TCP rendezvous, store prefixed by the group name), on gloo or NCCL. A
-  trainer joins as rank 0 with the same function.
+* ``/init_weights_update_group``: :func:`init_custom_process_group` builds a torch.distributed
+  group outside the default one (TCP rendezvous, store prefixed by the group name), on gloo or
+  NCCL. A trainer joins as rank 0 with the same function.
+
+Two dialects of the pickle exist. SGLang unpickles with ``SafeUnpickler``, whose allow-list names
+exact globals: of SGLang's own classes only ``sglang.srt.weight_sync.tensor_bucket``'s, so a
+payload for SGLang must be built from SGLang's ``FlattenedTensorMetadata`` and serialized by its
+``MultiprocessingSerializer`` (which, with its torch reduction patch, records CUDA devices by UUID
+so the engine maps them to its own device index). Payloads for the embedded engine use slime's
+class below. The embedded engine accepts both: SGLang's metadata class is read as slime's when
+SGLang is not importable there.
 """
 
 from __future__ import annotations
@@ -22,13 +30,15 @@ from datetime import timedelta
 
 import torch
 
+SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 ALLOWED_MODULE_PREFIXES = ("torch.", "torch", "builtins", "collections", "numpy.core.multiarray", "numpy",
-                           "_codecs", "copyreg", "slime.backends.embedded_engine.weight_loading")
+                           "_codecs", "copyreg", __name__)
 
 
 @dataclass(frozen=True)
 class FlattenedTensorMetadata:
-    """Where one tensor lives in a flattened uint8 bucket: bytes ``[start_idx, end_idx)``."""
+    """Where one tensor lives in a flattened uint8 bucket: bytes ``[start_idx, end_idx)``. The same
+    fields, in the same order, as SGLang's class of this name."""
 
     name: str
     shape: tuple[int, ...]
@@ -38,6 +48,21 @@ class FlattenedTensorMetadata:
     numel: int  # byte count, as SGLang's bucket records it
 
 
+def metadata_class(for_sglang: bool):
+    """The metadata class a payload is built from: SGLang's own when SGLang is the target."""
+    if not for_sglang:
+        return FlattenedTensorMetadata
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as SGLangMetadata
+    except ImportError as e:
+        raise RuntimeError(
+            "weights for SGLang engines (--rollout-backend sglang) are sent as SGLang's own "
+            f"{SGLANG_BUCKET_MODULE}.FlattenedTensorMetadata, which SGLang's unpickler allows; SGLang is not "
+            f"importable in this trainer process ({e}). Install it here too (`pip install -e '.[sglang]'`)."
+        ) from e
+    return SGLangMetadata
+
+
 def use_file_system_sharing() -> None:
     """CPU tensors in shared memory must be addressable by file name from an unrelated process."""
     import torch.multiprocessing as mp
@@ -45,20 +70,22 @@ def use_file_system_sharing() -> None:
     mp.set_sharing_strategy("file_system")
 
 
-def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], for_sglang: bool = False) -> dict:
     """Sender side of ``flattened_bucket``: one uint8 buffer + metadata, tensors concatenated in order."""
+    make_metadata = metadata_class(for_sglang)
     chunks, metadata, offset = [], [], 0
     for name, tensor in named_tensors:
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset,
-                                                offset + raw.numel(), raw.numel()))
+        metadata.append(make_metadata(name, torch.Size(tensor.shape), tensor.dtype, offset, offset + raw.numel(),
+                                      raw.numel()))
         chunks.append(raw)
         offset += raw.numel()
     flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
-def unflatten_tensors(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> list[tuple[str, torch.Tensor]]:
+def unflatten_tensors(flat: torch.Tensor, metadata) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` for each entry (slime's or SGLang's metadata class)."""
     out = []
     for meta in metadata:
         if meta.end_idx > flat.numel() or meta.start_idx < 0:
@@ -68,8 +95,20 @@ def unflatten_tensors(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata
     return out
 
 
-def serialize_for_engine(obj) -> str:
-    """Sender helper: ForkingPickler bytes, base64 (what goes into ``serialized_named_tensors``)."""
+def serialize_for_engine(obj, for_sglang: bool = False) -> str:
+    """Sender helper: ForkingPickler bytes, base64 (what goes into ``serialized_named_tensors``).
+    For SGLang, SGLang's own serializer with its torch reduction patch applied."""
+    if for_sglang:
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        if _holds_cuda_tensor(obj):
+            # SGLang's patch names the GPU by UUID (the engine maps it to its own index). It replaces
+            # torch's tensor reduction process-wide and handles CUDA tensors only, so it is applied
+            # only when a CUDA payload is sent.
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
+        return MultiprocessingSerializer.serialize(obj, output_str=True)
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's tensor/storage reductions)
@@ -79,11 +118,26 @@ def serialize_for_engine(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _holds_cuda_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return any(_holds_cuda_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_cuda_tensor(v) for v in obj)
+    return False
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"):
+            try:  # SGLang's class where SGLang is installed; slime's (same fields) where it is not
+                return super().find_class(module, name)
+            except ImportError:
+                return FlattenedTensorMetadata
         if not any(module == p or module.startswith(p.rstrip(".") + ".") for p in ALLOWED_MODULE_PREFIXES):
             raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: module not in the allow-list "
-                                         f"{ALLOWED_MODULE_PREFIXES}")
+                                         f"{ALLOWED_MODULE_PREFIXES + (SGLANG_BUCKET_MODULE,)}")
         return super().find_class(module, name)
 
 
