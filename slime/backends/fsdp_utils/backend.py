@@ -23,6 +23,7 @@ from slime.backends.fsdp_utils.model import (
     forward_response_logits,
     load_model,
     pack_samples,
+    pad_samples,
     resolve_attn_implementation,
     shard_model,
 )
@@ -138,9 +139,13 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _pack(self, batch: TrainBatch, micro_batch: list[int]):
+    def _pack(self, batch: TrainBatch, micro_batch: list[int], output: ModelOutput):
+        """The micro-batch's layout: padded rows under sdpa (causal, no mask), one packed row otherwise
+        and whenever full-position logits are asked for (a custom loss sees the packed sequence)."""
         tokens = [batch.tokens[i] for i in micro_batch]
         lengths = [int(batch.response_lengths[i]) for i in micro_batch]
+        if self.attn_implementation == "sdpa" and output.kind != "logits":
+            return pad_samples(tokens, lengths, self.device)
         return pack_samples(tokens, lengths, self.device)
 
     def _nucleus(self, batch: TrainBatch, micro_batch: list[int]) -> Nucleus | None:
@@ -195,7 +200,7 @@ class FSDPBackend(TrainBackend):
         for micro_batch in batch.schedule.micro_batch_indices:
             if not micro_batch:
                 continue
-            packed = self._pack(batch, micro_batch)
+            packed = self._pack(batch, micro_batch, output)
             if packed.predict_positions.numel() == 0:
                 continue
             result = self._outputs(model, batch, micro_batch, packed, output)
@@ -213,8 +218,12 @@ class FSDPBackend(TrainBackend):
         """Forward + backward of each micro-batch. The loss is ``loss_fn``'s × dp: FSDP averages
         gradients over the dp ranks, so the accumulated gradient is that of Σ loss_fn."""
         results = []
-        for micro_batch in micro_batches:
-            packed = self._pack(batch, micro_batch)
+        for index, micro_batch in enumerate(micro_batches):
+            if self.world_size == 1:
+                # one rank has nothing to reduce: gradients accumulate in place, and FSDP's copy into
+                # the sharded gradient runs once per step instead of once per micro-batch
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            packed = self._pack(batch, micro_batch, output)
             if packed.predict_positions.numel() == 0:
                 # every rank runs the same FSDP collectives, with or without tokens: a zero loss through every parameter
                 zero = forward_response_logits(self.model, packed, self.attn_implementation).float().sum() * 0.0

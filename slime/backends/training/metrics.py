@@ -25,9 +25,10 @@ def reduce_sums(sums: dict[str, torch.Tensor], normaliser: float, layout: DataLa
     Every rank must reduce the same keys in the same order; a rank that computed no loss in this step
     (no samples, or not the last pipeline stage) has none, so the key set is agreed first."""
     keys = sorted(sums)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, keys)
-    keys = sorted(set().union(*gathered))
+    if dist.get_world_size() > 1:  # (an object all-gather pickles through the process group: skipped alone)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, keys)
+        keys = sorted(set().union(*gathered))
     values = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)) for k in keys]) if keys else torch.zeros(0)
     dist.all_reduce(values)
     return {k: float(v) / normaliser / layout.loss_copies for k, v in zip(keys, values)}
@@ -66,10 +67,11 @@ def rollout_metrics(batch, layout: DataLayout, device) -> dict[str, float]:
         per_sample = _per_sample_means(column)
         keys.append(key)
         values += [sum(per_sample) * share, len(per_sample) * share]
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, keys)
-    if any(g != keys for g in gathered):
-        raise RuntimeError(f"ranks disagree on rollout_data keys: {gathered}")
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, keys)
+        if any(g != keys for g in gathered):
+            raise RuntimeError(f"ranks disagree on rollout_data keys: {gathered}")
     reduced = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(reduced)
     reduced = reduced.cpu()

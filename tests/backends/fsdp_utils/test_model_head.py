@@ -7,12 +7,15 @@ from slime.utils import ppo_utils
 
 
 @pytest.mark.usefixtures("single_rank")
-def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
-    """Through the FSDP2 trainer (sharded, tied embeddings, chunks of 3 rows): log-probs, entropy and
-    every parameter's gradient equal a plain HF model with the full-vocabulary log-softmax."""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir, layout):
+    """Through the FSDP2 trainer (sharded, tied embeddings, chunks of 3 rows), in both micro-batch
+    layouts (right-padded rows with causal attention, the trainer's sdpa default; one packed row with
+    a block-diagonal mask): log-probs, entropy and every parameter's gradient equal a plain HF model
+    with the full-vocabulary log-softmax, sample by sample."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp_utils.model import forward_log_probs
+    from slime.backends.fsdp_utils.model import forward_log_probs, pack_samples, pad_samples
     from slime.backends.training.worker import TrainWorker
     from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
 
@@ -22,7 +25,11 @@ def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir):
     assert worker.backend.chunk_rows == 3
     assert type(worker.backend.model.lm_head.weight).__name__ == "DTensor" and worker.backend.model.config.tie_word_embeddings
     data = rank_data(args, make_samples(6))
-    packed = worker.backend._pack(data, list(range(6)))
+    build = pad_samples if layout == "padded" else pack_samples
+    packed = build(list(data.tokens), [int(r) for r in data.response_lengths], worker.backend.device)
+    assert packed.padded is (layout == "padded") and worker.backend.attn_implementation == "sdpa"
+    if layout == "padded":  # lengths differ: rows of one width, padding after each sample's tokens
+        assert packed.input_ids.shape == (6, max(len(t) for t in data.tokens))
     log_probs, entropy = forward_log_probs(worker.backend.model, packed, worker.backend.attn_implementation, 0.7, 3, entropy_grad=True)
     coef = torch.linspace(-1.0, 1.0, log_probs.numel())
     worker.backend.optimizer.zero_grad(set_to_none=True)
