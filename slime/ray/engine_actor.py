@@ -35,6 +35,8 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
         forwarded["dtype"] = args.embedded_engine_dtype
     if args.rollout_max_context_len is not None and "context-length" not in forwarded:
         forwarded["context-length"] = args.rollout_max_context_len
+    if "max-running-requests" not in forwarded:
+        forwarded["max-running-requests"] = rollout_concurrency_per_engine(args)
     for name, value in forwarded.items():
         name = EMBEDDED_FLAG_FOR.get(name, name)
         if name not in EMBEDDED_SGLANG_FLAGS:
@@ -45,6 +47,16 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
         elif value not in (False, None):
             argv += [f"--{name}", str(value)]
     return argv
+
+
+def rollout_concurrency_per_engine(args, cap: int = 1024) -> int:
+    """Requests one engine should decode together when no --sglang-max-running-requests is given: a
+    rollout step's samples (over-sampling batch × samples per prompt) spread over the engines, so a
+    step is one wave of decoding instead of several (the engine's own default is 64)."""
+    engines = max(1, int(getattr(args, "rollout_num_gpus", None) or 1) // max(1, int(getattr(args, "rollout_num_gpus_per_engine", None) or 1)))
+    batch = int(getattr(args, "over_sampling_batch_size", None) or getattr(args, "rollout_batch_size", None) or 1)
+    samples = batch * int(getattr(args, "n_samples_per_prompt", None) or 1)
+    return max(64, min(cap, -(-samples // engines)))
 
 
 def node_ip() -> str:
