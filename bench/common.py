@@ -19,6 +19,10 @@ def machine_name() -> str:
 
 
 def git_commit() -> str:
+    """HEAD, or ``SLIME_GIT_COMMIT`` when set: the GPU machine's copy of the repository can carry a
+    stale ``.git``, so runs there pass the commit they were sent from."""
+    if os.environ.get("SLIME_GIT_COMMIT"):
+        return os.environ["SLIME_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
