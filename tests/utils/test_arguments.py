@@ -74,7 +74,7 @@ def test_missing_backend_library_names_install_command():
         (["--rollout-temperature", "0"], ValueError, "--rollout-temperature must be > 0"),  # 2
         (["--use-kl-loss", "--ref-load", "/no/such/dir"], FileNotFoundError, "--ref-load"),  # 3
         (["--use-opd"], ValueError, "--use-opd requires --opd-type"),  # 4
-        (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load is set but --use-opd is not"),  # 4
+        (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load '/tmp' is not implemented"),  # 0 (refused)
         (["--eval-interval", "1"], ValueError, "--eval-interval needs at least one eval dataset"),  # 6
         (["--save-interval", "1"], ValueError, "--save-interval needs --save"),  # 7
         (["--kl-coef", "0.1", "--kl-loss-coef", "0.1", "--use-kl-loss", "--ref-load", "/tmp"], ValueError, "--kl-coef .* --kl-loss-coef"),  # 8
@@ -82,17 +82,17 @@ def test_missing_backend_library_names_install_command():
         (["--use-rollout-logprobs", "--use-tis"], ValueError, "--use-rollout-logprobs and --use-tis"),  # 10
         (["--get-mismatch-metrics"], ValueError, "--get-mismatch-metrics requires --custom-tis-function-path"),  # 11
         (["--use-dynamic-batch-size"], ValueError, "--use-dynamic-batch-size requires --max-tokens-per-gpu"),  # 12
-        (["--balance-by-flops"], ValueError, "--balance-by-flops requires --use-dynamic-batch-size"),  # 13
+        (["--balance-by-flops"], ValueError, "--balance-by-flops True is not implemented .*--balance-data"),  # 0
         (["--context-parallel-size", "2"], ValueError, "--context-parallel-size 2 needs --train-backend megatron"),
         (["--save-debug-rollout-data", "x", "--save-debug-train-data", "x"], ValueError, "must not be equal"),  # 16
         (["--debug-rollout-only", "--debug-train-only"], ValueError, "cannot be combined"),  # 22
         (["--num-steps-per-rollout", "2", "--global-batch-size", "3"], ValueError, "disagrees"),  # 26
         (["--over-sampling-batch-size", "2"], ValueError, "--over-sampling-batch-size .* must be >="),  # 28
-        (["--enable-mtp-training"], ValueError, "requires --mtp-num-layers"),  # 30
+        (["--enable-mtp-training"], ValueError, "--enable-mtp-training True is not implemented"),  # 0
         (["--rollout-max-context-len", "10", "--rollout-max-prompt-len", "10"], ValueError, "--rollout-max-prompt-len"),  # 33
         (["--only-train-params-name-list", "a", "--freeze-params-name-list", "b"], ValueError, "mutually exclusive"),  # 34
         (["--update-weight-transport", "disk"], ValueError, "requires --update-weight-disk-dir"),  # 35
-        (["--release-train"], ValueError, "--release-train is only supported with --train-backend megatron"),  # 36
+        (["--release-train"], ValueError, "--release-train True is not implemented .*--colocate"),  # 0
         (["--update-weight-mode", "delta"], ValueError, "requires --update-weight-transport disk"),  # 37
         (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "d", "--colocate"], ValueError, "incompatible with --colocate"),  # 37
         (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "d"], ValueError, "--update-weight-local-checkpoint-dir"),  # 37
