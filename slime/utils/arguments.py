@@ -119,8 +119,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
 
     # 0. flags slime accepts for upstream scripts but does not implement
     _refuse_unimplemented(args)
-    # 1. eval datasets
+    # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
+    _check_prompt_files(args)
     # 2. temperature
     if args.rollout_temperature <= 0:
         raise ValueError(
@@ -264,6 +265,24 @@ def _refuse_unimplemented(args) -> None:
             refused.append(f"{flag} {value!r} is not implemented by slime ({REFUSED_FLAGS[flag]})")
     if refused:
         raise ValueError("; ".join(refused) + ". Remove these flags or leave them at their defaults.")
+
+
+def _check_prompt_files(args) -> None:
+    """A prompt file that does not exist fails here, not at the first rollout (or first eval)."""
+    from slime.utils.data import _parse_path_slice
+
+    if args.debug_train_only or args.load_debug_rollout_data is not None:
+        return  # no prompts are read
+    paths = []
+    if args.prompt_data and args.rollout_global_dataset:
+        paths.append(("--prompt-data", args.prompt_data))
+    flag = "--eval-config" if args.eval_config is not None else "--eval-prompt-data"
+    paths += [(f"{flag} ({config.name})", config.path) for config in args.eval_datasets]
+    for flag, path in paths:
+        file_path = _parse_path_slice(path)[0]
+        if not os.path.isfile(file_path):
+            raise FileNotFoundError(f"{flag}: prompt file {file_path!r} does not exist (resolved from "
+                                    f"{os.getcwd()!r}); give an existing .jsonl or .parquet file")
 
 
 def _validate_opd(args) -> None:
