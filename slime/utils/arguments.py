@@ -218,6 +218,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 32. custom config overrides
     if args.custom_config_path is not None:
         _apply_custom_config(args)
+        _refuse_unimplemented(args)  # the YAML may set a refused flag's attribute too
     # 33.
     if args.eval_max_context_len is None:
         args.eval_max_context_len = args.rollout_max_context_len

@@ -172,3 +172,10 @@ def test_derived_flags_take_effect(tmp_path):
         args = parse_args(BASE + argv)
         assert getattr(args, target) == expected, dest
         assert target in read_names() or dest == "custom_config_path", f"{target} (from {dest}) is read by nothing"
+
+
+def test_a_refused_flag_set_by_custom_config_is_refused_too(tmp_path):
+    path = tmp_path / "custom.yaml"
+    path.write_text("async_save: true\n")
+    with pytest.raises(ValueError, match="--async-save True is not implemented"):
+        parse_args(BASE + ["--custom-config-path", str(path)])
