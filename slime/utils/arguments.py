@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import logging
 import os
 import sys
 
-from slime.utils.arguments_groups import add_slime_arguments, add_training_arguments
+from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add_training_arguments, mark_refused_flags
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
                                      rename_legacy_sglang_flags)
 
@@ -56,6 +57,7 @@ def get_parser(add_custom_arguments=None, *, parse_sglang: bool = True) -> tuple
     from slime.backends.fsdp_utils.arguments import add_fsdp_arguments
 
     add_fsdp_arguments(parser)
+    mark_refused_flags(parser)
     passthrough = PassThrough()
     if parse_sglang:
         add_sglang_arguments(parser, passthrough)
@@ -115,8 +117,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     values; never override a value the user set explicitly."""
     from slime.utils.eval_config import resolve_eval_datasets
 
-    # 1. eval datasets
+    # 0. flags slime accepts for upstream scripts but does not implement
+    _refuse_unimplemented(args)
+    # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
+    _check_prompt_files(args)
     # 2. temperature
     if args.rollout_temperature <= 0:
         raise ValueError(
@@ -161,10 +166,6 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"(the FSDP backend has no context parallelism)")
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
-    if args.balance_by_flops:
-        if not args.use_dynamic_batch_size:
-            raise ValueError("--balance-by-flops requires --use-dynamic-batch-size")
-        args.balance_data = True
     # 14.-15.
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
@@ -217,6 +218,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 32. custom config overrides
     if args.custom_config_path is not None:
         _apply_custom_config(args)
+        _refuse_unimplemented(args)  # the YAML may set a refused flag's attribute too
     # 33.
     if args.eval_max_context_len is None:
         args.eval_max_context_len = args.rollout_max_context_len
@@ -241,6 +243,47 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 slime_validate_args = validate_args
+
+
+@functools.lru_cache(maxsize=1)
+def refused_flag_defaults() -> dict[str, tuple[str, object]]:
+    """``dest -> (flag, default)`` of every flag in ``REFUSED_FLAGS``."""
+    parser, _ = get_parser(parse_sglang=False)
+    result = {}
+    for action in parser._actions:
+        flag = next((o for o in action.option_strings if o in REFUSED_FLAGS), None)
+        if flag is not None:
+            result[action.dest] = (flag, action.default)
+    return result
+
+
+def _refuse_unimplemented(args) -> None:
+    """A flag slime accepts only so upstream scripts parse fails when set away from its default."""
+    refused = []
+    for dest, (flag, default) in refused_flag_defaults().items():
+        value = getattr(args, dest, default)
+        if value != default:
+            refused.append(f"{flag} {value!r} is not implemented by slime ({REFUSED_FLAGS[flag]})")
+    if refused:
+        raise ValueError("; ".join(refused) + ". Remove these flags or leave them at their defaults.")
+
+
+def _check_prompt_files(args) -> None:
+    """A prompt file that does not exist fails here, not at the first rollout (or first eval)."""
+    from slime.utils.data import _parse_path_slice
+
+    if args.debug_train_only or args.load_debug_rollout_data is not None:
+        return  # no prompts are read
+    paths = []
+    if args.prompt_data and args.rollout_global_dataset:
+        paths.append(("--prompt-data", args.prompt_data))
+    flag = "--eval-config" if args.eval_config is not None else "--eval-prompt-data"
+    paths += [(f"{flag} ({config.name})", config.path) for config in args.eval_datasets]
+    for flag, path in paths:
+        file_path = _parse_path_slice(path)[0]
+        if not os.path.isfile(file_path):
+            raise FileNotFoundError(f"{flag}: prompt file {file_path!r} does not exist (resolved from "
+                                    f"{os.getcwd()!r}); give an existing .jsonl or .parquet file")
 
 
 def _validate_opd(args) -> None:
@@ -476,7 +519,12 @@ def _validate_backends(args) -> None:
 def flag_reference_markdown() -> str:
     """The flag table of docs/usage.md (slime's own and the training flags; pass-through excluded)."""
     parser, _ = get_parser(parse_sglang=False)
-    lines = []
+    lines = ["### Accepted but refused", "",
+             "These upstream flags parse, so scripts passing their defaults run unchanged; slime does not "
+             "implement them, and a non-default value fails at start-up with the alternative below.", "",
+             "| flag | instead |", "|---|---|"]
+    lines += [f"| `{flag}` | {hint} |" for flag, hint in REFUSED_FLAGS.items()]
+    lines.append("")
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
         if not actions:

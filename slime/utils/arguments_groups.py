@@ -10,6 +10,76 @@ from __future__ import annotations
 import argparse
 
 
+# Flags upstream slime's scripts pass that slime does not implement. They parse, so a script passing
+# the default still runs; a non-default value is refused at start-up (validate_args) with this hint.
+REFUSED_FLAGS: dict[str, str] = {
+    "--distributed-backend": "slime picks the backend itself (nccl on CUDA, gloo on CPU); drop the flag",
+    "--release-train": "trainer actors are not destroyed during rollout; use --colocate (offloads the trainer) instead",
+    "--model-name": "weights are converted by the HF config's architecture; drop the flag",
+    "--rollout-data-transport": "rollout data always travels through the Ray object store; drop the flag",
+    "--http-proxy": "engines and the router are reached directly; set HTTP(S)_PROXY in the environment if needed",
+    "--use-distributed-post": "requests are sent from the rollout process; raise --sglang-server-concurrency instead",
+    "--rollout-health-check-interval": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
+    "--rollout-health-check-timeout": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
+    "--rollout-health-check-first-wait": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
+    "--log-probs-max-tokens-per-gpu": "the log-prob pass packs micro-batches by --max-tokens-per-gpu; set that instead",
+    "--balance-by-flops": "partitioning by FLOPs is not implemented; --balance-data balances tokens across DP ranks",
+    "--data-pad-size-multiplier": "packed sequences are not padded to a multiple; drop the flag",
+    "--use-stateless-adam": "only --optimizer adam/sgd are implemented",
+    "--recompute-loss-function": "use --recompute-granularity / --gradient-checkpointing for activation memory",
+    "--opd-teacher-load": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang with the "
+                          "teacher served at --rm-url",
+    "--opd-teacher-ckpt-step": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang",
+    "--async-save": "checkpoints are written synchronously; drop the flag",
+    "--no-save-rng": "RNG state is always saved with a checkpoint; drop the flag",
+    "--ckpt-format": "checkpoints use one format per backend (Megatron: torch_dist, FSDP: DCP); drop the flag",
+    "--freeze-indexer": "there is no sparse-attention indexer; use --freeze-params-name-list",
+    "--allgather-cp": "context parallelism splits sequences one way; drop the flag",
+    "--qwen-gdn-backend": "gated-delta-net (Qwen3-Next) layers are not implemented",
+    "--megatron-deepgemm-forward-layers": "DeepGEMM kernels are not used; drop the flag",
+    "--megatron-deepgemm-forward-modules": "DeepGEMM kernels are not used; drop the flag",
+    "--megatron-deepgemm-moe-forward-layers": "DeepGEMM kernels are not used; drop the flag",
+    "--megatron-deepgemm-moe-forward-modules": "DeepGEMM kernels are not used; drop the flag",
+    "--enable-mtp-training": "multi-token-prediction layers are not trained; drop the flag",
+    "--mtp-num-layers": "multi-token-prediction layers are not built; drop the flag",
+    "--mtp-loss-scaling-factor": "multi-token-prediction layers are not trained; drop the flag",
+    "--wandb-always-use-train-step": "W&B steps are rollout ids; drop the flag",
+    "--log-multi-turn": "not implemented; --custom-rollout-log-function-path can log per-turn metrics",
+    "--log-reward-category": "not implemented; --custom-rollout-log-function-path can log metrics by category",
+    "--log-correct-samples": "not implemented; --save-debug-rollout-data dumps every sample with its reward",
+    "--load-forge-rollout-data": "use --load-debug-rollout-data with slime's own dumps",
+    "--memory-snapshot-dir": "memory snapshots are not implemented",
+    "--memory-snapshot-num-steps": "memory snapshots are not implemented",
+    "--profile-target": "the torch profiler is not wired in; the run's trace (metrics.jsonl, --run-dir) has phase timings",
+    "--memory-recorder": "memory recording is not implemented",
+    "--record-memory-history": "memory recording is not implemented",
+    "--rollout-buffer-url": "the rollout-buffer service is not supported; write a --rollout-function-path or "
+                            "--data-source-path plugin instead",
+    "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
+    "--min-batch-collection-ratio": "the rollout-buffer service is not supported",
+    "--rollout-task-type": "the rollout-buffer service is not supported",
+    "--ci-test": "upstream's CI guards are not implemented; slime's tests live in tests/",
+    "--ci-disable-kl-checker": "upstream's CI guards are not implemented",
+    "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
+    "--ci-save-grad-norm": "upstream's CI guards are not implemented",
+    "--ci-load-grad-norm": "upstream's CI guards are not implemented",
+    "--recompute-modules": "use --recompute-granularity/--recompute-method/--recompute-num-layers",
+}
+
+
+def _refused_help(flag: str, help: str | None = None) -> str:
+    text = f"{help} " if help else ""
+    return f"{text}[Accepted for upstream scripts, refused unless left at its default: {REFUSED_FLAGS[flag]}.]"
+
+
+def mark_refused_flags(parser: argparse.ArgumentParser) -> None:
+    """Append the refusal and its alternative to each refused flag's ``--help`` text."""
+    for action in parser._actions:
+        flag = next((o for o in action.option_strings if o in REFUSED_FLAGS), None)
+        if flag is not None:
+            action.help = _refused_help(flag, action.help)
+
+
 def _bool_pair(group, name: str, default, help: str, dest: str | None = None) -> None:
     """``--name`` / ``--no-name`` with a tri-state default (None = resolved later)."""
     dest = dest or name.replace("-", "_")
@@ -109,7 +179,7 @@ def _add_rollout_args(parser) -> None:
                    help="How rollout data travels to the trainer.")
     g.add_argument("--rollout-external-engine-addrs", type=str, nargs="+", default=None,
                    help="Pre-launched engines (host:port ...) instead of launching engines.")
-    g.add_argument("--http-proxy", type=str, default=None, help="Declared for compatibility; unused.")
+    g.add_argument("--http-proxy", type=str, default=None, help="Proxy for HTTP requests to engines.")
     g.add_argument("--use-distributed-post", action="store_true", default=False,
                    help="Fan HTTP POSTs out through a pool of Ray actors.")
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,

@@ -3,8 +3,8 @@
 from slime.ray.engine_actor import embedded_engine_argv
 from slime.utils.arguments import parse_args
 
-BASE = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp", "--prompt-data",
-        "x.jsonl", "--rollout-batch-size", "4", "--num-rollout", "1"]
+BASE = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
+        "--rollout-batch-size", "4", "--num-rollout", "1"]
 
 
 def test_engine_speed_flags_are_forwarded_and_sglang_only_ones_dropped():

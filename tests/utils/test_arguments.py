@@ -74,7 +74,7 @@ def test_missing_backend_library_names_install_command():
         (["--rollout-temperature", "0"], ValueError, "--rollout-temperature must be > 0"),  # 2
         (["--use-kl-loss", "--ref-load", "/no/such/dir"], FileNotFoundError, "--ref-load"),  # 3
         (["--use-opd"], ValueError, "--use-opd requires --opd-type"),  # 4
-        (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load is set but --use-opd is not"),  # 4
+        (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load '/tmp' is not implemented"),  # 0 (refused)
         (["--eval-interval", "1"], ValueError, "--eval-interval needs at least one eval dataset"),  # 6
         (["--save-interval", "1"], ValueError, "--save-interval needs --save"),  # 7
         (["--kl-coef", "0.1", "--kl-loss-coef", "0.1", "--use-kl-loss", "--ref-load", "/tmp"], ValueError, "--kl-coef .* --kl-loss-coef"),  # 8
@@ -82,17 +82,17 @@ def test_missing_backend_library_names_install_command():
         (["--use-rollout-logprobs", "--use-tis"], ValueError, "--use-rollout-logprobs and --use-tis"),  # 10
         (["--get-mismatch-metrics"], ValueError, "--get-mismatch-metrics requires --custom-tis-function-path"),  # 11
         (["--use-dynamic-batch-size"], ValueError, "--use-dynamic-batch-size requires --max-tokens-per-gpu"),  # 12
-        (["--balance-by-flops"], ValueError, "--balance-by-flops requires --use-dynamic-batch-size"),  # 13
+        (["--balance-by-flops"], ValueError, "--balance-by-flops True is not implemented .*--balance-data"),  # 0
         (["--context-parallel-size", "2"], ValueError, "--context-parallel-size 2 needs --train-backend megatron"),
         (["--save-debug-rollout-data", "x", "--save-debug-train-data", "x"], ValueError, "must not be equal"),  # 16
         (["--debug-rollout-only", "--debug-train-only"], ValueError, "cannot be combined"),  # 22
         (["--num-steps-per-rollout", "2", "--global-batch-size", "3"], ValueError, "disagrees"),  # 26
         (["--over-sampling-batch-size", "2"], ValueError, "--over-sampling-batch-size .* must be >="),  # 28
-        (["--enable-mtp-training"], ValueError, "requires --mtp-num-layers"),  # 30
+        (["--enable-mtp-training"], ValueError, "--enable-mtp-training True is not implemented"),  # 0
         (["--rollout-max-context-len", "10", "--rollout-max-prompt-len", "10"], ValueError, "--rollout-max-prompt-len"),  # 33
         (["--only-train-params-name-list", "a", "--freeze-params-name-list", "b"], ValueError, "mutually exclusive"),  # 34
         (["--update-weight-transport", "disk"], ValueError, "requires --update-weight-disk-dir"),  # 35
-        (["--release-train"], ValueError, "--release-train is only supported with --train-backend megatron"),  # 36
+        (["--release-train"], ValueError, "--release-train True is not implemented .*--colocate"),  # 0
         (["--update-weight-mode", "delta"], ValueError, "requires --update-weight-transport disk"),  # 37
         (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "d", "--colocate"], ValueError, "incompatible with --colocate"),  # 37
         (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "d"], ValueError, "--update-weight-local-checkpoint-dir"),  # 37
@@ -127,19 +127,46 @@ def test_derived_values():
     assert args.grpo_std_normalization is True
 
 
-def test_eval_prompt_data_single_path_and_pairs():  # 1
-    args = parse("--eval-prompt-data", "e.jsonl", "--eval-temperature", "0.5", "--n-samples-per-eval-prompt", "3")
-    assert args.eval_prompt_data == ["aime", "e.jsonl"]
+def _touch(tmp_path, *names):
+    for name in names:
+        (tmp_path / name).write_text('{"input": "q"}\n')
+    return [str(tmp_path / name) for name in names]
+
+
+def test_eval_prompt_data_single_path_and_pairs(tmp_path):  # 1
+    e, a, b = _touch(tmp_path, "e.jsonl", "a.jsonl", "b.jsonl")
+    args = parse("--eval-prompt-data", e, "--eval-temperature", "0.5", "--n-samples-per-eval-prompt", "3")
+    assert args.eval_prompt_data == ["aime", e]
     (config,) = args.eval_datasets
     assert config.name == "aime" and config.temperature == 0.5 and config.n_samples_per_eval_prompt == 3
     assert config.top_p == 1.0 and config.input_key == "input"
-    args = parse("--eval-prompt-data", "a", "a.jsonl", "b", "b.jsonl")
+    args = parse("--eval-prompt-data", "a", a, "b", b)
     assert [c.name for c in args.eval_datasets] == ["a", "b"]
+
+
+def test_missing_prompt_files_fail_at_start_naming_the_path(tmp_path):
+    (present,) = _touch(tmp_path, "train.jsonl")
+    missing = str(tmp_path / "no_such.jsonl")
+    with pytest.raises(FileNotFoundError, match=f"--prompt-data: prompt file '{missing}' does not exist"):
+        parse("--prompt-data", missing)
+    with pytest.raises(FileNotFoundError, match=f"--prompt-data: prompt file '{missing}' does not exist"):
+        parse("--prompt-data", missing + "@[0:10]")  # the slice suffix is not part of the file name
+    with pytest.raises(FileNotFoundError, match=f"--eval-prompt-data \\(held\\): prompt file '{missing}'"):
+        parse("--prompt-data", present, "--eval-prompt-data", "held", missing)
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"eval:\n  datasets:\n    - {{name: x, path: {missing}}}\n")
+    with pytest.raises(FileNotFoundError, match=f"--eval-config \\(x\\): prompt file '{missing}'"):
+        parse("--eval-config", config)
+    args = parse("--prompt-data", present + "@[0:1]", "--eval-prompt-data", "held", present)
+    assert args.prompt_data.endswith("@[0:1]")
+    # nothing reads prompts when training on saved rollouts
+    parse("--prompt-data", missing, "--load-debug-rollout-data", str(tmp_path / "{rollout_id}.pt"))
 
 
 def test_eval_config_file(tmp_path):
     path = tmp_path / "eval.yaml"
-    path.write_text("eval:\n  defaults:\n    temperature: 0.3\n  datasets:\n    - name: x\n      path: x.jsonl\n      rm_type: math\n")
+    (x,) = _touch(tmp_path, "x.jsonl")
+    path.write_text(f"eval:\n  defaults:\n    temperature: 0.3\n  datasets:\n    - name: x\n      path: {x}\n      rm_type: math\n")
     args = parse("--eval-config", path, "--eval-prompt-data", "ignored.jsonl")
     (config,) = args.eval_datasets
     assert (config.name, config.temperature, config.rm_type) == ("x", 0.3, "math")

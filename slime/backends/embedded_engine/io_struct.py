@@ -2,7 +2,8 @@
 
 ``parse_generate`` turns one JSON body into a list of :class:`GenerateRequest` (a batch, ``n``
 samples, or one). Validation raises :class:`RequestError` carrying the HTTP status SGLang uses:
-400 for invalid values, 500 for unknown keys inside ``sampling_params`` (SGLang splats the dict into
+400 for invalid values (a ``sampling_params`` value of the wrong JSON type, such as
+``"max_new_tokens": "5"``, included, naming the field), 500 for unknown keys inside ``sampling_params`` (SGLang splats the dict into
 a struct and the ``TypeError`` escapes). Unknown *top-level* keys are ignored, as SGLang does (the
 router adds some of its own). ``read_json`` reads any route's body as a JSON object.
 """
@@ -83,6 +84,8 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r} "
                                f"(sampling_params keys: {sorted(known)})", status=500)
+        for name, value in raw.items():
+            _check_type(name, value)
         params = cls(**raw)
         params.verify()
         return params
@@ -120,6 +123,50 @@ class SamplingParams:
             if getattr(self, name) not in (default, None) and not (name == "stop_regex" and not self.stop_regex):
                 raise RequestError(f"sampling_params.{name} is not supported by the embedded engine yet "
                                    f"(got {getattr(self, name)!r}); leave it at its default")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _is_str_or_strs(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+# sampling_params field -> (accepts a non-None value?, what it must be); None is each field's "unset"
+# except where the dataclass default is not None (then None is refused too, as SGLang's arithmetic would)
+_SAMPLING_TYPES = {
+    "max_new_tokens": (_is_int, "an integer"), "min_new_tokens": (_is_int, "an integer"),
+    "top_k": (_is_int, "an integer"), "n": (_is_int, "an integer"),
+    "stream_interval": (_is_int, "an integer"), "sampling_seed": (_is_int, "an integer"),
+    "temperature": (_is_number, "a number"), "top_p": (_is_number, "a number"), "min_p": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"), "presence_penalty": (_is_number, "a number"),
+    "repetition_penalty": (_is_number, "a number"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "spaces_between_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "no_stop_trim": (lambda v: isinstance(v, bool), "true or false"),
+    "stop": (_is_str_or_strs, "a string or a list of strings"),
+    "stop_regex": (_is_str_or_strs, "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of integers"),
+    "json_schema": (lambda v: isinstance(v, str), "a string"), "regex": (lambda v: isinstance(v, str), "a string"),
+    "ebnf": (lambda v: isinstance(v, str), "a string"), "structural_tag": (lambda v: isinstance(v, str), "a string"),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object"), "custom_params": (lambda v: isinstance(v, dict), "an object"),
+}
+_NONE_ALLOWED = {f.name for f in fields(SamplingParams) if f.default is None} | {"max_new_tokens", "top_k"}
+
+
+def _check_type(name: str, value) -> None:
+    """400 naming the field for a value of the wrong JSON type (``"max_new_tokens": "5"``)."""
+    if value is None and name in _NONE_ALLOWED:
+        return
+    accepts, expected = _SAMPLING_TYPES[name]
+    if not accepts(value):
+        raise RequestError(f"sampling_params.{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass

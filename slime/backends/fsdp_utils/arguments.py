@@ -16,7 +16,7 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "sdpa with a block-diagonal causal mask (CPU).")
     g.add_argument("--fsdp-compile", action="store_true", default=False,
                    help="torch.compile each decoder layer (dynamic shapes): fuses norms, rotary embeddings and "
-                        "activations, worth it on GPU for small models (Qwen3-0.6B on an H200: MFU 14% -> 20%); "
+                        "activations, worth it on GPU for small models (Qwen3-0.6B on an H200: MFU 14%% -> 20%%); "
                         "the first steps pay the compile time.")
     g.add_argument("--critic-hf-checkpoint", type=str, default=None,
                    help="PPO critic initial weights (HF dir); default --hf-checkpoint. The value head starts random.")

@@ -225,6 +225,8 @@ def test_api_key_required(server):
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temperature": -0.5}}, 400, "temperature"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "top_k"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}, 400, "sampling_params.max_new_tokens must be an integer"),
+    ({"input_ids": [1], "sampling_params": {"top_p": "0.9"}}, 400, "sampling_params.top_p must be a number"),
     ({"input_ids": []}, 400, "input_ids"),
     ({"text": ""}, 400, "input_ids"),
     ({"input_ids": [1, 10**6]}, 400, "input_ids"),

@@ -414,7 +414,7 @@ def test_pre_read_hook_flag_reaches_the_embedded_engine():
     from slime.utils.arguments import parse_args
 
     args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
-                       "--prompt-data", "x.jsonl", "--rollout-batch-size", "4", "--num-rollout", "1",
+                       "--rollout-batch-size", "4", "--num-rollout", "1",
                        "--update-weight-transport", "disk", "--update-weight-mode", "delta",
                        "--update-weight-disk-dir", "/shared/w", "--update-weight-local-checkpoint-dir", "/local/w",
                        "--sglang-custom-pull-weights-pre-read-hook", "my_mounts.refresh"])
