@@ -108,7 +108,7 @@ def add_slime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_mode_args(parser) -> None:
-    g = parser.add_argument_group("mode (§4.3.1)")
+    g = parser.add_argument_group("mode")
     g.add_argument("--train-backend", choices=["megatron", "fsdp"], default="megatron",
                    help="Training backend: Megatron-Core (GPU) or PyTorch FSDP2 (CPU and GPU).")
     g.add_argument("--rollout-backend", choices=["sglang", "embedded"], default="sglang",
@@ -120,7 +120,7 @@ def _add_mode_args(parser) -> None:
 
 
 def _add_cluster_args(parser) -> None:
-    g = parser.add_argument_group("cluster, resources and colocation (§4.3.2)")
+    g = parser.add_argument_group("cluster, resources and colocation")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the training actor.")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=8,
                    help="GPUs per node for training (training processes per node on a CPU machine).")
@@ -144,11 +144,11 @@ def _add_cluster_args(parser) -> None:
 
 
 def _add_rollout_args(parser) -> None:
-    g = parser.add_argument_group("rollout generation (§4.3.3)")
+    g = parser.add_argument_group("rollout generation")
     g.add_argument("--hf-checkpoint", type=str, default=None, help="HF checkpoint: engine start point and tokenizer.")
     g.add_argument("--model-name", type=str, default=None, help="Model family name for weight conversion.")
     g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
-                   help="Rollout function (§2.2).")
+                   help="Rollout function.")
     g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
     g.add_argument("--rollout-top-p", type=float, default=1.0,
                    help="Top-p. When != 1 the engine returns each position's kept nucleus and the trainer "
@@ -165,16 +165,16 @@ def _add_rollout_args(parser) -> None:
     g.add_argument("--rollout-seed", type=int, default=42, help="Seed for shuffling and sampling seeds.")
     g.add_argument("--over-sampling-batch-size", type=int, default=None,
                    help="Prompt groups fetched per sampling round (default: --rollout-batch-size).")
-    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="Group filter (§2.5).")
+    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="Group filter.")
     g.add_argument("--partial-rollout", action="store_true", default=False,
                    help="Recycle unfinished groups into the data source and continue them later.")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true", default=False,
                    help="Zero the loss mask of the older-policy part of a continued sample.")
-    g.add_argument("--custom-generate-function-path", type=str, default=None, help="Per-sample generator (§2.3).")
+    g.add_argument("--custom-generate-function-path", type=str, default=None, help="Per-sample generator.")
     g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
-                   help="Post-generation sample hook (§2.18); repeatable.")
-    g.add_argument("--buffer-filter-path", type=str, default=None, help="Buffer filter (§2.6).")
-    g.add_argument("--rollout-data-postprocess-path", type=str, default=None, help="Trainer-side hook (§2.9).")
+                   help="Post-generation sample hook; repeatable.")
+    g.add_argument("--buffer-filter-path", type=str, default=None, help="Buffer filter.")
+    g.add_argument("--rollout-data-postprocess-path", type=str, default=None, help="Trainer-side hook.")
     g.add_argument("--rollout-data-transport", choices=["object-store", "nixl"], default="object-store",
                    help="How rollout data travels to the trainer.")
     g.add_argument("--rollout-external-engine-addrs", type=str, nargs="+", default=None,
@@ -190,7 +190,7 @@ def _add_rollout_args(parser) -> None:
 
 
 def _add_data_args(parser) -> None:
-    g = parser.add_argument_group("data, batching and steps (§4.3.4)")
+    g = parser.add_argument_group("data, batching and steps")
     g.add_argument("--prompt-data", type=str, default=None, help="Training prompts (.jsonl/.parquet, optional @[a:b]).")
     g.add_argument("--input-key", type=str, default="input", help="Field holding the prompt.")
     g.add_argument("--label-key", type=str, default=None, help="Field holding the label.")
@@ -202,7 +202,7 @@ def _add_data_args(parser) -> None:
     g.add_argument("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false", default=True,
                    help="Do not load --prompt-data into the built-in data source.")
     g.add_argument("--data-source-path", type=str, default="slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                   help="Data source class (§2.16).")
+                   help="Data source class.")
     g.add_argument("--num-rollout", type=int, default=None, help="Number of rollout steps.")
     g.add_argument("--num-epoch", type=int, default=None, help="Derive --num-rollout from the dataset size.")
     g.add_argument("--start-rollout-id", type=int, default=None, help="First rollout step (default: from checkpoint).")
@@ -219,16 +219,16 @@ def _add_data_args(parser) -> None:
     g.add_argument("--loss-mask-type", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"], default="qwen",
                    help="Chat-format family for SFT loss masks.")
     g.add_argument("--data-pad-size-multiplier", type=int, default=128, help="Packed-sequence padding multiple.")
-    g.add_argument("--rollout-sample-filter-path", type=str, default=None, help="Sets remove_sample (§2.7).")
-    g.add_argument("--rollout-all-samples-process-path", type=str, default=None, help="Sees all groups (§2.8).")
+    g.add_argument("--rollout-sample-filter-path", type=str, default=None, help="Sets remove_sample.")
+    g.add_argument("--rollout-all-samples-process-path", type=str, default=None, help="Sees all groups.")
 
 
 def _add_eval_args(parser) -> None:
-    g = parser.add_argument_group("evaluation (§4.3.5)")
+    g = parser.add_argument_group("evaluation")
     g.add_argument("--eval-function-path", type=str, default=None, help="Eval function (default: rollout function).")
     g.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollout steps.")
     g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="name path [name path ...].")
-    g.add_argument("--eval-config", type=str, default=None, help="YAML/JSON eval config (§7.4).")
+    g.add_argument("--eval-config", type=str, default=None, help="YAML/JSON eval config.")
     g.add_argument("--skip-eval-before-train", action="store_true", default=False, help="No eval at step 0.")
     g.add_argument("--eval-input-key", type=str, default=None)
     g.add_argument("--eval-label-key", type=str, default=None)
@@ -244,23 +244,23 @@ def _add_eval_args(parser) -> None:
 
 
 def _add_reward_args(parser) -> None:
-    g = parser.add_argument_group("reward (§4.3.6)")
+    g = parser.add_argument_group("reward")
     g.add_argument("--rm-type", type=str, default=None, help="Rule reward (math, dapo, deepscaler, f1, gpqa, ...).")
     g.add_argument("--reward-key", type=str, default=None, help="Key selecting the scalar from dict rewards.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Same for eval (default: --reward-key).")
     g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole prompt group at once.")
     g.add_argument("--rm-url", type=str, default=None, help="Endpoint for remote_rm / OPD teacher.")
-    g.add_argument("--custom-rm-path", type=str, default=None, help="Custom reward (§2.4).")
-    g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="§2.13.")
-    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None, help="§2.14.")
+    g.add_argument("--custom-rm-path", type=str, default=None, help="Custom reward.")
+    g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="Hook on rewards after the reward model (signature: docs/customization.md).")
+    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None, help="Converts samples to train data (signature: docs/customization.md).")
 
 
 def _add_algorithm_args(parser) -> None:
-    g = parser.add_argument_group("algorithm and loss (§4.3.7)")
+    g = parser.add_argument_group("algorithm and loss")
     g.add_argument("--advantage-estimator", default="grpo",
                    choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"])
     g.add_argument("--loss-type", default="policy_loss", choices=["policy_loss", "sft_loss", "custom_loss"])
-    g.add_argument("--custom-loss-function-path", type=str, default=None, help="§2.10.")
+    g.add_argument("--custom-loss-function-path", type=str, default=None, help="Custom loss (with --loss-type custom_loss) (signature: docs/customization.md).")
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant (> 1).")
@@ -278,15 +278,15 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false", default=True)
     g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
                    action="store_false", default=True)
-    g.add_argument("--custom-advantage-function-path", type=str, default=None, help="§2.21.")
+    g.add_argument("--custom-advantage-function-path", type=str, default=None, help="Custom advantage/return estimator (signature: docs/customization.md).")
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
     g.add_argument("--use-rollout-logprobs", action="store_true", default=False)
     g.add_argument("--use-tis", action="store_true", default=False)
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0)
-    g.add_argument("--custom-tis-function-path", type=str, default=None, help="§2.11.")
+    g.add_argument("--custom-tis-function-path", type=str, default=None, help="Custom truncated-importance-sampling function (signature: docs/customization.md).")
     g.add_argument("--get-mismatch-metrics", action="store_true", default=False)
-    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None, help="§2.12.")
+    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None, help="Custom policy-gradient loss reducer (signature: docs/customization.md).")
     g.add_argument("--use-opsm", action="store_true", default=False)
     g.add_argument("--opsm-delta", type=float, default=1e-4)
     g.add_argument("--use-rollout-entropy", action="store_true", default=False)
@@ -309,7 +309,7 @@ def _add_algorithm_args(parser) -> None:
 
 
 def _add_opd_args(parser) -> None:
-    g = parser.add_argument_group("on-policy distillation (§4.3.8)")
+    g = parser.add_argument_group("on-policy distillation")
     g.add_argument("--use-opd", action="store_true", default=False)
     g.add_argument("--opd-type", choices=["sglang", "megatron"], default=None)
     g.add_argument("--opd-kl-coef", type=float, default=1.0)
@@ -318,7 +318,7 @@ def _add_opd_args(parser) -> None:
 
 
 def _add_weight_update_args(parser) -> None:
-    g = parser.add_argument_group("weight update (§4.3.9)")
+    g = parser.add_argument_group("weight update")
     g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full")
     g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
                    help="nccl: broadcast (gloo on CPU), or tensor handles when colocated; disk: HF checkpoint versions.")
@@ -327,14 +327,14 @@ def _add_weight_update_args(parser) -> None:
     g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor")
     g.add_argument("--update-weight-delta-checksum", choices=["xxh3-128", "blake3", "adler32"], default="xxh3-128")
     g.add_argument("--update-weight-local-checkpoint-dir", type=str, default=None)
-    g.add_argument("--custom-update-weight-post-write-path", type=str, default=None, help="§2.20.")
+    g.add_argument("--custom-update-weight-post-write-path", type=str, default=None, help="Runs between writing a disk weight version and loading it (signature: docs/customization.md).")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bucket size in bytes.")
     g.add_argument("--update-weights-interval", type=int, default=1, help="Sync every N rollout steps (async).")
     g.add_argument("--check-weight-update-equal", action="store_true", default=False)
 
 
 def _add_checkpoint_args(parser) -> None:
-    g = parser.add_argument_group("checkpointing (§4.3.10)")
+    g = parser.add_argument_group("checkpointing")
     g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
     g.add_argument("--save", type=str, default=None, help="Save dir.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
@@ -350,10 +350,10 @@ def _add_checkpoint_args(parser) -> None:
 
 
 def _add_customization_args(parser) -> None:
-    g = parser.add_argument_group("model / training customisation (§4.3.11)")
+    g = parser.add_argument_group("model / training customisation")
     for name in ("custom-model-provider-path", "custom-megatron-init-path",
                  "custom-megatron-before-log-prob-hook-path", "custom-megatron-before-train-step-hook-path"):
-        g.add_argument(f"--{name}", type=str, default=None, help="§2.19.")
+        g.add_argument(f"--{name}", type=str, default=None, help="Megatron hook (signature: docs/customization.md).")
     g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None)
     g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None)
     g.add_argument("--freeze-indexer", action="store_true", default=False)
@@ -367,11 +367,11 @@ def _add_customization_args(parser) -> None:
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2)
     g.add_argument("--enable-mtp-training", action="store_true", default=False)
     g.add_argument("--padded-vocab-size", type=int, default=None)
-    g.add_argument("--custom-config-path", type=str, default=None, help="YAML of extra/override args (§2.21).")
+    g.add_argument("--custom-config-path", type=str, default=None, help="YAML of extra/override args.")
 
 
 def _add_logging_args(parser) -> None:
-    g = parser.add_argument_group("logging and metrics (§4.3.12)")
+    g = parser.add_argument_group("logging and metrics")
     g.add_argument("--use-wandb", action="store_true", default=False)
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
     for name in ("wandb-dir", "wandb-key", "wandb-host", "wandb-team", "wandb-group", "wandb-project", "wandb-run-id"):
@@ -385,14 +385,14 @@ def _add_logging_args(parser) -> None:
     g.add_argument("--log-passrate", action="store_true", default=False)
     g.add_argument("--log-reward-category", type=str, default=None)
     g.add_argument("--log-correct-samples", action="store_true", default=False)
-    g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="§2.15.")
-    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="§2.15.")
+    g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
+    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
     g.add_argument("--run-dir", type=str, default=None,
                    help="Directory for metrics.jsonl, logs and the run summary (default: runs/<timestamp>).")
 
 
 def _add_debug_args(parser) -> None:
-    g = parser.add_argument_group("debug, dumps and profiling (§4.3.13)")
+    g = parser.add_argument_group("debug, dumps and profiling")
     g.add_argument("--save-debug-rollout-data", type=str, default=None)
     g.add_argument("--save-debug-train-data", type=str, default=None)
     g.add_argument("--dump-details", type=str, default=None)
@@ -407,7 +407,7 @@ def _add_debug_args(parser) -> None:
 
 
 def _add_rollout_buffer_args(parser) -> None:
-    g = parser.add_argument_group("rollout-buffer plugin (§4.3.14)")
+    g = parser.add_argument_group("rollout-buffer plugin")
     g.add_argument("--rollout-buffer-url", type=str, default=None)
     g.add_argument("--fetch-trajectory-retry-times", type=int, default=-1)
     g.add_argument("--min-batch-collection-ratio", type=float, default=1)
@@ -415,7 +415,7 @@ def _add_rollout_buffer_args(parser) -> None:
 
 
 def _add_ci_args(parser) -> None:
-    g = parser.add_argument_group("CI guards (§4.3.15)")
+    g = parser.add_argument_group("CI guards")
     g.add_argument("--ci-test", action="store_true", default=False)
     g.add_argument("--ci-disable-kl-checker", action="store_true", default=False)
     g.add_argument("--ci-train-rollout-logprob-abs-diff-threshold", type=float, default=0.1)
@@ -424,7 +424,7 @@ def _add_ci_args(parser) -> None:
 
 
 def _add_sglang_owned_args(parser) -> None:
-    g = parser.add_argument_group("SGLang / router options owned by slime (§4.3.16)")
+    g = parser.add_argument_group("SGLang / router options owned by slime")
     g.add_argument("--sglang-router-ip", type=str, default=None, help="Use an existing router at this address.")
     g.add_argument("--sglang-router-port", type=int, default=None, help="Port of that router.")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400)
