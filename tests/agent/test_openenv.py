@@ -244,7 +244,9 @@ def test_a_failed_episode_leaves_its_group_out(engine, router, scripted_model_di
 def test_failed_episode_placeholder_and_filter(router, scripted_model_dir, tmp_path):
     from slime.agent.openenv import generate
 
-    args = _args(scripted_model_dir, tmp_path / "unused.jsonl", router, ["--rollout-batch-size", "1"])
+    prompts = tmp_path / "unused.jsonl"  # parse_args checks that the prompt file exists; the sample below is built by hand
+    prompts.write_text(json.dumps({"prompt": "unused", "metadata": {}}) + "\n")
+    args = _args(scripted_model_dir, prompts, router, ["--rollout-batch-size", "1"])
     sample = Sample(index=0, prompt=[{"role": "user", "content": ASK_ADD}],
                     metadata={"task_id": "add-3-4", "server": {"url": f"http://127.0.0.1:{_free_port()}",
                                                                "reset_timeout": 0.3}})  # nothing listens there
