@@ -11,7 +11,7 @@ step per rollout, no KL and no reference model (both frameworks' defaults). The 
 of even token ids in the response (``tests/ray/loop_plugins.even_token_fraction_reward`` on slime's
 side, the same rule over TRL's ``completion_ids``): no trained model needed and it costs nothing, so
 the step time is generation + training. ``--model`` is ``tiny``/``small`` (slime.utils.tiny_model;
-``small`` is the 3.6M-parameter Qwen3 of hidden 256, 6 layers, vocab 2048) or ``qwen3-0.6b`` /
+``small`` is the 4.9M-parameter Qwen3 of hidden 256, 6 layers and the tiny tokenizer's 591-token vocabulary) or ``qwen3-0.6b`` /
 ``qwen3-1.7b`` (the public architectures with random bf16 weights, bench/engine_decode.py).
 
 slime runs ``train.py`` with the README's flags (``--train-backend fsdp --rollout-backend embedded``,

@@ -25,6 +25,11 @@ Metrics:
   out-of-memory, which halves K and retries) runs ``ceil(N/K)`` batches back to back and the time is
   their sum — ``config.hf_batch_size`` records which.
 * ``speedup_vs_hf`` = engine / HF output tokens/s.
+* Where the burst's wall time goes (``burst_seconds``), from the server's step counters:
+  ``engine_busy_fraction`` (time inside engine steps / wall time; the rest is the engine waiting for
+  requests or the HTTP layer answering them), ``prefill_seconds`` / ``prefill_forwards`` /
+  ``prefill_tokens``, ``joins_while_decoding`` (requests admitted after decoding began), and
+  ``end_to_end_over_decode_rate`` (end-to-end output tokens/s over the decode-only rate below).
 * Decode-only figures from the server's own counters (``/get_server_info`` → ``batch_stats``,
   differences over the measured burst): ``decode_seconds`` (wall time of decode forwards +
   sampling; sampling ends in a device→host copy, so on CUDA it includes the device work),
@@ -40,7 +45,8 @@ Metrics:
   LM head), ``kv_bytes_per_token`` its KV cache bytes / token capacity (2·layers·kv_heads·head_dim·2
   for bf16). Activations and padding reads are not counted, so this is a lower bound on traffic.
   ``roofline_fraction_vs_measured_copy`` divides by the one-way device copy bandwidth measured in
-  this run instead (``measured_copy_bytes_per_s``, read+write / 2).
+  this run instead (``measured_copy_bytes_per_s``, read+write / 2), and
+  ``roofline_fraction_over_burst_wall`` spreads the same traffic over the burst's whole wall time.
 
 ``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
 """

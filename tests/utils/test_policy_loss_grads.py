@@ -3,22 +3,14 @@ reference written here token by token (INTERFACES §5.4), and TIS rejection (mod
 every trained term and metric (§2.11, §2.12)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from slime.utils import ppo_utils as pu
+from tests.utils.test_ppo_utils import _args
 
 
-def _args(**kw):
-    base = dict(
-        eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None, advantage_estimator="grpo", use_rollout_logprobs=False,
-        use_opsm=False, opsm_delta=1e-4, entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1",
-        use_unbiased_kl=False, tis_clip=2.0, tis_clip_low=0.0, calculate_per_token_loss=False, value_clip=0.2,
-    )
-    base.update(kw)
-    return SimpleNamespace(**base)
 
 
 def _batch(seed: int, lengths=(5, 3, 6)):

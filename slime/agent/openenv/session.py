@@ -25,6 +25,7 @@ handshake and on every HTTP request (see :mod:`slime.agent.openenv.serve` for th
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
@@ -117,7 +118,7 @@ def _is_capacity(error: BaseException) -> bool:
     return "CAPACITY_REACHED" in text or "max_sessions" in text or "Server at capacity" in text
 
 
-class EnvEpisode:
+class EnvEpisode(abc.ABC):
     """Base of the two transports: ``open`` (with retries) -> ``list_tools`` / ``call_tool`` -> ``close``."""
 
     def __init__(self, settings: EnvSettings):
@@ -144,21 +145,24 @@ class EnvEpisode:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
+    @abc.abstractmethod
     async def _open_once(self, reset_kwargs: dict) -> str | None:
-        raise NotImplementedError
+        """Implemented by each transport."""
 
     async def _discard(self) -> None:
         """Drop a half-open connection before retrying."""
 
+    @abc.abstractmethod
     async def list_tools(self) -> list[dict]:
         """The env's tools as ``{"name", "description", "input_schema"}`` dicts."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def call_tool(self, name: str, arguments: dict) -> ToolAnswer:
-        raise NotImplementedError
+        """Implemented by each transport."""
 
+    @abc.abstractmethod
     async def close(self) -> None:
-        raise NotImplementedError
+        """Implemented by each transport."""
 
 
 class WebSocketEpisode(EnvEpisode):
