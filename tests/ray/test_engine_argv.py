@@ -48,20 +48,3 @@ def test_engine_decodes_a_whole_rollout_step_at_once_unless_told():
     assert argv[argv.index("--max-running-requests") + 1] == "64"
     argv = embedded_engine_argv(parse_args(base + ["--rollout-num-gpus", "1", "--sglang-max-running-requests", "32"]), gpu=False)
     assert argv[argv.index("--max-running-requests") + 1] == "32"
-
-
-def test_default_cache_shortens_slots_to_keep_the_requested_concurrency():
-    from types import SimpleNamespace
-
-    from slime.backends.embedded_engine.model_runner import ModelRunner
-
-    runner = SimpleNamespace(config=SimpleNamespace(num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8,
-                                                    head_dim=128, hidden_size=1024),
-                             context_length=40960, device=SimpleNamespace(type="cpu"), MIN_SLOT_CAPACITY=4096)
-    budget = 960_000  # tokens of KV: 23 slots of the whole 40960-token context
-    fixed = ModelRunner._cache_shape(runner, 128, 40960, None, budget, shrink_slots=False)
-    assert (fixed.num_slots, fixed.slot_capacity) == (23, 40960)
-    shrunk = ModelRunner._cache_shape(runner, 128, 40960, None, budget, shrink_slots=True)
-    assert (shrunk.num_slots, shrunk.slot_capacity) == (128, 7500)
-    tight = ModelRunner._cache_shape(runner, 512, 40960, None, budget, shrink_slots=True)
-    assert (tight.num_slots, tight.slot_capacity) == (234, 4096)  # never below the minimum slot

@@ -45,7 +45,9 @@ class Engine:
                  seed: int = 0):
         self.runner = runner
         self.tokenizer = runner.tokenizer
-        self.scheduler = Scheduler(runner.kv_cache.shape.num_slots, max_prefill_tokens=chunked_prefill_size)
+        shape = runner.kv_cache.shape
+        self.scheduler = Scheduler(shape.num_slots, max_prefill_tokens=chunked_prefill_size,
+                                   slot_capacity=shape.slot_capacity)
         self.chunked_prefill_size = chunked_prefill_size
         self.weight_version = weight_version
         self.eos_token_ids = self._eos_ids()
@@ -118,7 +120,10 @@ class Engine:
     def add_request(self, request: GenerateRequest, on_event: Callable[[Sequence, bool], None]) -> Sequence:
         """Engine thread only (post it with :meth:`call`)."""
         capacity = self.runner.context_length - len(request.input_ids)
-        budget = capacity if request.params.max_new_tokens is None else min(request.params.max_new_tokens, capacity)
+        if request.params.max_new_tokens is None:  # as long as an open request may grow
+            budget = max(1, min(capacity, self.runner.open_length - len(request.input_ids)))
+        else:
+            budget = min(request.params.max_new_tokens, capacity)
         seq = Sequence(request=request, max_new_tokens=budget, on_event=on_event)
         self.scheduler.add(seq)
         return seq
@@ -145,6 +150,8 @@ class Engine:
     def step(self) -> None:
         start = time.perf_counter()
         produced = 0
+        if self.scheduler.waiting and self.scheduler.waiting[0].need > self.scheduler.slot_capacity:
+            produced += self._grow_cache_when_idle()
         if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.num_slots:
             produced += self._drain()  # admission changes the batch (with every slot taken, admit() is a no-op)
         admitted = self.scheduler.admit()
@@ -164,6 +171,16 @@ class Engine:
         self.scheduler.stats.busy_seconds += elapsed
         if produced:
             self.last_gen_throughput = produced / max(elapsed, 1e-9)
+
+    def _grow_cache_when_idle(self) -> int:
+        """The next request needs longer slots: once the running batch is done, reallocate the cache."""
+        if self.scheduler.running:
+            return 0  # it waits (admit() stops at it); the batch drains first
+        produced = self._drain()
+        self.runner.grow_cache(self.scheduler.waiting[0].need)
+        shape = self.runner.kv_cache.shape
+        self.scheduler.num_slots, self.scheduler.slot_capacity = shape.num_slots, shape.slot_capacity
+        return produced
 
     def _prefill(self, admitted: list[Sequence]) -> int:
         """Fill the cache with each admitted sequence's prompt (+ output so far), then sample its next token."""
@@ -236,7 +253,7 @@ class Engine:
             return _Launched(running, settings, logits, None, None, None, False)
         tokens, logprobs = sample_on_device(logits, settings, self.generator)
         if not self._host_out:
-            self._host_out = [torch.empty((2, self.runner.kv_cache.shape.num_slots), dtype=torch.float64,
+            self._host_out = [torch.empty((2, self.runner.max_slots), dtype=torch.float64,
                                           pin_memory=True) for _ in range(2)]
         host = self._host_out[stats.decode_steps % 2][:, :len(running)]  # the other one may still be read
         host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)

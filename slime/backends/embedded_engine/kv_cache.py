@@ -1,7 +1,8 @@
 """Preallocated key/value cache: one fixed-size row ("slot") per running request.
 
 Layout per layer: ``keys[layer]`` and ``values[layer]`` of shape
-``[num_slots, num_kv_heads, slot_capacity, head_dim]``, allocated once at start-up. The running
+``[num_slots, num_kv_heads, slot_capacity, head_dim]``. The model runner sizes the slots by demand:
+they start short and are reallocated longer (while nothing runs) when a request needs more. The running
 batch always occupies slots ``0 .. batch_size-1`` contiguously, so a decode step reads the cache as
 a *view* ``keys[layer][:batch_size, :, :max_len]`` (no gather); when a request leaves, the last
 row is copied into its slot (one row copy, see :meth:`SlotKVCache.move_slot`).
@@ -37,13 +38,14 @@ class CacheShape:
 class SlotKVCache:
     """The preallocated buffers. ``release()``/``allocate()`` free and restore them (memory saver)."""
 
-    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device, allocate: bool = True):
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.allocate()
+        if allocate:
+            self.allocate()
 
     @property
     def allocated(self) -> bool:

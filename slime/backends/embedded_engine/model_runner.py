@@ -62,14 +62,14 @@ class ModelRunner:
             from slime.backends.embedded_engine import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
-        shape = self._cache_shape(num_slots, slot_capacity or self.context_length, mem_fraction_static, max_total_tokens,
-                                  shrink_slots=slot_capacity is None)
-        self.kv_cache = SlotKVCache(shape, self.dtype, self.device)
-        self.context_length = shape.slot_capacity  # a request (prompt + output) must fit one slot
-        logger.info("KV cache: %d slots x %d tokens, %.1f MB", shape.num_slots, shape.slot_capacity,
-                    self.kv_cache.nbytes() / 2**20)
+        self.max_slots = num_slots
+        self._plan_cache(slot_capacity, mem_fraction_static, max_total_tokens)
+        self.kv_cache = SlotKVCache(self._shape(self._initial_capacity()), self.dtype, self.device)
+        logger.info("KV cache: %d slots x %d tokens, %.1f MB (slots grow with the requests, up to %d tokens; "
+                    "budget %s tokens)", self.kv_cache.shape.num_slots, self.kv_cache.shape.slot_capacity,
+                    self.kv_cache.nbytes() / 2**20, self.context_length, self.kv_token_budget or "unbounded")
         self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
-                                   max_batch=min(cuda_graph_max_bs or shape.num_slots, shape.num_slots))
+                                   max_batch=min(cuda_graph_max_bs or num_slots, num_slots))
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
@@ -90,46 +90,91 @@ class ModelRunner:
             raise ValueError(f"--attention-backend {requested!r} is not supported; choose triton or torch_native")
         return requested
 
-    #: the shortest slot a default-sized cache shrinks its slots to, to keep --max-running-requests of them
-    MIN_SLOT_CAPACITY = 4096
+    # ------------------------------------------------------------------ the KV cache, sized by demand
+    #: slots start this long and grow (to what the request needs, at least 1.25x, in steps of
+    #: SLOT_GRANULARITY tokens, up to the context length) when a request needs more
+    INITIAL_SLOT_CAPACITY = 512
+    SLOT_GRANULARITY = 256
+    #: without --context-length, how long a request that gives no max_new_tokens may grow
+    OPEN_REQUEST_LENGTH = 4096
+    #: device memory a growing cache leaves free for activations (prefill logits, sampling)
+    GROWTH_RESERVE_BYTES = 2 << 30
 
-    def _cache_shape(self, num_slots: int, slot_capacity: int, mem_fraction_static: float | None,
-                     max_total_tokens: int | None, shrink_slots: bool = False) -> CacheShape:
-        """Fixed-size slots. With ``shrink_slots`` (no --context-length given) a budget that cannot hold
-        ``num_slots`` slots of the model's whole context shortens the slots (down to
-        MIN_SLOT_CAPACITY) rather than running fewer requests at once: a 0.6B model's 40k-token
-        context in 110 GB of KV would otherwise allow 23 concurrent requests."""
+    def _plan_cache(self, context_length: int | None, mem_fraction_static: float | None,
+                    max_total_tokens: int | None) -> None:
+        """The limits the cache lives within: the longest request (``context_length``), the KV token
+        budget (from ``mem_fraction_static`` after the weights, and/or ``max_total_tokens``; None = no
+        limit) and the length a request without ``max_new_tokens`` gets (``open_length``).
+
+        The cache itself holds ``max_slots`` slots of what the requests so far needed, not the
+        budget: a rollout of 128 x 272-token requests takes 128 x 512 tokens of KV whatever the
+        model's context, which leaves a colocated trainer the rest of the device (docs/loop.md)."""
+        model_context = self.context_length
+        explicit = context_length is not None
+        self.context_length = min(context_length or model_context, model_context)
+        budget = max_total_tokens
+        if self.device.type == "cuda" and mem_fraction_static:
+            free, total = torch.cuda.mem_get_info(self.device)
+            tokens = int((total * mem_fraction_static - (total - free)) // self._bytes_per_token())
+            if tokens < min(self.context_length, self.INITIAL_SLOT_CAPACITY) or explicit and tokens < self.context_length:
+                raise ValueError(f"--mem-fraction-static {mem_fraction_static} leaves room for {max(tokens, 0)} KV "
+                                 f"tokens, fewer than one request of {self.context_length}; raise it or lower "
+                                 "--context-length")
+            budget = min(tokens, budget or tokens)
+        if budget is not None and budget < self.context_length:
+            if explicit:
+                raise ValueError(f"--max-total-tokens {budget} is smaller than one request of --context-length "
+                                 f"{self.context_length}; raise it or lower --context-length")
+            self.context_length = budget  # a request must fit one slot
+        self.kv_token_budget = budget
+        self.open_length = self.context_length if explicit else min(self.context_length, self.OPEN_REQUEST_LENGTH)
+
+    def _bytes_per_token(self) -> int:
+        return self._shape(1, 1).bytes_per_token(self.dtype)
+
+    def _initial_capacity(self) -> int:
+        return min(self.context_length, self.INITIAL_SLOT_CAPACITY)
+
+    def _shape(self, capacity: int, num_slots: int | None = None) -> CacheShape:
+        """``num_slots`` (default: as many of ``max_slots`` as the budget allows) slots of ``capacity``."""
         text_config = getattr(self.config, "text_config", self.config)
         heads = text_config.num_attention_heads
-        shape = CacheShape(
-            num_layers=text_config.num_hidden_layers,
-            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
-            num_slots=num_slots, slot_capacity=min(slot_capacity, self.context_length))
-        if self.device.type == "cuda" and mem_fraction_static:
-            # Size the cache from what is left of the static fraction after the weights.
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * mem_fraction_static - (total - free)
-            tokens = int(budget // shape.bytes_per_token(self.dtype))
-            if tokens < shape.slot_capacity:
-                raise ValueError(f"--mem-fraction-static {mem_fraction_static} leaves room for {tokens} KV tokens, "
-                                 f"fewer than one request of {shape.slot_capacity}; raise it or lower --context-length")
-            max_total_tokens = min(tokens, max_total_tokens or tokens)
-        if max_total_tokens:
-            if shrink_slots and max_total_tokens < num_slots * shape.slot_capacity:
-                capacity = max(min(shape.slot_capacity, self.MIN_SLOT_CAPACITY), max_total_tokens // num_slots)
-                if capacity < shape.slot_capacity:
-                    logger.info("KV budget of %d tokens: slots of %d tokens (not the model's %d) so that %d requests "
-                                "run at once; give --context-length for longer requests", max_total_tokens, capacity,
-                                shape.slot_capacity, num_slots)
-                    shape = CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_slots, capacity)
-            # Fixed-size slots: the budget decides how many requests can hold a slot at once.
-            slots = min(num_slots, max_total_tokens // shape.slot_capacity)
-            if slots < 1:
-                raise ValueError(f"--max-total-tokens {max_total_tokens} is smaller than one slot of "
-                                 f"{shape.slot_capacity} tokens; raise it or lower --context-length")
-            shape = CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots, shape.slot_capacity)
-        return shape
+        if num_slots is None:
+            num_slots = self.max_slots
+            if self.kv_token_budget is not None:
+                num_slots = max(1, min(num_slots, self.kv_token_budget // capacity))
+        return CacheShape(num_layers=text_config.num_hidden_layers,
+                          num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+                          head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+                          num_slots=num_slots, slot_capacity=capacity)
+
+    def grow_cache(self, need: int) -> bool:
+        """Lengthen the slots so that a request of ``need`` tokens fits (capped at the context length);
+        the cache must be empty (nothing running). Fewer slots
+        may result when the budget, or on CUDA the free memory, cannot hold as many long slots.
+        Returns whether the shape changed."""
+        current = self.kv_cache.shape.slot_capacity
+        if need <= current:
+            return False
+        if need > self.context_length:
+            raise ValueError(f"a request of {need} tokens does not fit the context length {self.context_length}")
+        step = self.SLOT_GRANULARITY  # at least 1.25x longer, so that a growing workload regrows rarely
+        capacity = min(-(-max(need, current * 5 // 4) // step) * step, self.context_length)
+        resident = self.kv_cache.allocated
+        self.graphs.clear()  # captured against the old buffers
+        self.kv_cache.release()
+        shape = self._shape(capacity)
+        if self.device.type == "cuda" and resident:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fits = int(max(free - self.GROWTH_RESERVE_BYTES, 0) // (shape.bytes_per_token(self.dtype) * capacity))
+            if fits < shape.num_slots:
+                logger.warning("growing the KV cache to %d-token slots: free device memory holds %d of %d slots",
+                               capacity, max(fits, 1), shape.num_slots)
+                shape = self._shape(capacity, max(1, fits))
+        self.kv_cache = SlotKVCache(shape, self.dtype, self.device, allocate=resident)
+        logger.info("KV cache grown for a %d-token request: %d slots x %d tokens, %.1f MB", need, shape.num_slots,
+                    capacity, shape.num_slots * capacity * shape.bytes_per_token(self.dtype) / 2**20)
+        return True
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -280,14 +325,15 @@ class DecodeGraphs:
         self.logits = None
 
     def _bucket(self, batch: int, need: int) -> tuple[int, int] | None:
-        if not self.enabled or batch > self.batch_buckets[-1]:
+        if not self.enabled or batch > self.batch_buckets[-1] or batch > self.runner.kv_cache.shape.num_slots:
             return None
         capacity = self.runner.kv_cache.shape.slot_capacity
         length = self.MIN_KV_BUCKET
         while length < need:  # four steps per octave: 128, 160, 192, 224, 256, 320, ...
             octave = 1 << (length.bit_length() - 1)
             length += octave // 4
-        return next(b for b in self.batch_buckets if b >= batch), min(length, capacity)
+        slots = self.runner.kv_cache.shape.num_slots  # padding rows use free slots: never more than there are
+        return min(next(b for b in self.batch_buckets if b >= batch), slots), min(length, capacity)
 
     def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         runner = self.runner
@@ -326,7 +372,7 @@ class DecodeGraphs:
     def _fill(self, tokens: list[int], positions: list[int], padded: int) -> None:
         """Copy this step's inputs into the static buffers (padding rows: token 0 at position 0)."""
         if self.ids is None:
-            slots = self.runner.kv_cache.shape.num_slots
+            slots = self.runner.max_slots
             self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
             self.positions = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
             self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=True)

@@ -46,7 +46,7 @@ def _requests(state, prompt_ids: list[int], params: SamplingParams, body: dict) 
         raise _openai_error(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
                             f"({runner.context_length} tokens).")
     if params.max_new_tokens is None:
-        params.max_new_tokens = runner.context_length - len(prompt_ids)
+        params.max_new_tokens = max(1, runner.open_length - len(prompt_ids))
     params.max_new_tokens = min(params.max_new_tokens, runner.context_length - len(prompt_ids))
     base = body.get("rid") or uuid.uuid4().hex
     want_logprobs = bool(body.get("logprobs")) or bool(body.get("return_meta_info"))

@@ -5,8 +5,9 @@ contiguously, so the decode step reads the cache without a gather. When a reques
 last running request moves into its slot; the scheduler returns that move as a
 :class:`SlotMove` for the engine to apply to the KV cache.
 
-At every engine step, waiting requests join (FIFO) as long as a slot is free and the step's prefill
-token budget allows, then all running requests decode one token together. A full cache therefore
+At every engine step, waiting requests join (FIFO) as long as a slot is free, the request fits a
+slot (else it waits until the engine, idle, lengthens the slots) and the step's prefill token budget
+allows, then all running requests decode one token together. A full cache therefore
 makes new requests wait; they never push running ones out. ``retract_all`` (pause mode
 ``retract``) sends running requests back to the front of the queue with their output kept; they are
 re-prefilled (prompt + output so far) when they rejoin.
@@ -54,6 +55,11 @@ class Sequence:
         return self.request.input_ids
 
     @property
+    def need(self) -> int:
+        """Cache positions the request may hold by its end (prompt + its whole output budget)."""
+        return len(self.request.input_ids) + self.max_new_tokens
+
+    @property
     def fill_ids(self) -> list[int]:
         """Tokens that must be in the cache before the next token can be sampled."""
         return self.prompt_ids + self.output_ids
@@ -88,8 +94,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int):
+    def __init__(self, num_slots: int, max_prefill_tokens: int, slot_capacity: int | None = None):
         self.num_slots = num_slots
+        self.slot_capacity = slot_capacity  # a request needing longer slots waits (the engine grows them)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -110,6 +117,8 @@ class Scheduler:
         decoding = any(s.output_ids for s in self.running)
         while self.waiting and len(self.running) < self.num_slots:
             seq = self.waiting[0]
+            if self.slot_capacity is not None and seq.need > self.slot_capacity:
+                break  # FIFO: it and those behind it wait until the slots are lengthened
             need = len(seq.fill_ids)
             if admitted and need > budget:
                 break

@@ -34,7 +34,8 @@ for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [100, 200, 300, 400, 500], [42]]
 FP32_TOL, BF16_TOL = 1e-3, 0.03
 CONTEXT = 2048
-# fp32 KV of the tiny model is 2 KiB/token: 512 slots x 2048 tokens = 2 GiB, plainly visible in mem_get_info.
+# fp32 KV of the tiny model is 2 KiB/token: 512 slots x 2048 tokens = 2 GiB once a long request has
+# grown the slots to the context (they start at 512 tokens), plainly visible in mem_get_info.
 BIG_CACHE = ["--context-length", str(CONTEXT), "--max-running-requests", "512"]
 
 
@@ -186,9 +187,11 @@ def test_bf16_is_the_cuda_default_and_matches_hf_bf16(bf16_engine, tiny_model_di
 @pytest.mark.gpu
 def test_release_and_resume_memory_occupation(fp32_engine):
     url = fp32_engine.url
-    before_out = generate(url, PROMPTS[:2], 12)
+    small = memory_usage(url)["kvcache"] * 2**30
+    generate(url, [[1 + i % 400 for i in range(2030)]], 8)  # a 2038-token request: slots grow from 512 to 2048 tokens
     kv_bytes = memory_usage(url)["kvcache"] * 2**30
-    assert kv_bytes >= 2**30, "the fixture's cache should be ~2 GiB"
+    assert kv_bytes >= 2**30 and kv_bytes >= 3.9 * small, "the grown cache should be ~2 GiB"
+    before_out = generate(url, PROMPTS[:2], 12)
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
     assert httpx.post(url + "/release_memory_occupation", json={}, timeout=120).json() is None
