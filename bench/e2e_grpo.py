@@ -88,7 +88,8 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
         if key == "step_time":
             metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
     metrics["response_len_mean"] = mean(steady([r["rollout/response_len/mean"] for r in rollouts], args.warmup))
-    for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time"):  # the engine's own account
+    for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time", "engine_decode_steps",
+                "engine_prefill_forwards"):  # the engine's own account
         values = [r[f"perf/{key}"] for r in rollouts if f"perf/{key}" in r]
         if len(values) > args.warmup:
             metrics[key] = mean(steady(values, args.warmup))

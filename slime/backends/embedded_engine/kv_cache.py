@@ -79,29 +79,32 @@ class SlotKVCache:
 class SlotCacheView:
     """What one forward pass sees: the cache slots ``slots`` (row i of the batch is ``slots[i]``).
 
-    ``valid`` (bool ``[rows, q_len]``) says which query positions are real tokens (the rest is left
-    padding) and ``write_positions`` (1-D, one per valid token, row-major) where each goes.
-    ``kv_length`` is how many cache positions the attention reads. Consecutive slots (the decode
-    batch) are read as a view; other sets are gathered.
+    The rows are left-padded to a common query length ``q``; ``token_index`` (1-D, into the
+    flattened ``[rows * q]`` query positions) picks the real tokens, and ``write_slots`` /
+    ``write_positions`` (one per real token) say where each one's key and value go. All three are
+    integer tensors the caller builds on the host, so that no layer waits for the device to count
+    a boolean mask. ``kv_length`` is how many cache positions the attention reads. Consecutive
+    slots (the decode batch) are read as a view; other sets are gathered.
     """
 
-    def __init__(self, cache: SlotKVCache, slots: list[int], valid: torch.Tensor, write_positions: torch.Tensor,
-                 kv_length: int):
+    def __init__(self, cache: SlotKVCache, slots: list[int], token_index: torch.Tensor, write_slots: torch.Tensor,
+                 write_positions: torch.Tensor, kv_length: int):
         self.cache = cache
-        self.valid = valid
         self.kv_length = kv_length
-        slot_tensor = torch.tensor(slots, dtype=torch.long, device=valid.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        self.read_rows = slice(slots[0], slots[0] + len(slots)) if contiguous else slot_tensor
-        self.write_slots = slot_tensor.unsqueeze(1).expand_as(valid)[valid]
+        self.read_rows = (slice(slots[0], slots[0] + len(slots)) if contiguous
+                          else torch.tensor(slots, dtype=torch.long, device=token_index.device))
+        self.token_index = token_index
+        self.write_slots = write_slots
         self.write_positions = write_positions
         self.is_compileable = False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the step's keys/values ([rows, heads, q, dim]) and return the cache rows to attend to."""
         for new, buf in ((key_states, self.cache.keys[layer_idx]), (value_states, self.cache.values[layer_idx])):
-            # [rows, heads, q, dim] -> [rows, q, heads, dim] -> valid tokens [n, heads, dim]
-            tokens = new.transpose(1, 2)[self.valid]
+            rows, heads, q_len, dim = new.shape
+            # [rows, heads, q, dim] -> [rows * q, heads, dim] -> real tokens [n, heads, dim]
+            tokens = new.transpose(1, 2).reshape(rows * q_len, heads, dim).index_select(0, self.token_index)
             buf[self.write_slots, :, self.write_positions] = tokens.to(buf.dtype)
         return (self.cache.keys[layer_idx][self.read_rows, :, : self.kv_length],
                 self.cache.values[layer_idx][self.read_rows, :, : self.kv_length])

@@ -188,10 +188,18 @@ class ModelRunner:
         positions = torch.tensor([[0] * pad + list(range(r.start, r.start + len(r.tokens))) for pad, r in zip(pads, rows)],
                                  dtype=torch.long)
         valid = torch.tensor([[False] * pad + [True] * len(r.tokens) for pad, r in zip(pads, rows)], dtype=torch.bool)
+        # where each real token is (flat query index) and goes (slot, position): integer indices built
+        # here, so the layers' cache writes need no device->host count of a boolean mask
+        token_index = torch.tensor([i * q_len + pad + j for i, (pad, r) in enumerate(zip(pads, rows))
+                                    for j in range(len(r.tokens))], dtype=torch.long)
+        write_slots = torch.tensor([slot for slot, r in zip(slots, rows) for _ in r.tokens], dtype=torch.long)
+        write_positions = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))], dtype=torch.long)
         kv_length = max(r.start + len(r.tokens) for r in rows)
-        input_ids, positions, valid = (t.to(self.device) for t in (input_ids, positions, valid))
+        input_ids, positions, valid, token_index, write_slots, write_positions = (
+            t.to(self.device, non_blocking=True)
+            for t in (input_ids, positions, valid, token_index, write_slots, write_positions))
         mask = self._attention_mask(positions, valid, kv_length)
-        view = SlotCacheView(self.kv_cache, slots, valid, positions[valid], kv_length)
+        view = SlotCacheView(self.kv_cache, slots, token_index, write_slots, write_positions, kv_length)
         want_all = any(r.want_all_logits for r in rows)
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
