@@ -2,7 +2,8 @@
 
 Everything that touches engine state runs on that thread: request arrival, aborts, weight loads,
 cache flushes and pauses are posted as commands (:meth:`Engine.call`) and executed between steps,
-so a forward pass never sees half-updated weights. One step = admit waiting requests, prefill them
+so a forward pass never sees half-updated weights. One step = admit waiting requests (a burst is
+gathered for a few milliseconds so that it is prefilled in few forwards), prefill them
 (batched, in chunks of at most ``chunked_prefill_size`` tokens per forward), then decode one token
 for every running request in a single batched forward.
 
@@ -95,10 +96,11 @@ class Engine:
         return future
 
     def _loop(self) -> None:
+        hold = 0.0  # > 0: nothing runs and the waiting requests are being gathered for one prefill
         while not self._stop.is_set():
             idle = self.paused or not self.scheduler.has_work()
             try:
-                command = self._commands.get(timeout=0.5 if idle else 0)
+                command = self._commands.get(timeout=0.5 if idle else hold) if idle or hold else self._commands.get_nowait()
             except queue.Empty:
                 command = None
             if command is not None:
@@ -109,9 +111,10 @@ class Engine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+            hold = 0.0
             if not self.paused and self.scheduler.has_work():
                 try:
-                    self.step()
+                    hold = self.step()
                 except Exception:  # a broken step must not kill the server: fail the batch, keep serving
                     logger.exception("engine step failed; aborting running requests")
                     self.abort(None, abort_all=True, message="Internal error in engine step")
@@ -147,14 +150,35 @@ class Engine:
             self.runner.kv_cache.move_slot(move.src, move.dst, move.length)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> None:
+    #: a burst of requests is gathered into few prefills: waiting requests join once arrivals paused
+    #: this long, or the oldest has waited ADMIT_MAX_WAIT_S, or they fill every free slot (each
+    #: prefill forward costs ~20 ms of launch overhead on a GPU, whatever its size)
+    ARRIVAL_PAUSE_S = 0.003
+    ADMIT_MAX_WAIT_S = 0.03
+
+    def _admission_hold(self) -> float:
+        """Seconds the waiting requests should still gather before they are admitted (0: now)."""
+        sched = self.scheduler
+        if not sched.waiting or len(sched.waiting) >= sched.num_slots - len(sched.running):
+            return 0.0
+        now = time.monotonic()
+        since_last = now - max(seq.created for seq in sched.waiting)
+        since_first = now - min(seq.created for seq in sched.waiting)
+        return max(0.0, min(self.ARRIVAL_PAUSE_S - since_last, self.ADMIT_MAX_WAIT_S - since_first))
+
+    def step(self) -> float:
+        """One engine step; returns how long the caller may wait for more requests before the next
+        one when nothing could run because waiting requests are being gathered (else 0)."""
         start = time.perf_counter()
         produced = 0
         if self.scheduler.waiting and self.scheduler.waiting[0].need > self.scheduler.slot_capacity:
             produced += self._grow_cache_when_idle()
-        if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.num_slots:
+        hold = self._admission_hold()
+        if hold and not self.scheduler.running:
+            return hold
+        if not hold and self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.num_slots:
             produced += self._drain()  # admission changes the batch (with every slot taken, admit() is a no-op)
-        admitted = self.scheduler.admit()
+        admitted = self.scheduler.admit() if not hold else []
         if admitted:
             now = time.monotonic()
             for seq in admitted:
@@ -171,6 +195,7 @@ class Engine:
         self.scheduler.stats.busy_seconds += elapsed
         if produced:
             self.last_gen_throughput = produced / max(elapsed, 1e-9)
+        return 0.0
 
     def _grow_cache_when_idle(self) -> int:
         """The next request needs longer slots: once the running batch is done, reallocate the cache."""

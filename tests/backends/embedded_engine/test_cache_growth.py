@@ -85,3 +85,23 @@ def test_request_longer_than_the_context_is_refused_by_the_server_checks(tiny_mo
     with pytest.raises(RequestError, match="context length"):
         parse_generate({"input_ids": list(range(300)), "sampling_params": {"max_new_tokens": 1}},
                        None, runner.vocab_size, runner.context_length)
+
+
+def test_a_burst_of_requests_is_prefilled_in_few_forwards(engine, tiny_model_dir):
+    """Requests arriving a millisecond apart while others decode join in a few prefills, not one
+    prefill each; none waits longer than the gathering bound and the outputs stay exact."""
+    import time
+
+    hf = load_hf(tiny_model_dir)
+    first, first_done = submit(engine, "first", [5, 6, 7], 10)
+    before = engine.scheduler.stats.prefill_forwards
+    burst = []
+    for i in range(6):
+        burst.append(submit(engine, f"b{i}", [7, 8, i + 1], 6))
+        time.sleep(0.001)
+    for seq, done in [(first, first_done)] + burst:
+        assert done.wait(60)
+        assert seq.output_ids == hf_greedy(hf, seq.prompt_ids, seq.max_new_tokens)
+    assert engine.scheduler.stats.prefill_forwards - before <= 3  # (6 without gathering)
+    for seq, _ in burst:
+        assert seq.admitted - seq.created < Engine.ADMIT_MAX_WAIT_S + 0.5  # bounded wait (slack for a busy CI)
