@@ -202,7 +202,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
 
     async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
         try:
-            output = await post(get_model_url(args, "default"), payload, headers=headers)
+            output = await _post_generate(args, get_model_url(args, "default"), payload, headers)
         except HTTPRequestError as e:
             if e.status_code is None:
                 raise
@@ -225,6 +225,26 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         text=output.get("text", ""),
     )
     return sample
+
+
+# With --use-fault-tolerance a request that no engine can serve waits as long as an engine restart
+# may take (the restart's own start-up timeout), so with a single engine its samples survive it.
+RESTART_RETRY_S = 1800
+
+
+async def _post_generate(args, url: str, payload: dict, headers: dict | None):
+    """POST /generate to the router. With --use-fault-tolerance, also wait out the router's
+    "No worker available" (404) while the health monitor restarts the engines behind it."""
+    if not getattr(args, "use_fault_tolerance", False):
+        return await post(url, payload, headers=headers)
+    deadline = time.monotonic() + RESTART_RETRY_S
+    while True:
+        try:
+            return await post(url, payload, headers=headers, max_retries=RESTART_RETRY_S)
+        except HTTPRequestError as e:
+            if e.status_code != 404 or "No worker available" not in (e.body or "") or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(1.0)
 
 
 def _resolve_generate_function(args, sample: Sample):

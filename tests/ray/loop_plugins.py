@@ -23,11 +23,13 @@ async def even_token_fraction_reward(args, sample, **kwargs) -> float:
 _calls = {"n": 0}
 
 
-def _kill_engine_serving(url: str) -> int:
-    """SIGKILL the embedded-engine process listening on ``url``'s port; return its pid."""
+def _kill_engine_serving(url: str, signum: int | None = None) -> int:
+    """Send ``signum`` (default SIGKILL) to the embedded-engine process listening on ``url``'s port;
+    return its pid."""
     import os
     import signal
 
+    signum = signal.SIGKILL if signum is None else signum
     port = url.rsplit(":", 1)[1]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -35,7 +37,7 @@ def _kill_engine_serving(url: str) -> int:
         except OSError:
             continue
         if b"slime.backends.embedded_engine" in cmdline and port.encode() in cmdline:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(int(pid), signum)
             return int(pid)
     raise RuntimeError(f"no engine process found for {url}")
 
@@ -49,4 +51,22 @@ async def generate_and_kill_engine_once(args, sample, sampling_params):
         _calls["n"] += 1
         if _calls["n"] == 6:
             _kill_engine_serving(args.rollout_engine_urls[0])
+    return await generate(args, sample, sampling_params)
+
+
+_stop_calls = {"n": 0}
+
+
+async def generate_and_stop_engine_once(args, sample, sampling_params):
+    """The default generate, except that the 6th call of rollout step 1 first SIGSTOPs engine 0: the
+    process stays alive and keeps its sockets, but answers nothing (a hung engine)."""
+    import signal
+
+    from slime.rollout.sample_hooks import get_current_rollout_id
+    from slime.rollout.sglang_rollout import generate
+
+    if get_current_rollout_id() == 1:
+        _stop_calls["n"] += 1
+        if _stop_calls["n"] == 6:
+            _kill_engine_serving(args.rollout_engine_urls[0], signal.SIGSTOP)
     return await generate(args, sample, sampling_params)
