@@ -251,6 +251,12 @@ class Job:
     def shutdown(self) -> None:
         """Trainers, then the rollout manager (router before engines), then Ray. Safe to call twice."""
         for group in (self.actor, self.critic):
+            if group is not None and self.args.async_save:
+                try:  # the end of the run waits for the checkpoint still being written
+                    group.wait_for_save()
+                except Exception as e:
+                    logger.error("the last --async-save checkpoint was not completed: %s", e)
+        for group in (self.actor, self.critic):
             if group is not None:
                 group.shutdown()
         self.actor = self.critic = None

@@ -87,6 +87,9 @@ class TrainRayActor:
     def save(self, rollout_id: int) -> None:
         self.worker.save(rollout_id)
 
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
     def save_hf(self, path: str) -> None:
         self.worker.save_hf(path)
 

@@ -144,6 +144,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 6.-7.
     if args.eval_interval is not None and not args.eval_datasets:
         raise ValueError("--eval-interval needs at least one eval dataset (--eval-prompt-data or --eval-config)")
+    if args.async_save and args.train_backend == "megatron":
+        raise ValueError("--async-save is implemented for --train-backend fsdp; Megatron checkpoints are written "
+                         "synchronously: drop --async-save")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save (the directory checkpoints are written to)")
     # 8.-11.

@@ -27,7 +27,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--opd-teacher-load": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang with the "
                           "teacher served at --rm-url",
     "--opd-teacher-ckpt-step": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang",
-    "--async-save": "checkpoints are written synchronously; drop the flag",
     "--no-save-rng": "RNG state is always saved with a checkpoint; drop the flag",
     "--ckpt-format": "checkpoints use one format per backend (Megatron: torch_dist, FSDP: DCP); drop the flag",
     "--freeze-indexer": "there is no sparse-attention indexer; use --freeze-params-name-list",
@@ -343,7 +342,10 @@ def _add_checkpoint_args(parser) -> None:
     g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
     g.add_argument("--save", type=str, default=None, help="Save dir.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
-    g.add_argument("--async-save", action="store_true", default=False)
+    g.add_argument("--async-save", action="store_true", default=False,
+                   help="Write checkpoints in the background: the state is copied to host memory, then written "
+                        "while the next step trains; the next save and the end of the run wait for it, and the "
+                        "latest-checkpoint marker moves only once it is complete (--train-backend fsdp).")
     g.add_argument("--no-save-optim", action="store_true", default=False)
     g.add_argument("--no-save-rng", action="store_true", default=False)
     g.add_argument("--no-load-optim", action="store_true", default=False)

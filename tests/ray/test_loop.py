@@ -208,9 +208,12 @@ def test_sft_path(tiny_model_dir, tiny_task_data, tmp_path):
 
 
 def test_kill_and_resume_continues_data_and_metrics(tiny_model_dir, tiny_task_data, tmp_path):
+    """Stopped after step 1, resumed: the same prompts in the same order as one uninterrupted run.
+    Checkpoints are written with --async-save, so the first run's end must wait for the last one
+    (else the resume would start again at step 1 or 0)."""
     dump = str(tmp_path / "dump" / "{rollout_id}.pt")
     common = ("--save", tmp_path / "ckpt", "--save-interval", "1", "--load", tmp_path / "ckpt",
-              "--save-debug-rollout-data", dump, "--rollout-shuffle")
+              "--save-debug-rollout-data", dump, "--rollout-shuffle", "--async-save")
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common, steps=2))  # "killed" after step 1
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common, steps=4))  # resumed
     reference_dump = str(tmp_path / "ref" / "{rollout_id}.pt")
