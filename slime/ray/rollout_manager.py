@@ -213,11 +213,36 @@ class RolloutManager:
         if not args.use_fault_tolerance or not self.engines:  # external engines are not ours to restart
             return
         self.health_monitor = EngineHealthMonitor(
-            lambda: [self._engine_url(i) for i in range(len(self.engines))], self._recover_engine,
-            interval=args.rollout_health_check_interval, timeout=args.rollout_health_check_timeout,
-            first_wait=args.rollout_health_check_first_wait)
-        for index in range(len(self.engines)):
+            self._probe_urls, self._recover, interval=args.rollout_health_check_interval,
+            timeout=args.rollout_health_check_timeout, first_wait=args.rollout_health_check_first_wait)
+        for index in range(len(self._probe_urls())):
             self.health_monitor.mark_up(index)
+
+    def _own_routers(self) -> list:
+        """The routers launched here (an external router is not ours to restart)."""
+        return list({id(r): r for r in [self.router, *self.routers.values()] if r is not None}.values())
+
+    def _probe_urls(self) -> list[str]:
+        """What the health monitor probes: every engine (index = engine index), then every router of ours."""
+        from slime.ray.engine_health import ENGINE_PROBE_PATH, ROUTER_PROBE_PATH
+
+        engines = [self._engine_url(i) + ENGINE_PROBE_PATH for i in range(len(self.engines))]
+        return engines + [router.url + ROUTER_PROBE_PATH for router in self._own_routers()]
+
+    def _recover(self, index: int, reason: str) -> None:
+        if index < len(self.engines):
+            self._recover_engine(index, reason)
+        else:
+            self._recover_router(self._own_routers()[index - len(self.engines)], reason)
+
+    def _recover_router(self, router, reason: str) -> None:
+        """A router that failed its probe is restarted on its port with the engines it was launched
+        with; the rollout's HTTP client retries the requests that failed meanwhile (the engines may
+        have answered a lost request already: its sample gets the answer of the retry, once)."""
+        router.restart(timeout=120)
+        for index in self.awaiting_weights:  # restarted engines still waiting for their weights stay out
+            self._unregister(index)
+        logger.warning("router at %s restarted after: %s", router.url, reason)
 
     def _engine_url(self, index: int) -> str:
         return self.engine_plans[index].url if self.engine_plans else self.engine_urls[index]

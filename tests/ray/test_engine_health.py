@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from slime.ray.engine_health import EngineHealthMonitor, probe_engine
+from slime.ray.engine_health import EngineHealthMonitor, probe
 from slime.utils.arguments import parse_args
 
 
@@ -27,7 +27,7 @@ def healthy_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield f"http://127.0.0.1:{server.server_address[1]}/health_generate"
     server.shutdown()
     server.server_close()
 
@@ -38,22 +38,22 @@ def hung_url():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/health_generate"
     sock.close()
 
 
 def _dead_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/health_generate"
 
 
 def test_probe_tells_healthy_hung_and_dead_apart(healthy_url, hung_url):
-    assert probe_engine(healthy_url, 2.0) is None
+    assert probe(healthy_url, 2.0) is None
     start = time.monotonic()
-    assert "hung" in probe_engine(hung_url, 0.5)
+    assert "hung" in probe(hung_url, 0.5)
     assert time.monotonic() - start < 2.0  # detected at the timeout, not at the HTTP client's default
-    assert "dead" in probe_engine(_dead_url(), 0.5)
+    assert "dead" in probe(_dead_url(), 0.5)
 
 
 def test_hung_engine_is_recovered_within_interval_plus_timeout(healthy_url, hung_url):
@@ -86,7 +86,7 @@ def test_first_wait_defers_probes_and_a_failed_recovery_is_raised(hung_url):
     start = time.monotonic()
     monitor.start()
     time.sleep(1.5)
-    with pytest.raises(RuntimeError, match="could not recover an engine: no devices left"):
+    with pytest.raises(RuntimeError, match="could not recover a failed engine or router: no devices left"):
         monitor.stop()
     assert len(calls) == 1 and calls[0] - start >= 0.8  # not probed during the grace period; stopped after the failure
 
