@@ -288,8 +288,9 @@ def _failed_reward(args, evaluation: bool):
 
 
 def _mark_reward_failure(args, samples: list[Sample], error: BaseException, evaluation: bool) -> None:
-    logger.error("reward failed for samples %s: %s: %s", [s.index for s in samples], type(error).__name__, error,
-                 exc_info=error)  # fmt: skip
+    logger.error("reward failed for sample(s) %s of group(s) %s (marked FAILED, reward 0; the run goes on): %s: %s",
+                 [s.index for s in samples], sorted({s.group_index for s in samples}, key=str), type(error).__name__,
+                 error, exc_info=error)  # fmt: skip
     for sample in samples:
         sample.status = Sample.Status.FAILED
         sample.metadata["reward_error"] = f"{type(error).__name__}: {error}"
