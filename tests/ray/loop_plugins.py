@@ -70,3 +70,16 @@ async def generate_and_stop_engine_once(args, sample, sampling_params):
         if _stop_calls["n"] == 6:
             _kill_engine_serving(args.rollout_engine_urls[0], signal.SIGSTOP)
     return await generate(args, sample, sampling_params)
+
+
+def kill_trainer_once_in_step_2(args, rollout_id, rollout_data):
+    """A --rollout-data-postprocess-path hook (it runs on the training rank, in the middle of a step:
+    after the log-prob passes, before the optimizer steps): SIGKILL this trainer process in step 2,
+    the first time only (a marker file under --save remembers it)."""
+    import os
+    import signal
+
+    marker = os.path.join(args.save, "trainer_killed_once")
+    if rollout_id == 2 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -207,15 +207,24 @@ def test_sft_path(tiny_model_dir, tiny_task_data, tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
 
 
-def test_kill_and_resume_continues_data_and_metrics(tiny_model_dir, tiny_task_data, tmp_path):
-    """Stopped after step 1, resumed: the same prompts in the same order as one uninterrupted run.
-    Checkpoints are written with --async-save, so the first run's end must wait for the last one
-    (else the resume would start again at step 1 or 0)."""
+def test_trainer_killed_mid_step_resumes_from_last_checkpoint(tiny_model_dir, tiny_task_data, tmp_path):
+    """The trainer process is SIGKILLed in the middle of step 2 (after its log-prob passes, before the
+    optimizer step): the run fails naming the dead actor. Run again with --load, it resumes at step 2
+    from checkpoint 1 with the data source where it was: every step's prompts equal an uninterrupted
+    run's, each step is trained once, and the engines serve the resumed weights (the recomputed
+    log-probs match the engine's). Checkpoints are written with --async-save: checkpoint 1 was
+    completed in the background while step 2 generated, and the end of the resumed run waits for its
+    last one."""
     dump = str(tmp_path / "dump" / "{rollout_id}.pt")
     common = ("--save", tmp_path / "ckpt", "--save-interval", "1", "--load", tmp_path / "ckpt",
               "--save-debug-rollout-data", dump, "--rollout-shuffle", "--async-save")
-    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common, steps=2))  # "killed" after step 1
-    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common, steps=4))  # resumed
+    with pytest.raises(ray.exceptions.RayActorError):
+        run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common,
+                            "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=4))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common,
+                        "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=4))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     reference_dump = str(tmp_path / "ref" / "{rollout_id}.pt")
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "ref_run", "--save-debug-rollout-data", reference_dump,
                         "--rollout-shuffle", "--debug-rollout-only", steps=4))
@@ -226,8 +235,10 @@ def test_kill_and_resume_continues_data_and_metrics(tiny_model_dir, tiny_task_da
         reference = load_debug_rollout_data(reference_dump, rollout_id=rollout_id)
         assert [s.prompt for s in resumed] == [s.prompt for s in reference]
         assert [s.index for s in resumed] == [s.index for s in reference]
-    steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
-    assert steps == [0, 1, 2, 3]
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if r["kind"] == "train"] == [0, 1, 2, 3]
+    diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
+    assert max(diffs) < 1e-3, diffs
 
 
 def test_killed_engine_is_detected_restarted_and_resynced(tiny_model_dir, tiny_task_data, tmp_path):
