@@ -54,21 +54,22 @@ async def generate_and_kill_engine_once(args, sample, sampling_params):
     return await generate(args, sample, sampling_params)
 
 
-_stop_calls = {"n": 0}
+_fault_calls: dict[int, int] = {}
 
 
-async def generate_and_stop_engine_once(args, sample, sampling_params):
-    """The default generate, except that the 6th call of rollout step 1 first SIGSTOPs engine 0: the
-    process stays alive and keeps its sockets, but answers nothing (a hung engine)."""
+async def generate_and_hang_then_kill_engine(args, sample, sampling_params):
+    """The default generate, except that the 6th call of rollout step 1 first SIGSTOPs engine 0 (the
+    process stays alive and keeps its sockets, but answers nothing: a hung engine) and the 6th call
+    of step 2 SIGKILLs it (a dead engine)."""
     import signal
 
     from slime.rollout.sample_hooks import get_current_rollout_id
     from slime.rollout.sglang_rollout import generate
 
-    if get_current_rollout_id() == 1:
-        _stop_calls["n"] += 1
-        if _stop_calls["n"] == 6:
-            _kill_engine_serving(args.rollout_engine_urls[0], signal.SIGSTOP)
+    rollout_id = get_current_rollout_id()
+    _fault_calls[rollout_id] = _fault_calls.get(rollout_id, 0) + 1
+    if _fault_calls[rollout_id] == 6 and rollout_id in (1, 2):
+        _kill_engine_serving(args.rollout_engine_urls[0], signal.SIGSTOP if rollout_id == 1 else signal.SIGKILL)
     return await generate(args, sample, sampling_params)
 
 

@@ -1,6 +1,6 @@
 """The rollout health monitor against real sockets: an engine that answers, one that hangs (accepts
 connections, never answers: what a SIGSTOPped process does), one that is gone. The real loop with a
-SIGSTOPped engine is tests/ray/test_loop.py::test_hung_engine_is_detected_restarted_given_current_weights."""
+SIGSTOPped engine is tests/ray/test_loop.py::test_hung_then_dead_engine_is_restarted_given_current_weights."""
 
 import socket
 import threading
