@@ -176,6 +176,6 @@ def test_derived_flags_take_effect(tmp_path):
 
 def test_a_refused_flag_set_by_custom_config_is_refused_too(tmp_path):
     path = tmp_path / "custom.yaml"
-    path.write_text("async_save: true\n")
-    with pytest.raises(ValueError, match="--async-save True is not implemented"):
+    path.write_text("use_stateless_adam: true\n")
+    with pytest.raises(ValueError, match="--use-stateless-adam True is not implemented"):
         parse_args(BASE + ["--custom-config-path", str(path)])
