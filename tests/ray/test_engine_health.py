@@ -70,7 +70,7 @@ def test_hung_engine_is_recovered_within_interval_plus_timeout(healthy_url, hung
     time.sleep(1.5)
     monitor.stop()
     assert [(i, "hung" in why) for i, why, _ in recovered] == [(1, True)]  # once: it answers after the restart
-    assert recovered[0][2] - start < 0.2 + 0.5 + 0.5
+    assert recovered[0][2] - start < 0.2 + 0.5 + 1.0  # one interval + the probe timeout (+ scheduling slack)
     assert monitor.recovered == [(1, recovered[0][1])]
 
 
