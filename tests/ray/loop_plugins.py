@@ -20,9 +20,6 @@ async def even_token_fraction_reward(args, sample, **kwargs) -> float:
 
 # ---------------------------------------------------------------- fault injection
 
-_calls = {"n": 0}
-
-
 def _kill_engine_serving(url: str, signum: int | None = None) -> int:
     """Send ``signum`` (default SIGKILL) to the embedded-engine process listening on ``url``'s port;
     return its pid."""
@@ -40,18 +37,6 @@ def _kill_engine_serving(url: str, signum: int | None = None) -> int:
             os.kill(int(pid), signum)
             return int(pid)
     raise RuntimeError(f"no engine process found for {url}")
-
-
-async def generate_and_kill_engine_once(args, sample, sampling_params):
-    """The default generate, except that the 6th call of rollout step 1 first kills engine 0."""
-    from slime.rollout.sample_hooks import get_current_rollout_id
-    from slime.rollout.sglang_rollout import generate
-
-    if get_current_rollout_id() == 1:
-        _calls["n"] += 1
-        if _calls["n"] == 6:
-            _kill_engine_serving(args.rollout_engine_urls[0])
-    return await generate(args, sample, sampling_params)
 
 
 _fault_calls: dict[int, int] = {}
