@@ -53,6 +53,13 @@ class RouterProcess(ServerProcess):
         for url in self.worker_urls:
             self._wait_worker(url, present=True, timeout=timeout)
 
+    def restart(self, timeout: float = 60.0) -> None:
+        """Kill the router (hung or dead) and start it again on the same port with the workers it was
+        launched with; returns once it is healthy and routes to them."""
+        self.kill()
+        self.start()
+        self.wait_healthy(timeout)
+
     def list_workers(self) -> list[dict]:
         import httpx
 

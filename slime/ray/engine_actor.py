@@ -150,6 +150,13 @@ class EngineActor:
         self.stop()
         return self.start(timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the server and its children (a hung engine ignores SIGTERM); ``start`` brings it
+        back on the same port."""
+        if self.process is not None:
+            self.process.kill()
+            self.process = None
+
     def kill_for_test(self) -> None:
         """Kill the server process hard (fault-injection tests)."""
         self.process.process.kill()

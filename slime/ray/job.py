@@ -86,6 +86,8 @@ class Job:
                                      "data-parallel size (the critic shares the actor's GPUs: keep TP × PP × CP of the "
                                      "--megatron-config-path critic: section equal to the actor's)")
             ray.get(self.rollout_manager.set_data_parallel_size.remote(self.actor.dp_size))
+            if args.use_fault_tolerance:  # an engine restarted mid-rollout gets the current weights from them
+                ray.get(self.rollout_manager.set_weight_source.remote(self.actor.actors))
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_id or 0
         if args.start_rollout_id > 0:
@@ -170,6 +172,7 @@ class Job:
         metrics = self.actor.update_weights(self.weight_version)
         if self.args.use_fault_tolerance:
             metrics["perf/engines_restarted"] = len(restarted)
+            ray.get(self.rollout_manager.weights_synced.remote(self.weight_version))
         if self.args.offload_rollout:
             ray.get(self.rollout_manager.onload.remote(["kv_cache"]))
         if keep_resident:
@@ -247,6 +250,12 @@ class Job:
 
     def shutdown(self) -> None:
         """Trainers, then the rollout manager (router before engines), then Ray. Safe to call twice."""
+        for group in (self.actor, self.critic):
+            if group is not None and self.args.async_save:
+                try:  # the end of the run waits for the checkpoint still being written
+                    group.wait_for_save()
+                except Exception as e:
+                    logger.error("the last --async-save checkpoint was not completed: %s", e)
         for group in (self.actor, self.critic):
             if group is not None:
                 group.shutdown()

@@ -52,8 +52,14 @@ class RolloutManager:
         self.dp_size: int | None = None  # the trainer's data-parallel size, declared once its ranks are up
         self.engines, self.engine_urls, self.router = [], [], None
         self.engine_plans, self.routers, self.gpu_counts = [], {}, []
+        self.health_monitor = None  # --use-fault-tolerance: probes the engines while a rollout runs
+        self.weight_source, self.weight_version = None, None  # the actor's rank handles, the engines' version
+        self.restarted_since_sync: set[int] = set()  # engines the next weight update must reconnect to
+        self.awaiting_weights: set[int] = set()  # restarted, kept out of the router until they get weights
+        self._health_restarts = 0  # engines the monitor restarted during the current rollout step
         if not args.debug_train_only:
             self._start_engines_and_router(rollout_placement)
+            self._start_health_monitor()
         http_utils.init_http_client(args, get_num_engines(args))
         self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn = load_function(args.rollout_function_path)
@@ -198,9 +204,130 @@ class RolloutManager:
         """GPUs of each engine whose weights are updated (the ranks of the weight-update group)."""
         return list(self.gpu_counts)
 
+    # ------------------------------------------------------------------ fault tolerance
+
+    def _start_health_monitor(self) -> None:
+        from slime.ray.engine_health import EngineHealthMonitor
+
+        args = self.args
+        if not args.use_fault_tolerance or not self.engines:  # external engines are not ours to restart
+            return
+        self.health_monitor = EngineHealthMonitor(
+            self._probe_urls, self._recover, interval=args.rollout_health_check_interval,
+            timeout=args.rollout_health_check_timeout, first_wait=args.rollout_health_check_first_wait)
+        for index in range(len(self._probe_urls())):
+            self.health_monitor.mark_up(index)
+
+    def _own_routers(self) -> list:
+        """The routers launched here (an external router is not ours to restart)."""
+        return list({id(r): r for r in [self.router, *self.routers.values()] if r is not None}.values())
+
+    def _probe_urls(self) -> list[str]:
+        """What the health monitor probes: every engine (index = engine index), then every router of ours."""
+        from slime.ray.engine_health import ENGINE_PROBE_PATH, ROUTER_PROBE_PATH
+
+        engines = [self._engine_url(i) + ENGINE_PROBE_PATH for i in range(len(self.engines))]
+        return engines + [router.url + ROUTER_PROBE_PATH for router in self._own_routers()]
+
+    def _recover(self, index: int, reason: str) -> None:
+        if index < len(self.engines):
+            self._recover_engine(index, reason)
+        else:
+            self._recover_router(self._own_routers()[index - len(self.engines)], reason)
+
+    def _recover_router(self, router, reason: str) -> None:
+        """A router that failed its probe is restarted on its port with the engines it was launched
+        with; the rollout's HTTP client retries the requests that failed meanwhile (the engines may
+        have answered a lost request already: its sample gets the answer of the retry, once)."""
+        router.restart(timeout=120)
+        for index in self.awaiting_weights:  # restarted engines still waiting for their weights stay out
+            self._unregister(index)
+        logger.warning("router at %s restarted after: %s", router.url, reason)
+
+    def _engine_url(self, index: int) -> str:
+        return self.engine_plans[index].url if self.engine_plans else self.engine_urls[index]
+
+    def _weight_index(self, index: int) -> int | None:
+        """Position of engine ``index`` among the engines whose weights are updated (None: a frozen model)."""
+        if not self.engine_plans:
+            return index
+        updated = [i for i, e in enumerate(self.engine_plans) if e.update_weights]
+        return updated.index(index) if index in updated else None
+
+    def set_weight_source(self, train_actors: list) -> None:
+        """The actor's rank handles: the health monitor asks them for the current weights of an engine it
+        restarted mid-rollout (they are idle then in the synchronous loop)."""
+        self.weight_source = list(train_actors)
+
+    def weights_synced(self, weight_version: int) -> None:
+        """Every engine now serves ``weight_version``; the next update needs no reconnect."""
+        self.weight_version = weight_version
+
+    def _can_push_weights_now(self) -> bool:
+        """Only when the trainer's weights are the engines' (the synchronous loop: the trainer waits for
+        the rollout) and a broadcast or tensor transport can reach one engine on its own."""
+        args = self.args
+        return (self.weight_source is not None and self.weight_version is not None
+                and not getattr(args, "rollout_overlaps_training", False) and args.update_weight_transport != "disk")
+
+    def _recover_engine(self, index: int, reason: str) -> None:
+        """The health monitor's answer to an engine that failed its probe: out of the router (the
+        requests that failed on it are retried by the rollout's HTTP client on the others), killed,
+        restarted on its devices and port, given the current weights, back in the router."""
+        url = self._engine_url(index)
+        self._unregister(index)
+        ray.get([actor.kill.remote() for actor in self.engines[index]])
+        urls = ray.get([actor.start.remote(1800.0) for actor in self.engines[index]])
+        if not self.engine_plans:
+            self.engine_urls[index] = urls[0]
+        weight_index = self._weight_index(index)
+        if weight_index is None:  # a frozen model keeps the weights it loads
+            self._reregister([index])
+            return
+        self.restarted_since_sync.add(index)
+        if self.weight_source is None or self.weight_version is None:  # no trainer, or before the first sync
+            self._reregister([index])
+        elif self._can_push_weights_now():
+            gpus = self.gpu_counts[weight_index]
+            ray.get([a.push_weights_to.remote([url], [gpus], self.weight_version) for a in self.weight_source])
+            served = _served_weight_version(url)
+            if served != str(self.weight_version):
+                raise RuntimeError(f"engine {index} at {url} was restarted and sent weight version "
+                                   f"{self.weight_version}, but serves version {served!r}")
+            self._reregister([index])
+        else:  # train_async.py or disk transport: it rejoins at the next weight update (check_engines)
+            self.awaiting_weights.add(index)
+        logger.warning("engine %d at %s restarted after: %s (weights: %s)", index, url, reason,
+                       "waiting for the next update" if index in self.awaiting_weights else f"version {self.weight_version}")
+
+    def _unregister(self, index: int) -> None:
+        """Take an engine out of its router so nothing new (nor a retry) is sent to it."""
+        url = self._engine_url(index)
+        router = self.routers.get(self.engine_plans[index].model) if self.engine_plans else self.router
+        if router is None:  # an external router: its own health checks take the worker out
+            return
+        try:
+            router.remove_worker(url)
+        except KeyError:
+            pass
+
+    def _monitored(self, fn):
+        """Run ``fn()`` with the health monitor probing the engines; it stops (finishing any recovery) after."""
+        if self.health_monitor is None:
+            return fn()
+        before = len(self.health_monitor.recovered)
+        self.health_monitor.start()
+        try:
+            result = fn()
+        finally:
+            self.health_monitor.stop()
+        self._health_restarts = len(self.health_monitor.recovered) - before
+        return result
+
     def check_engines(self) -> list[int]:
-        """Restart dead engines (fault tolerance); return the indices that were restarted. The caller
-        then pushes the current weights to them (``Job.update_weights``)."""
+        """Restart dead engines (fault tolerance); return the indices restarted since the last weight
+        update, by this check or by the health monitor. The caller then reconnects the weight transport
+        and pushes the current weights to every engine (``Job.update_weights``)."""
         if not self.engines:
             return []
         alive = [ray.get([a.alive.remote() for a in actors]) for actors in self.engines]
@@ -217,6 +344,12 @@ class RolloutManager:
                 self.engine_urls[i] = urls[0]
         if restarted:
             self._reregister(restarted)
+        waiting = sorted(self.awaiting_weights - set(restarted))
+        if waiting:  # restarted mid-rollout; the weights they need come with this update
+            self._reregister(waiting)
+        self.awaiting_weights.clear()
+        restarted = sorted(set(restarted) | self.restarted_since_sync)
+        self.restarted_since_sync.clear()
         return restarted
 
     def _reregister(self, restarted: list[int]) -> None:
@@ -279,10 +412,14 @@ class RolloutManager:
 
             set_current_rollout_id(rollout_id)
             counters = engine_counters(self.engine_urls) if self.engine_urls else None
-            output = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+            self._health_restarts = 0
+            output = self._monitored(lambda: call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source,
+                                                             evaluation=False))
             check_fan_out(output.samples)
             samples, extra_metrics = _flatten(output.samples), output.metrics
-            if counters is not None:
+            if self.health_monitor is not None:
+                extra_metrics = {**(extra_metrics or {}), "perf/engine_health_restarts": self._health_restarts}
+            if counters is not None and not self._health_restarts:  # a restarted engine's counters start at 0
                 engine_metrics = engine_time_metrics(counters, engine_counters(self.engine_urls),
                                                      time.perf_counter() - start, len(self.engine_urls))
                 extra_metrics = {**(extra_metrics or {}), **engine_metrics}
@@ -314,7 +451,8 @@ class RolloutManager:
         from slime.rollout.sample_hooks import set_current_rollout_id
 
         set_current_rollout_id(rollout_id)
-        output = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+        output = self._monitored(lambda: call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source,
+                                                         evaluation=True))
         if self.args.save_debug_rollout_data:
             from slime.observability.rollout_data_utils import save_debug_rollout_data
 
@@ -340,12 +478,20 @@ class RolloutManager:
 
     def dispose(self) -> None:
         """Router first, so nothing new is routed to an engine that is going away; then engines."""
+        if self.health_monitor is not None:
+            self.health_monitor.stop()
         for router in {id(r): r for r in [self.router, *getattr(self, "routers", {}).values()] if r is not None}.values():
             router.stop()
         self.router, self.routers = None, {}
         if self.engines:
             ray.get([actor.stop.remote() for actors in self.engines for actor in actors], timeout=120)
             self.engines = []
+
+
+def _served_weight_version(url: str) -> str | None:
+    import httpx
+
+    return httpx.get(f"{url}/get_weight_version", timeout=30).json().get("weight_version")
 
 
 def _node_address() -> str:

@@ -87,6 +87,9 @@ class TrainRayActor:
     def save(self, rollout_id: int) -> None:
         self.worker.save(rollout_id)
 
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
     def save_hf(self, path: str) -> None:
         self.worker.save_hf(path)
 
@@ -144,6 +147,34 @@ class TrainRayActor:
             self.weight_updater.client.resume()
         seconds = time.perf_counter() - start
         return {"perf/update_weights_bytes": sent, "perf/update_weights_gbytes_per_s": sent / max(seconds, 1e-9) / 1e9}
+
+    def push_weights_to(self, engine_urls: list[str], engine_gpu_counts: list[int], weight_version: int) -> int:
+        """Send the current weights to just ``engine_urls`` (engines the health monitor restarted in the
+        middle of a rollout, not yet back in the router) over a transport of their own, labelled
+        ``weight_version``; the main transport is reconnected at the next ``update_weights``. Collective
+        over the training ranks like ``update_weights``; returns the elements sent (rank 0)."""
+        buckets = self.worker.iter_weight_buckets(self.args.update_weight_buffer_size)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return 0
+        if self.args.colocate:
+            from slime.backends.update_weight.tensor import TensorWeightUpdater
+
+            updater = TensorWeightUpdater(self.args, engine_urls, engine_gpu_counts)
+        else:
+            from slime.backends.update_weight.distributed import DistributedWeightUpdater
+
+            # a group name of its own: the main group (with the killed engine in it) still exists here
+            updater = DistributedWeightUpdater(self.args, engine_urls, engine_gpu_counts, group_name="slime-restarted")
+        try:
+            updater.client.pause()
+            try:
+                return updater.update(buckets, str(weight_version))
+            finally:
+                updater.client.resume()
+        finally:
+            updater.close()
 
     def check_weights_equal(self, engine_url: str, names: list[str] | None = None) -> list[str]:
         """Compare engine weights with the trainer's (``--check-weight-update-equal``); returns mismatches."""

@@ -100,6 +100,10 @@ class TrainGroup:
     def save(self, rollout_id: int) -> None:
         ray.get([a.save.remote(rollout_id) for a in self.actors])
 
+    def wait_for_save(self) -> None:
+        """Block until a checkpoint written in the background (``--async-save``) is complete."""
+        ray.get([a.wait_for_save.remote() for a in self.actors])
+
     def save_hf(self, path: str) -> None:
         ray.get([a.save_hf.remote(path) for a in self.actors])
 

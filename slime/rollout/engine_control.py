@@ -56,6 +56,9 @@ async def _in_flight(url: str) -> int | None:
     except HTTPRequestError as e:
         if e.status_code == 404:
             return None
+        if e.status_code is None:  # unreachable: killed or restarting (health monitor), so it runs nothing of ours
+            logger.warning("engine %s unreachable while waiting for it to go idle: %s", url, e)
+            return 0
         raise
     loads = answer.get("loads", []) if isinstance(answer, dict) else []
     return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)

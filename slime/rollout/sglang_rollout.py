@@ -202,7 +202,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
 
     async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
         try:
-            output = await post(get_model_url(args, "default"), payload, headers=headers)
+            output = await _post_generate(args, get_model_url(args, "default"), payload, headers)
         except HTTPRequestError as e:
             if e.status_code is None:
                 raise
@@ -225,6 +225,26 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         text=output.get("text", ""),
     )
     return sample
+
+
+# With --use-fault-tolerance a request that no engine can serve waits as long as an engine restart
+# may take (the restart's own start-up timeout), so with a single engine its samples survive it.
+RESTART_RETRY_S = 1800
+
+
+async def _post_generate(args, url: str, payload: dict, headers: dict | None):
+    """POST /generate to the router. With --use-fault-tolerance, also wait out the router's
+    "No worker available" (404) while the health monitor restarts the engines behind it."""
+    if not getattr(args, "use_fault_tolerance", False):
+        return await post(url, payload, headers=headers)
+    deadline = time.monotonic() + RESTART_RETRY_S
+    while True:
+        try:
+            return await post(url, payload, headers=headers, max_retries=RESTART_RETRY_S)
+        except HTTPRequestError as e:
+            if e.status_code != 404 or "No worker available" not in (e.body or "") or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(1.0)
 
 
 def _resolve_generate_function(args, sample: Sample):
@@ -268,8 +288,9 @@ def _failed_reward(args, evaluation: bool):
 
 
 def _mark_reward_failure(args, samples: list[Sample], error: BaseException, evaluation: bool) -> None:
-    logger.error("reward failed for samples %s: %s: %s", [s.index for s in samples], type(error).__name__, error,
-                 exc_info=error)  # fmt: skip
+    logger.error("reward failed for sample(s) %s of group(s) %s (marked FAILED, reward 0; the run goes on): %s: %s",
+                 [s.index for s in samples], sorted({s.group_index for s in samples}, key=str), type(error).__name__,
+                 error, exc_info=error)  # fmt: skip
     for sample in samples:
         sample.status = Sample.Status.FAILED
         sample.metadata["reward_error"] = f"{type(error).__name__}: {error}"

@@ -144,6 +144,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 6.-7.
     if args.eval_interval is not None and not args.eval_datasets:
         raise ValueError("--eval-interval needs at least one eval dataset (--eval-prompt-data or --eval-config)")
+    if args.async_save and args.train_backend == "megatron":
+        raise ValueError("--async-save is implemented for --train-backend fsdp; Megatron checkpoints are written "
+                         "synchronously: drop --async-save")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save (the directory checkpoints are written to)")
     # 8.-11.
@@ -234,6 +237,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.only_train_params_name_list and args.freeze_params_name_list:
         raise ValueError("--only-train-params-name-list and --freeze-params-name-list are mutually exclusive")
     _validate_weight_update(args)
+    _validate_health_check(args)
     _validate_sglang_side(args)
     _validate_backends(args)
     _parse_json_flags(args)
@@ -398,6 +402,21 @@ def _apply_custom_config(args) -> None:
         raise ValueError(f"--custom-config-path {path}: expected a YAML mapping, got {type(values).__name__}")
     for key, value in values.items():
         setattr(args, key, value)
+
+
+def _validate_health_check(args) -> None:
+    """The rollout health monitor's settings only mean something with --use-fault-tolerance."""
+    defaults = {"rollout_health_check_interval": 30.0, "rollout_health_check_timeout": 30.0,
+                "rollout_health_check_first_wait": 0}
+    changed = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in defaults.items() if getattr(args, k) != v]
+    if changed and not args.use_fault_tolerance:
+        raise ValueError(f"{', '.join(changed)}: the rollout health monitor runs only with --use-fault-tolerance; "
+                         f"add it, or drop these flags")
+    if args.rollout_health_check_interval <= 0 or args.rollout_health_check_timeout <= 0:
+        raise ValueError(f"--rollout-health-check-interval ({args.rollout_health_check_interval}) and "
+                         f"--rollout-health-check-timeout ({args.rollout_health_check_timeout}) must be > 0")
+    if args.rollout_health_check_first_wait < 0:
+        raise ValueError(f"--rollout-health-check-first-wait must be >= 0 (got {args.rollout_health_check_first_wait})")
 
 
 def _validate_weight_update(args) -> None:

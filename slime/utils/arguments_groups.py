@@ -19,9 +19,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--rollout-data-transport": "rollout data always travels through the Ray object store; drop the flag",
     "--http-proxy": "engines and the router are reached directly; set HTTP(S)_PROXY in the environment if needed",
     "--use-distributed-post": "requests are sent from the rollout process; raise --sglang-server-concurrency instead",
-    "--rollout-health-check-interval": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
-    "--rollout-health-check-timeout": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
-    "--rollout-health-check-first-wait": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
     "--log-probs-max-tokens-per-gpu": "the log-prob pass packs micro-batches by --max-tokens-per-gpu; set that instead",
     "--balance-by-flops": "partitioning by FLOPs is not implemented; --balance-data balances tokens across DP ranks",
     "--data-pad-size-multiplier": "packed sequences are not padded to a multiple; drop the flag",
@@ -30,7 +27,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--opd-teacher-load": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang with the "
                           "teacher served at --rm-url",
     "--opd-teacher-ckpt-step": "a teacher inside the trainer is not implemented; use --use-opd --opd-type sglang",
-    "--async-save": "checkpoints are written synchronously; drop the flag",
     "--no-save-rng": "RNG state is always saved with a checkpoint; drop the flag",
     "--ckpt-format": "checkpoints use one format per backend (Megatron: torch_dist, FSDP: DCP); drop the flag",
     "--freeze-indexer": "there is no sparse-attention indexer; use --freeze-params-name-list",
@@ -183,10 +179,18 @@ def _add_rollout_args(parser) -> None:
     g.add_argument("--use-distributed-post", action="store_true", default=False,
                    help="Fan HTTP POSTs out through a pool of Ray actors.")
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,
-                   help="Health-check engines during rollout and restart dead ones.")
-    g.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between probes.")
-    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Probe timeout.")
-    g.add_argument("--rollout-health-check-first-wait", type=float, default=0, help="Grace period before the first probe.")
+                   help="Probe every engine (GET /health_generate) while a rollout or eval runs; an engine that "
+                        "hangs or dies is killed, restarted, given the current weights and put back behind the "
+                        "router, and the requests that failed on it are retried. Dead engines are also restarted "
+                        "before each weight update.")
+    g.add_argument("--rollout-health-check-interval", type=float, default=30.0,
+                   help="Seconds between two health probes of an engine (needs --use-fault-tolerance).")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="Seconds an engine has to answer a health probe before it is treated as hung and "
+                        "restarted (needs --use-fault-tolerance).")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0,
+                   help="Seconds after an engine comes up (start or restart) before its first health probe; "
+                        "raise it when engines compile or warm up slowly (needs --use-fault-tolerance).")
 
 
 def _add_data_args(parser) -> None:
@@ -338,7 +342,10 @@ def _add_checkpoint_args(parser) -> None:
     g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
     g.add_argument("--save", type=str, default=None, help="Save dir.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
-    g.add_argument("--async-save", action="store_true", default=False)
+    g.add_argument("--async-save", action="store_true", default=False,
+                   help="Write checkpoints in the background: the state is copied to host memory, then written "
+                        "while the next step trains; the next save and the end of the run wait for it, and the "
+                        "latest-checkpoint marker moves only once it is complete (--train-backend fsdp).")
     g.add_argument("--no-save-optim", action="store_true", default=False)
     g.add_argument("--no-save-rng", action="store_true", default=False)
     g.add_argument("--no-load-optim", action="store_true", default=False)

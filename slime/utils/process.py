@@ -102,6 +102,19 @@ class ServerProcess:
                 self.process.wait(5)
         return self.process.returncode
 
+    def kill(self, timeout: float = 30.0) -> int | None:
+        """SIGKILL the server's whole process group (it runs in a session of its own): the way to end a
+        hung server, which a stopped (SIGSTOP) or stuck process never answers SIGTERM for."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout)
+        return self.process.returncode
+
     def __enter__(self):
         self.start()
         return self

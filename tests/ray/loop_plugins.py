@@ -20,14 +20,13 @@ async def even_token_fraction_reward(args, sample, **kwargs) -> float:
 
 # ---------------------------------------------------------------- fault injection
 
-_calls = {"n": 0}
-
-
-def _kill_engine_serving(url: str) -> int:
-    """SIGKILL the embedded-engine process listening on ``url``'s port; return its pid."""
+def _kill_engine_serving(url: str, signum: int | None = None) -> int:
+    """Send ``signum`` (default SIGKILL) to the embedded-engine process listening on ``url``'s port;
+    return its pid."""
     import os
     import signal
 
+    signum = signal.SIGKILL if signum is None else signum
     port = url.rsplit(":", 1)[1]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -35,18 +34,38 @@ def _kill_engine_serving(url: str) -> int:
         except OSError:
             continue
         if b"slime.backends.embedded_engine" in cmdline and port.encode() in cmdline:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(int(pid), signum)
             return int(pid)
     raise RuntimeError(f"no engine process found for {url}")
 
 
-async def generate_and_kill_engine_once(args, sample, sampling_params):
-    """The default generate, except that the 6th call of rollout step 1 first kills engine 0."""
+_fault_calls: dict[int, int] = {}
+
+
+async def generate_and_hang_then_kill_engine(args, sample, sampling_params):
+    """The default generate, except that the 6th call of rollout step 1 first SIGSTOPs engine 0 (the
+    process stays alive and keeps its sockets, but answers nothing: a hung engine) and the 6th call
+    of step 2 SIGKILLs it (a dead engine)."""
+    import signal
+
     from slime.rollout.sample_hooks import get_current_rollout_id
     from slime.rollout.sglang_rollout import generate
 
-    if get_current_rollout_id() == 1:
-        _calls["n"] += 1
-        if _calls["n"] == 6:
-            _kill_engine_serving(args.rollout_engine_urls[0])
+    rollout_id = get_current_rollout_id()
+    _fault_calls[rollout_id] = _fault_calls.get(rollout_id, 0) + 1
+    if _fault_calls[rollout_id] == 6 and rollout_id in (1, 2):
+        _kill_engine_serving(args.rollout_engine_urls[0], signal.SIGSTOP if rollout_id == 1 else signal.SIGKILL)
     return await generate(args, sample, sampling_params)
+
+
+def kill_trainer_once_in_step_2(args, rollout_id, rollout_data):
+    """A --rollout-data-postprocess-path hook (it runs on the training rank, in the middle of a step:
+    after the log-prob passes, before the optimizer steps): SIGKILL this trainer process in step 2,
+    the first time only (a marker file under --save remembers it)."""
+    import os
+    import signal
+
+    marker = os.path.join(args.save, "trainer_killed_once")
+    if rollout_id == 2 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -78,3 +78,62 @@ def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path):
     print(f"partial samples recycled: {len(partial)}; continued and kept in step 1: {continued}")
     metrics = compute_rollout_metrics(args, [s for g in second.samples for s in g], rollout_time=1.0)
     assert metrics["rollout/response_len/max"] > 0
+
+
+_router_to_kill = {}
+
+
+async def generate_and_kill_router_once(args, sample, sampling_params):
+    """The default generate, except that the 5th call first SIGKILLs the router (its in-flight
+    requests are lost with it)."""
+    from slime.rollout.sglang_rollout import generate
+
+    _router_to_kill["calls"] = _router_to_kill.get("calls", 0) + 1
+    if _router_to_kill["calls"] == 5:
+        _router_to_kill["router"].process.kill()
+    return await generate(args, sample, sampling_params)
+
+
+def test_router_killed_mid_rollout_is_restarted_and_nothing_is_lost(served_model, tiny_model_dir, tmp_path):
+    """The router dies in the middle of a step; the health monitor (as the rollout manager runs it
+    with --use-fault-tolerance) restarts it on its port with its engine, the default generate retries
+    the requests that failed meanwhile, and the step has every group whole, each sample once."""
+    from slime.backends.router import RouterProcess
+    from slime.ray.engine_health import ROUTER_PROBE_PATH, EngineHealthMonitor
+
+    engine, _ = served_model
+    router = RouterProcess("round_robin", worker_urls=[engine.url])
+    router.start()
+    try:
+        router.wait_healthy(timeout=60)
+        _router_to_kill.update(router=router, calls=0)
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("\n".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) for i in range(8)) + "\n")
+        args = parse_args([
+            "--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", tiny_model_dir,
+            "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "1",
+            "--rollout-max-response-len", "16", "--rm-type", "random", "--use-fault-tolerance",
+            "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2",
+            "--custom-generate-function-path", "tests.rollout.test_rollout_integration.generate_and_kill_router_once",
+            "--sglang-router-ip", router.host, "--sglang-router-port", str(router.port),
+        ])  # fmt: skip
+        args.rollout_engine_urls = [engine.url]
+        restarts = []
+        monitor = EngineHealthMonitor(lambda: [router.url + ROUTER_PROBE_PATH],
+                                      lambda i, why: (restarts.append(why), router.restart(timeout=60)),
+                                      interval=args.rollout_health_check_interval,
+                                      timeout=args.rollout_health_check_timeout)
+        monitor.start()
+        try:
+            out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        finally:
+            monitor.stop()
+        assert len(restarts) == 1 and "dead" in restarts[0]
+        assert len(out.samples) == 4 and all(len(group) == 4 for group in out.samples)
+        leaves = [s for group in out.samples for s in group]
+        assert sorted(s.index for s in leaves) == list(range(16))
+        for sample in leaves:
+            _check_sample(sample)
+    finally:
+        router.stop()

@@ -256,6 +256,59 @@ def test_reward_failure_marks_sample_failed(tiny_model_dir, prompt_file, engine,
     assert "judge exploded" in caplog.text
 
 
+async def reward_failing_on_sample_2(args, sample, **kwargs):
+    if sample.index == 2:
+        raise ValueError("unparsable answer")
+    return 1.0
+
+
+def test_reward_failing_on_one_sample_fails_only_that_sample(tiny_model_dir, prompt_file, engine, caplog):
+    """As docs/customization.md says: that sample becomes FAILED with reward 0 and the error in its
+    metadata, the log names it, its group keeps all its samples, and the step trains on all of them
+    (FAILED is trained like COMPLETED), the failed one with reward 0 in its group's normalisation."""
+    from slime.utils.train_data import convert_samples_to_train_data
+
+    args = make_args(tiny_model_dir, prompt_file, engine, "--custom-rm-path",
+                     "tests.rollout.test_sglang_rollout.reward_failing_on_sample_2")  # fmt: skip
+    out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [len(group) for group in out.samples] == [2, 2]
+    leaves = sorted((s for g in out.samples for s in g), key=lambda s: s.index)
+    assert [s.index for s in leaves] == [0, 1, 2, 3]
+    failed = [s for s in leaves if s.status == Sample.Status.FAILED]
+    assert [s.index for s in failed] == [2] and failed[0].reward == 0.0
+    assert failed[0].metadata["reward_error"] == "ValueError: unparsable answer"
+    assert all(s.reward == 1.0 and s.status == Sample.Status.COMPLETED for s in leaves if s.index != 2)
+    assert "reward failed for sample(s) [2] of group(s) [1]" in caplog.text and "unparsable answer" in caplog.text
+    data = convert_samples_to_train_data(args, leaves)
+    assert data["sample_indices"] == [0, 1, 2, 3] and data["raw_reward"] == [1.0, 1.0, 0.0, 1.0]
+    assert data["rewards"][2] < 0 < data["rewards"][3]  # group 1 normalised with the failed sample in it
+
+
+def test_remote_reward_model_that_times_out_fails_its_samples_not_the_run(tiny_model_dir, prompt_file, engine,
+                                                                         monkeypatch, caplog):
+    """--rm-url pointing at a server that accepts connections and never answers: each attempt times
+    out, the retries run out, every sample is FAILED (reward 0) with the URL and the timeout in its
+    reward_error, each group is whole, and the rollout returns."""
+    import socket
+
+    from slime.rollout.rm_hub import remote as remote_rm_module
+
+    monkeypatch.setattr(remote_rm_module, "REQUEST_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(remote_rm_module, "BACKOFF_BASE_S", 0.001)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}/rm"
+        args = make_args(tiny_model_dir, prompt_file, engine, "--rm-type", "remote_rm", "--rm-url", url)
+        out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [len(group) for group in out.samples] == [2, 2]
+    for sample in (s for g in out.samples for s in g):
+        assert sample.status == Sample.Status.FAILED and sample.reward == 0.0
+        error = sample.metadata["reward_error"]
+        assert error.startswith(f"RemoteRewardError: remote reward model {url} failed after 10 attempts") and "Timeout" in error
+    assert "reward failed for sample(s)" in caplog.text
+
+
 def test_group_rm(tiny_model_dir, prompt_file, engine):
     args = make_args(tiny_model_dir, prompt_file, engine, "--group-rm", "--custom-rm-path",
                      "tests.plugin_contracts.sample_plugins.reward.batched_reward")  # fmt: skip

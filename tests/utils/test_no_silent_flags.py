@@ -126,7 +126,7 @@ def test_the_lists_hold_only_flags_that_need_them():
 def test_the_scan_finds_a_flag_nobody_reads():
     """The scanner itself: flags the trainer reads are found, a refused (unread) one is reported."""
     assert "seed" in read_names() and "lr" in read_names()
-    assert "rollout_health_check_interval" in silent_flags()  # refused, but still unread
+    assert "use_stateless_adam" in silent_flags()  # refused, but still unread
 
 
 def _non_default_argv(action) -> list[str]:
@@ -176,6 +176,6 @@ def test_derived_flags_take_effect(tmp_path):
 
 def test_a_refused_flag_set_by_custom_config_is_refused_too(tmp_path):
     path = tmp_path / "custom.yaml"
-    path.write_text("async_save: true\n")
-    with pytest.raises(ValueError, match="--async-save True is not implemented"):
+    path.write_text("use_stateless_adam: true\n")
+    with pytest.raises(ValueError, match="--use-stateless-adam True is not implemented"):
         parse_args(BASE + ["--custom-config-path", str(path)])

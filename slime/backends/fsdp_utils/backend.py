@@ -53,6 +53,7 @@ class FSDPBackend(TrainBackend):
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
         self.model = self.ref_model = self.old_actor = self.optimizer = self.scheduler = None
+        self._async_writer = None  # --async-save: the checkpoint written in the background
         self.offloaded = False
         self._old_actor_loaded = False
 
@@ -257,8 +258,18 @@ class FSDPBackend(TrainBackend):
     # ------------------------------------------------------------------ checkpoints and weights
 
     def save(self, rollout_id: int) -> None:
-        """DCP checkpoint (model, optimizer, scheduler, RNG, step) under ``--save`` (critic: ``<save>/critic``)."""
-        ckpt.save_checkpoint(self, self._checkpoint_dir(self.args.save), rollout_id)
+        """DCP checkpoint (model, optimizer, scheduler, RNG, step) under ``--save`` (critic: ``<save>/critic``);
+        with ``--async-save`` written in the background (``wait_for_save``)."""
+        if getattr(self.args, "async_save", False):
+            if self._async_writer is None:
+                self._async_writer = ckpt.AsyncCheckpointWriter()
+            self._async_writer.save(self, self._checkpoint_dir(self.args.save), rollout_id)
+        else:
+            ckpt.save_checkpoint(self, self._checkpoint_dir(self.args.save), rollout_id)
+
+    def wait_for_save(self) -> None:
+        if self._async_writer is not None:
+            self._async_writer.wait()
 
     def save_hf(self, path: str) -> None:
         ckpt.save_hf(self, path)

@@ -5,12 +5,20 @@ Layout under the checkpoint root (``--save``; the critic uses ``<save>/critic``)
     latest_checkpointed_iteration.txt        the last complete rollout id (written last, by rank 0)
     iter_0000007/dcp/                        DCP shards: {"model": ..., "optim": ..., "old_actor": ... (--keep-old-actor)}
     iter_0000007/extra_state_rank{r}.pt      scheduler, global step, RNG states of rank r
+
+``--async-save`` (:class:`AsyncCheckpointWriter`): the state is copied to host memory (DCP's stager)
+before ``save`` returns, and written by a background thread while the next step trains; the latest
+marker moves only after every rank finished writing, so a run killed mid-write resumes from the
+previous checkpoint. The next save, and the end of the run, wait for the write in flight.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import random
+import threading
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -19,9 +27,12 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from slime.backends.fsdp_utils.backend import FSDPBackend
 
+logger = logging.getLogger(__name__)
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
-__all__ = ["LATEST_FILE", "is_hf_dir", "save_checkpoint", "load_checkpoint", "save_hf", "named_hf_weights", "full_state_dict"]
+__all__ = ["LATEST_FILE", "AsyncCheckpointWriter", "is_hf_dir", "save_checkpoint", "load_checkpoint", "save_hf",
+           "named_hf_weights", "full_state_dict"]
 
 
 def is_hf_dir(path: str | None) -> bool:
@@ -51,9 +62,8 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
-    """Collective save of model, optimizer, scheduler, step and RNG; returns the iteration dir."""
-    import torch.distributed.checkpoint as dcp
+def _prepare(backend: "FSDPBackend", root: str | None, rollout_id: int) -> tuple[str, dict, dict]:
+    """Collective: the iteration directory (created), the DCP state and the per-rank extra state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if not root:
@@ -68,18 +78,81 @@ def save_checkpoint(backend: "FSDPBackend", root: str | None, rollout_id: int) -
         state["optim"] = optim_state
     if getattr(backend, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
         state["old_actor"] = get_model_state_dict(backend.old_actor)
-    dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
     extra = {"scheduler": backend.scheduler.state_dict(), "global_step": backend.global_step, "rng": _rng_state(),
              "rollout_id": rollout_id}
+    return directory, state, extra
+
+
+def _write_latest(root: str, rollout_id: int) -> None:
+    tmp = os.path.join(root, LATEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(rollout_id))
+    os.replace(tmp, os.path.join(root, LATEST_FILE))
+
+
+def save_checkpoint(backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
+    """Collective save of model, optimizer, scheduler, step and RNG; returns the iteration dir."""
+    import torch.distributed.checkpoint as dcp
+
+    directory, state, extra = _prepare(backend, root, rollout_id)
+    dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
     torch.save(extra, os.path.join(directory, f"extra_state_rank{backend.rank}.pt"))
     dist.barrier()
     if backend.rank == 0:
-        tmp = os.path.join(root, LATEST_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(rollout_id))
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
+        _write_latest(root, rollout_id)
     dist.barrier()
     return directory
+
+
+class AsyncCheckpointWriter:
+    """``--async-save``: one checkpoint written in the background at a time.
+
+    ``save`` is collective and returns once this rank's state is a private copy in host memory (so
+    the next step may change the parameters and optimizer state); a thread then writes it, through a
+    gloo process group of its own (the training collectives run meanwhile on the default group),
+    waits for every rank, and rank 0 moves the latest marker. ``wait`` joins that thread and
+    re-raises a failed write; ``save`` calls it first.
+    """
+
+    def __init__(self):
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.in_flight: int | None = None  # the rollout id being written
+
+    def save(self, backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank saves
+        directory, state, extra = _prepare(backend, root, rollout_id)
+        upload = dcp.async_save(state, checkpoint_id=os.path.join(directory, "dcp"), process_group=self._group)
+        extra = copy.deepcopy(extra)  # the scheduler's and RNG state of now, not of when the write ends
+        self.in_flight = rollout_id
+        self._thread = threading.Thread(target=self._finish, args=(upload, extra, directory, root, rollout_id, backend.rank),
+                                        name=f"async-save[{rollout_id}]", daemon=True)
+        self._thread.start()
+        return directory
+
+    def _finish(self, upload, extra: dict, directory: str, root: str, rollout_id: int, rank: int) -> None:
+        try:
+            upload.result()
+            torch.save(extra, os.path.join(directory, f"extra_state_rank{rank}.pt"))
+            dist.barrier(group=self._group)  # every rank's shards are on disk
+            if rank == 0:
+                _write_latest(root, rollout_id)
+            logger.info("async checkpoint of rollout %d written to %s", rollout_id, directory)
+        except BaseException as e:  # reported by wait(), in the training thread
+            self._error = e
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self.in_flight = None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"--async-save: writing the checkpoint failed: {error}") from error
 
 
 def load_checkpoint(backend: "FSDPBackend", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:

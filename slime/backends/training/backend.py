@@ -147,6 +147,10 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def save(self, rollout_id: int) -> None: ...
 
+    def wait_for_save(self) -> None:
+        """Return once the last ``save`` is on disk (``--async-save``); a backend that saves
+        synchronously has nothing to wait for."""
+
     @abc.abstractmethod
     def save_hf(self, path: str) -> None: ...
 

@@ -308,6 +308,10 @@ class TrainWorker:
         """Checkpoint of model, optimizer, schedule, RNG and step under ``--save`` (critic: ``<save>/critic``)."""
         self.backend.save(rollout_id)
 
+    def wait_for_save(self) -> None:
+        """Wait for a checkpoint still being written (``--async-save``); re-raises a failed write."""
+        self.backend.wait_for_save()
+
     def save_hf(self, path: str) -> None:
         """HF directory (safetensors + config + tokenizer), written by rank 0; collective."""
         self.backend.save_hf(path)

@@ -28,8 +28,8 @@ def _free_port(host: str) -> int:
 
 
 class DistributedWeightUpdater:
-    def __init__(self, args, engine_urls: list[str], engine_gpu_counts: list[int]):
-        self.args = args
+    def __init__(self, args, engine_urls: list[str], engine_gpu_counts: list[int], group_name: str = GROUP_NAME):
+        self.args, self.group_name = args, group_name
         self.client = EngineClient(engine_urls)
         self.engine_gpu_counts = engine_gpu_counts
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_only else torch.device("cpu")
@@ -44,11 +44,11 @@ class DistributedWeightUpdater:
         futures = [
             self.client._pool.submit(self.client.post, url, "/init_weights_update_group", {
                 "master_address": host, "master_port": port, "rank_offset": offset, "world_size": world_size,
-                "group_name": GROUP_NAME, "backend": self.backend})
+                "group_name": self.group_name, "backend": self.backend})
             for url, offset in zip(self.client.engine_urls, offsets)
         ]
         try:
-            self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world_size, 0, GROUP_NAME,
+            self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world_size, 0, self.group_name,
                                                    timeout=timedelta(minutes=self.args.distributed_timeout_minutes))
             for future in futures:
                 future.result()
@@ -81,7 +81,7 @@ class DistributedWeightUpdater:
                 "names": [name for name, _ in bucket],
                 "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": GROUP_NAME, "flush_cache": False, "weight_version": weight_version,
+                "group_name": self.group_name, "flush_cache": False, "weight_version": weight_version,
                 "load_format": "flattened_bucket",
             }
             if pending is not None:
@@ -111,7 +111,7 @@ class DistributedWeightUpdater:
         if self.group is not None:
             # Both sides tear the communicator down together: NCCL's destroy waits for the peers, so a
             # blocking request first (then the local destroy) would hang on GPU.
-            futures = self.client.submit_all("/destroy_weights_update_group", {"group_name": GROUP_NAME})
+            futures = self.client.submit_all("/destroy_weights_update_group", {"group_name": self.group_name})
             dist.destroy_process_group(self.group)
             self.group = None
             for future in futures:

@@ -48,7 +48,7 @@ async def remote_rm(args, sample, max_retries: int = 10):
     last_error = ""
     for attempt in range(1, max_retries + 1):
         try:
-            response = await _client().post(url, json=payload)
+            response = await _client().post(url, json=payload, timeout=REQUEST_TIMEOUT_S)
             if response.status_code < 400:
                 return response.json()
             last_error = f"HTTP {response.status_code}: {response.text[:300]}"

@@ -120,17 +120,21 @@ def test_grpo_steps_raise_rewarded_log_probs(tiny_model_dir):
     assert len(changed) > len(before_params) // 2
 
 
-def test_save_load_resumes_bit_identical(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async_save"])
+def test_save_load_resumes_bit_identical(tiny_model_dir, tmp_path, async_save):
+    """With --async-save the checkpoint is written while the next step changes the parameters and
+    the optimizer state in place: what is resumed is still the state of the step that saved it."""
     extra = ("--num-steps-per-rollout", "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--lr", "1e-3",
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", *(["--async-save"] if async_save else []))
     save_dir = str(tmp_path / "ckpt")
     args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
     data = rank_data(args, make_samples(4))
     worker = new_worker(args)
     worker.train(0, data)
     worker.save(0)
+    expected = worker.train(1, copy.copy(data))  # async: runs while checkpoint 0 is written
+    worker.wait_for_save()
     assert open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read() == "0"
-    expected = worker.train(1, copy.copy(data))
     resumed_args = make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2)
     resumed = TrainWorker(resumed_args)
     assert resumed.init() == 1
@@ -244,11 +248,14 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
 
 
 @pytest.mark.gpu
-def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async_save"])
+def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path, async_save):
     """On CUDA the optimizer is the fused AdamW (its step counts are device tensors): a resume from
     the checkpoint restores the step count and moments, so the next rollout's metrics and weights
-    match the uninterrupted run (to GPU rounding: kernels with atomics are not bit-deterministic)."""
-    extra = ("--num-steps-per-rollout", "2", "--lr", "1e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
+    match the uninterrupted run (to GPU rounding: kernels with atomics are not bit-deterministic).
+    With --async-save the state is staged from the GPU to host memory and written while step 1 runs."""
+    extra = ("--num-steps-per-rollout", "2", "--lr", "1e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+             *(["--async-save"] if async_save else []))
     save_dir = str(tmp_path / "ckpt")
     args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
     data = rank_data(args, make_samples(4))
@@ -257,6 +264,7 @@ def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path):
     worker.train(0, data)
     worker.save(0)
     expected = worker.train(1, copy.copy(data))
+    worker.wait_for_save()
     resumed = TrainWorker(make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2))
     assert resumed.init() == 1
     steps = {float(s["step"]) for s in resumed.backend.optimizer.state.values()}
