@@ -41,6 +41,7 @@ class Job:
         self.args = args
         self.actor = self.critic = self.rollout_manager = None
         self.tracker = Tracker(args)
+        args.run_dir = os.path.abspath(self.tracker.run_dir)  # trainers and engines write profiles there too
         self.timings: dict[str, float] = {}
         self.weight_version = 0
         self._engine_memory = None  # device memory with the engines resident, for the offload decision

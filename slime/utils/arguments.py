@@ -234,6 +234,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.only_train_params_name_list and args.freeze_params_name_list:
         raise ValueError("--only-train-params-name-list and --freeze-params-name-list are mutually exclusive")
     _validate_weight_update(args)
+    _validate_profiling(args)
     _validate_sglang_side(args)
     _validate_backends(args)
     _parse_json_flags(args)
@@ -284,6 +285,32 @@ def _check_prompt_files(args) -> None:
         if not os.path.isfile(file_path):
             raise FileNotFoundError(f"{flag}: prompt file {file_path!r} does not exist (resolved from "
                                     f"{os.getcwd()!r}); give an existing .jsonl or .parquet file")
+
+
+def _validate_profiling(args) -> None:
+    """--profile-target turns the profiler on; a step range that profiles nothing, or memory history
+    without CUDA, fails here instead of silently producing no files."""
+    if args.profile_target:
+        args.use_pytorch_profiler = True
+    if args.use_pytorch_profiler:
+        args.profile_target = args.profile_target or ["train_overall"]
+        if args.profile_step_end <= args.profile_step_start:
+            raise ValueError(f"--profile-step-end ({args.profile_step_end}) must be > --profile-step-start "
+                             f"({args.profile_step_start}): rollout steps start <= id < end are profiled")
+        first = args.start_rollout_id or 0
+        if args.num_rollout is not None and not first <= args.profile_step_start < args.num_rollout:
+            raise ValueError(f"--profile-step-start {args.profile_step_start} is outside the run's rollout steps "
+                             f"({first}..{args.num_rollout - 1}, --num-rollout {args.num_rollout}): nothing would be "
+                             "profiled; lower --profile-step-start/--profile-step-end")
+    if args.memory_snapshot_num_steps is not None and args.memory_snapshot_num_steps < 1:
+        raise ValueError(f"--memory-snapshot-num-steps must be >= 1, got {args.memory_snapshot_num_steps}")
+    if args.record_memory_history:
+        import torch
+
+        if args.cpu_only or not torch.cuda.is_available():
+            raise ValueError("--record-memory-history records the CUDA allocator and needs a GPU "
+                             f"({'--cpu-only is set' if args.cpu_only else 'torch sees no CUDA device'}); "
+                             "drop the flag on CPU (--use-pytorch-profiler works there)")
 
 
 def _validate_opd(args) -> None:

@@ -48,11 +48,7 @@ REFUSED_FLAGS: dict[str, str] = {
     "--log-reward-category": "not implemented; --custom-rollout-log-function-path can log metrics by category",
     "--log-correct-samples": "not implemented; --save-debug-rollout-data dumps every sample with its reward",
     "--load-forge-rollout-data": "use --load-debug-rollout-data with slime's own dumps",
-    "--memory-snapshot-dir": "memory snapshots are not implemented",
-    "--memory-snapshot-num-steps": "memory snapshots are not implemented",
-    "--profile-target": "the torch profiler is not wired in; the run's trace (metrics.jsonl, --run-dir) has phase timings",
-    "--memory-recorder": "memory recording is not implemented",
-    "--record-memory-history": "memory recording is not implemented",
+    "--memory-recorder": "only the torch recorder is implemented (--record-memory-history, CUDA)",
     "--rollout-buffer-url": "the rollout-buffer service is not supported; write a --rollout-function-path or "
                             "--data-source-path plugin instead",
     "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
@@ -398,12 +394,27 @@ def _add_debug_args(parser) -> None:
     g.add_argument("--dump-details", type=str, default=None)
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None)
     g.add_argument("--load-forge-rollout-data", type=str, default=None)
-    g.add_argument("--memory-snapshot-dir", type=str, default=".")
-    g.add_argument("--memory-snapshot-num-steps", type=int, default=None)
-    g.add_argument("--profile-target", type=str, nargs="+", default=["train_overall"],
-                   choices=["train_overall", "train_actor", "train_log_probs"])
+    g.add_argument("--use-pytorch-profiler", action="store_true", default=False,
+                   help="Record the torch profiler over rollout steps --profile-step-start..--profile-step-end-1 "
+                        "(what: --profile-target); Chrome traces go to <run-dir>/profile/.")
+    g.add_argument("--profile-target", type=str, nargs="+", default=None,
+                   choices=["train_overall", "train", "train_actor", "train_log_probs", "rollout"],
+                   help="What the profiler records (setting it turns --use-pytorch-profiler on; default "
+                        "train_overall): a trainer rank's whole step (train_overall, alias train), its optimizer "
+                        "steps (train_actor), its forward-only log-prob passes (train_log_probs), the engines "
+                        "during generation (rollout).")
+    g.add_argument("--profile-step-start", type=int, default=10, help="First rollout step profiled.")
+    g.add_argument("--profile-step-end", type=int, default=12, help="Rollout step after the last one profiled.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="Training ranks profiled.")
+    g.add_argument("--memory-snapshot-dir", type=str, default=None,
+                   help="Where --record-memory-history writes its snapshots (default: <run-dir>/memory).")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None,
+                   help="Write one memory snapshot after this many rollout steps, then stop recording "
+                        "(default: a snapshot after every step).")
     g.add_argument("--memory-recorder", choices=["torch", "memray"], default="torch")
-    g.add_argument("--record-memory-history", action="store_true", default=False)
+    g.add_argument("--record-memory-history", action="store_true", default=False,
+                   help="Record the CUDA allocator's history in every trainer rank and dump snapshots "
+                        "(pytorch.org/memory_viz opens them); needs CUDA.")
 
 
 def _add_rollout_buffer_args(parser) -> None:
