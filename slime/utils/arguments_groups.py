@@ -44,9 +44,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--mtp-num-layers": "multi-token-prediction layers are not built; drop the flag",
     "--mtp-loss-scaling-factor": "multi-token-prediction layers are not trained; drop the flag",
     "--wandb-always-use-train-step": "W&B steps are rollout ids; drop the flag",
-    "--log-multi-turn": "not implemented; --custom-rollout-log-function-path can log per-turn metrics",
-    "--log-reward-category": "not implemented; --custom-rollout-log-function-path can log metrics by category",
-    "--log-correct-samples": "not implemented; --save-debug-rollout-data dumps every sample with its reward",
     "--load-forge-rollout-data": "use --load-debug-rollout-data with slime's own dumps",
     "--memory-recorder": "only the torch recorder is implemented (--record-memory-history, CUDA)",
     "--rollout-buffer-url": "the rollout-buffer service is not supported; write a --rollout-function-path or "
@@ -377,10 +374,17 @@ def _add_logging_args(parser) -> None:
     g.add_argument("--use-tensorboard", action="store_true", default=False)
     g.add_argument("--tb-project-name", type=str, default=None)
     g.add_argument("--tb-experiment-name", type=str, default=None)
-    g.add_argument("--log-multi-turn", action="store_true", default=False)
+    g.add_argument("--log-multi-turn", action="store_true", default=False,
+                   help="Log multi_turn/* metrics: response lengths with and without tool observations, model "
+                        "turns per sample.")
     g.add_argument("--log-passrate", action="store_true", default=False)
-    g.add_argument("--log-reward-category", type=str, default=None)
-    g.add_argument("--log-correct-samples", action="store_true", default=False)
+    g.add_argument("--log-reward-category", type=str, default=None,
+                   help="Key of dict rewards whose value is tallied per step as rollout/error_cat/<value> "
+                        "(share of samples).")
+    g.add_argument("--log-correct-samples", action="store_true", default=False,
+                   help="Log rollout/correct_length/p25..p100, rollout/correct_ratio and rollout/correct_entropy "
+                        "of correct samples (reward exactly 1); the trainer then computes entropy in its "
+                        "forward-only pass.")
     g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
     g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
     g.add_argument("--run-dir", type=str, default=None,

@@ -95,6 +95,7 @@ class TrainWorker:
             and not getattr(args, "use_rollout_logprobs", False)
             and not getattr(args, "get_mismatch_metrics", False)
             and not getattr(args, "use_rollout_entropy", False)
+            and not getattr(args, "log_correct_samples", False)
             and args.advantage_estimator not in ("ppo", "gspo")
             and not getattr(args, "keep_old_actor", False)
             and not getattr(args, "use_opd", False)
@@ -114,7 +115,8 @@ class TrainWorker:
         args = self.args
         result: dict[str, list[torch.Tensor]] = {}
         if batch.log_probs is None and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
-            with_entropy = getattr(args, "use_rollout_entropy", False)
+            # --log-correct-samples reports the entropy of correct samples: the π_old pass computes it
+            with_entropy = getattr(args, "use_rollout_entropy", False) or getattr(args, "log_correct_samples", False)
             # --keep-old-actor: π_old = the actor before the last update
             which = "old_actor" if self.backend.has_model("old_actor") else "model"
             result["log_probs"], entropy = self._forward_only(which, batch, ModelOutput("log_probs", entropy=with_entropy))
@@ -305,7 +307,8 @@ class TrainWorker:
         return metrics_lib.reduce_sums(sums, normaliser, self.layout)
 
     def rollout_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        return metrics_lib.rollout_metrics(batch, self.layout, self._device())
+        return metrics_lib.rollout_metrics(batch, self.layout, self._device(),
+                                           correct_entropy=getattr(self.args, "log_correct_samples", False))
 
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""
