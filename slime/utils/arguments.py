@@ -164,6 +164,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if (getattr(args, "context_parallel_size", 1) or 1) > 1 and getattr(args, "train_backend", "fsdp") != "megatron":
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} needs --train-backend megatron "
                          f"(the FSDP backend has no context parallelism)")
+    if args.balance_by_flops:
+        if not args.use_dynamic_batch_size:
+            raise ValueError("--balance-by-flops balances the micro-batches that dynamic batching packs: add "
+                             "--use-dynamic-batch-size --max-tokens-per-gpu N")
+        args.balance_data = True
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
     # 14.-15.

@@ -23,7 +23,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--rollout-health-check-timeout": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
     "--rollout-health-check-first-wait": "there is no periodic engine health probe; --use-fault-tolerance restarts dead engines",
     "--log-probs-max-tokens-per-gpu": "the log-prob pass packs micro-batches by --max-tokens-per-gpu; set that instead",
-    "--balance-by-flops": "partitioning by FLOPs is not implemented; --balance-data balances tokens across DP ranks",
     "--data-pad-size-multiplier": "packed sequences are not padded to a multiple; drop the flag",
     "--use-stateless-adam": "only --optimizer adam/sgd are implemented",
     "--recompute-loss-function": "use --recompute-granularity / --gradient-checkpointing for activation memory",
@@ -208,7 +207,11 @@ def _add_data_args(parser) -> None:
     g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget per micro-batch.")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None, help="Token budget for log-prob passes.")
     g.add_argument("--balance-data", action="store_true", default=False, help="Balance tokens across DP ranks.")
-    g.add_argument("--balance-by-flops", action="store_true", default=False, help="FLOP-aware partitioning.")
+    g.add_argument("--balance-by-flops", action="store_true", default=False,
+                   help="Balance DP shards (implies --balance-data) and micro-batches (needs "
+                        "--use-dynamic-batch-size) by each sample's "
+                        "training-FLOPs estimate (attention grows with length squared, the output head with the "
+                        "response) instead of its token count; --max-tokens-per-gpu still caps tokens.")
     g.add_argument("--loss-mask-type", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"], default="qwen",
                    help="Chat-format family for SFT loss masks.")
     g.add_argument("--data-pad-size-multiplier", type=int, default=128, help="Packed-sequence padding multiple.")
