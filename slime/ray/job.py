@@ -217,7 +217,7 @@ class Job:
     def evaluate(self, rollout_id: int) -> dict:
         metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))
         self.tracker.log(metrics, rollout_id, "eval")
-        self.tracker.console(rollout_id, metrics)
+        self.tracker.console_eval(rollout_id, metrics)
         return metrics
 
     def should_save(self, rollout_id: int) -> bool:

@@ -239,7 +239,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.only_train_params_name_list and args.freeze_params_name_list:
         raise ValueError("--only-train-params-name-list and --freeze-params-name-list are mutually exclusive")
     _validate_weight_update(args)
-    _validate_profiling(args)
+    _validate_observability(args)
     _validate_sglang_side(args)
     _validate_backends(args)
     _parse_json_flags(args)
@@ -292,9 +292,11 @@ def _check_prompt_files(args) -> None:
                                     f"{os.getcwd()!r}); give an existing .jsonl or .parquet file")
 
 
-def _validate_profiling(args) -> None:
+def _validate_observability(args) -> None:
     """--profile-target turns the profiler on; a step range that profiles nothing, or memory history
     without CUDA, fails here instead of silently producing no files."""
+    if args.console_log_interval is not None and args.console_log_interval < 1:
+        raise ValueError(f"--console-log-interval must be >= 1, got {args.console_log_interval}")
     if args.profile_target:
         args.use_pytorch_profiler = True
     if args.use_pytorch_profiler:

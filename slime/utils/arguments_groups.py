@@ -390,6 +390,10 @@ def _add_logging_args(parser) -> None:
                         "forward-only pass.")
     g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
     g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
+    g.add_argument("--console-log-interval", type=int, default=None,
+                   help="Without a terminal (CI, a log file): print a step line every N rollout steps (default: "
+                        "about 20 lines per run; the first and last step always). On a terminal a progress bar "
+                        "shows every step. metrics.jsonl always has every step.")
     g.add_argument("--run-dir", type=str, default=None,
                    help="Directory for metrics.jsonl, logs and the run summary (default: runs/<timestamp>).")
 
