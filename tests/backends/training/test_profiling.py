@@ -27,7 +27,7 @@ def test_profiled_train_step_writes_a_trace_of_its_ops(tiny_model_dir, tmp_path)
     worker = TrainWorker(args)
     worker.init()
     data = rank_data(args, make_samples(4))
-    for rollout_id in range(3):
+    for rollout_id in range(2):
         worker.train(rollout_id, data)
 
     profile_dir = tmp_path / "profile"
