@@ -93,6 +93,7 @@ class Job:
             ray.get(self.rollout_manager.load.remote(args.start_rollout_id - 1))
         # weight_version == number of rollout steps trained on: the first sync publishes start_rollout_id
         self.weight_version = args.start_rollout_id - 1
+        self._log_placement()
         if self.actor is not None and not args.debug_train_only:
             engine_gpu_counts = ray.get(self.rollout_manager.engine_gpu_counts.remote())
             self.actor.connect_rollout_engines(args.rollout_engine_urls, engine_gpu_counts)
@@ -102,6 +103,13 @@ class Job:
                 if mismatches:
                     raise RuntimeError(f"--check-weight-update-equal: engine weights differ for {mismatches[:10]}")
                 logger.info("--check-weight-update-equal: engine weights equal the trainer's")
+
+    def _log_placement(self) -> None:
+        """Which node each training rank and engine runs on (one line; multi-node runs are read from it)."""
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+        ranks = ray.get([a.node_ip.remote() for a in self.actor.actors]) if self.actor is not None else []
+        logger.info("placement on %d Ray node(s): actor ranks on %s; engines at %s", len(nodes), ranks,
+                    list(getattr(self.args, "rollout_engine_urls", None) or []))
 
     # ------------------------------------------------------------------ the loop's named steps
 
