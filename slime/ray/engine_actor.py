@@ -105,6 +105,24 @@ def cpu_engine_threads(args, cpu_count: int | None = None) -> int:
     return max(1, cores // sharers)
 
 
+def engine_host() -> str:
+    """Where an embedded engine listens: loopback on a one-node cluster; this node's IP when the Ray
+    cluster has several nodes, so that trainers and the rollout manager on other nodes reach it."""
+    from slime.backends.embedded_engine.config import is_loopback
+
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if len(alive) <= 1:
+        return "127.0.0.1"
+    host = ray.util.get_node_ip_address()
+    if not is_loopback(host):
+        # the rollout path (router, weight sync) sends no credentials, and an engine without them must
+        # not listen beyond this machine
+        raise RuntimeError(f"embedded engines listen on loopback addresses only, and this Ray node's address is "
+                           f"{host}: across machines use --rollout-backend sglang; one machine with several Ray "
+                           "nodes on loopback IPs works (scripts/run-multinode-cpu.sh)")
+    return host
+
+
 @ray.remote
 class EngineActor:
     """One engine (embedded), or one node's process of an SGLang engine (``process_plan``)."""
@@ -125,7 +143,7 @@ class EngineActor:
             env = dict(os.environ)
             if not gpu:
                 env["OMP_NUM_THREADS"] = env.get("SLIME_ENGINE_THREADS") or str(cpu_engine_threads(self.args))
-            self.process = EmbeddedEngineProcess(self.args.hf_checkpoint, port=self.port,
+            self.process = EmbeddedEngineProcess(self.args.hf_checkpoint, port=self.port, host=engine_host(),
                                                  extra_args=embedded_engine_argv(self.args, gpu), env=env)
         else:
             from slime.backends.sglang_utils.sglang_server import SGLangServerProcess

@@ -41,6 +41,7 @@ class Job:
         self.args = args
         self.actor = self.critic = self.rollout_manager = None
         self.tracker = Tracker(args)
+        args.run_dir = os.path.abspath(self.tracker.run_dir)  # trainers and engines write profiles there too
         self.timings: dict[str, float] = {}
         self.weight_version = 0
         self._engine_memory = None  # device memory with the engines resident, for the offload decision
@@ -94,6 +95,7 @@ class Job:
             ray.get(self.rollout_manager.load.remote(args.start_rollout_id - 1))
         # weight_version == number of rollout steps trained on: the first sync publishes start_rollout_id
         self.weight_version = args.start_rollout_id - 1
+        self._log_placement()
         if self.actor is not None and not args.debug_train_only:
             engine_gpu_counts = ray.get(self.rollout_manager.engine_gpu_counts.remote())
             self.actor.connect_rollout_engines(args.rollout_engine_urls, engine_gpu_counts)
@@ -103,6 +105,13 @@ class Job:
                 if mismatches:
                     raise RuntimeError(f"--check-weight-update-equal: engine weights differ for {mismatches[:10]}")
                 logger.info("--check-weight-update-equal: engine weights equal the trainer's")
+
+    def _log_placement(self) -> None:
+        """Which node each training rank and engine runs on (one line; multi-node runs are read from it)."""
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+        ranks = ray.get([a.node_ip.remote() for a in self.actor.actors]) if self.actor is not None else []
+        logger.info("placement on %d Ray node(s): actor ranks on %s; engines at %s", len(nodes), ranks,
+                    list(getattr(self.args, "rollout_engine_urls", None) or []))
 
     # ------------------------------------------------------------------ the loop's named steps
 
@@ -219,7 +228,7 @@ class Job:
     def evaluate(self, rollout_id: int) -> dict:
         metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))
         self.tracker.log(metrics, rollout_id, "eval")
-        self.tracker.console(rollout_id, metrics)
+        self.tracker.console_eval(rollout_id, metrics)
         return metrics
 
     def should_save(self, rollout_id: int) -> bool:

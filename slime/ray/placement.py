@@ -36,6 +36,10 @@ def init_ray(args) -> None:
         if name in os.environ:  # NVLink multicast stays off in every worker too
             env_vars[name] = os.environ[name]
     env_vars.update(args.train_env_vars or {})
+    # under `ray job submit --runtime-env-json ...` Ray refuses to merge a driver env var that differs
+    # from the job's: the job's own values (already in this process's environment) win
+    job_env = _job_env_vars()
+    env_vars = {k: v for k, v in env_vars.items() if k not in job_env}
     runtime_env = {"env_vars": env_vars}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
@@ -47,6 +51,14 @@ def init_ray(args) -> None:
         num_cpus = max(wanted, os.cpu_count() or 1)
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
              logging_level=logging.WARNING, configure_logging=True)
+
+
+def _job_env_vars() -> dict:
+    """The env vars of the Ray job this driver runs as (``ray job submit --runtime-env-json``), else {}."""
+    import json
+
+    config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")  # set by Ray's job manager
+    return dict((config.get("runtime_env") or {}).get("env_vars") or {})
 
 
 @dataclass
@@ -63,13 +75,31 @@ class Placement:
         return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.bundle_indices[i])
 
 
-def _make_group(num_bundles: int, gpu: bool, name: str) -> Placement:
+def _make_group(num_bundles: int, gpu: bool, name: str, num_nodes: int = 1) -> Placement:
+    """``num_bundles`` devices; with ``num_nodes`` > 1, the same number on each of that many distinct
+    nodes (one bundle per node, STRICT_SPREAD; device i on node i // per_node)."""
     if num_bundles == 0:
         return Placement(None, [], 0)
+    if num_nodes > 1:
+        if num_bundles % num_nodes:
+            raise ValueError(f"{num_bundles} devices cannot be split evenly over {num_nodes} nodes")
+        per_node = num_bundles // num_nodes
+        bundles = [{"GPU": per_node, "CPU": per_node} if gpu else {"CPU": per_node} for _ in range(num_nodes)]
+        group = placement_group(bundles, strategy="STRICT_SPREAD", name=name)
+        _wait_ready(group, f"{name}: {num_nodes} nodes with {per_node} {'GPU' if gpu else 'CPU'}(s) each")
+        return Placement(group, [i // per_node for i in range(num_bundles)], 1 if gpu else 0)
     bundles = [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1} for _ in range(num_bundles)]
     group = placement_group(bundles, strategy="PACK", name=name)
-    ray.get(group.ready(), timeout=600)
+    _wait_ready(group, f"{name}: {num_bundles} {'GPU' if gpu else 'CPU'} bundle(s)")
     return Placement(group, list(range(num_bundles)), 1 if gpu else 0)
+
+
+def _wait_ready(group: PlacementGroup, what: str, timeout: float = 600) -> None:
+    try:
+        ray.get(group.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"placement group {what} could not be placed within {timeout:.0f} s: not enough free "
+                           "resources on the cluster's nodes (see `ray status`)") from None
 
 
 def create_placement_groups(args) -> dict[str, Placement]:
@@ -82,7 +112,9 @@ def create_placement_groups(args) -> dict[str, Placement]:
     if args.colocate:
         shared = _make_group(max(actor_count, rollout_count), gpu, "slime-colocated")
         return {"actor": shared, "critic": shared, "rollout": shared}
-    actor = _make_group(actor_count, gpu, "slime-actor")
-    critic = _make_group(actor_count, gpu, "slime-critic") if args.use_critic else Placement(None, [], 0)
+    # --actor-num-nodes > 1: the training ranks spread over that many nodes, --actor-num-gpus-per-node each
+    nodes = args.actor_num_nodes if actor_count else 1
+    actor = _make_group(actor_count, gpu, "slime-actor", nodes)
+    critic = _make_group(actor_count, gpu, "slime-critic", nodes) if args.use_critic else Placement(None, [], 0)
     rollout = _make_group(rollout_count, gpu, "slime-rollout")
     return {"actor": actor, "critic": critic, "rollout": rollout}

@@ -408,13 +408,15 @@ class RolloutManager:
             samples = load_debug_rollout_data(self.args.load_debug_rollout_data, rollout_id=rollout_id,
                                               subsample_ratio=self.args.load_debug_rollout_data_subsample)
         else:
+            from slime.observability.profiling import profile_rollout
             from slime.rollout.engine_control import engine_counters, engine_time_metrics
 
             set_current_rollout_id(rollout_id)
             counters = engine_counters(self.engine_urls) if self.engine_urls else None
             self._health_restarts = 0
-            output = self._monitored(lambda: call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source,
-                                                             evaluation=False))
+            with profile_rollout(self.args, rollout_id, self.engine_urls):
+                output = self._monitored(lambda: call_rollout_fn(self.rollout_fn, self.args, rollout_id,
+                                                                 self.data_source, evaluation=False))
             check_fan_out(output.samples)
             samples, extra_metrics = _flatten(output.samples), output.metrics
             if self.health_monitor is not None:

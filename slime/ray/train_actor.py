@@ -32,6 +32,9 @@ class TrainRayActor:
         self.worker = None
         self.weight_updater = None
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def get_master_addr_and_port(self) -> tuple[str, int]:
         addr = ray.util.get_node_ip_address()
         return ("127.0.0.1" if addr in ("127.0.0.1", "localhost") else addr), _free_port()

@@ -16,6 +16,20 @@
   ``perf/longest_sample_tokens_per_sec``, ``perf/longest_effective_sample_tokens_per_sec``
   (the longest sample's tokens over the step time), ``perf/non_generation_time/{mean,max}``
 
+Optional groups (INTERFACES §5.9):
+
+* ``--log-multi-turn``: ``multi_turn/raw_response_length/response_length_{mean,max,min,clip_ratio}``
+  (all response tokens, tool observations included; clip ratio = share of samples that hit
+  ``--rollout-max-response-len`` or were truncated), ``multi_turn/wo_obs_response_length/
+  response_length_{mean,max,min}`` (model tokens only: the loss-mask sum) and
+  ``multi_turn/multi_turn_metric/round_number_{mean,max,min}`` (``metadata["round_number"]`` when the
+  rollout sets it, else the number of model turns: runs of 1s in the loss mask);
+* ``--log-correct-samples``: ``rollout/correct_length/p{25,50,75,100}`` — percentiles (nearest rank)
+  of the effective response length of correct samples (scalar reward exactly 1, as for pass@k) and
+  ``rollout/correct_ratio``; the trainer adds ``rollout/correct_entropy``;
+* ``--log-reward-category KEY``: ``rollout/error_cat/<value>`` — the share of the step's samples whose
+  dict reward has ``reward[KEY] == value``.
+
 ``compute_eval_metrics(args, data)`` takes ``RolloutFnEvalOutput.data``: ``eval/<name>`` (mean reward),
 ``eval/<name>-truncated_ratio``, ``eval/<name>/response_len/{mean,max,min}`` and, with
 ``--log-passrate``, ``eval/<name>-pass@<k>`` for k = 1, 2, 4, ... ≤ n_samples_per_eval_prompt
@@ -25,10 +39,14 @@
 from __future__ import annotations
 
 import statistics
+import logging
+import math
 from collections import defaultdict
 from math import comb
 
 from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
 
 
 def _scalar_reward(args, sample: Sample, key_attr: str = "reward_key"):
@@ -119,6 +137,13 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     if kept_vocab is not None:
         metrics["rollout/top_p_kept_vocab_per_token"] = kept_vocab
 
+    if getattr(args, "log_multi_turn", False):
+        metrics.update(multi_turn_metrics(args, samples))
+    if getattr(args, "log_correct_samples", False):
+        metrics.update(correct_sample_metrics(args, samples))
+    if getattr(args, "log_reward_category", None):
+        metrics.update(reward_category_metrics(args, samples))
+
     metrics["perf/rollout_time"] = rollout_time
     if rollout_time > 0:
         gpus = max(1, _num_rollout_gpus(args))
@@ -130,6 +155,60 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     if any(non_generation):
         metrics.update(_stats("perf/non_generation_time", non_generation, keys=("mean", "max")))
     return metrics
+
+
+def model_turns(sample: Sample) -> int:
+    """Model turns of a (multi-turn) sample: ``metadata["round_number"]`` when the rollout sets it,
+    else the runs of 1s in its loss mask (tool observations between turns are masked out)."""
+    if sample.metadata.get("round_number") is not None:
+        return int(sample.metadata["round_number"])
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def multi_turn_metrics(args, samples: list[Sample]) -> dict:
+    """``--log-multi-turn``: response lengths with and without observations, model turns per sample."""
+    raw = [s.response_length for s in samples]
+    limit = getattr(args, "rollout_max_response_len", None)
+    clipped = [s.status == Sample.Status.TRUNCATED or (limit is not None and s.response_length >= limit) for s in samples]
+    metrics = {f"multi_turn/raw_response_length/response_length_{k}": v for k, v in
+               (("mean", statistics.fmean(raw)), ("max", max(raw)), ("min", min(raw)))}
+    metrics["multi_turn/raw_response_length/response_length_clip_ratio"] = sum(clipped) / len(samples)
+    model_only = [s.effective_response_length for s in samples]
+    metrics.update({f"multi_turn/wo_obs_response_length/response_length_{k}": v for k, v in
+                    (("mean", statistics.fmean(model_only)), ("max", max(model_only)), ("min", min(model_only)))})
+    rounds = [model_turns(s) for s in samples]
+    metrics.update({f"multi_turn/multi_turn_metric/round_number_{k}": v for k, v in
+                    (("mean", statistics.fmean(rounds)), ("max", max(rounds)), ("min", min(rounds)))})
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def is_correct(args, sample: Sample) -> bool:
+    """A correct sample: scalar reward (``--reward-key`` applied) exactly 1, the pass of pass@k."""
+    return _scalar_reward(args, sample) == 1
+
+
+def correct_sample_metrics(args, samples: list[Sample]) -> dict:
+    """``--log-correct-samples``: how long the correct responses are (nearest-rank percentiles)."""
+    lengths = sorted(s.effective_response_length for s in samples if is_correct(args, s))
+    metrics = {"rollout/correct_ratio": len(lengths) / len(samples)}
+    if lengths:
+        for q in (25, 50, 75, 100):
+            metrics[f"rollout/correct_length/p{q}"] = float(lengths[max(math.ceil(q / 100 * len(lengths)), 1) - 1])
+    return metrics
+
+
+def reward_category_metrics(args, samples: list[Sample]) -> dict:
+    """``--log-reward-category KEY``: share of samples per value of ``reward[KEY]`` (dict rewards)."""
+    key = args.log_reward_category
+    counts: dict[str, int] = defaultdict(int)
+    for s in samples:
+        if isinstance(s.reward, dict) and key in s.reward:
+            counts[str(s.reward[key])] += 1
+    if not counts:
+        logger.warning("--log-reward-category %r: no sample of this step has a dict reward with that key "
+                       "(reward of the first sample: %r)", key, samples[0].reward)
+    return {f"rollout/error_cat/{category}": n / len(samples) for category, n in sorted(counts.items())}
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

@@ -167,6 +167,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if (getattr(args, "context_parallel_size", 1) or 1) > 1 and getattr(args, "train_backend", "fsdp") != "megatron":
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} needs --train-backend megatron "
                          f"(the FSDP backend has no context parallelism)")
+    if args.balance_by_flops:
+        if not args.use_dynamic_batch_size:
+            raise ValueError("--balance-by-flops balances the micro-batches that dynamic batching packs: add "
+                             "--use-dynamic-batch-size --max-tokens-per-gpu N")
+        args.balance_data = True
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
     # 14.-15.
@@ -238,6 +243,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--only-train-params-name-list and --freeze-params-name-list are mutually exclusive")
     _validate_weight_update(args)
     _validate_health_check(args)
+    _validate_observability(args)
     _validate_sglang_side(args)
     _validate_backends(args)
     _parse_json_flags(args)
@@ -288,6 +294,34 @@ def _check_prompt_files(args) -> None:
         if not os.path.isfile(file_path):
             raise FileNotFoundError(f"{flag}: prompt file {file_path!r} does not exist (resolved from "
                                     f"{os.getcwd()!r}); give an existing .jsonl or .parquet file")
+
+
+def _validate_observability(args) -> None:
+    """--profile-target turns the profiler on; a step range that profiles nothing, or memory history
+    without CUDA, fails here instead of silently producing no files."""
+    if args.console_log_interval is not None and args.console_log_interval < 1:
+        raise ValueError(f"--console-log-interval must be >= 1, got {args.console_log_interval}")
+    if args.profile_target:
+        args.use_pytorch_profiler = True
+    if args.use_pytorch_profiler:
+        args.profile_target = args.profile_target or ["train_overall"]
+        if args.profile_step_end <= args.profile_step_start:
+            raise ValueError(f"--profile-step-end ({args.profile_step_end}) must be > --profile-step-start "
+                             f"({args.profile_step_start}): rollout steps start <= id < end are profiled")
+        first = args.start_rollout_id or 0
+        if args.num_rollout is not None and not first <= args.profile_step_start < args.num_rollout:
+            raise ValueError(f"--profile-step-start {args.profile_step_start} is outside the run's rollout steps "
+                             f"({first}..{args.num_rollout - 1}, --num-rollout {args.num_rollout}): nothing would be "
+                             "profiled; lower --profile-step-start/--profile-step-end")
+    if args.memory_snapshot_num_steps is not None and args.memory_snapshot_num_steps < 1:
+        raise ValueError(f"--memory-snapshot-num-steps must be >= 1, got {args.memory_snapshot_num_steps}")
+    if args.record_memory_history:
+        import torch
+
+        if args.cpu_only or not torch.cuda.is_available():
+            raise ValueError("--record-memory-history records the CUDA allocator and needs a GPU "
+                             f"({'--cpu-only is set' if args.cpu_only else 'torch sees no CUDA device'}); "
+                             "drop the flag on CPU (--use-pytorch-profiler works there)")
 
 
 def _validate_opd(args) -> None:

@@ -20,7 +20,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--http-proxy": "engines and the router are reached directly; set HTTP(S)_PROXY in the environment if needed",
     "--use-distributed-post": "requests are sent from the rollout process; raise --sglang-server-concurrency instead",
     "--log-probs-max-tokens-per-gpu": "the log-prob pass packs micro-batches by --max-tokens-per-gpu; set that instead",
-    "--balance-by-flops": "partitioning by FLOPs is not implemented; --balance-data balances tokens across DP ranks",
     "--data-pad-size-multiplier": "packed sequences are not padded to a multiple; drop the flag",
     "--use-stateless-adam": "only --optimizer adam/sgd are implemented",
     "--recompute-loss-function": "use --recompute-granularity / --gradient-checkpointing for activation memory",
@@ -40,15 +39,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "--mtp-num-layers": "multi-token-prediction layers are not built; drop the flag",
     "--mtp-loss-scaling-factor": "multi-token-prediction layers are not trained; drop the flag",
     "--wandb-always-use-train-step": "W&B steps are rollout ids; drop the flag",
-    "--log-multi-turn": "not implemented; --custom-rollout-log-function-path can log per-turn metrics",
-    "--log-reward-category": "not implemented; --custom-rollout-log-function-path can log metrics by category",
-    "--log-correct-samples": "not implemented; --save-debug-rollout-data dumps every sample with its reward",
     "--load-forge-rollout-data": "use --load-debug-rollout-data with slime's own dumps",
-    "--memory-snapshot-dir": "memory snapshots are not implemented",
-    "--memory-snapshot-num-steps": "memory snapshots are not implemented",
-    "--profile-target": "the torch profiler is not wired in; the run's trace (metrics.jsonl, --run-dir) has phase timings",
-    "--memory-recorder": "memory recording is not implemented",
-    "--record-memory-history": "memory recording is not implemented",
+    "--memory-recorder": "only the torch recorder is implemented (--record-memory-history, CUDA)",
     "--rollout-buffer-url": "the rollout-buffer service is not supported; write a --rollout-function-path or "
                             "--data-source-path plugin instead",
     "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
@@ -219,7 +211,11 @@ def _add_data_args(parser) -> None:
     g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget per micro-batch.")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None, help="Token budget for log-prob passes.")
     g.add_argument("--balance-data", action="store_true", default=False, help="Balance tokens across DP ranks.")
-    g.add_argument("--balance-by-flops", action="store_true", default=False, help="FLOP-aware partitioning.")
+    g.add_argument("--balance-by-flops", action="store_true", default=False,
+                   help="Balance DP shards (implies --balance-data) and micro-batches (needs "
+                        "--use-dynamic-batch-size) by each sample's "
+                        "training-FLOPs estimate (attention grows with length squared, the output head with the "
+                        "response) instead of its token count; --max-tokens-per-gpu still caps tokens.")
     g.add_argument("--loss-mask-type", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"], default="qwen",
                    help="Chat-format family for SFT loss masks.")
     g.add_argument("--data-pad-size-multiplier", type=int, default=128, help="Packed-sequence padding multiple.")
@@ -388,12 +384,23 @@ def _add_logging_args(parser) -> None:
     g.add_argument("--use-tensorboard", action="store_true", default=False)
     g.add_argument("--tb-project-name", type=str, default=None)
     g.add_argument("--tb-experiment-name", type=str, default=None)
-    g.add_argument("--log-multi-turn", action="store_true", default=False)
+    g.add_argument("--log-multi-turn", action="store_true", default=False,
+                   help="Log multi_turn/* metrics: response lengths with and without tool observations, model "
+                        "turns per sample.")
     g.add_argument("--log-passrate", action="store_true", default=False)
-    g.add_argument("--log-reward-category", type=str, default=None)
-    g.add_argument("--log-correct-samples", action="store_true", default=False)
+    g.add_argument("--log-reward-category", type=str, default=None,
+                   help="Key of dict rewards whose value is tallied per step as rollout/error_cat/<value> "
+                        "(share of samples).")
+    g.add_argument("--log-correct-samples", action="store_true", default=False,
+                   help="Log rollout/correct_length/p25..p100, rollout/correct_ratio and rollout/correct_entropy "
+                        "of correct samples (reward exactly 1); the trainer then computes entropy in its "
+                        "forward-only pass.")
     g.add_argument("--custom-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
     g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None, help="Custom rollout metrics logger (signature: docs/customization.md).")
+    g.add_argument("--console-log-interval", type=int, default=None,
+                   help="Without a terminal (CI, a log file): print a step line every N rollout steps (default: "
+                        "about 20 lines per run; the first and last step always). On a terminal a progress bar "
+                        "shows every step. metrics.jsonl always has every step.")
     g.add_argument("--run-dir", type=str, default=None,
                    help="Directory for metrics.jsonl, logs and the run summary (default: runs/<timestamp>).")
 
@@ -405,12 +412,27 @@ def _add_debug_args(parser) -> None:
     g.add_argument("--dump-details", type=str, default=None)
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None)
     g.add_argument("--load-forge-rollout-data", type=str, default=None)
-    g.add_argument("--memory-snapshot-dir", type=str, default=".")
-    g.add_argument("--memory-snapshot-num-steps", type=int, default=None)
-    g.add_argument("--profile-target", type=str, nargs="+", default=["train_overall"],
-                   choices=["train_overall", "train_actor", "train_log_probs"])
+    g.add_argument("--use-pytorch-profiler", action="store_true", default=False,
+                   help="Record the torch profiler over rollout steps --profile-step-start..--profile-step-end-1 "
+                        "(what: --profile-target); Chrome traces go to <run-dir>/profile/.")
+    g.add_argument("--profile-target", type=str, nargs="+", default=None,
+                   choices=["train_overall", "train", "train_actor", "train_log_probs", "rollout"],
+                   help="What the profiler records (setting it turns --use-pytorch-profiler on; default "
+                        "train_overall): a trainer rank's whole step (train_overall, alias train), its optimizer "
+                        "steps (train_actor), its forward-only log-prob passes (train_log_probs), the engines "
+                        "during generation (rollout).")
+    g.add_argument("--profile-step-start", type=int, default=10, help="First rollout step profiled.")
+    g.add_argument("--profile-step-end", type=int, default=12, help="Rollout step after the last one profiled.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="Training ranks profiled.")
+    g.add_argument("--memory-snapshot-dir", type=str, default=None,
+                   help="Where --record-memory-history writes its snapshots (default: <run-dir>/memory).")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None,
+                   help="Write one memory snapshot after this many rollout steps, then stop recording "
+                        "(default: a snapshot after every step).")
     g.add_argument("--memory-recorder", choices=["torch", "memray"], default="torch")
-    g.add_argument("--record-memory-history", action="store_true", default=False)
+    g.add_argument("--record-memory-history", action="store_true", default=False,
+                   help="Record the CUDA allocator's history in every trainer rank and dump snapshots "
+                        "(pytorch.org/memory_viz opens them); needs CUDA.")
 
 
 def _add_rollout_buffer_args(parser) -> None:

@@ -11,6 +11,10 @@
   with fewer samples than micro-batches gets empty ones, which the trainer runs as zero-weight
   dummies).
 
+``--balance-by-flops`` passes each sample's training-FLOPs estimate as its cost: partitions and
+micro-batches are then balanced by cost while ``max_tokens`` still caps a micro-batch's tokens (the
+memory bound). Without costs, the cost of a sample is its token count.
+
 Slow references for the tests are plain enumeration; these functions are pure Python.
 """
 
@@ -21,7 +25,7 @@ import math
 __all__ = ["balanced_partition", "pack_micro_batches", "minimum_micro_batches", "micro_batch_schedule"]
 
 
-def balanced_partition(weights: list[int], k: int) -> list[list[int]]:
+def balanced_partition(weights: list[float], k: int) -> list[list[int]]:
     """Indices of ``weights`` split into ``k`` groups with balanced sums (LPT greedy).
 
     Ties go to the group with fewer items, then the lower group index, so the result is
@@ -58,23 +62,27 @@ def _first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]
     return bins
 
 
-def _pack_into(lengths: list[int], k: int, max_tokens: int) -> list[list[int]] | None:
-    """Balanced packing into exactly k bins under the cap, or None if the greedy fails."""
+def _pack_into(lengths: list[int], k: int, max_tokens: int, costs: list[float]) -> list[list[int]] | None:
+    """Packing into exactly k bins under the token cap, balanced by cost, or None if the greedy fails."""
     bins: list[list[int]] = [[] for _ in range(k)]
-    loads = [0] * k
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    tokens = [0] * k
+    loads = [0.0] * k
+    for index in sorted(range(len(lengths)), key=lambda i: (-costs[i], -lengths[i], i)):
         n = lengths[index]
-        fitting = [b for b in range(k) if loads[b] + n <= max_tokens or (n > max_tokens and not bins[b])]
+        fitting = [b for b in range(k) if tokens[b] + n <= max_tokens or (n > max_tokens and not bins[b])]
         if not fitting:
             return None
         target = min(fitting, key=lambda b: (loads[b], len(bins[b]), b))
         bins[target].append(index)
-        loads[target] += n
+        tokens[target] += n
+        loads[target] += costs[index]
     return bins
 
 
-def pack_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
-    """Pack sample ``lengths`` into micro-batches of ≤ ``max_tokens`` tokens (oversized samples alone).
+def pack_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int | None = None,
+                       costs: list[float] | None = None) -> list[list[int]]:
+    """Pack sample ``lengths`` into micro-batches of ≤ ``max_tokens`` tokens (oversized samples alone),
+    balancing the micro-batches' summed ``costs`` (default: the lengths).
 
     With ``num_micro_batches`` the result has exactly that many micro-batches (some may be empty when
     there are fewer samples); otherwise the smallest count the greedy finds. Micro-batches are ordered
@@ -82,11 +90,12 @@ def pack_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
     """
     if max_tokens is None or max_tokens < 1:
         raise ValueError(f"--max-tokens-per-gpu must be a positive integer, got {max_tokens}")
+    costs = list(lengths) if costs is None else costs
     target = num_micro_batches if num_micro_batches is not None else 0
     lower = max(1, math.ceil(sum(lengths) / max_tokens) if lengths else 1, target)
     bins = None
     for k in range(lower, max(lower, len(lengths)) + 1):
-        bins = _pack_into(lengths, k, max_tokens)
+        bins = _pack_into(lengths, k, max_tokens, costs)
         if bins is not None:
             break
     if bins is None:  # every sample alone always fits the rule
@@ -103,11 +112,13 @@ def pack_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
 
 
 def micro_batch_schedule(
-    rank_lengths: list[list[int]], max_tokens: int | None = None, micro_batch_size: int = 1
+    rank_lengths: list[list[int]], max_tokens: int | None = None, micro_batch_size: int = 1,
+    rank_costs: list[list[float]] | None = None,
 ) -> list[list[list[int]]]:
     """Micro-batches (local positions) for every DP rank, with one common micro-batch count.
 
-    Dynamic batching (``max_tokens`` set): count = max over ranks of the minimal packing count.
+    Dynamic batching (``max_tokens`` set): count = max over ranks of the minimal packing count; each
+    rank's micro-batches balanced by ``rank_costs`` (default: tokens).
     Fixed batching: ``micro_batch_size`` consecutive samples per micro-batch; count = max over
     ranks of ceil(n / micro_batch_size).
     """
@@ -115,7 +126,8 @@ def micro_batch_schedule(
         count = max(max(minimum_micro_batches(lengths, max_tokens) for lengths in rank_lengths), 1)
         while True:
             try:
-                return [pack_micro_batches(lengths, max_tokens, count) for lengths in rank_lengths]
+                costs = rank_costs or [None] * len(rank_lengths)
+                return [pack_micro_batches(lengths, max_tokens, count, c) for lengths, c in zip(rank_lengths, costs)]
             except ValueError:
                 count += 1
     if micro_batch_size < 1:

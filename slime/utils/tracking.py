@@ -1,6 +1,8 @@
-"""Where metrics go: the console (one line per step), ``metrics.jsonl`` in the run directory,
+"""Where metrics go: ``metrics.jsonl`` in the run directory (every metric of every step),
 TensorBoard (``--use-tensorboard``) and Weights & Biases (``--use-wandb``; offline mode needs no
-network). All four see the same flat ``{"rollout/...": x, "train/...": y}`` dictionaries."""
+network) see the same flat ``{"rollout/...": x, "train/...": y}`` dictionaries; the console shows a
+progress bar or short step lines with the headline metrics (:mod:`slime.utils.progress`) and every
+evaluation."""
 
 from __future__ import annotations
 
@@ -10,11 +12,10 @@ import math
 import os
 import time
 
+from slime.utils.progress import StepProgress
+
 logger = logging.getLogger(__name__)
 
-CONSOLE_KEYS = ("rollout/raw_reward", "rollout/rewards", "eval/", "train/pg_loss", "train/loss", "train/ppo_kl",
-                "train/grad_norm", "rollout/response_len/mean", "perf/rollout_time", "perf/train_time",
-                "perf/update_weights_time", "perf/step_time")
 
 
 def _scalar(value):
@@ -36,6 +37,7 @@ class Tracker:
         self._file = open(self.metrics_path, "a")
         self._tb = None
         self._wandb = None
+        self.progress = StepProgress(args)
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -74,13 +76,22 @@ class Tracker:
             self._wandb.log({**clean, f"{kind}/step": step})
 
     def console(self, step: int, metrics: dict) -> None:
-        parts = [f"step {step}"]
+        """Rollout step ``step`` is done: advance the progress bar (or print its line)."""
+        self.progress.step(step, {k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None})
+
+    def console_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation's scores (``eval/<name>``, pass@k), as a line of its own:
+        ``eval after step N | eval/<name>=x ...``; the other eval metrics are in metrics.jsonl."""
+        parts = [f"eval after step {step}"]
         for key in sorted(metrics):
-            if any(key.startswith(prefix) for prefix in CONSOLE_KEYS) and _scalar(metrics[key]) is not None:
+            name = key[len("eval/"):]
+            if key.startswith("eval/") and "/" not in name and not name.endswith("-truncated_ratio") \
+                    and _scalar(metrics[key]) is not None:
                 parts.append(f"{key}={_scalar(metrics[key]):.4g}")
-        print(" | ".join(parts), flush=True)  # once: a logger line as well doubled every step on the console
+        self.progress.message(" | ".join(parts))
 
     def close(self) -> None:
+        self.progress.close()
         self._file.close()
         if self._tb is not None:
             self._tb.close()

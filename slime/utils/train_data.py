@@ -19,6 +19,9 @@ Reward grouping (§5.1 and the §1.8 item 9 caveat), decided as follows:
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from typing import Any
 
 import torch
@@ -195,6 +198,28 @@ def _tensorise(key: str, values: list) -> list:
     return [v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(list(v), dtype=dtype) for v in values]
 
 
+@functools.lru_cache(maxsize=4)
+def _flop_shape(hf_checkpoint: str):
+    from slime.backends.training.flops import FlopShape
+
+    path = os.path.join(hf_checkpoint or "", "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--balance-by-flops estimates FLOPs from the model's config: {path!r} does not "
+                                "exist (set --hf-checkpoint to the HF model directory)")
+    with open(path) as f:
+        config = json.load(f)
+    return FlopShape.from_hf_config(config.get("text_config", config))
+
+
+def sample_flops(args, total_lengths: list[int], response_lengths: list[int]) -> list[float]:
+    """Training FLOPs of each sample alone (:func:`slime.backends.training.flops.training_flops`,
+    the output head over its response positions): what ``--balance-by-flops`` balances."""
+    from slime.backends.training.flops import training_flops
+
+    shape = _flop_shape(args.hf_checkpoint)
+    return [training_flops(shape, [int(length)], int(response)) for length, response in zip(total_lengths, response_lengths)]
+
+
 def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
     """Cut ``data`` into steps of ``global_batch_size`` rollouts and into ``dp_size`` shards, one
     :class:`~slime.backends.training.batch.TrainBatch` each (every rank of a data-parallel replica
@@ -230,13 +255,16 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
     max_tokens = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
     if max_tokens is not None:  # under context parallelism each GPU holds 1/CP of a micro-batch's tokens
         max_tokens *= getattr(args, "context_parallel_size", 1) or 1
+    # the cost balanced across DP ranks and micro-batches: tokens, or training FLOPs (--balance-by-flops)
+    costs = sample_flops(args, total_lengths, data["response_lengths"]) if getattr(args, "balance_by_flops", False) \
+        else total_lengths
     rank_positions: list[list[int]] = [[] for _ in range(dp_size)]
     rank_micro_batches: list[list[list[int]]] = [[] for _ in range(dp_size)]
     num_microbatches, token_counts = [], []
     for step in range(num_steps):
         step_rollouts = order[step * gbs : (step + 1) * gbs]
-        if getattr(args, "balance_data", False):
-            weights = [sum(total_lengths[p] for p in members[r]) for r in step_rollouts]
+        if getattr(args, "balance_data", False):  # (--balance-by-flops turns it on)
+            weights = [sum(costs[p] for p in members[r]) for r in step_rollouts]
             assignment = balanced_partition(weights, dp_size)
         else:
             assignment = [list(range(rank, len(step_rollouts), dp_size)) for rank in range(dp_size)]
@@ -245,6 +273,7 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
             [[total_lengths[p] for p in positions] for positions in step_positions],
             max_tokens,
             getattr(args, "micro_batch_size", 1) or 1,
+            [[costs[p] for p in positions] for positions in step_positions],
         )
         num_microbatches.append(len(schedule[0]))
         token_counts.append(

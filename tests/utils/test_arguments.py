@@ -82,7 +82,6 @@ def test_missing_backend_library_names_install_command():
         (["--use-rollout-logprobs", "--use-tis"], ValueError, "--use-rollout-logprobs and --use-tis"),  # 10
         (["--get-mismatch-metrics"], ValueError, "--get-mismatch-metrics requires --custom-tis-function-path"),  # 11
         (["--use-dynamic-batch-size"], ValueError, "--use-dynamic-batch-size requires --max-tokens-per-gpu"),  # 12
-        (["--balance-by-flops"], ValueError, "--balance-by-flops True is not implemented .*--balance-data"),  # 0
         (["--context-parallel-size", "2"], ValueError, "--context-parallel-size 2 needs --train-backend megatron"),
         (["--save-debug-rollout-data", "x", "--save-debug-train-data", "x"], ValueError, "must not be equal"),  # 16
         (["--debug-rollout-only", "--debug-train-only"], ValueError, "cannot be combined"),  # 22

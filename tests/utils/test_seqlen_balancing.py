@@ -44,3 +44,14 @@ def test_schedule_same_count_on_every_rank():
     fixed = micro_batch_schedule([[1, 2, 3], [1]], None, micro_batch_size=2)
     assert fixed == [[[0, 1], [2]], [[0], []]]
     assert minimum_micro_batches([30, 30, 30], 60) == 2
+
+
+def test_micro_batches_balance_costs_under_the_token_cap():
+    lengths, costs = [10, 10, 10, 10], [100.0, 1.0, 100.0, 1.0]
+    by_tokens = pack_micro_batches(lengths, 20, 2)
+    by_cost = pack_micro_batches(lengths, 20, 2, costs)
+    assert by_tokens == [[0, 2], [1, 3]]  # equal tokens, costs 200 vs 2
+    assert by_cost == [[0, 1], [2, 3]]  # costs 101 vs 101
+    assert all(sum(lengths[i] for i in b) <= 20 for b in by_cost)  # the token cap still holds
+    schedule = micro_batch_schedule([lengths, [5]], 20, rank_costs=[costs, [1.0]])
+    assert schedule[0] == by_cost and schedule[1] == [[0], []]

@@ -14,13 +14,13 @@ def _args(tmp_path, **overrides):
 def test_metrics_jsonl_and_console(tmp_path, capsys):
     tracker = Tracker(_args(tmp_path))
     tracker.log({"train/pg_loss": 0.5, "rollout/raw_reward/mean": 1, "bad": float("nan"), "text": "x"}, 3, "train")
-    tracker.console(3, {"train/pg_loss": 0.5, "perf/step_time": 2.0, "other/thing": 1})
+    tracker.console(3, {"train/pg_loss": 0.5, "perf/step_time": 2.0, "other/thing": 1})  # no terminal: a line
     tracker.close()
     (record,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert record["kind"] == "train" and record["step"] == 3
     assert record["train/pg_loss"] == 0.5 and "bad" not in record and "text" not in record
     line = capsys.readouterr().out
-    assert "train/pg_loss=0.5" in line and "perf/step_time=2" in line and "other/thing" not in line
+    assert line.startswith("step 4 | 2.00 s/step | ") and "pg_loss=0.5" in line and "step_s=2" in line and "other" not in line
 
 
 def test_tensorboard_receives_the_same_scalars(tmp_path):

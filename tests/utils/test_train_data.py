@@ -1,5 +1,6 @@
 """The train-data contract: conversion (§7.7, §2.13, §2.14) and the DP/step split (§1.8.7)."""
 
+import json
 import math
 
 import pytest
@@ -145,3 +146,44 @@ def test_dynamic_batches_hold_max_tokens_per_gpu_times_cp():
         budgets[cp] = [sum(int(shard.tokens[i].numel()) for i in mb) for mb in shard.schedule.micro_batch_indices]
     assert max(budgets[1]) <= 20 and len(budgets[1]) >= 3
     assert max(budgets[2]) <= 40 and max(budgets[2]) > 20 and len(budgets[2]) < len(budgets[1])
+
+
+def _flops_model_dir(tmp_path):
+    """An HF config whose output head dominates the FLOPs (large vocabulary): a response token costs
+    far more than a prompt token, so token counts and FLOPs disagree."""
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+              "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_balance_by_flops_gives_shards_balanced_in_flops(tmp_path):
+    from slime.utils.train_data import sample_flops
+
+    # (prompt, response): tokens 42, 22, 22, 20 — the token optimum pairs the two response-heavy samples
+    shapes = [(40, 2), (2, 20), (2, 20), (18, 2)]
+    samples = [sample(i, i, 1.0, prompt_len=p, response_len=r) for i, (p, r) in enumerate(shapes)]
+    partitions, spreads = {}, {}
+    dynamic = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "128"]
+    for mode, flags in (("tokens", ["--balance-data"]), ("flops", ["--balance-by-flops"])):
+        args = make_args("--num-steps-per-rollout", "1", "--hf-checkpoint", _flops_model_dir(tmp_path), *dynamic, *flags,
+                         rbs=4, n=1)
+        data = convert_samples_to_train_data(args, samples)
+        shards = split_train_data_by_dp(args, data, dp_size=2)
+        flops = sample_flops(args, [p + r for p, r in shapes], [r for _, r in shapes])
+        partitions[mode] = sorted(sorted(s.partition) for s in shards)
+        loads = [sum(flops[p] for p in s.partition) for s in shards]
+        spreads[mode] = max(loads) / min(loads)
+    assert partitions["tokens"] != partitions["flops"]
+    assert partitions["flops"] == [[0, 1], [2, 3]] or partitions["flops"] == [[0, 2], [1, 3]]  # heavy ones apart
+    assert spreads["flops"] < 1.2 < 2 < spreads["tokens"]
+
+
+def test_balance_by_flops_needs_dynamic_batching_and_a_config(tmp_path):
+    with pytest.raises(ValueError, match="--balance-by-flops .*--use-dynamic-batch-size"):
+        make_args("--num-steps-per-rollout", "1", "--balance-by-flops", rbs=2, n=1)
+    args = make_args("--num-steps-per-rollout", "1", "--balance-by-flops", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+                     "64", "--hf-checkpoint", str(tmp_path / "none"), rbs=2, n=1)
+    data = convert_samples_to_train_data(args, [sample(i, i, 1.0) for i in range(2)])
+    with pytest.raises(FileNotFoundError, match="--balance-by-flops .*config.json"):
+        split_train_data_by_dp(args, data, dp_size=2)

@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+def is_loopback(host: str) -> bool:
+    """localhost or an address of the loopback network (all of 127.0.0.0/8, ::1): this machine only."""
+    import ipaddress
+
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     args = ServerArgs(**vars(ns))
@@ -84,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def validate_args(args: ServerArgs) -> None:
-    if args.host not in LOOPBACK and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         raise SystemExit(f"--host {args.host} exposes the engine beyond this machine; pass --api-key too "
                          "(or bind 127.0.0.1)")
     if args.attention_backend == "triton" and args.device != "cuda":

@@ -42,9 +42,11 @@ def _per_sample_means(column) -> list[float]:
     return out
 
 
-def rollout_metrics(batch, layout: DataLayout, device) -> dict[str, float]:
+def rollout_metrics(batch, layout: DataLayout, device, correct_entropy: bool = False) -> dict[str, float]:
     """Of a :class:`~slime.backends.training.batch.TrainBatch`: ``rollout/<key>``: token-weighted per-rollout means for log-prob-like keys (Σ_i Σ_t x·m / D_i over
-    all samples ÷ number of rollouts), plain sample means for the rest (§5.9)."""
+    all samples ÷ number of rollouts), plain sample means for the rest (§5.9). With ``correct_entropy``
+    (``--log-correct-samples``) also ``rollout/correct_entropy``: the mean entropy over the trained
+    tokens of correct samples (raw reward exactly 1), 0 when the step has none."""
     keys, values = [], []
     share = 1.0 / layout.replica_size  # each replica's ranks hold the same samples
     world = dist.get_world_size()
@@ -67,6 +69,14 @@ def rollout_metrics(batch, layout: DataLayout, device) -> dict[str, float]:
         per_sample = _per_sample_means(column)
         keys.append(key)
         values += [sum(per_sample) * share, len(per_sample) * share]
+    if correct_entropy and batch.entropy is not None:
+        tokens = entropy_sum = 0.0
+        for position, x, m in zip(batch.partition, batch.entropy, masks):
+            if float(batch.raw_reward[position]) == 1:
+                entropy_sum += float((torch.as_tensor(x).float() * m.float()).sum())
+                tokens += float(m.sum())
+        keys.append("correct_entropy")
+        values += [entropy_sum * share, tokens * share]
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, keys)

@@ -42,6 +42,7 @@ from slime.backends.training.batch import TrainBatch
 from slime.backends.training.flops import FlopShape, training_flops
 from slime.backends.training.loss import LossDispatch, metrics_to_host
 from slime.backends.training.weights import bucket_weights
+from slime.observability.profiling import TrainProfiler
 from slime.utils import ppo_utils
 from slime.utils.misc import load_function
 
@@ -63,6 +64,7 @@ class TrainWorker:
         self.forward_only_passes = 0  # forward-only passes over a rollout's data (π_old, reference, values)
         self.step_metrics: list[dict[str, float]] = []
         self._flop_shape: FlopShape | None = None
+        self.profiler = TrainProfiler(self.args, self.rank, role)  # --use-pytorch-profiler, --record-memory-history
 
     @property
     def layout(self) -> DataLayout:
@@ -93,6 +95,7 @@ class TrainWorker:
             and not getattr(args, "use_rollout_logprobs", False)
             and not getattr(args, "get_mismatch_metrics", False)
             and not getattr(args, "use_rollout_entropy", False)
+            and not getattr(args, "log_correct_samples", False)
             and args.advantage_estimator not in ("ppo", "gspo")
             and not getattr(args, "keep_old_actor", False)
             and not getattr(args, "use_opd", False)
@@ -105,10 +108,15 @@ class TrainWorker:
     def compute_log_probs(self, batch: TrainBatch, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
         """π_old log-probs (not with ``skip_old``), reference log-probs and the shaping KL (§5.2)
         for this shard's samples, as columns (``log_probs``, ``ref_log_probs``, ``entropy``, ``kl``)."""
+        with self.profiler.phase("train_log_probs"):
+            return self._compute_log_probs(batch, skip_old)
+
+    def _compute_log_probs(self, batch: TrainBatch, skip_old: bool) -> dict[str, list[torch.Tensor]]:
         args = self.args
         result: dict[str, list[torch.Tensor]] = {}
         if batch.log_probs is None and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
-            with_entropy = getattr(args, "use_rollout_entropy", False)
+            # --log-correct-samples reports the entropy of correct samples: the π_old pass computes it
+            with_entropy = getattr(args, "use_rollout_entropy", False) or getattr(args, "log_correct_samples", False)
             # --keep-old-actor: π_old = the actor before the last update
             which = "old_actor" if self.backend.has_model("old_actor") else "model"
             result["log_probs"], entropy = self._forward_only(which, batch, ModelOutput("log_probs", entropy=with_entropy))
@@ -195,6 +203,13 @@ class TrainWorker:
         ``perf/<role>_train_tok_per_s``, ``perf/<role>_train_tflops`` (per rank). Critic keys carry the
         ``critic-`` tag (``train/critic-value_loss``).
         """
+        self.profiler.rollout_id = rollout_id
+        with self.profiler.phase("train_overall"):
+            metrics = self._train(rollout_id, batch)
+        self.profiler.step_done(rollout_id)
+        return metrics
+
+    def _train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         try:
             batch = self.prepare(rollout_id, batch)
             if self.backend.has_model("old_actor"):  # π_old of the next rollout step: these weights, before this update
@@ -204,7 +219,8 @@ class TrainWorker:
 
                 save_debug_train_data(self.args.save_debug_train_data, rollout_id, batch.as_rollout_data())
             metrics = self.rollout_metrics(batch) if self.role == "actor" else {}
-            metrics.update(self._train_steps(rollout_id, batch))
+            with self.profiler.phase("train_actor"):
+                metrics.update(self._train_steps(rollout_id, batch))
         finally:
             self.backend.finish_rollout_step()
         args = self.args
@@ -291,7 +307,8 @@ class TrainWorker:
         return metrics_lib.reduce_sums(sums, normaliser, self.layout)
 
     def rollout_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        return metrics_lib.rollout_metrics(batch, self.layout, self._device())
+        return metrics_lib.rollout_metrics(batch, self.layout, self._device(),
+                                           correct_entropy=getattr(self.args, "log_correct_samples", False))
 
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""

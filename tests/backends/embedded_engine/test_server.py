@@ -351,3 +351,6 @@ def test_refuses_public_bind_without_api_key():
     with pytest.raises(SystemExit, match="api-key"):
         parse_args(["--model-path", "x", "--host", "0.0.0.0"])
     assert parse_args(["--model-path", "x", "--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
+    assert parse_args(["--model-path", "x", "--host", "127.0.0.3"]).host == "127.0.0.3"  # loopback: a local Ray node's IP
+    with pytest.raises(SystemExit, match="api-key"):
+        parse_args(["--model-path", "x", "--host", "128.0.0.1"])

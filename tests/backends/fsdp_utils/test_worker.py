@@ -312,3 +312,16 @@ def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
 def test_unsupported_flags_fail_naming_them(tiny_model_dir):
     with pytest.raises(NotImplementedError, match="--use-routing-replay"):
         TrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay"))
+
+
+def test_log_correct_samples_reports_the_entropy_of_correct_samples(tiny_model_dir):
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--log-correct-samples")
+    worker = new_worker(args)
+    data = rank_data(args, make_samples(4, rewards=[1.0, 0.0, 0.5, 1.0]))
+    entropy = worker.compute_log_probs(data)["entropy"]  # the π_old pass computes entropy under the flag
+    masks = [m.float() for m in data.loss_masks]
+    expected = sum(float((entropy[i] * masks[i]).sum()) for i in (0, 3)) / sum(float(masks[i].sum()) for i in (0, 3))
+    everything = sum(float((e * m).sum()) for e, m in zip(entropy, masks)) / sum(float(m.sum()) for m in masks)
+    assert abs(expected - everything) > 1e-4  # the correct samples' entropy is not the batch's
+    metrics = worker.train(0, data)  # single optimizer step: the π_old pass still runs for the entropy
+    assert metrics["rollout/correct_entropy"] == pytest.approx(expected, rel=1e-5)
