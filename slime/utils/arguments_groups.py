@@ -170,6 +170,10 @@ def _add_rollout_args(parser) -> None:
                    help="Recycle unfinished groups into the data source and continue them later.")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true", default=False,
                    help="Zero the loss mask of the older-policy part of a continued sample.")
+    g.add_argument("--max-weight-staleness", type=int, default=None,
+                   help="Fully asynchronous rollout: drop a prompt group whose oldest token was generated more "
+                        "than N weight versions before the engines' current one (default: keep every group; "
+                        "--use-tis corrects what is kept).")
     g.add_argument("--custom-generate-function-path", type=str, default=None, help="Per-sample generator.")
     g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
                    help="Post-generation sample hook; repeatable.")
