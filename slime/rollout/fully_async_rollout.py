@@ -243,3 +243,6 @@ def generate_rollout_fully_async(args, rollout_id, data_source, evaluation=False
     groups, metrics = run(worker.collect(args.rollout_batch_size))
     logger.info("fully async rollout %s: %s", rollout_id, metrics)
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+generate_rollout_fully_async.overlaps_training = True  # read by Job: engines and trainers run at once

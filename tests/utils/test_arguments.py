@@ -74,6 +74,9 @@ def test_missing_backend_library_names_install_command():
         (["--rollout-temperature", "0"], ValueError, "--rollout-temperature must be > 0"),  # 2
         (["--use-kl-loss", "--ref-load", "/no/such/dir"], FileNotFoundError, "--ref-load"),  # 3
         (["--use-opd"], ValueError, "--use-opd requires --opd-type"),  # 4
+        (["--use-opd", "--opd-type", "sglang", "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"],
+         ValueError, "needs --rm-url"),  # 4
+        (["--max-weight-staleness", "-1"], ValueError, "--max-weight-staleness must be >= 0"),
         (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load '/tmp' is not implemented"),  # 0 (refused)
         (["--eval-interval", "1"], ValueError, "--eval-interval needs at least one eval dataset"),  # 6
         (["--save-interval", "1"], ValueError, "--save-interval needs --save"),  # 7
