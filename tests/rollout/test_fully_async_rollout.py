@@ -34,6 +34,13 @@ def _args(model_dir, prompts, router, engine, *extra):
     return args
 
 
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as engine, \
+            running_router("round_robin", worker_urls=[engine.url]) as router:
+        yield engine, router
+
+
 def _set_version(engine, version):
     httpx.post(f"{engine.url}/update_weight_version", json={"new_version": str(version)}, timeout=30).raise_for_status()
 
@@ -42,71 +49,69 @@ def _versions(group):
     return {int(v) for s in group for v in s.weight_versions}
 
 
-def test_background_generation_and_staleness_drop(tiny_model_dir, tmp_path):
+def test_background_generation_and_staleness_drop(served, tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}], "label": str(i)} for i in range(40)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as engine, \
-            running_router("round_robin", worker_urls=[engine.url]) as router:
-        _set_version(engine, 0)
-        args = _args(tiny_model_dir, prompts, router, engine, "--max-weight-staleness", "1")
-        source = RolloutDataSourceWithBuffer(args)
-        try:
-            first = fully_async_rollout.generate_rollout_fully_async(args, 0, source)
-            assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
-            indices = [g[0].index for g in first.samples]
-            assert indices == sorted(indices)
-            for sample in (s for g in first.samples for s in g):
-                assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
-                assert sample.reward in (0, 1) and sample.weight_versions == ["0"]
-                assert len(sample.rollout_log_probs) == sample.response_length > 0
-            assert first.metrics["rollout/fully_async/staleness_max"] == 0
+    engine, router = served
+    _set_version(engine, 0)
+    args = _args(tiny_model_dir, prompts, router, engine, "--max-weight-staleness", "1")
+    source = RolloutDataSourceWithBuffer(args)
+    try:
+        first = fully_async_rollout.generate_rollout_fully_async(args, 0, source)
+        assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
+        indices = [g[0].index for g in first.samples]
+        assert indices == sorted(indices)
+        for sample in (s for g in first.samples for s in g):
+            assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+            assert sample.reward in (0, 1) and sample.weight_versions == ["0"]
+            assert len(sample.rollout_log_probs) == sample.response_length > 0
+        assert first.metrics["rollout/fully_async/staleness_max"] == 0
 
-            # nobody asks for a step, yet the next step's groups are generated
-            worker = fully_async_rollout.get_worker(args, source)
-            deadline = time.monotonic() + 60
-            while len(worker.completed) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert len(worker.completed) >= 2, "the worker did not generate between steps"
-            waiting = [g[0].index for g in worker.completed]
+        # nobody asks for a step, yet the next step's groups are generated
+        worker = fully_async_rollout.get_worker(args, source)
+        deadline = time.monotonic() + 60
+        while len(worker.completed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(worker.completed) >= 2, "the worker did not generate between steps"
+        waiting = [g[0].index for g in worker.completed]
 
-            # the policy moves on by 3 versions: everything generated at version 0 is too old (> 1)
-            _set_version(engine, 3)
-            second = fully_async_rollout.generate_rollout_fully_async(args, 1, source)
-            assert second.metrics["rollout/fully_async/dropped_stale_groups"] >= len(waiting)
-            assert len(second.samples) == 2
-            for group in second.samples:
-                assert group[0].index not in waiting
-                assert _versions(group) == {3}  # continued-after-abort groups held 0 and 3: dropped too
-            assert second.metrics["rollout/fully_async/staleness_max"] == 0
-            assert len({s.index for g in first.samples + second.samples for s in g}) == 8  # no group twice
-        finally:
-            fully_async_rollout.stop_worker()
+        # the policy moves on by 3 versions: everything generated at version 0 is too old (> 1)
+        _set_version(engine, 3)
+        second = fully_async_rollout.generate_rollout_fully_async(args, 1, source)
+        assert second.metrics["rollout/fully_async/dropped_stale_groups"] >= len(waiting)
+        assert len(second.samples) == 2
+        for group in second.samples:
+            assert group[0].index not in waiting
+            assert _versions(group) == {3}  # continued-after-abort groups held 0 and 3: dropped too
+        assert second.metrics["rollout/fully_async/staleness_max"] == 0
+        assert len({s.index for g in first.samples + second.samples for s in g}) == 8  # no group twice
+    finally:
+        fully_async_rollout.stop_worker()
 
 
-def test_keeps_stale_groups_without_a_bound_and_refuses_colocate_and_eval(tiny_model_dir, tmp_path):
+def test_keeps_stale_groups_without_a_bound_and_refuses_colocate_and_eval(served, tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "label": str(i)} for i in range(20)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as engine, \
-            running_router("round_robin", worker_urls=[engine.url]) as router:
-        _set_version(engine, 0)
-        args = _args(tiny_model_dir, prompts, router, engine)
-        source = RolloutDataSourceWithBuffer(args)
-        try:
-            fully_async_rollout.generate_rollout_fully_async(args, 0, source)
-            worker = fully_async_rollout.get_worker(args, source)
-            deadline = time.monotonic() + 60
-            while len(worker.completed) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            _set_version(engine, 5)
-            second = fully_async_rollout.generate_rollout_fully_async(args, 1, source)
-            assert second.metrics["rollout/fully_async/dropped_stale_groups"] == 0
-            assert second.metrics["rollout/fully_async/staleness_max"] == 5  # kept, and reported as 5 behind
-            with pytest.raises(ValueError, match="does not evaluate"):
-                fully_async_rollout.generate_rollout_fully_async(args, 1, source, evaluation=True)
-            args.colocate = True
-            with pytest.raises(ValueError, match="--colocate"):
-                fully_async_rollout.generate_rollout_fully_async(args, 2, source)
-        finally:
-            fully_async_rollout.stop_worker()
+    engine, router = served
+    _set_version(engine, 0)
+    args = _args(tiny_model_dir, prompts, router, engine)
+    source = RolloutDataSourceWithBuffer(args)
+    try:
+        fully_async_rollout.generate_rollout_fully_async(args, 0, source)
+        worker = fully_async_rollout.get_worker(args, source)
+        deadline = time.monotonic() + 60
+        while len(worker.completed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _set_version(engine, 5)
+        second = fully_async_rollout.generate_rollout_fully_async(args, 1, source)
+        assert second.metrics["rollout/fully_async/dropped_stale_groups"] == 0
+        assert second.metrics["rollout/fully_async/staleness_max"] == 5  # kept, and reported as 5 behind
+        with pytest.raises(ValueError, match="does not evaluate"):
+            fully_async_rollout.generate_rollout_fully_async(args, 1, source, evaluation=True)
+        args.colocate = True
+        with pytest.raises(ValueError, match="--colocate"):
+            fully_async_rollout.generate_rollout_fully_async(args, 2, source)
+    finally:
+        fully_async_rollout.stop_worker()
