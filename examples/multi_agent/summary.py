@@ -3,8 +3,8 @@
     python -m examples.multi_agent.summary --out outputs/multi-agent
 
 Per GRPO step: the solver's accuracy, the critic's accuracy (verdict = truth about the solver's
-answer), the share of critic replies that are a verdict at all, and how often the critic says yes
-to a wrong answer; per evaluation: the solver's greedy accuracy.
+answer), the share of critic replies that are a verdict at all, how often the critic says yes to a
+wrong answer, and how many right answers it accepted; per evaluation: the solver's greedy accuracy.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ def step_scores(samples: list[dict]) -> dict:
     if critic:
         verdicts = [(s["metadata"].get("verdict", "").lower(), s["metadata"].get("solver_correct")) for s in critic]
         wrong = [v for v, correct in verdicts if not correct]
+        right = [v for v, correct in verdicts if correct]
         out.update({"critic_acc": round(fmean(float(s["reward"]) for s in critic), 3),
                     "critic_verdict_rate": round(fmean(v in ("yes", "no") for v, _ in verdicts), 3),
-                    "critic_yes_to_wrong": round(fmean(v == "yes" for v in wrong), 3) if wrong else None})
+                    "critic_yes_to_wrong": round(fmean(v == "yes" for v in wrong), 3) if wrong else None,
+                    "critic_yes_to_right": f"{sum(v == 'yes' for v in right)}/{len(right)}"})
     return out
 
 
@@ -51,7 +53,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     summary = summarise(parser.parse_args(argv).out)
-    keys = ["solver_acc", "critic_acc", "critic_verdict_rate", "critic_yes_to_wrong"]
+    keys = ["solver_acc", "critic_acc", "critic_verdict_rate", "critic_yes_to_wrong", "critic_yes_to_right"]
     print("| step | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for step, scores in summary["steps"].items():
         print(f"| {step} | " + " | ".join(str(scores.get(k)) for k in keys) + " |")
