@@ -21,7 +21,8 @@ with an ABORTED sample goes back to the data source and its samples continue fro
 the new weights (their ``weight_versions`` then hold both versions).
 
 Not supported: ``--colocate`` (generation and training cannot overlap on shared devices) and
-evaluation (use the default ``--eval-function-path``). Groups in flight when a checkpoint is saved
+evaluation (with ``--eval-function-path`` unset, runs with this rollout function evaluate with
+``slime.rollout.sglang_rollout.generate_rollout``). Groups in flight when a checkpoint is saved
 are not part of it: a resumed run draws new prompts where the data source stopped.
 """
 
@@ -235,8 +236,8 @@ def stop_worker() -> None:
 def generate_rollout_fully_async(args, rollout_id, data_source, evaluation=False):
     """``--rollout-function-path``: the next ``--rollout-batch-size`` groups the background worker completed."""
     if evaluation:
-        raise ValueError("generate_rollout_fully_async does not evaluate; keep the default --eval-function-path "
-                         "(slime.rollout.sglang_rollout.generate_rollout)")
+        raise ValueError("generate_rollout_fully_async does not evaluate; pass --eval-function-path "
+                         "slime.rollout.sglang_rollout.generate_rollout (the default when the flag is unset)")
     if getattr(args, "colocate", False):
         raise ValueError("the fully async rollout generates while the trainer trains, which --colocate (shared "
                          "devices, offloaded in turn) cannot do; drop --colocate")

@@ -194,7 +194,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _resolve_placement(args)
     # 25.-28.
     if args.eval_function_path is None:
-        args.eval_function_path = args.rollout_function_path
+        # the fully async rollout does not evaluate: its runs evaluate with the default rollout
+        fully_async = args.rollout_function_path == "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+        args.eval_function_path = ("slime.rollout.sglang_rollout.generate_rollout" if fully_async
+                                   else args.rollout_function_path)
     _resolve_batch_sizes(args)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False

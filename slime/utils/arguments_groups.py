@@ -229,7 +229,8 @@ def _add_data_args(parser) -> None:
 
 def _add_eval_args(parser) -> None:
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--eval-function-path", type=str, default=None, help="Eval function (default: rollout function).")
+    g.add_argument("--eval-function-path", type=str, default=None,
+                   help="Eval function (default: the rollout function; the default rollout when that is the fully async one).")
     g.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollout steps.")
     g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="name path [name path ...].")
     g.add_argument("--eval-config", type=str, default=None, help="YAML/JSON eval config.")
