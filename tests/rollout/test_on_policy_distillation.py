@@ -27,10 +27,7 @@ from tests.utils.test_ppo_utils import _args
 pytestmark = [pytest.mark.timeout(240)]
 
 
-def _hf_log_probs(model_dir, tokens):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _hf_log_probs(model, tokens):
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
@@ -61,11 +58,14 @@ def test_teacher_log_probs_from_a_second_engine_reach_the_train_data(tiny_model_
     samples = [s for group in output.samples for s in group]
     assert len(samples) == 4 and all(s.status != Sample.Status.FAILED for s in samples)
     data = convert_samples_to_train_data(args, samples)
+    from transformers import AutoModelForCausalLM
+
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     assert data["rewards"] == [0.0] * 4  # pure distillation: the teacher is the only signal
     for sample, teacher_lp in zip(samples, data["teacher_log_probs"]):
         n = sample.response_length
         assert n > 0 and len(teacher_lp) == n
-        expected = _hf_log_probs(teacher_dir, sample.tokens)[-n:]
+        expected = _hf_log_probs(teacher_model, sample.tokens)[-n:]
         torch.testing.assert_close(torch.tensor(teacher_lp, dtype=torch.float32), expected, atol=2e-4, rtol=1e-4)
         student_lp = torch.tensor(sample.rollout_log_probs)
         assert (student_lp - expected).abs().max() > 0.05  # the teacher is another model
