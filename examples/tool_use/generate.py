@@ -59,8 +59,9 @@ def run_tool(name: str, arguments: str, temperature: str) -> tuple[str, dict | N
     return temperature, parsed
 
 
-async def run_episode(client, messages: list[dict], tools: list[dict], temperature: str) -> dict:
-    """The agent: plain OpenAI Chat Completions with tools. Returns the episode summary."""
+async def run_episode(client, messages: list[dict], tools: list[dict], call_tool) -> dict:
+    """The agent: plain OpenAI Chat Completions with tools; ``await call_tool(name, arguments)`` runs a
+    call and returns ``(answer for the model, parsed arguments)``. Returns the episode summary."""
     tool_calls, final_answer, turns = [], None, 0
     for _ in range(MAX_TURNS):
         turns += 1
@@ -72,28 +73,30 @@ async def run_episode(client, messages: list[dict], tools: list[dict], temperatu
         messages.append({"role": "assistant", "content": message.content,
                          "tool_calls": [call.model_dump() for call in message.tool_calls]})
         for call in message.tool_calls:
-            answer, parsed = run_tool(call.function.name, call.function.arguments, temperature)
+            answer, parsed = await call_tool(call.function.name, call.function.arguments)
             tool_calls.append({"name": call.function.name, "arguments": parsed, "result": answer})
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
     return {"final_answer": final_answer, "tool_calls": tool_calls, "turns": turns}
 
 
-async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False):
+async def play_episode(args, sample: Sample, sampling_params: dict, call_tool, evaluation: bool = False,
+                       name: str = "tool-use"):
+    """One adapter session around :func:`run_episode`: the episode's samples (one in evaluation), or
+    a removed placeholder when the episode broke."""
     import openai
 
     adapter, url = agent_server(args)
-    sid = f"tool-use-{sample.index}-{uuid.uuid4().hex}"
+    sid = f"{name}-{sample.index}-{uuid.uuid4().hex}"
     sample.session_id = sid
     adapter.open_session(sid, sampling_defaults=sampling_params,
                          max_context_tokens=getattr(args, "rollout_max_context_len", None) or 0)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=sid, max_retries=0)
     samples = None
     try:
-        episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [],
-                                    str(sample.metadata.get("temperature")))
+        episode = await run_episode(client, copy.deepcopy(sample.prompt), sample.metadata.get("tools") or [], call_tool)
         samples = await adapter.finish_session(sid, base_sample=sample, reward=None, extra_metadata=episode)
     except Exception as e:  # an episode that breaks is dropped from training, the run goes on
-        logger.error("tool-use episode of sample %s failed: %s: %s", sample.index, type(e).__name__, e)
+        logger.error("%s episode of sample %s failed: %s: %s", name, sample.index, type(e).__name__, e)
         return _dropped(sample, f"{type(e).__name__}: {e}")
     finally:
         if samples is None:  # failed or cancelled: release the session and its in-flight turns
@@ -102,6 +105,15 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     if not samples:
         return _dropped(sample, "the session recorded no trainable turn")
     return samples[0] if evaluation else samples
+
+
+async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False):
+    temperature = str(sample.metadata.get("temperature"))
+
+    async def thermometer(name: str, arguments: str):
+        return run_tool(name, arguments, temperature)
+
+    return await play_episode(args, sample, sampling_params, thermometer, evaluation=evaluation)
 
 
 def _dropped(sample: Sample, reason: str) -> Sample:

@@ -17,6 +17,7 @@ import ray
 from slime.ray.placement import create_placement_groups, init_ray
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import TrainGroup
+from slime.utils.misc import load_function
 from slime.utils.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class Job:
         args = self.args
         if not os.path.isdir(args.hf_checkpoint or ""):
             raise FileNotFoundError(f"--hf-checkpoint {args.hf_checkpoint!r} is not a directory")
+        if getattr(load_function(args.rollout_function_path), "overlaps_training", False):
+            args.rollout_overlaps_training = True  # e.g. the fully async rollout: CPU engines leave cores to trainers
         self.owns_ray = not ray.is_initialized()
         init_ray(args)
         _raise_on_sigterm()  # after ray.init, which installs a handler of its own

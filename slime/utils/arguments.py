@@ -157,6 +157,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and not args.normalize_advantages:
         raise ValueError(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages")
+    if args.max_weight_staleness is not None and args.max_weight_staleness < 0:
+        raise ValueError(f"--max-weight-staleness must be >= 0 weight versions (got {args.max_weight_staleness})")
     if args.use_rollout_logprobs and args.use_tis:
         raise ValueError("--use-rollout-logprobs and --use-tis are mutually exclusive")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
@@ -200,7 +202,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _resolve_placement(args)
     # 25.-28.
     if args.eval_function_path is None:
-        args.eval_function_path = args.rollout_function_path
+        # the fully async rollout does not evaluate: its runs evaluate with the default rollout
+        fully_async = args.rollout_function_path == "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+        args.eval_function_path = ("slime.rollout.sglang_rollout.generate_rollout" if fully_async
+                                   else args.rollout_function_path)
     _resolve_batch_sizes(args)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
@@ -332,6 +337,10 @@ def _validate_opd(args) -> None:
             raise FileNotFoundError(f"--opd-type megatron needs an existing --opd-teacher-load (got {args.opd_teacher_load!r})")
     if args.use_opd and args.opd_type == "sglang" and args.opd_teacher_load is not None:
         raise ValueError("--opd-type sglang takes teacher log-probs from --rm-url; do not set --opd-teacher-load")
+    if (args.use_opd and args.opd_type == "sglang" and not args.rm_url
+            and args.custom_rm_path == "slime.rollout.on_policy_distillation.reward_func"):
+        raise ValueError("--opd-type sglang with --custom-rm-path slime.rollout.on_policy_distillation.reward_func "
+                         "needs --rm-url: the teacher engine's /generate URL")
     if not args.use_opd and args.opd_teacher_load is not None:
         raise ValueError("--opd-teacher-load is set but --use-opd is not")
 

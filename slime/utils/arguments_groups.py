@@ -158,6 +158,10 @@ def _add_rollout_args(parser) -> None:
                    help="Recycle unfinished groups into the data source and continue them later.")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true", default=False,
                    help="Zero the loss mask of the older-policy part of a continued sample.")
+    g.add_argument("--max-weight-staleness", type=int, default=None,
+                   help="Fully asynchronous rollout: drop a prompt group whose oldest token was generated more "
+                        "than N weight versions before the engines' current one (default: keep every group; "
+                        "--use-tis corrects what is kept).")
     g.add_argument("--custom-generate-function-path", type=str, default=None, help="Per-sample generator.")
     g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
                    help="Post-generation sample hook; repeatable.")
@@ -225,7 +229,8 @@ def _add_data_args(parser) -> None:
 
 def _add_eval_args(parser) -> None:
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--eval-function-path", type=str, default=None, help="Eval function (default: rollout function).")
+    g.add_argument("--eval-function-path", type=str, default=None,
+                   help="Eval function (default: the rollout function; the default rollout when that is the fully async one).")
     g.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollout steps.")
     g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="name path [name path ...].")
     g.add_argument("--eval-config", type=str, default=None, help="YAML/JSON eval config.")

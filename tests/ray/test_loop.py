@@ -128,6 +128,19 @@ def test_async_one_step_off_policy(tiny_model_dir, tiny_task_data, tmp_path):
     check_learning(tmp_path / "run", steps=ASYNC_STEPS)
 
 
+def test_fully_async_rollout_learns_with_bounded_staleness(tiny_model_dir, tiny_task_data, tmp_path):
+    """train.py with the fully async rollout: generation runs through training and weight pushes;
+    every trained group is at most --max-weight-staleness versions old, TIS corrects it, and the
+    reward rises as with train_async.py."""
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--rollout-function-path",
+                        "slime.rollout.fully_async_rollout.generate_rollout_fully_async", "--max-weight-staleness", "1",
+                        "--use-tis", steps=ASYNC_STEPS))
+    records = check_learning(tmp_path / "run", steps=ASYNC_STEPS)
+    staleness = by_kind(records, "rollout", "rollout/fully_async/staleness_max")
+    assert len(staleness) == ASYNC_STEPS and staleness[0] == 0 and max(staleness) <= 1, staleness
+    assert by_kind(records, "train", "train/tis")  # the off-policy part is reweighted
+
+
 def test_async_keep_old_actor_pi_old_is_the_rollout_policy(tiny_model_dir, tiny_task_data, tmp_path):
     """train_async.py with --keep-old-actor: rollout k+1 comes from the weights before the update on
     rollout k, and π_old is computed with exactly those weights, so |log π_old − log μ| stays at

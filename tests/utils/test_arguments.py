@@ -74,6 +74,9 @@ def test_missing_backend_library_names_install_command():
         (["--rollout-temperature", "0"], ValueError, "--rollout-temperature must be > 0"),  # 2
         (["--use-kl-loss", "--ref-load", "/no/such/dir"], FileNotFoundError, "--ref-load"),  # 3
         (["--use-opd"], ValueError, "--use-opd requires --opd-type"),  # 4
+        (["--use-opd", "--opd-type", "sglang", "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"],
+         ValueError, "needs --rm-url"),  # 4
+        (["--max-weight-staleness", "-1"], ValueError, "--max-weight-staleness must be >= 0"),
         (["--opd-teacher-load", "/tmp"], ValueError, "--opd-teacher-load '/tmp' is not implemented"),  # 0 (refused)
         (["--eval-interval", "1"], ValueError, "--eval-interval needs at least one eval dataset"),  # 6
         (["--save-interval", "1"], ValueError, "--save-interval needs --save"),  # 7
@@ -212,3 +215,13 @@ def test_json_flags_parsed():
     assert args.apply_chat_template_kwargs == {"enable_thinking": False} and args.train_env_vars == {"A": "1"}
     with pytest.raises(ValueError, match="--train-env-vars must be a JSON object"):
         parse("--train-env-vars", "[1]")
+
+
+def test_fully_async_rollout_evaluates_with_the_default_rollout():
+    base = ["--rollout-batch-size", "1", "--num-rollout", "1", "--train-backend", "fsdp", "--debug-train-only"]
+    fully_async = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+    args = parse_args([*base, "--rollout-function-path", fully_async])
+    assert args.eval_function_path == "slime.rollout.sglang_rollout.generate_rollout"
+    args = parse_args([*base, "--rollout-function-path", fully_async, "--eval-function-path", "my.eval"])
+    assert args.eval_function_path == "my.eval"  # never overrides what the user set
+    assert parse_args([*base, "--rollout-function-path", "my.rollout"]).eval_function_path == "my.rollout"

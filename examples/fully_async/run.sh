@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The same GRPO workload twice on the CPU: train_async.py (generation of step k+1 overlaps training on
+# step k, weights pushed between generations) and train.py with the fully async rollout (generation
+# never stops; weights are pushed into running engines; groups more than --max-weight-staleness
+# versions old are dropped, the rest corrected by --use-tis). Ends with a side-by-side table.
+#   bash examples/fully_async/run.sh        (outputs under outputs/fully-async; OUT=dir, STEPS=n to change)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+bash scripts/setup-env.sh core
+py=.venv/bin/python
+export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-outputs/fully-async}"
+steps="${STEPS:-10}"
+rm -rf "$out" && mkdir -p "$out"
+
+$py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
+$py -m slime.utils.tiny_task --out "$out/data" --seed 0 --num-train 64 --num-eval 16 --num-sft 16
+
+common=(--train-backend fsdp --rollout-backend embedded --actor-num-gpus-per-node 1 --rollout-num-gpus 1
+        --hf-checkpoint "$out/model" --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label
+        --apply-chat-template --custom-rm-path examples.fully_async.reward.reward
+        --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0
+        --num-rollout "$steps" --num-steps-per-rollout 1 --lr 3e-2 --adam-beta2 0.99 --weight-decay 0 --seed 1)
+
+echo "== 1/3 train_async.py (one step off policy)"
+$py train_async.py "${common[@]}" --run-dir "$out/runs/one_step_off"
+
+echo "== 2/3 train.py with the fully async rollout"
+$py train.py "${common[@]}" --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async \
+  --max-weight-staleness 1 --use-tis --run-dir "$out/runs/fully_async"
+
+echo "== 3/3 summary"
+$py -m examples.fully_async.summary "$out/runs/one_step_off" "$out/runs/fully_async" | tee "$out/summary.md"
