@@ -10,8 +10,10 @@ uses as-is for both the ``sdpa`` and ``eager`` attention implementations.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -100,12 +102,9 @@ class ModelRunner:
         MIN_SLOT_CAPACITY) rather than running fewer requests at once: a 0.6B model's 40k-token
         context in 110 GB of KV would otherwise allow 23 concurrent requests."""
         text_config = getattr(self.config, "text_config", self.config)
-        heads = text_config.num_attention_heads
-        shape = CacheShape(
-            num_layers=text_config.num_hidden_layers,
-            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
-            num_slots=num_slots, slot_capacity=min(slot_capacity, self.context_length))
+        kv_heads, key_dim, value_dim = self._cached_geometry()
+        shape = CacheShape(num_layers=text_config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=key_dim,
+                           num_slots=num_slots, slot_capacity=min(slot_capacity, self.context_length), value_dim=value_dim)
         if self.device.type == "cuda" and mem_fraction_static:
             # Size the cache from what is left of the static fraction after the weights.
             free, total = torch.cuda.mem_get_info(self.device)
@@ -122,14 +121,43 @@ class ModelRunner:
                     logger.info("KV budget of %d tokens: slots of %d tokens (not the model's %d) so that %d requests "
                                 "run at once; give --context-length for longer requests", max_total_tokens, capacity,
                                 shape.slot_capacity, num_slots)
-                    shape = CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_slots, capacity)
+                    shape = dataclasses.replace(shape, slot_capacity=capacity)
             # Fixed-size slots: the budget decides how many requests can hold a slot at once.
             slots = min(num_slots, max_total_tokens // shape.slot_capacity)
             if slots < 1:
                 raise ValueError(f"--max-total-tokens {max_total_tokens} is smaller than one slot of "
                                  f"{shape.slot_capacity} tokens; raise it or lower --context-length")
-            shape = CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots, shape.slot_capacity)
+            shape = dataclasses.replace(shape, num_slots=slots)
         return shape
+
+    @torch.inference_mode()
+    def _cached_geometry(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of what every attention layer stores in its cache, read
+        from one probe forward of a single token: the model's attention decides what it caches (a
+        grouped-query layer its key/value heads, DeepSeek's MLA its compressed latent and rotary key),
+        so reading it beats re-deriving it from each family's config."""
+        shapes: dict[int, tuple[int, int, int]] = {}
+
+        class _Recorder:
+            is_compileable = False
+
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                shapes[layer_idx] = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+                return key_states, value_states
+
+            def get_seq_length(self, *args, **kwargs):
+                return 0
+
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        mask = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
+        self.model(input_ids=ids, position_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                   **{self._cache_kwarg: _Recorder()})
+        geometries = set(shapes.values())
+        layers = getattr(self.config, "text_config", self.config).num_hidden_layers
+        if len(shapes) != layers or len(geometries) != 1:
+            raise ValueError(f"{type(self.model).__name__}: the engine's slot cache needs one key/value shape in "
+                             f"every layer; the layers cached {shapes} ({len(shapes)} of {layers} layers)")
+        return geometries.pop()
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -206,6 +234,8 @@ class ModelRunner:
         for name, tensor in named_tensors:
             target = params.get(name)
             if target is None:
+                target = _fused_expert_slice(params, name)
+            if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of {type(self.model).__name__} "
                                f"(e.g. {sorted(params)[:3]} ...); send HF parameter names")
             if tuple(target.shape) != tuple(tensor.shape):
@@ -244,6 +274,28 @@ class ModelRunner:
             self.graphs.clear()
             self.model.to(self.device)
         self.weights_on_device = True
+
+
+_CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The part of a fused expert parameter that a checkpoint-named expert tensor fills: transformers 5
+    keeps a layer's experts as ``experts.gate_up_proj [E, 2·I, H]`` (per expert ``[gate; up]``) and
+    ``experts.down_proj [E, H, I]``, while checkpoints and SGLang name them ``experts.{e}.gate_proj.weight``
+    etc. None when ``name`` is not such a tensor of this model."""
+    match = _CHECKPOINT_EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    if kind == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None or expert >= fused.shape[0] else fused[expert]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None or expert >= fused.shape[0]:
+        return None
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if kind == "gate_proj" else fused[expert, half:]
 
 
 def _buckets(limit: int) -> list[int]:
