@@ -256,10 +256,16 @@ class ModelRunner:
         return count
 
     def get_weight(self, name: str) -> torch.Tensor:
+        """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
+        experts read their slice of the fused expert parameters."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        if name not in params:
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        tensor = params.get(name)
+        if tensor is None:
+            tensor = _fused_expert_slice(params, name)
+        if tensor is None:
             raise KeyError(f"no parameter named {name!r}")
-        return params[name]
+        return tensor
 
     def release_weights(self) -> None:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
