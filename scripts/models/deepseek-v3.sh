@@ -13,6 +13,7 @@ MODEL_ARGS=(
    --kv-channels 128
    --use-rotary-position-embeddings
    --disable-bias-linear
+   --qk-layernorm
    --normalization RMSNorm
    --norm-epsilon 1e-6
    --rotary-base 10000

@@ -177,9 +177,9 @@ def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embed
         return transformers.DeepseekV3Config(
             num_key_value_heads=shape.num_attention_heads, q_lora_rank=shape.hidden_size // 2,
             kv_lora_rank=shape.hidden_size // 4, qk_nope_head_dim=head // 2, qk_rope_head_dim=head // 4,
-            v_head_dim=head // 2, n_group=4, topk_group=2, rope_interleave=True,
+            v_head_dim=head // 2, n_group=2, topk_group=1, rope_interleave=True,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": max_position_embeddings // 4, "beta_fast": 32.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
             **moe, **common)
     if arch == "glm4_moe":

@@ -192,6 +192,11 @@ def _layer_spec(args, config, vp_stage: int | None):
                                         multi_latent_attention=mla)
     if use_te:
         return spec
+    if mla:  # Megatron-Core's local attention cannot take MLA's key/value widths; micro-batches are padded
+        from slime.backends.megatron_utils.latent_attention import LatentCoreAttention
+        from slime.backends.megatron_utils.packed_attention import replace_core_attention
+
+        return replace_core_attention(spec, LatentCoreAttention)
     from slime.backends.megatron_utils.packed_attention import use_packed_core_attention
 
     return use_packed_core_attention(spec)  # the local spec's attention, taking packed rows too
@@ -252,7 +257,7 @@ def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
     args.__dict__.update(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1,
                          pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
                          expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None,
-                         recompute_method=None, recompute_num_layers=None, moe_router_score_function="softmax",
+                         recompute_method=None, recompute_num_layers=None,
                          moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                          moe_router_load_balancing_type="none", moe_grouped_gemm=False,
                          padded_vocab_size=layout.padded_vocab_size, max_position_embeddings=256, seq_length=256,
@@ -380,6 +385,15 @@ def _rank_info():
     )
 
 
+def _weights(gpt: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that carry HF weights: every parameter, and the routers' expert bias (a buffer
+    Megatron updates outside the optimizer; HF's ``e_score_correction_bias``)."""
+    yield from gpt.named_parameters()
+    for name, buffer in gpt.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buffer
+
+
 def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, ep_size: int) -> dict[str, str]:
     """Local parameter name -> global name (layer offsets from each layer's ``layer_number``)."""
     gpt = unwrap(model)
@@ -389,7 +403,7 @@ def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, 
             layer_offset[local] = layer.layer_number - 1 - local
     experts_per_rank = layout.num_experts // ep_size if layout.num_experts else 0
     out = {}
-    for name, _ in gpt.named_parameters():
+    for name, _ in _weights(gpt):
         offset = 0
         if name.startswith("decoder.layers."):
             offset = layer_offset[int(name.split(".")[2])]
@@ -406,7 +420,7 @@ def load_hf_weights(model: torch.nn.Module, hf_path: str, layout: wm.ModelLayout
     gpt = unwrap(model)
     names = _global_names(gpt, layout, ranks["ep_rank"], ranks["ep_size"])
     count = 0
-    for local_name, param in gpt.named_parameters():
+    for local_name, param in _weights(gpt):
         if skip_prefixes and local_name.startswith(skip_prefixes):
             continue
         global_name = names[local_name]
@@ -449,11 +463,12 @@ def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch
     names = _global_names(gpt, layout, 0, 1)  # expert indices stay local here; EP gather below renumbers
     experts_per_rank = layout.num_experts // ranks["ep_size"] if layout.num_experts else 0
     local: list[tuple[str, torch.Tensor]] = []
-    for local_name, param in gpt.named_parameters():
+    for local_name, param in _weights(gpt):
         if skip_prefixes and local_name.startswith(skip_prefixes):
             continue
         name = names[local_name]
-        tensor = param.detach() if param_source is None else param_source(param)
+        # (buffers are never offloaded: only parameters have a host copy)
+        tensor = param.detach() if param_source is None or not isinstance(param, torch.nn.Parameter) else param_source(param)
         if wm.is_expert_param(name):
             full = wm.tp_merge(name, _gather(tensor, ps.get_expert_tensor_parallel_group()))
             for ep_rank, part in enumerate(_gather(full, ps.get_expert_model_parallel_group())):

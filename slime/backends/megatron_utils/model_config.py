@@ -138,6 +138,7 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
         out.update(_mla_args(config))
         out["num_query_groups"], out["group_query_attention"] = heads, False
         out["kv_channels"] = int(config["v_head_dim"])
+        out["qk_layernorm"] = True  # Megatron's MLA builds its q/kv latent norms only with qk_layernorm
     if experts:
         step = int(config.get("decoder_sparse_step", 1) or 1)
         dense = set(config.get("mlp_only_layers") or []) | set(range(int(config.get("first_k_dense_replace") or 0)))

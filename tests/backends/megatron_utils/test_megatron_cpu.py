@@ -100,6 +100,20 @@ def test_moe_expert_parallel_matches_hf_on_cpu(tiny_moe_dir, tmp_path):
     assert result["grad_tensors"] == 57 and result["grad_max_rel"] < 1e-4, result
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_moe_families_at_expert_parallel_match_hf_on_cpu(arch, request, tmp_path):
+    """DeepSeek-V3 (Megatron-Core's MLA with slime's latent core attention, YaRN; sigmoid router with
+    expert bias and group-limited top-k; shared expert; dense first layer) and GLM-4.5 (partial
+    rotary, qkv bias, qk-norm, the same router) at EP=2 against transformers: export bit-exact (the
+    expert bias buffer included), log-probs through the schedule and every gradient."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    result = _run(model_dir, tmp_path / "result.json", ep=2, padded=arch == "deepseek_v3")
+    assert result["model_type"] == arch and result["packed"] is (arch != "deepseek_v3")
+    assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
+    assert result["logprob_std"] > 0.1 and result["logprob_fp32_max_abs"] < 1e-5, result
+    assert result["grad_tensors"] == (98 if arch == "deepseek_v3" else 90) and result["grad_max_rel"] < 1e-4, result
+
+
 WORKER = HERE / "megatron_worker_check.py"
 
 
