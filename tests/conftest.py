@@ -35,7 +35,7 @@ def tiny_task_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory):
     """A tiny DeepSeek-V3 (MLA with q/kv LoRA and YaRN; 8 routed experts + 1 shared, sigmoid routing
-    with an expert bias, 4 groups of which 2 are kept; a dense first layer), ~1.4M parameters."""
+    with an expert bias, 2 groups of which 1 is kept; a dense first layer), ~1.4M parameters."""
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v3"), size="tiny", seed=0, arch="deepseek_v3"))

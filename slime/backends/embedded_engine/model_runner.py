@@ -43,7 +43,7 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, mla_decode: str = "absorbed"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -64,6 +64,13 @@ class ModelRunner:
             from slime.backends.embedded_engine import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
+        if mla_decode not in ("absorbed", "expanded"):
+            raise ValueError(f"--mla-decode {mla_decode!r}: choose absorbed or expanded")
+        self.mla_layers = 0  # multi-latent attention layers decoding with absorbed weights
+        if mla_decode == "absorbed":
+            from slime.backends.embedded_engine import mla_decode as mla
+
+            self.mla_layers = mla.install(self.model)
         shape = self._cache_shape(num_slots, slot_capacity or self.context_length, mem_fraction_static, max_total_tokens,
                                   shrink_slots=slot_capacity is None)
         self.kv_cache = SlotKVCache(shape, self.dtype, self.device)

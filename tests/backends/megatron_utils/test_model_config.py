@@ -194,7 +194,7 @@ def test_moe_families_fill_from_config(tiny_deepseek_v3_dir, tiny_glm4_moe_dir):
     fill_model_args(args, load_hf_config(tiny_deepseek_v3_dir))
     assert args.multi_latent_attention and (args.q_lora_rank, args.kv_lora_rank) == (64, 32)
     assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim, args.rope_type) == (16, 8, 16, "yarn")
-    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (4, 2, 2.5)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
     assert args.moe_layer_freq == [0, 1, 1, 1] and args.moe_shared_expert_intermediate_size == 96
     args = parse([])
     fill_model_args(args, load_hf_config(tiny_glm4_moe_dir))
