@@ -277,9 +277,9 @@ def _validate_model_shape_flags(args) -> None:
                          f"{args.rope_scaling_factor} both give the Llama 3.1 RoPE factor; pass one")
     if args.moe_router_group_topk and not args.moe_router_num_groups:
         raise ValueError(f"--moe-router-group-topk {args.moe_router_group_topk} needs --moe-router-num-groups")
-    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
-        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                         f"(got {args.moe_router_score_function})")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or sqrtsoftplus), "
+                         f"got {args.moe_router_score_function}")
     if args.moe_enable_deepep and args.train_backend == "megatron":
         import importlib.util
 
