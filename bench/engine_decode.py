@@ -6,6 +6,7 @@
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
+(``deepseek-v3-1b``: DeepSeek-V3's MLA + MoE at ~0.95B parameters, see ``ARCHITECTURES``)
 (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
 embeddings for 0.6B) with random bf16 weights and the tiny model's tokenizer (prompts are random
 token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``--model-path``
@@ -80,6 +81,17 @@ ARCHITECTURES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    # MoE with multi-latent attention at ~0.95B total parameters (DeepSeek-V3 architecture): 12 layers, the
+    # first dense; 32 routed experts (top-4 of 2 groups out of 4) + 1 shared; q/kv LoRA 384/256; YaRN
+    "deepseek-v3-1b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                           num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                           qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4,
+                           moe_intermediate_size=512, n_shared_experts=1, n_group=4, topk_group=2,
+                           first_k_dense_replace=1, routed_scaling_factor=2.5, vocab_size=151936,
+                           tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 
@@ -91,15 +103,18 @@ def build_checkpoint(model: str, out_dir: str) -> str:
     path = build_tiny_model(out_dir, size=model if model in ("tiny", "small") else "tiny", seed=0)
     if model in ("tiny", "small"):
         return str(path)
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, GenerationConfig, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     generation_config = GenerationConfig.from_pretrained(path)
-    config = Qwen3Config(**ARCHITECTURES[model], max_position_embeddings=40960, rope_theta=1000000.0,
-                         rms_norm_eps=1e-6, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
+    tokens = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16", rms_norm_eps=1e-6)
+    if model.startswith("deepseek"):
+        config = DeepseekV3Config(**ARCHITECTURES[model], max_position_embeddings=16384, **tokens)
+    else:
+        config = Qwen3Config(**ARCHITECTURES[model], max_position_embeddings=40960, rope_theta=1000000.0, **tokens)
     torch.manual_seed(0)
-    qwen = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    qwen = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     qwen.generation_config = generation_config
     for old in path.glob("*.safetensors"):
         old.unlink()

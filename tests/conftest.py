@@ -30,3 +30,20 @@ def tiny_task_data(tmp_path_factory):
     from slime.utils.tiny_task import build_task_data
 
     return build_task_data(tmp_path_factory.mktemp("tiny_task"), seed=0, num_train=64, num_eval=16, num_sft=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MLA with q/kv LoRA and YaRN; 8 routed experts + 1 shared, sigmoid routing
+    with an expert bias, 2 groups of which 1 is kept; a dense first layer), ~1.4M parameters."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v3"), size="tiny", seed=0, arch="deepseek_v3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory):
+    """A tiny GLM-4.5 (GQA with partial rotary, qkv bias and qk-norm; the same sigmoid MoE), ~1.5M parameters."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_glm4_moe"), size="tiny", seed=0, arch="glm4_moe"))

@@ -119,6 +119,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
 
     # 0. flags slime accepts for upstream scripts but does not implement
     _refuse_unimplemented(args)
+    _validate_model_shape_flags(args)
     # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
     _check_prompt_files(args)
@@ -281,6 +282,29 @@ def _refuse_unimplemented(args) -> None:
             refused.append(f"{flag} {value!r} is not implemented by slime ({REFUSED_FLAGS[flag]})")
     if refused:
         raise ValueError("; ".join(refused) + ". Remove these flags or leave them at their defaults.")
+
+
+def _validate_model_shape_flags(args) -> None:
+    """Megatron model flags that contradict each other (the HF config is compared later, per backend)."""
+    mla = args.multi_latent_attention
+    if not mla and args.rotary_scaling_factor != 1.0 and args.rope_scaling_factor not in (8.0, args.rotary_scaling_factor):
+        raise ValueError(f"--rotary-scaling-factor {args.rotary_scaling_factor} and --rope-scaling-factor "
+                         f"{args.rope_scaling_factor} both give the Llama 3.1 RoPE factor; pass one")
+    if args.moe_router_group_topk and not args.moe_router_num_groups:
+        raise ValueError(f"--moe-router-group-topk {args.moe_router_group_topk} needs --moe-router-num-groups")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or sqrtsoftplus), "
+                         f"got {args.moe_router_score_function}")
+    if args.moe_enable_deepep and args.train_backend == "megatron":
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("deep_ep") is None:
+            raise ValueError("--moe-enable-deepep needs CUDA GPUs and the deep_ep package (DeepEP), which this "
+                             "machine lacks; drop the flag (tokens are then dispatched by --moe-token-dispatcher-type)")
+    if not mla and any(getattr(args, d) != v for d, v in (("q_lora_rank", None), ("rope_type", None))):
+        raise ValueError("--q-lora-rank / --rope-type describe multi-latent attention: pass --multi-latent-attention too")
 
 
 def _check_prompt_files(args) -> None:

@@ -51,6 +51,11 @@ REFUSED_FLAGS: dict[str, str] = {
     "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
     "--ci-save-grad-norm": "upstream's CI guards are not implemented",
     "--ci-load-grad-norm": "upstream's CI guards are not implemented",
+    "--apply-layernorm-1p": "zero-centred norm weights (Qwen3-Next's norms) are not built: Megatron-Core's torch "
+                            "norms refuse them without Transformer Engine and the HF mapping has no +1 conversion",
+    "--fp8-format": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
+    "--fp8-recipe": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
+    "--fp8-param-gather": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16",
     "--recompute-modules": "use --recompute-granularity/--recompute-method/--recompute-num-layers",
 }
 
@@ -575,3 +580,74 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Every N-th layer is MoE, or a 0/1 list per layer, e.g. '([0]*1+[1]*47)'.")
     g.add_argument("--use-rope-scaling", action="store_true", default=False, help="Llama 3.1 RoPE frequency scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.1 RoPE scaling factor.")
+    g.add_argument("--rotary-interleaved", action="store_true", default=False,
+                   help="Rotary pairs are adjacent channels (x0, x1), (x2, x3) ... instead of the two halves.")
+    _add_mla_arguments(parser)
+    _add_moe_router_arguments(parser)
+    _add_megatron_misc_arguments(parser)
+
+
+def _add_mla_arguments(parser) -> None:
+    g = parser.add_argument_group("multi-latent attention (DeepSeek-V3 family; Megatron-named)")
+    g.add_argument("--multi-latent-attention", action="store_true", default=False,
+                   help="Multi-head latent attention (Megatron-Core's MLASelfAttention).")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="Rank of the query's low-rank projection (None: a full q_proj).")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the compressed key/value latent.")
+    g.add_argument("--qk-head-dim", type=int, default=128, help="Query/key head size without the rotary part (HF qk_nope_head_dim).")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="Rotary part of the query/key heads (HF qk_rope_head_dim).")
+    g.add_argument("--v-head-dim", type=int, default=128, help="Value head size.")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN context-extension factor under --multi-latent-attention (HF rope_scaling.factor); "
+                        "for other models the Llama 3.1 factor of --use-rope-scaling.")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (HF rope_scaling.mscale).")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim (HF rope_scaling.mscale_all_dim).")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="Rotary type of --multi-latent-attention (default yarn, as Megatron; rope for configs "
+                        "without rope_scaling).")
+
+
+def _add_moe_router_arguments(parser) -> None:
+    g = parser.add_argument_group("MoE routing (Megatron-named)")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                   help="Dtype of the router's gating and top-k (default fp32).")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False,
+                   help="Per-expert score bias used for top-k choice only (DeepSeek-V3's aux-loss-free balancing; "
+                        "HF e_score_correction_bias).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert-bias update from the tokens per expert.")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiplies the routing weights (HF routed_scaling_factor).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups of group-limited routing (HF n_group).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Groups each token may route to (HF topk_group).")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Tokens an expert takes (x its even share); past it tokens are dropped. None: no dropping.")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="Which tokens an expert over capacity drops: lowest routing probability, or latest position.")
+    g.add_argument("--moe-permute-fusion", action="store_true", default=False,
+                   help="Transformer Engine's fused token permutation (needs transformer_engine).")
+    g.add_argument("--moe-enable-deepep", action="store_true", default=False,
+                   help="DeepEP all-to-all token dispatch (needs CUDA and the deep_ep package).")
+
+
+def _add_megatron_misc_arguments(parser) -> None:
+    g = parser.add_argument_group("Megatron kernels and model spec")
+    g.add_argument("--spec", type=str, nargs="*", default=None,
+                   help="'MODULE FUNCTION' (or 'MODULE.FUNCTION'): Megatron layer spec to build the decoder with; "
+                        "FUNCTION(args, config, vp_stage) returning a ModuleSpec, or a ModuleSpec object.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
+                   help="Zero-centred norm weights (weight + 1).")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="FP8 training format.")
+    g.add_argument("--fp8-recipe", type=str, default=None, help="FP8 scaling recipe (delayed, tensorwise, blockwise, mxfp8).")
+    g.add_argument("--fp8-param-gather", action="store_true", default=False, help="Keep FP8 parameter copies.")
+    g.add_argument("--deterministic-mode", action="store_true", default=False,
+                   help="Deterministic kernels (torch.use_deterministic_algorithms; Megatron's deterministic_mode).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+                   default=True, help="Megatron: skip the NaN check of the reduced gradients.")
+    # slime never enables these fusions (the local layer spec has no fused kernels, they need TE/Apex):
+    # the flags ask for what always happens, so upstream scripts that pass them parse
+    for name, dest in (("rope", "apply_rope_fusion"), ("masked-softmax", "masked_softmax_fusion"),
+                       ("gradient-accumulation", "gradient_accumulation_fusion"), ("bias-swiglu", "bias_swiglu_fusion"),
+                       ("bias-dropout", "bias_dropout_fusion"), ("bias-gelu", "bias_gelu_fusion")):
+        g.add_argument(f"--no-{name}-fusion", dest=dest, action="store_false", default=False,
+                       help=f"Accepted: slime never fuses {name.replace('-', ' ')} (it is off already).")

@@ -1,9 +1,10 @@
-"""Build a tiny Hugging Face checkpoint (Qwen3 architecture) offline, for tests and the CPU quick start.
+"""Build a tiny Hugging Face checkpoint (Qwen3, DeepSeek-V3 or GLM-4.5 architecture) offline, for tests and the CPU quick start.
 
 No model can be downloaded on the machines slime is tested on, so tests and the quick start make
 their own: a byte-level BPE tokenizer trained with the ``tokenizers`` library on a small synthetic
 corpus, a Qwen-style chat template (system/user/assistant/tool turns, tool schemas, ``<tool_call>``
-blocks), and a randomly initialised ``Qwen3ForCausalLM``. Everything is deterministic from the seed.
+blocks), and a randomly initialised ``Qwen3ForCausalLM`` (or, with ``--arch``, a
+``DeepseekV3ForCausalLM`` / ``Glm4MoeForCausalLM``: MoE with multi-latent or grouped-query attention). Everything is deterministic from the seed.
 
     python -m slime.utils.tiny_model --out /tmp/tiny --size tiny --seed 0
 
@@ -151,14 +152,55 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 2048):
-    """Write a Qwen3 HF checkpoint directory to ``out_dir`` and return its path.
+#: architectures the builder makes: the dense Qwen3 default and the two MoE families of issue 23
+ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe")
+
+
+def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embeddings: int, special: dict):
+    """The HF config of ``arch`` at ``shape``. The MoE families keep their distinguishing features:
+    DeepSeek-V3 has MLA (q and kv LoRA, decoupled interleaved rotary, YaRN), sigmoid routing with an
+    expert bias and group-limited top-k, a shared expert and a dense first layer; GLM-4.5 has GQA with
+    partial rotary, qkv bias and qk-norm, and the same sigmoid router over one group."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                  num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+                  max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, torch_dtype="float32", **special)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+                                        rope_theta=10000.0, tie_word_embeddings=True, **common)
+    moe = dict(moe_intermediate_size=shape.intermediate_size // 4, n_routed_experts=8, num_experts_per_tok=2,
+               n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+               tie_word_embeddings=False)
+    if arch == "deepseek_v3":
+        head = shape.head_dim
+        return transformers.DeepseekV3Config(
+            num_key_value_heads=shape.num_attention_heads, q_lora_rank=shape.hidden_size // 2,
+            kv_lora_rank=shape.hidden_size // 4, qk_nope_head_dim=head // 2, qk_rope_head_dim=head // 4,
+            v_head_dim=head // 2, n_group=2, topk_group=1, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            **moe, **common)
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim, attention_bias=True,
+            use_qk_norm=True, n_group=1, topk_group=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **moe, **common)
+    raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
+
+
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 2048,
+                     arch: str = "qwen3"):
+    """Write an HF checkpoint directory of ``arch`` (Qwen3 by default; ``deepseek_v3`` or
+    ``glm4_moe`` for the MoE families) to ``out_dir`` and return its path.
 
     The checkpoint holds ``config.json``, ``generation_config.json`` (stop ids: ``<|im_end|>`` and
     ``<|endoftext|>``), ``model.safetensors`` and the tokenizer files.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
@@ -169,25 +211,15 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, max
     tokenizer = build_tokenizer(shape.vocab_size, seed)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        torch_dtype="float32",
-    )
+    config = _config(arch, shape, len(tokenizer), max_position_embeddings,
+                     dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id))
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
+    if arch != "qwen3":
+        with torch.no_grad():  # a random expert bias (zero at init) so that it decides some top-k choices
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.05)
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True, temperature=1.0
     )
@@ -219,9 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("--arch", default="qwen3", choices=ARCHITECTURES)
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out, args.size, args.seed, args.max_position_embeddings)
-    print(json.dumps({"model_dir": str(out), "size": args.size, "parameters": count_parameters(out)}))
+    out = build_tiny_model(args.out, args.size, args.seed, args.max_position_embeddings, args.arch)
+    print(json.dumps({"model_dir": str(out), "size": args.size, "arch": args.arch, "parameters": count_parameters(out)}))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def build_server(args: ServerArgs):
                          num_slots=args.max_running_requests, slot_capacity=args.context_length,
                          mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
                          max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
-                         cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend)
+                         cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend,
+                         mla_decode=args.mla_decode)
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
     engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed)
     engine.start()

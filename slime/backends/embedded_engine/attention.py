@@ -37,7 +37,8 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                                       **kwargs)
     lengths = kwargs.get("slot_lengths")
     dim = query.shape[-1]
-    if lengths is not None and dim >= 16 and dim & (dim - 1) == 0:  # the kernel wants a power-of-two head size
+    # the kernel wants a power-of-two head size, the same for keys and values (MLA's are not)
+    if lengths is not None and dim >= 16 and dim & (dim - 1) == 0 and value.shape[-1] == dim:
         from slime.backends.embedded_engine import triton_attention
 
         batch, heads = query.shape[:2]
@@ -49,8 +50,9 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      scaling: float | None) -> torch.Tensor:
-    """One query token per row: ``query [B, H, 1, D]``, ``key/value [B, Hkv, L, D]``, additive
-    ``mask [B, 1, 1, L]`` -> ``[B, 1, H, D]`` (the layout transformers' attention modules expect)."""
+    """One query token per row: ``query [B, H, 1, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]``,
+    additive ``mask [B, 1, 1, L]`` -> ``[B, 1, H, Dv]`` (the layout transformers' attention modules
+    expect; ``Dv`` differs from ``D`` in multi-latent attention)."""
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -61,7 +63,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     scores = torch.bmm(q, k.transpose(1, 2)).float().view(batch, kv_heads, groups, length)
     scores = scores * scale + mask.float()  # mask [B, 1, 1, L] broadcasts over heads and groups
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch * kv_heads, groups, length)
-    out = torch.bmm(probs, v).view(batch, heads, 1, dim)
+    out = torch.bmm(probs, v).view(batch, heads, 1, value.shape[-1])
     return out.transpose(1, 2)
 
 

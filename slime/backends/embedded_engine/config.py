@@ -29,6 +29,7 @@ class ServerArgs:
     health_check_timeout: float = 20.0
     log_level: str = "warning"
     custom_pull_weights_pre_read_hook: str | None = None
+    mla_decode: str = "absorbed"
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-pull-weights-pre-read-hook", default=None,
                    help="module.attr of hook(source_dir, target_version), called by /pull_weights before it reads "
                         "a published version (e.g. to refresh an object-store mount)")
+    p.add_argument("--mla-decode", default="absorbed", choices=["absorbed", "expanded"],
+                   help="multi-latent attention (DeepSeek-V3) decode: absorbed (kv_b_proj folded into the query and "
+                        "output, reads the compressed cache once) or expanded (transformers' reference: the cached "
+                        "latent expanded to per-head keys/values every step)")
     return p
 
 

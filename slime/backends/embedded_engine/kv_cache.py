@@ -1,8 +1,12 @@
 """Preallocated key/value cache: one fixed-size row ("slot") per running request.
 
-Layout per layer: ``keys[layer]`` and ``values[layer]`` of shape
-``[num_slots, num_kv_heads, slot_capacity, head_dim]``. The model runner sizes the slots by demand:
-they start short and are reallocated longer (while nothing runs) when a request needs more. The running
+Layout per layer: ``keys[layer]`` of shape ``[num_slots, num_kv_heads, slot_capacity, head_dim]`` and
+``values[layer]`` of ``[num_slots, num_kv_heads, slot_capacity, value_dim]``. The model runner sizes
+the slots by demand: they start short and are reallocated longer (while nothing runs) when a request
+needs more. What a "key" and a "value" are is the model's choice (whatever its attention hands to
+``Cache.update``): per-head keys and values for multi-head / grouped-query attention; for DeepSeek's
+multi-latent attention one shared "head" holding the compressed latent (``kv_lora_rank`` wide) as
+the key and the rotary key (``qk_rope_head_dim`` wide) as the value, which the layer expands itself. The running
 batch always occupies slots ``0 .. batch_size-1`` contiguously, so a decode step reads the cache as
 a *view* ``keys[layer][:batch_size, :, :max_len]`` (no gather); when a request leaves, the last
 row is copied into its slot (one row copy, see :meth:`SlotKVCache.move_slot`).
@@ -27,12 +31,18 @@ class CacheShape:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # width of a cached key
     num_slots: int
     slot_capacity: int  # tokens one request can hold (prompt + output), <= context length
+    value_dim: int | None = None  # width of a cached value (None: head_dim)
+
+    @property
+    def value_width(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+        width = self.head_dim + self.value_width
+        return self.num_layers * self.num_kv_heads * width * torch.finfo(dtype).bits // 8
 
 
 class SlotKVCache:
@@ -55,9 +65,10 @@ class SlotKVCache:
         if self.allocated:
             return
         s = self.shape
-        dims = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
-        self.keys = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
-        self.values = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        keys = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
+        values = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.value_width)
+        self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
 
     def release(self) -> None:
         self.keys, self.values = [], []

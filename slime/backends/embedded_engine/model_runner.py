@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -42,7 +43,7 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, mla_decode: str = "absorbed"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -63,7 +64,15 @@ class ModelRunner:
             from slime.backends.embedded_engine import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
+        if mla_decode not in ("absorbed", "expanded"):
+            raise ValueError(f"--mla-decode {mla_decode!r}: choose absorbed or expanded")
+        self.mla_layers = 0  # multi-latent attention layers decoding with absorbed weights
+        if mla_decode == "absorbed":
+            from slime.backends.embedded_engine import mla_decode as mla
+
+            self.mla_layers = mla.install(self.model)
         self.max_slots = num_slots
+        self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
         self._plan_cache(slot_capacity, mem_fraction_static, max_total_tokens)
         self.kv_cache = SlotKVCache(self._shape(self._initial_capacity()), self.dtype, self.device)
         logger.info("KV cache: %d slots x %d tokens, %.1f MB (slots grow with the requests, up to %d tokens; "
@@ -139,15 +148,13 @@ class ModelRunner:
     def _shape(self, capacity: int, num_slots: int | None = None) -> CacheShape:
         """``num_slots`` (default: as many of ``max_slots`` as the budget allows) slots of ``capacity``."""
         text_config = getattr(self.config, "text_config", self.config)
-        heads = text_config.num_attention_heads
         if num_slots is None:
             num_slots = self.max_slots
             if self.kv_token_budget is not None:
                 num_slots = max(1, min(num_slots, self.kv_token_budget // capacity))
-        return CacheShape(num_layers=text_config.num_hidden_layers,
-                          num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-                          head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
-                          num_slots=num_slots, slot_capacity=capacity)
+        kv_heads, key_dim, value_dim = self._geometry
+        return CacheShape(num_layers=text_config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=key_dim,
+                          num_slots=num_slots, slot_capacity=capacity, value_dim=value_dim)
 
     def grow_cache(self, need: int) -> bool:
         """Lengthen the slots so that a request of ``need`` tokens fits (capped at the context length);
@@ -176,6 +183,35 @@ class ModelRunner:
         logger.info("KV cache grown for a %d-token request: %d slots x %d tokens, %.1f MB", need, shape.num_slots,
                     capacity, shape.num_slots * capacity * shape.bytes_per_token(self.dtype) / 2**20)
         return True
+
+    @torch.inference_mode()
+    def _cached_geometry(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of what every attention layer stores in its cache, read
+        from one probe forward of a single token: the model's attention decides what it caches (a
+        grouped-query layer its key/value heads, DeepSeek's MLA its compressed latent and rotary key),
+        so reading it beats re-deriving it from each family's config."""
+        shapes: dict[int, tuple[int, int, int]] = {}
+
+        class _Recorder:
+            is_compileable = False
+
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                shapes[layer_idx] = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+                return key_states, value_states
+
+            def get_seq_length(self, *args, **kwargs):
+                return 0
+
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        mask = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
+        self.model(input_ids=ids, position_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                   **{self._cache_kwarg: _Recorder()})
+        geometries = set(shapes.values())
+        layers = getattr(self.config, "text_config", self.config).num_hidden_layers
+        if len(shapes) != layers or len(geometries) != 1:
+            raise ValueError(f"{type(self.model).__name__}: the engine's slot cache needs one key/value shape in "
+                             f"every layer; the layers cached {shapes} ({len(shapes)} of {layers} layers)")
+        return geometries.pop()
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -271,6 +307,8 @@ class ModelRunner:
         for name, tensor in named_tensors:
             target = params.get(name)
             if target is None:
+                target = _fused_expert_slice(params, name)
+            if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of {type(self.model).__name__} "
                                f"(e.g. {sorted(params)[:3]} ...); send HF parameter names")
             if tuple(target.shape) != tuple(tensor.shape):
@@ -291,10 +329,16 @@ class ModelRunner:
         return count
 
     def get_weight(self, name: str) -> torch.Tensor:
+        """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
+        experts read their slice of the fused expert parameters."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        if name not in params:
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        tensor = params.get(name)
+        if tensor is None:
+            tensor = _fused_expert_slice(params, name)
+        if tensor is None:
             raise KeyError(f"no parameter named {name!r}")
-        return params[name]
+        return tensor
 
     def release_weights(self) -> None:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
@@ -309,6 +353,28 @@ class ModelRunner:
             self.graphs.clear()
             self.model.to(self.device)
         self.weights_on_device = True
+
+
+_CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The part of a fused expert parameter that a checkpoint-named expert tensor fills: transformers 5
+    keeps a layer's experts as ``experts.gate_up_proj [E, 2·I, H]`` (per expert ``[gate; up]``) and
+    ``experts.down_proj [E, H, I]``, while checkpoints and SGLang name them ``experts.{e}.gate_proj.weight``
+    etc. None when ``name`` is not such a tensor of this model."""
+    match = _CHECKPOINT_EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    if kind == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None or expert >= fused.shape[0] else fused[expert]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None or expert >= fused.shape[0]:
+        return None
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if kind == "gate_proj" else fused[expert, half:]
 
 
 def _buckets(limit: int) -> list[int]:

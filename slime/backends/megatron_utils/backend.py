@@ -172,7 +172,7 @@ class MegatronBackend(TrainBackend):
         self._model_shape()
         model = setup.build_model(args, self.role, self.device, self._weights_dir(), trainable=True)
         self._check_packing(model)
-        self.ddp_model = self.model = setup.wrap_ddp(model)
+        self.ddp_model = self.model = setup.wrap_ddp(model, getattr(args, "check_for_nan_in_loss_and_grad", True))
         self.optimizer, self.scheduler = self.build_optimizer()
         start_iteration = self._load_weights(model, self._checkpoint_dir(args.load), args.ckpt_step, args.finetune,
                                              self.optimizer, self.scheduler)

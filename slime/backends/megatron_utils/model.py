@@ -35,14 +35,19 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def have_deepep() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None
+
+
 def have_sequence_parallel_norm() -> bool:
     """Sequence parallelism needs Transformer Engine's or Apex's norms (the torch fallback refuses it)."""
     return have_transformer_engine() or importlib.util.find_spec("apex") is not None
 
 
 def transformer_config(args, **overrides):
-    """``TransformerConfig`` from the parsed flags (parallel sizes, shape, MoE, precision)."""
-    from megatron.core.transformer import TransformerConfig
+    """``TransformerConfig`` from the parsed flags (parallel sizes, shape, MoE, precision);
+    ``MLATransformerConfig`` under ``--multi-latent-attention``."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     bf16 = not getattr(args, "fp16", False)
     moe = bool(getattr(args, "num_experts", None))
@@ -67,9 +72,14 @@ def transformer_config(args, **overrides):
         pipeline_dtype=torch.float32,
         autocast_dtype=torch.bfloat16 if bf16 else torch.float16,
         variable_seq_lengths=True, attention_softmax_in_fp32=True,
-        # fused kernels that need Apex / TE / compiled extensions
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # fused kernels that need Apex / TE / compiled extensions: never on (the --no-*-fusion flags say so)
+        masked_softmax_fusion=getattr(args, "masked_softmax_fusion", False),
+        bias_activation_fusion=getattr(args, "bias_swiglu_fusion", False) or getattr(args, "bias_gelu_fusion", False),
+        bias_dropout_fusion=getattr(args, "bias_dropout_fusion", False),
+        apply_rope_fusion=getattr(args, "apply_rope_fusion", False),
+        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", False), persist_layer_norm=False,
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        deterministic_mode=getattr(args, "deterministic_mode", False),
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=False,
@@ -94,11 +104,68 @@ def transformer_config(args, **overrides):
             moe_token_dispatcher_type=kwargs["moe_token_dispatcher_type"] if args.moe_token_dispatcher_type == "allgather"
             else args.moe_token_dispatcher_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype="fp32",
+            moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype=getattr(args, "moe_router_dtype", None) or "fp32",
             moe_enable_routing_replay=bool(getattr(args, "use_routing_replay", False)),
+            moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+            moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 1e-3),
+            moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+            moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+            moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+            moe_token_drop_policy=getattr(args, "moe_token_drop_policy", "probs"),
+            moe_permute_fusion=getattr(args, "moe_permute_fusion", False),
         )
+        if getattr(args, "moe_enable_deepep", False):  # refused at start without CUDA and deep_ep
+            kwargs.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
     kwargs.update(overrides)
+    if getattr(args, "multi_latent_attention", False):
+        kwargs.update(mla_config_kwargs(args))
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def llama_rope_scaling_factor(args) -> float:
+    """The Llama 3.1 factor of ``--use-rope-scaling``: ``--rope-scaling-factor``, or upstream's spelling
+    ``--rotary-scaling-factor`` when that is set (without MLA; validate_args refuses two different values)."""
+    rotary = getattr(args, "rotary_scaling_factor", 1.0)
+    if rotary != 1.0 and not getattr(args, "multi_latent_attention", False):
+        return float(rotary)
+    return float(args.rope_scaling_factor)
+
+
+def mla_config_kwargs(args) -> dict:
+    """The MLA fields of ``MLATransformerConfig`` from the flags: LoRA ranks, head sizes, YaRN."""
+    return dict(
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        rope_type=args.rope_type or "yarn", rotary_base=float(args.rotary_base),
+        rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+        # DeepSeek-V3, Kimi-K2 and Moonlight's YaRN all start from 4096 positions (hf_validate_args checks it)
+        original_max_position_embeddings=4096,
+    )
+
+
+def custom_spec(args, config, vp_stage: int | None):
+    """``--spec MODULE FUNCTION`` (or ``--spec MODULE.FUNCTION``): a ModuleSpec object, or a function
+    ``(args, config, vp_stage) -> ModuleSpec``; None without the flag."""
+    spec = getattr(args, "spec", None)
+    if not spec:
+        return None
+    from slime.utils.misc import load_function
+
+    if len(spec) == 2:
+        path = f"{spec[0]}.{spec[1]}"
+    elif len(spec) == 1 and "." in spec[0]:
+        path = spec[0]
+    else:
+        raise ValueError(f"--spec {' '.join(spec)}: expected 'MODULE FUNCTION' or 'MODULE.FUNCTION'")
+    target = load_function(path)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    result = target if isinstance(target, ModuleSpec) else target(args, config, vp_stage)
+    if not isinstance(result, ModuleSpec) and not hasattr(result, "layer_specs"):
+        raise TypeError(f"--spec {path} gave a {type(result).__name__}, not a Megatron ModuleSpec / block spec")
+    return result
 
 
 def _layer_spec(args, config, vp_stage: int | None):
@@ -108,17 +175,28 @@ def _layer_spec(args, config, vp_stage: int | None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    spec = custom_spec(args, config, vp_stage)
+    if spec is not None:
+        return spec
+    mla = getattr(args, "multi_latent_attention", False)
+
     # context parallelism runs through the local spec's PackedCoreAttention (context_parallel.py)
     use_te = have_transformer_engine() and (getattr(args, "context_parallel_size", 1) or 1) == 1
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                           vp_stage=vp_stage)
     elif use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                        multi_latent_attention=mla)
     if use_te:
         return spec
+    if mla:  # Megatron-Core's local attention cannot take MLA's key/value widths; micro-batches are padded
+        from slime.backends.megatron_utils.latent_attention import LatentCoreAttention
+        from slime.backends.megatron_utils.packed_attention import replace_core_attention
+
+        return replace_core_attention(spec, LatentCoreAttention)
     from slime.backends.megatron_utils.packed_attention import use_packed_core_attention
 
     return use_packed_core_attention(spec)  # the local spec's attention, taking packed rows too
@@ -135,7 +213,7 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True, vp
         post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="rope", rotary_percent=args.rotary_percent, rotary_base=int(args.rotary_base),
-        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor, vp_stage=vp_stage,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=llama_rope_scaling_factor(args), vp_stage=vp_stage,
     )
     _routers_outside_autocast(model)
     return model
@@ -179,7 +257,7 @@ def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
     args.__dict__.update(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1,
                          pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
                          expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None,
-                         recompute_method=None, recompute_num_layers=None, moe_router_score_function="softmax",
+                         recompute_method=None, recompute_num_layers=None,
                          moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                          moe_router_load_balancing_type="none", moe_grouped_gemm=False,
                          padded_vocab_size=layout.padded_vocab_size, max_position_embeddings=256, seq_length=256,
@@ -307,6 +385,15 @@ def _rank_info():
     )
 
 
+def _weights(gpt: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that carry HF weights: every parameter, and the routers' expert bias (a buffer
+    Megatron updates outside the optimizer; HF's ``e_score_correction_bias``)."""
+    yield from gpt.named_parameters()
+    for name, buffer in gpt.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buffer
+
+
 def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, ep_size: int) -> dict[str, str]:
     """Local parameter name -> global name (layer offsets from each layer's ``layer_number``)."""
     gpt = unwrap(model)
@@ -316,7 +403,7 @@ def _global_names(model: torch.nn.Module, layout: wm.ModelLayout, ep_rank: int, 
             layer_offset[local] = layer.layer_number - 1 - local
     experts_per_rank = layout.num_experts // ep_size if layout.num_experts else 0
     out = {}
-    for name, _ in gpt.named_parameters():
+    for name, _ in _weights(gpt):
         offset = 0
         if name.startswith("decoder.layers."):
             offset = layer_offset[int(name.split(".")[2])]
@@ -333,7 +420,7 @@ def load_hf_weights(model: torch.nn.Module, hf_path: str, layout: wm.ModelLayout
     gpt = unwrap(model)
     names = _global_names(gpt, layout, ranks["ep_rank"], ranks["ep_size"])
     count = 0
-    for local_name, param in gpt.named_parameters():
+    for local_name, param in _weights(gpt):
         if skip_prefixes and local_name.startswith(skip_prefixes):
             continue
         global_name = names[local_name]
@@ -376,11 +463,12 @@ def iter_hf_weights(model: torch.nn.Module, layout: wm.ModelLayout, dtype: torch
     names = _global_names(gpt, layout, 0, 1)  # expert indices stay local here; EP gather below renumbers
     experts_per_rank = layout.num_experts // ranks["ep_size"] if layout.num_experts else 0
     local: list[tuple[str, torch.Tensor]] = []
-    for local_name, param in gpt.named_parameters():
+    for local_name, param in _weights(gpt):
         if skip_prefixes and local_name.startswith(skip_prefixes):
             continue
         name = names[local_name]
-        tensor = param.detach() if param_source is None else param_source(param)
+        # (buffers are never offloaded: only parameters have a host copy)
+        tensor = param.detach() if param_source is None or not isinstance(param, torch.nn.Parameter) else param_source(param)
         if wm.is_expert_param(name):
             full = wm.tp_merge(name, _gather(tensor, ps.get_expert_tensor_parallel_group()))
             for ep_rank, part in enumerate(_gather(full, ps.get_expert_model_parallel_group())):

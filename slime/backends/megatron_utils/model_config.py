@@ -26,7 +26,14 @@ MODEL_SHAPE_FLAGS = (
     "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "vocab_size",
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
     "moe_router_pre_softmax", "moe_shared_expert_gate", "moe_layer_freq", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_percent", "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+    "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim", "rope_type",
 )
+
+#: families whose MoE is DeepSeek-V3's: sigmoid scores, a per-expert bias for the choice only, group-limited
+#: top-k, routed_scaling_factor, shared experts of n_shared_experts x moe_intermediate_size, dense first layers
+SIGMOID_MOE_TYPES = ("deepseek_v3", "glm4_moe")
 
 
 def load_hf_config(path: str) -> dict:
@@ -53,7 +60,31 @@ def _rope_scaling(config: dict) -> dict | None:
 
 
 def _num_experts(config: dict) -> int:
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
+def _is_moe(config: dict) -> bool:
+    return str(config.get("model_type")).endswith("_moe") or config.get("model_type") in SIGMOID_MOE_TYPES
+
+
+def _rope_parameters(config: dict) -> dict:
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
+
+
+def _mla_args(config: dict) -> dict[str, Any]:
+    """MLA shape flags of a DeepSeek-V3-family config (Megatron's qk_head_dim excludes the rotary part)."""
+    rope = _rope_parameters(config)
+    yarn = (rope.get("rope_type") or rope.get("type")) == "yarn"
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": int(config["q_lora_rank"]) if config.get("q_lora_rank") else None,
+        "kv_lora_rank": int(config["kv_lora_rank"]), "qk_head_dim": int(config["qk_nope_head_dim"]),
+        "qk_pos_emb_head_dim": int(config["qk_rope_head_dim"]), "v_head_dim": int(config["v_head_dim"]),
+        "rope_type": "yarn" if yarn else "rope",
+        "rotary_scaling_factor": float(rope.get("factor", 1.0)) if yarn else 1.0,
+        "mscale": float(rope.get("mscale", 1.0)) if yarn else 1.0,
+        "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)) if yarn else 0.0,
+    }
 
 
 def model_args_from_hf_config(config: dict) -> dict[str, Any]:
@@ -61,7 +92,11 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
     model_type = config.get("model_type")
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    experts = _num_experts(config) if str(model_type).endswith("_moe") else 0
+    experts = _num_experts(config) if _is_moe(config) else 0
+    sigmoid_moe = model_type in SIGMOID_MOE_TYPES
+    shared = (int(config.get("n_shared_experts") or 0) * int(config.get("moe_intermediate_size") or 0) if sigmoid_moe
+              else int(config.get("shared_expert_intermediate_size") or 0))
+    rope = _rope_parameters(config)
     out: dict[str, Any] = {
         "num_layers": int(config["num_hidden_layers"]),
         "hidden_size": int(config["hidden_size"]),
@@ -76,23 +111,37 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
         "swiglu": config.get("hidden_act", "silu") == "silu",
         "disable_bias_linear": True,
         "add_qkv_bias": model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe") or bool(config.get("use_qk_norm", False)),
         "untie_embeddings_and_output_weights": not bool(config.get("tie_word_embeddings", False)),
         "vocab_size": int(config["vocab_size"]),
         "num_experts": experts or None,
         "moe_ffn_hidden_size": int(config["moe_intermediate_size"]) if experts else None,
         "moe_router_topk": int(config.get("num_experts_per_tok", 2)) if experts else 2,
-        "moe_shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0) or None,
+        "moe_shared_expert_intermediate_size": shared or None,
         # top-k of a full softmax without renormalisation (norm_topk_prob false) is Megatron's pre-softmax router
-        "moe_router_pre_softmax": bool(experts) and not bool(config.get("norm_topk_prob", False)),
+        "moe_router_pre_softmax": bool(experts) and not sigmoid_moe and not bool(config.get("norm_topk_prob", False)),
+        "moe_router_score_function": "sigmoid" if sigmoid_moe else "softmax",
+        "moe_router_enable_expert_bias": sigmoid_moe,
+        "moe_router_topk_scaling_factor": float(config.get("routed_scaling_factor", 1.0)) if sigmoid_moe else None,
+        "moe_router_num_groups": int(config["n_group"]) if sigmoid_moe and (config.get("n_group") or 1) > 1 else None,
+        "moe_router_group_topk": int(config["topk_group"]) if sigmoid_moe and (config.get("n_group") or 1) > 1 else None,
+        "rotary_percent": float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+        "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+        "mscale_all_dim": 0.0, "rope_type": None,
         "moe_shared_expert_gate": model_type == "qwen2_moe" and bool(config.get("shared_expert_intermediate_size")),
         "moe_layer_freq": 1,
         "use_rope_scaling": _rope_scaling(config) is not None,
         "rope_scaling_factor": float(_rope_scaling(config)["factor"]) if _rope_scaling(config) else 8.0,
     }
+    if model_type == "deepseek_v3":
+        out.update(_mla_args(config))
+        out["num_query_groups"], out["group_query_attention"] = heads, False
+        out["kv_channels"] = int(config["v_head_dim"])
+        out["qk_layernorm"] = True  # Megatron's MLA builds its q/kv latent norms only with qk_layernorm
     if experts:
         step = int(config.get("decoder_sparse_step", 1) or 1)
-        dense = set(config.get("mlp_only_layers") or [])
+        dense = set(config.get("mlp_only_layers") or []) | set(range(int(config.get("first_k_dense_replace") or 0)))
         pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(out["num_layers"])]
         out["moe_layer_freq"] = 1 if all(pattern) else pattern
     return out
@@ -109,12 +158,14 @@ def hf_validate_args(args, config: dict | None = None) -> None:
     if config is None:
         config = load_hf_config(args.hf_checkpoint)
     expected = model_args_from_hf_config(config)
-    experts = _num_experts(config) if str(config.get("model_type")).endswith("_moe") else 0
+    experts = _num_experts(config) if _is_moe(config) else 0
+    mla = expected["multi_latent_attention"]
     all_moe = bool(experts) and expected["moe_layer_freq"] == 1
     checks = [
         ("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("vocab_size", "vocab_size"),
-        ("kv_channels", "head_dim"), ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"),
+        ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"), ("rotary_percent", "partial_rotary_factor"),
+        ("multi_latent_attention", "model_type"),
         ("untie_embeddings_and_output_weights", "tie_word_embeddings"), ("qk_layernorm", "model_type"),
         ("add_qkv_bias", "model_type/attention_bias"), ("swiglu", "hidden_act"),
     ]
@@ -122,11 +173,27 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         checks.append(("ffn_hidden_size", "intermediate_size"))
     if expected["group_query_attention"] or getattr(args, "group_query_attention", False):
         checks.append(("num_query_groups", "num_key_value_heads"))
+    if not mla:  # (MLA's head sizes are checked below; DeepSeek configs' head_dim is the rotary part)
+        checks.append(("kv_channels", "head_dim"))
+    if mla or getattr(args, "multi_latent_attention", False):
+        checks += [("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
+                   ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
+                   ("rotary_scaling_factor", "rope_scaling.factor"), ("mscale", "rope_scaling.mscale"),
+                   ("mscale_all_dim", "rope_scaling.mscale_all_dim")]
     if experts:
         checks += [("num_experts", "num_experts"), ("moe_ffn_hidden_size", "moe_intermediate_size"),
                    ("moe_router_topk", "num_experts_per_tok"),
-                   ("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size")]
+                   ("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size"),
+                   ("moe_router_score_function", "model_type"), ("moe_router_enable_expert_bias", "e_score_correction_bias"),
+                   ("moe_router_topk_scaling_factor", "routed_scaling_factor"), ("moe_router_num_groups", "n_group"),
+                   ("moe_router_group_topk", "topk_group")]
+        if not all_moe:
+            checks.append(("moe_layer_freq", "first_k_dense_replace/mlp_only_layers"))
     problems = []
+    if mla and (_rope_parameters(config).get("original_max_position_embeddings") or 4096) != 4096:
+        problems.append(f"config.json rope_scaling.original_max_position_embeddings "
+                        f"{_rope_parameters(config)['original_max_position_embeddings']}: Megatron's MLA YaRN is built "
+                        f"for 4096")
     for dest, hf_key in checks:
         given = getattr(args, dest, None)
         if given is None:
@@ -147,6 +214,10 @@ def _hf_value(config: dict, key: str, derived):
         return config.get("head_dim", derived)
     if key in ("model_type", "model_type/attention_bias"):
         return config.get("model_type")
+    if key.startswith("rope_scaling."):
+        return _rope_parameters(config).get(key.split(".", 1)[1], derived)
+    if key == "shared_expert_intermediate_size" and config.get("model_type") in SIGMOID_MOE_TYPES:
+        return f"{derived} (n_shared_experts x moe_intermediate_size)"
     return config.get(key, derived)
 
 

@@ -30,7 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 __all__ = ["LocalPackedSeqParams", "PackedCoreAttention", "per_token_rotary", "supports_packing",
-           "use_packed_core_attention"]
+           "use_packed_core_attention", "replace_core_attention"]
 
 
 @dataclasses.dataclass
@@ -115,15 +115,20 @@ class PackedCoreAttention(DotProductAttention):
 def use_packed_core_attention(spec):
     """``spec`` (a layer or block spec of the local layer spec) with every ``DotProductAttention``
     replaced by :class:`PackedCoreAttention`; the spec itself is not modified."""
+    return replace_core_attention(spec, PackedCoreAttention)
+
+
+def replace_core_attention(spec, replacement):
+    """``spec`` with every ``DotProductAttention`` replaced by ``replacement`` (a copy; ``spec`` is kept)."""
     if spec is DotProductAttention:
-        return PackedCoreAttention
+        return replacement
     if isinstance(spec, (list, tuple)):
-        return type(spec)(use_packed_core_attention(s) for s in spec)
+        return type(spec)(replace_core_attention(s, replacement) for s in spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changed = {}
         for f in dataclasses.fields(spec):
             value = getattr(spec, f.name)
-            swapped = use_packed_core_attention(value)
+            swapped = replace_core_attention(value, replacement)
             if swapped is not value:
                 changed[f.name] = swapped
         if changed:

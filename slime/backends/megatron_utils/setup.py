@@ -55,6 +55,14 @@ def refuse_unsupported(args) -> None:
         "with torch modules that do not support it; drop --sequence-parallel or install transformer_engine)":
             getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1 and not mm.have_sequence_parallel_norm(),
     }
+    refused.update({
+        "--moe-permute-fusion without Transformer Engine (the fused permutation is a TE kernel; drop the flag or "
+        "install transformer_engine)": getattr(args, "moe_permute_fusion", False) and not mm.have_transformer_engine(),
+        "--moe-enable-deepep without CUDA and the deep_ep package (DeepEP's all-to-all; drop the flag to dispatch "
+        "with --moe-token-dispatcher-type)": getattr(args, "moe_enable_deepep", False) and not mm.have_deepep(),
+        "--rotary-interleaved with --multi-latent-attention (Megatron-Core's MLA rotates the two halves)":
+            getattr(args, "rotary_interleaved", False) and getattr(args, "multi_latent_attention", False),
+    })
     names = [name for name, active in refused.items() if active]
     if names:
         raise NotImplementedError(f"--train-backend megatron does not support {'; '.join(names)}")
@@ -97,12 +105,14 @@ def build_model(args, role: str, device, weights_dir: str, trainable: bool):
     return model
 
 
-def wrap_ddp(model):
+def wrap_ddp(model, check_for_nan: bool = True):
+    """Megatron DDP; ``check_for_nan`` (off with ``--no-check-for-nan-in-loss-and-grad``) raises when a
+    reduced gradient bucket holds a NaN."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
-        bucket_size=None, average_in_collective=False,
+        bucket_size=None, average_in_collective=False, check_for_nan_in_grad=check_for_nan,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 

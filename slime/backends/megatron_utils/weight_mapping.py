@@ -27,6 +27,15 @@ Megatron layouts that differ from Hugging Face's:
   (``te_fused_norms``); the local spec keeps ``input_layernorm`` / ``pre_mlp_layernorm``.
 * experts are ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight`` (SequentialMLP) or
   ``mlp.experts.linear_fc{1,2}.weight{e}`` (grouped GEMM, ``grouped_experts``).
+* multi-latent attention (DeepSeek-V3, ``mla``) maps one to one: ``linear_q_down_proj`` /
+  ``linear_q_up_proj`` / ``linear_kv_down_proj`` / ``linear_kv_up_proj`` are HF's ``q_a_proj`` /
+  ``q_b_proj`` / ``kv_a_proj_with_mqa`` / ``kv_b_proj`` with the same row order (per head
+  ``[nope; rope]`` queries, ``[latent; rope]`` down-projected keys, per head ``[k_nope; v]``), and
+  ``q_layernorm`` / ``kv_layernorm`` are ``q_a_layernorm`` / ``kv_a_layernorm`` (with TE fused into
+  the up projections' ``layer_norm_weight``). HF's interleaved rotary channels (``rope_interleave``)
+  need no permutation: Megatron's MLA de-interleaves them itself, as HF's rotary does. All four
+  projections are column-parallel (contiguous row blocks per TP rank). The router's expert bias
+  (a buffer) is ``mlp.router.expert_bias`` = HF ``mlp.gate.e_score_correction_bias``.
 """
 
 from __future__ import annotations
@@ -44,7 +53,11 @@ __all__ = [
 ]
 
 #: HF ``model_type`` values this mapping knows (dense and MoE decoder-only families).
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
+
+#: MoE families with DeepSeek-V3's MoE block: ``mlp.gate.e_score_correction_bias`` (Megatron's
+#: ``mlp.router.expert_bias``), ``mlp.shared_experts.*``, the first ``first_k_dense_replace`` layers dense
+DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
@@ -78,6 +91,10 @@ class ModelLayout:
     shared_expert_gate: bool = False
     te_fused_norms: bool = False
     grouped_experts: bool = False
+    mla: bool = False  # DeepSeek-V3's multi-latent attention instead of linear_qkv
+    q_lora_rank: int | None = None  # MLA: None = a full q_proj
+    expert_bias: bool = False  # sigmoid router with e_score_correction_bias
+    shared_expert_prefix: str = "mlp.shared_expert"  # HF prefix of the shared expert (DeepSeek: shared_experts)
 
     @classmethod
     def from_hf_config(cls, config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1,
@@ -91,15 +108,22 @@ class ModelLayout:
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         layers = int(get("num_hidden_layers"))
+        deepseek_moe = model_type in DEEPSEEK_MOE_TYPES
         # transformers 5 writes "num_local_experts"; published Qwen MoE configs say "num_experts"
-        num_experts = int(get("num_experts", None) or get("num_local_experts", 0) or 0) if model_type.endswith("_moe") else 0
+        num_experts = (int(get("num_experts", None) or get("num_local_experts", 0) or get("n_routed_experts", 0) or 0)
+                       if model_type.endswith("_moe") or deepseek_moe else 0)
         if num_experts:
             step = int(get("decoder_sparse_step", 1) or 1)
-            dense_only = set(get("mlp_only_layers", []) or [])
+            dense_only = set(get("mlp_only_layers", []) or []) | set(range(int(get("first_k_dense_replace", 0) or 0)))
             moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         else:
             moe_layers = (False,) * layers
-        shared = bool(num_experts and (get("shared_expert_intermediate_size", 0) or 0) > 0)
+        shared = bool(num_experts and ((get("shared_expert_intermediate_size", 0) or 0) > 0
+                                       or (deepseek_moe and (get("n_shared_experts", 0) or 0) > 0)))
+        mla = model_type == "deepseek_v3"
+        if mla and get("rope_interleave", True) is False:
+            raise ValueError("DeepSeek-V3 config with rope_interleave false: Megatron's MLA de-interleaves the rotary "
+                             "channels, so this layout has no mapping yet")
         return cls(
             model_type=model_type,
             num_layers=layers,
@@ -111,13 +135,17 @@ class ModelLayout:
             padded_vocab_size=padded_vocab or padded_vocab_size(int(get("vocab_size")), make_vocab_size_divisible_by, tp_size),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(get("attention_bias", False)),
-            qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+            qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(get("use_qk_norm", False)),
             num_experts=num_experts,
             moe_layers=moe_layers,
             shared_expert=shared,
             shared_expert_gate=shared and model_type == "qwen2_moe",
             te_fused_norms=te_fused_norms,
             grouped_experts=grouped_experts,
+            mla=mla,
+            q_lora_rank=int(get("q_lora_rank")) if mla and get("q_lora_rank", None) else None,
+            expert_bias=bool(num_experts) and deepseek_moe,
+            shared_expert_prefix="mlp.shared_experts" if deepseek_moe else "mlp.shared_expert",
         )
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -133,7 +161,7 @@ def _expert_fc(layout: ModelLayout, layer: int, expert: int, fc: int) -> str:
 
 
 def _input_norm(layout: ModelLayout, layer: int) -> str:
-    if layout.te_fused_norms:
+    if layout.te_fused_norms and not layout.mla:  # (TE's MLA keeps a separate input norm: two down projections)
         return f"decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight"
     return f"decoder.layers.{layer}.input_layernorm.weight"
 
@@ -150,15 +178,20 @@ def megatron_param_names(layout: ModelLayout) -> list[str]:
     for i in range(layout.num_layers):
         p = f"decoder.layers.{i}."
         names.append(_input_norm(layout, i))
-        names.append(p + "self_attention.linear_qkv.weight")
-        if layout.qkv_bias:
-            names.append(p + "self_attention.linear_qkv.bias")
-        if layout.qk_layernorm:
-            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        if layout.mla:
+            names += _mla_names(layout, p)
+        else:
+            names.append(p + "self_attention.linear_qkv.weight")
+            if layout.qkv_bias:
+                names.append(p + "self_attention.linear_qkv.bias")
+            if layout.qk_layernorm:
+                names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
         names.append(_pre_mlp_norm(layout, i))
         if layout.is_moe_layer(i):
             names.append(p + "mlp.router.weight")
+            if layout.expert_bias:
+                names.append(p + "mlp.router.expert_bias")
             for e in range(layout.num_experts):
                 names += [_expert_fc(layout, i, e, 1), _expert_fc(layout, i, e, 2)]
             if layout.shared_expert:
@@ -171,6 +204,37 @@ def megatron_param_names(layout: ModelLayout) -> list[str]:
     if not layout.tie_word_embeddings:
         names.append("output_layer.weight")
     return names
+
+
+def _mla_norm(layout: ModelLayout, which: str) -> str:
+    """``q`` / ``kv``: the MLA latent norm (TE fuses it into the up projection)."""
+    if layout.te_fused_norms:
+        return f"self_attention.linear_{which}_up_proj.layer_norm_weight"
+    return f"self_attention.{which}_layernorm.weight"
+
+
+def _mla_names(layout: ModelLayout, prefix: str) -> list[str]:
+    if layout.q_lora_rank:
+        names = [prefix + "self_attention.linear_q_down_proj.weight", prefix + _mla_norm(layout, "q"),
+                 prefix + "self_attention.linear_q_up_proj.weight"]
+    else:
+        names = [prefix + "self_attention.linear_q_proj.weight"]
+    return names + [prefix + "self_attention.linear_kv_down_proj.weight", prefix + _mla_norm(layout, "kv"),
+                    prefix + "self_attention.linear_kv_up_proj.weight"]
+
+
+# MLA suffixes inside a layer: Megatron -> HF (local spec and TE spellings of the latent norms)
+_MLA_SIMPLE = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
 
 
 def hf_param_names(layout: ModelLayout) -> list[str]:
@@ -196,7 +260,7 @@ _LAYER_SIMPLE = {
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
-    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _TOP_SIMPLE = {"decoder.final_layernorm.weight": "model.norm.weight"}
@@ -226,15 +290,19 @@ def _hf_sources(name: str, layout: ModelLayout) -> list[str]:
         raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
     layer, suffix = int(m.group(1)), m.group(2)
     hf = f"model.layers.{layer}."
+    if layout.mla and suffix in _MLA_SIMPLE:
+        return [hf + _MLA_SIMPLE[suffix]]
     if suffix in _LAYER_SIMPLE:
         return [hf + _LAYER_SIMPLE[suffix]]
+    if suffix == "mlp.shared_experts.linear_fc2.weight":
+        return [hf + layout.shared_expert_prefix + ".down_proj.weight"]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return [hf + f"self_attn.{p}_proj.{kind}" for p in ("q", "k", "v")]
     if suffix == "mlp.linear_fc1.weight":
         return [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
     if suffix == "mlp.shared_experts.linear_fc1.weight":
-        return [hf + "mlp.shared_expert.gate_proj.weight", hf + "mlp.shared_expert.up_proj.weight"]
+        return [hf + layout.shared_expert_prefix + ".gate_proj.weight", hf + layout.shared_expert_prefix + ".up_proj.weight"]
     expert = _split_expert(suffix)
     if expert is not None:
         e, fc = expert
@@ -329,7 +397,9 @@ def megatron_to_hf(megatron_state: dict[str, torch.Tensor], layout: ModelLayout)
 
 # --------------------------------------------------------------------------- tensor parallelism
 
-_COLUMN_SUFFIXES = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight")
+_COLUMN_SUFFIXES = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "linear_q_proj.weight",
+                    "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+                    "linear_kv_up_proj.weight")
 _ROW_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
 
 

@@ -30,6 +30,7 @@ dict get its dict view.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Iterator
 
@@ -72,6 +73,10 @@ class TrainWorker:
 
     def init(self) -> int | None:
         """Build the backend's models; returns the rollout id to start from (checkpoint + 1) or None."""
+        if getattr(self.args, "deterministic_mode", False):
+            # cuBLAS needs a fixed workspace for deterministic matmuls; set before the first CUDA GEMM
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         return self.backend.init()
 
     # ------------------------------------------------------------------ forward-only passes

@@ -45,6 +45,26 @@ PUBLISHED = {
                         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
                         rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "deepseek-v3": dict(model_type="deepseek_v3", num_hidden_layers=61, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, vocab_size=129280,
+                        rope_theta=10000, tie_word_embeddings=False,
+                        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "original_max_position_embeddings": 4096, "type": "yarn"}, **QWEN),
+    "glm4.5-355B-A32B": dict(model_type="glm4_moe", num_hidden_layers=92, hidden_size=5120, intermediate_size=12288,
+                             moe_intermediate_size=1536, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                             n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                             routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=True,
+                             attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000, rms_norm_eps=1e-5,
+                             vocab_size=151552, tie_word_embeddings=False, hidden_act="silu"),
+    "glm4.5-air": dict(model_type="glm4_moe", num_hidden_layers=46, hidden_size=4096, intermediate_size=10944,
+                       moe_intermediate_size=1408, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                       n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
+                       routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=False,
+                       attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000, rms_norm_eps=1e-5,
+                       vocab_size=151552, tie_word_embeddings=False, hidden_act="silu"),
 }
 
 BASE = ["--rollout-batch-size", "1", "--num-rollout", "1"]
@@ -74,7 +94,8 @@ def test_preset_matches_published_config(name):
     # and every shape flag a preset sets is what the config says
     expected = model_args_from_hf_config(PUBLISHED[name])
     for dest in ("num_layers", "hidden_size", "num_query_groups", "kv_channels", "vocab_size", "qk_layernorm",
-                 "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rope_scaling"):
+                 "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rope_scaling", "multi_latent_attention",
+                 "moe_layer_freq", "moe_router_score_function", "moe_router_enable_expert_bias", "rotary_percent"):
         assert getattr(args, dest) == expected[dest], dest
 
 
@@ -145,3 +166,37 @@ def test_parse_args_checks_a_preset_against_the_checkpoint(tmp_path, monkeypatch
     with pytest.raises(AssertionError, match="--hidden-size 2048 but config.json hidden_size 1024"):
         parse_args(base + preset_args("qwen3-1.7B"))
     parse_args(base)  # no preset: the shape is taken from the config later
+
+
+def test_mla_and_sigmoid_router_mismatches_are_named():
+    """DeepSeek-V3's MLA ranks, YaRN factor, group-limited routing and dense layers are compared too."""
+    args = parse(preset_args("deepseek-v3") + ["--kv-lora-rank", "256", "--rotary-scaling-factor", "4",
+                                              "--moe-router-group-topk", "2", "--moe-layer-freq", "([0]*1+[1]*60)"])
+    args.hf_checkpoint = "/models/deepseek-v3"
+    with pytest.raises(AssertionError) as info:
+        hf_validate_args(args, PUBLISHED["deepseek-v3"])
+    message = str(info.value)
+    for part in ("--kv-lora-rank 256 but config.json kv_lora_rank 512", "--rotary-scaling-factor 4.0 but config.json rope_scaling.factor 40",
+                 "--moe-router-group-topk 2 but config.json topk_group 4", "--moe-layer-freq [0, 1,"):
+        assert part in message, (part, message)
+    # a GLM-4.5 preset against GLM-4.5-Air: qk-norm, layer count and experts differ
+    args = parse(preset_args("glm4.5-355B-A32B"))
+    args.hf_checkpoint = "/models/glm4.5-air"
+    with pytest.raises(AssertionError, match="--num-layers 92 but config.json num_hidden_layers 46.*--qk-layernorm True"):
+        hf_validate_args(args, PUBLISHED["glm4.5-air"])
+
+
+def test_moe_families_fill_from_config(tiny_deepseek_v3_dir, tiny_glm4_moe_dir):
+    """Without a preset the MLA / sigmoid-router flags come from the checkpoint (the tiny ones here)."""
+    from slime.backends.megatron_utils.model_config import load_hf_config
+
+    args = parse([])
+    fill_model_args(args, load_hf_config(tiny_deepseek_v3_dir))
+    assert args.multi_latent_attention and (args.q_lora_rank, args.kv_lora_rank) == (64, 32)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim, args.rope_type) == (16, 8, 16, "yarn")
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert args.moe_layer_freq == [0, 1, 1, 1] and args.moe_shared_expert_intermediate_size == 96
+    args = parse([])
+    fill_model_args(args, load_hf_config(tiny_glm4_moe_dir))
+    assert not args.multi_latent_attention and args.rotary_percent == 0.5 and args.add_qkv_bias and args.qk_layernorm
+    assert args.moe_router_score_function == "sigmoid" and args.moe_router_enable_expert_bias

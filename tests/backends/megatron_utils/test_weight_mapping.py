@@ -30,16 +30,28 @@ def _tiny_checkpoint(tmp_path, model_type: str, tie: bool = False) -> tuple[dict
         config = transformers.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
                                              num_experts_per_tok=2, **common)
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif model_type == "deepseek_v3":
+        common.update(num_hidden_layers=3, num_key_value_heads=4)
+        config = transformers.DeepseekV3Config(
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1, **common)
+        model = transformers.DeepseekV3ForCausalLM(config)
+    elif model_type == "glm4_moe":
+        config = transformers.Glm4MoeConfig(head_dim=8, moe_intermediate_size=16, n_routed_experts=4,
+                                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                            attention_bias=True, use_qk_norm=True, **common)
+        model = transformers.Glm4MoeForCausalLM(config)
     else:
         raise AssertionError(model_type)
     torch.manual_seed(0)
-    for p in model.parameters():  # norms start at 1 and biases at 0: randomise so a swap would show
-        torch.nn.init.normal_(p)
+    for p in list(model.parameters()) + [b for n, b in model.named_buffers() if "e_score" in n]:
+        torch.nn.init.normal_(p)  # norms start at 1, biases at 0: randomise so a swap would show
     model.save_pretrained(tmp_path / model_type)
     return config.to_dict(), load_file(str(tmp_path / model_type / "model.safetensors"))
 
 
-FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"]
+FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -149,12 +161,14 @@ def test_names_and_shapes_match_a_real_megatron_model(tmp_path):
     pytest.importorskip("megatron.core")
     from slime.backends.megatron_utils.model import build_model_for_layout_check, iter_hf_weights, load_hf_weights
 
-    for model_type in ("qwen2", "qwen3_moe"):
+    for model_type in ("qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe"):
         config, hf_state = _tiny_checkpoint(tmp_path, model_type)
         layout = wm.ModelLayout.from_hf_config(config, make_vocab_size_divisible_by=64)
         model = build_model_for_layout_check(config, layout)
         expected = {n: tuple(t.shape) for n, t in wm.hf_to_megatron(hf_state, layout).items()}
-        assert {n: tuple(p.shape) for n, p in model.named_parameters()} == expected
+        built = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        built.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
+        assert built == expected, model_type
         # and the safetensors go into that model and come back out unchanged
         assert load_hf_weights(model, str(tmp_path / model_type), layout) == len(expected)
         exported = dict(iter_hf_weights(model, layout))
@@ -178,3 +192,25 @@ def test_fused_expert_layout_matches_transformers(tmp_path):
     partial = [(n, t) for n, t in exported.items() if ".experts.3." not in n]
     with pytest.raises(ValueError, match="expert tensors missing"):
         list(wm.fuse_experts_for_transformers(partial, layout))
+
+
+def test_mla_layout_names_hf_tensors_one_to_one(tmp_path):
+    """DeepSeek-V3: the MLA projections and latent norms, the router's expert bias and the shared
+    experts, dense first layer; column-parallel MLA projections split in contiguous row blocks."""
+    config, hf_state = _tiny_checkpoint(tmp_path, "deepseek_v3")
+    layout = wm.ModelLayout.from_hf_config(config)
+    assert layout.mla and layout.q_lora_rank == 24 and layout.expert_bias and layout.moe_layers == (False, True, True)
+    megatron = wm.hf_to_megatron(hf_state, layout)
+    p = "decoder.layers.1."
+    assert torch.equal(megatron[p + "self_attention.linear_kv_up_proj.weight"], hf_state["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert torch.equal(megatron[p + "self_attention.kv_layernorm.weight"], hf_state["model.layers.1.self_attn.kv_a_layernorm.weight"])
+    assert torch.equal(megatron[p + "mlp.router.expert_bias"], hf_state["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert megatron[p + "mlp.shared_experts.linear_fc1.weight"].shape == (32, 32)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in megatron and "decoder.layers.0.mlp.router.weight" not in megatron
+    te = wm.ModelLayout.from_hf_config(config, te_fused_norms=True)
+    assert p + "self_attention.linear_q_up_proj.layer_norm_weight" in wm.megatron_param_names(te)
+    assert p + "input_layernorm.weight" in wm.megatron_param_names(te)  # TE's MLA keeps the input norm apart
+    for name in ("linear_q_up_proj.weight", "linear_kv_down_proj.weight"):
+        full = megatron[p + "self_attention." + name]
+        assert wm.tp_kind(p + "self_attention." + name) == "column"
+        assert torch.equal(wm.tp_merge(p + name, wm.tp_split(p + "self_attention." + name, full, 2)), full)
