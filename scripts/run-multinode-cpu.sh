@@ -9,7 +9,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh dev  # includes ray[default] (the job server of the head node)
+bash scripts/setup-env.sh dev,cluster  # the tests' packages and ray[default] (the job server of the head node)
 py=.venv/bin/python
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 out="$(cd "$(dirname "${OUT:-outputs/multinode-cpu}")" 2>/dev/null && pwd || pwd)/$(basename "${OUT:-outputs/multinode-cpu}")"

@@ -226,30 +226,30 @@ def test_trainer_killed_mid_step_resumes_from_last_checkpoint(tiny_model_dir, ti
     from checkpoint 1 with the data source where it was: every step's prompts equal an uninterrupted
     run's, each step is trained once, and the engines serve the resumed weights (the recomputed
     log-probs match the engine's). Checkpoints are written with --async-save: checkpoint 1 was
-    completed in the background while step 2 generated, and the end of the resumed run waits for its
-    last one."""
+    completed in the background while step 2 generated, and the end of the resumed run (step 2 is
+    the last) waits for its last one."""
     dump = str(tmp_path / "dump" / "{rollout_id}.pt")
     common = ("--save", tmp_path / "ckpt", "--save-interval", "1", "--load", tmp_path / "ckpt",
               "--save-debug-rollout-data", dump, "--rollout-shuffle", "--async-save")
     with pytest.raises(ray.exceptions.RayActorError):
         run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common,
-                            "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=4))
+                            "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=3))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", *common,
-                        "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=4))
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+                        "--rollout-data-postprocess-path", "loop_plugins.kill_trainer_once_in_step_2", steps=3))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     reference_dump = str(tmp_path / "ref" / "{rollout_id}.pt")
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "ref_run", "--save-debug-rollout-data", reference_dump,
-                        "--rollout-shuffle", "--debug-rollout-only", steps=4))
+                        "--rollout-shuffle", "--debug-rollout-only", steps=3))
     from slime.observability.rollout_data_utils import load_debug_rollout_data
 
-    for rollout_id in range(4):
+    for rollout_id in range(3):
         resumed = load_debug_rollout_data(dump, rollout_id=rollout_id)
         reference = load_debug_rollout_data(reference_dump, rollout_id=rollout_id)
         assert [s.prompt for s in resumed] == [s.prompt for s in reference]
         assert [s.index for s in resumed] == [s.index for s in reference]
     records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records if r["kind"] == "train"] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [0, 1, 2]
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
     assert max(diffs) < 1e-3, diffs
 
