@@ -24,8 +24,8 @@ Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps
 ``--warmup`` ones), its split ``rollout_time`` / ``train_time`` / ``update_weights_time`` (TRL: the
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
 ``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
-time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``); and ``speedup_vs_trl`` = TRL step time / slime step
-time. ``--out`` writes ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
+time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``, ``engine_decode_steps``,
+``engine_prefill_forwards``); and ``speedup_vs_trl`` = TRL step time / slime step time. ``--out`` writes ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
 """
 
 from __future__ import annotations
