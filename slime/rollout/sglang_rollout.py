@@ -24,6 +24,7 @@ Number of engines (for the concurrency bound): ``args.rollout_num_engines`` if s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 import logging
@@ -49,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GenerateState",
+    "batchable_group",
     "generate",
     "generate_and_rm",
+    "generate_group",
     "generate_and_rm_group",
     "generate_rollout",
     "generate_rollout_async",
@@ -114,6 +117,9 @@ class GenerateState:
         self._semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = (
             weakref.WeakKeyDictionary()
         )
+        self._permit_locks: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]" = (
+            weakref.WeakKeyDictionary()
+        )
         self.sampling_params = self._base_sampling_params(args)
         self.aborted = False
         self.request_mode_tasks: set[asyncio.Task] = set()
@@ -144,6 +150,27 @@ class GenerateState:
             self._semaphores[loop] = asyncio.Semaphore(self.concurrency)
         return self._semaphores[loop]
 
+    @contextlib.asynccontextmanager
+    async def permits(self, n: int):
+        """``n`` (at most the whole bound) slots of the concurrency bound at once, for a batched group
+        request. Groups take their permits one group at a time, so two groups never each hold part
+        of the bound while waiting for the rest."""
+        if n > self.concurrency:
+            raise ValueError(f"{n} permits asked of a concurrency bound of {self.concurrency}")
+        semaphore, taken = self.semaphore, 0
+        loop = asyncio.get_running_loop()
+        if loop not in self._permit_locks:
+            self._permit_locks[loop] = asyncio.Lock()
+        try:
+            async with self._permit_locks[loop]:
+                for _ in range(n):
+                    await semaphore.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                semaphore.release()
+
     def reset(self) -> None:
         self.aborted = False
         self.request_mode_tasks.clear()
@@ -165,54 +192,36 @@ def _prompt_token_ids(tokenizer, prompt) -> list[int]:
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
-async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
-    """Default generator: one ``/generate`` call on the router, appended to the sample.
-
-    The remaining budget is ``max_new_tokens`` minus what the sample already generated (partial
-    rollout), capped by the context length; at 0 the sample is TRUNCATED without a request. A
-    4xx answer (e.g. prompt longer than the engine's context) marks the sample FAILED.
-    """
-    state = GenerateState(args)
+def _request_budget(args, sample: Sample, sampling_params: dict, evaluation: bool) -> int | None:
+    """``max_new_tokens`` for the sample's next request (None: as much as fits); tokenizes the prompt
+    if needed. ``<= 0`` means nothing is left to generate."""
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"generate() accepts PENDING or ABORTED samples; sample {sample.index} is {sample.status}")
     if sample.multimodal_inputs:
         raise NotImplementedError("multimodal prompts are not supported by the default generator yet")
     if not sample.tokens:
-        sample.tokens = _prompt_token_ids(state.tokenizer, sample.prompt)
-
-    params = dict(sampling_params)
-    max_new_tokens = params.get("max_new_tokens")
+        sample.tokens = _prompt_token_ids(GenerateState(args).tokenizer, sample.prompt)
+    max_new_tokens = sampling_params.get("max_new_tokens")
     if max_new_tokens is not None:
         max_new_tokens -= sample.response_length
     context_len = getattr(args, "eval_max_context_len" if evaluation else "rollout_max_context_len", None)
     if context_len:
         room = context_len - len(sample.tokens)
         max_new_tokens = room if max_new_tokens is None else min(max_new_tokens, room)
-    if max_new_tokens is not None and max_new_tokens <= 0:
-        sample.status = Sample.Status.TRUNCATED
-        return sample
-    params["max_new_tokens"] = max_new_tokens
+    return max_new_tokens
 
-    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
+
+def _generate_payload(args, input_ids: list, sampling_params: dict, max_new_tokens: int | None) -> dict:
+    payload = {"input_ids": input_ids, "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens},
+               "return_logprob": True}
     if getattr(args, "use_rollout_routing_replay", False):
         payload["return_routed_experts"] = True
-    headers = None
-    if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
-        headers = {"X-SMG-Routing-Key": sample.session_id}
+    return payload
 
-    async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
-        try:
-            output = await _post_generate(args, get_model_url(args, "default"), payload, headers)
-        except HTTPRequestError as e:
-            if e.status_code is None:
-                raise
-            logger.error("generate for sample %s rejected: %s", sample.index, e)
-            sample.status = Sample.Status.FAILED
-            sample.metadata["generate_error"] = str(e)
-            trace_event(sample, "generate_rejected", attrs={"status_code": e.status_code, "error": str(e)[:500]})
-            return sample
-        meta_info = output["meta_info"]
-        span.update(build_sglang_meta_trace_attrs(meta_info))
+
+def _append_output(args, sample: Sample, output: dict, span) -> None:
+    meta_info = output["meta_info"]
+    span.update(build_sglang_meta_trace_attrs(meta_info))
     token_logprobs = meta_info.get("output_token_logprobs") or []
     if output.get("output_ids") and not token_logprobs:
         raise ValueError("engine answered output_ids without meta_info.output_token_logprobs (return_logprob=True)")
@@ -224,7 +233,91 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         meta_info=meta_info,
         text=output.get("text", ""),
     )
+
+
+def _mark_rejected(samples: list[Sample], error: HTTPRequestError) -> None:
+    logger.error("generate for sample(s) %s rejected: %s", [s.index for s in samples], error)
+    for sample in samples:
+        sample.status = Sample.Status.FAILED
+        sample.metadata["generate_error"] = str(error)
+        trace_event(sample, "generate_rejected", attrs={"status_code": error.status_code, "error": str(error)[:500]})
+
+
+async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+    """Default generator: one ``/generate`` call on the router, appended to the sample.
+
+    The remaining budget is ``max_new_tokens`` minus what the sample already generated (partial
+    rollout), capped by the context length; at 0 the sample is TRUNCATED without a request. A
+    4xx answer (e.g. prompt longer than the engine's context) marks the sample FAILED.
+    """
+    max_new_tokens = _request_budget(args, sample, sampling_params, evaluation)
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+    payload = _generate_payload(args, list(sample.tokens), sampling_params, max_new_tokens)
+    headers = None
+    if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
+        headers = {"X-SMG-Routing-Key": sample.session_id}
+
+    async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
+        try:
+            output = await _post_generate(args, get_model_url(args, "default"), payload, headers)
+        except HTTPRequestError as e:
+            if e.status_code is None:
+                raise
+            _mark_rejected([sample], e)
+            return sample
+        _append_output(args, sample, output, span)
     return sample
+
+
+def batchable_group(args, group: list, evaluation: bool = False) -> bool:
+    """Whether the default generator may send a whole prompt group as ONE batched ``/generate``
+    (SGLANG_PROTOCOL §2.1: ``input_ids`` as a list of lists, one ``sampling_params`` for all).
+
+    Every slot must be a fresh, text-only sample generated by the default :func:`generate` with the
+    same budget; per-slot routing keys (``--router-policy consistent_hashing``), per-slot sampling
+    seeds (``--sglang-enable-deterministic-inference``), custom generate functions and groups larger
+    than the concurrency bound (``--sglang-server-concurrency`` x engines) keep one request per sample.
+    """
+    if not 2 <= len(group) <= GenerateState(args).concurrency or getattr(args, "custom_generate_function_path", None):
+        return False
+    if getattr(args, "router_policy", None) == "consistent_hashing" or getattr(
+            args, "sglang_enable_deterministic_inference", False):
+        return False
+    return all(isinstance(s, Sample) and s.status == Sample.Status.PENDING and not s.response_length
+               and not s.generate_function_path and not s.multimodal_inputs for s in group)
+
+
+async def generate_group(args, group: list[Sample], sampling_params: dict, evaluation: bool = False) -> list[Sample]:
+    """The default generator for a whole group (see :func:`batchable_group`): one batched request,
+    each answer appended to its sample exactly as :func:`generate` does. Samples whose budgets differ
+    (different prompt lengths under a context limit) are sent one by one instead."""
+    budgets = [_request_budget(args, sample, sampling_params, evaluation) for sample in group]
+    if len(set(budgets)) != 1:
+        return list(await asyncio.gather(*(generate(args, s, sampling_params, evaluation) for s in group)))
+    max_new_tokens = budgets[0]
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        for sample in group:
+            sample.status = Sample.Status.TRUNCATED
+        return group
+    payload = _generate_payload(args, [list(s.tokens) for s in group], sampling_params, max_new_tokens)
+    with contextlib.ExitStack() as spans:  # one span per sample (their own end attributes) around the one request
+        sample_spans = [spans.enter_context(trace_span(sample, "sglang_generate", attrs={
+            "max_new_tokens": max_new_tokens, "batch_size": len(group)})) for sample in group]
+        try:
+            outputs = await _post_generate(args, get_model_url(args, "default"), payload, None)
+        except HTTPRequestError as e:
+            if e.status_code is None:
+                raise
+            _mark_rejected(group, e)
+            return group
+        if not isinstance(outputs, list) or len(outputs) != len(group):
+            raise ValueError(f"batched /generate of {len(group)} prompts answered "
+                             f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__} outputs")
+        for sample, output, span in zip(group, outputs, sample_spans):
+            _append_output(args, sample, output, span)
+    return group
 
 
 # With --use-fault-tolerance a request that no engine can serve waits as long as an engine restart
@@ -330,10 +423,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         trace_next_attempt(sample, attrs={"response_length": sample.response_length})  # continued partial rollout
     async with trace_span(sample, "generate_and_rm", attrs={"evaluation": evaluation}) as span:
         result = await _generate_and_rm(args, sample, sampling_params, evaluation, span)
-        leaves = _leaves(result)
-        if leaves:
-            span.update({"status": leaves[0].status.value, "response_length": leaves[0].response_length,
-                         "reward": leaves[0].reward, "num_samples": len(leaves)})
+        _end_slot_span(span, result)
     return result
 
 
@@ -349,7 +439,11 @@ async def _generate_and_rm(args, sample: Sample, sampling_params: dict, evaluati
         result = await apply_rollout_sample_hooks(args, result, evaluation=evaluation)
     else:  # finished earlier (recycled by partial rollout): returned as is, rewarded if still unscored
         result = sample
+    return await _reward_generated(args, sample, result, evaluation, span)
 
+
+async def _reward_generated(args, sample: Sample, result, evaluation: bool, span):
+    """After a slot's generation and hooks: reward it (unless ``--group-rm`` rewards the group)."""
     if isinstance(result, list):  # fan-out: every emitted sample continues the trace on its own copy
         inherit_trace(sample, _leaves(result))
         span.retarget(_leaves(result))
@@ -362,6 +456,35 @@ async def _generate_and_rm(args, sample: Sample, sampling_params: dict, evaluati
     elif result.status != Sample.Status.ABORTED and result.reward is None:
         await _reward_one(args, result, evaluation)
     return result
+
+
+def _end_slot_span(span, result) -> None:
+    leaves = _leaves(result)
+    if leaves:
+        span.update({"status": leaves[0].status.value, "response_length": leaves[0].response_length,
+                     "reward": leaves[0].reward, "num_samples": len(leaves)})
+
+
+async def _generate_and_rm_batched(args, group: list[Sample], sampling_params: dict, evaluation: bool) -> list:
+    """:func:`generate_and_rm` for every slot of a :func:`batchable_group` group, generated by one
+    batched request under ``len(group)`` permits of the concurrency bound; hooks and rewards per slot."""
+    state = GenerateState(args)
+    with contextlib.ExitStack() as spans:
+        slot_spans = [spans.enter_context(trace_span(sample, "generate_and_rm", attrs={"evaluation": evaluation}))
+                      for sample in group]
+        async with state.permits(len(group)):
+            if state.aborted:
+                for sample in group:
+                    sample.status = Sample.Status.ABORTED
+                    trace_event(sample, "aborted_before_start")
+                return group
+            await generate_group(args, group, sampling_params, evaluation)
+        hooked = await asyncio.gather(*(apply_rollout_sample_hooks(args, s, evaluation=evaluation) for s in group))
+        results = await asyncio.gather(*(_reward_generated(args, sample, result, evaluation, span)
+                                         for sample, result, span in zip(group, hooked, slot_spans)))
+        for span, result in zip(slot_spans, results):
+            _end_slot_span(span, result)
+    return list(results)
 
 
 async def _gather_tasks(tasks: list[asyncio.Task]) -> list:
@@ -385,16 +508,21 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
     for sample in _leaves(group):
         bind_trace(sample)
     async with trace_span(_leaves(group), "generate_and_rm_group", attrs={"group_size": len(group)}) as span:
-        tasks = []
-        for slot, sample in enumerate(group):
+        for sample in group:
             if sample.session_id is None:
                 sample.session_id = str(uuid.uuid4())
-            params = copy.deepcopy(sampling_params)
-            if getattr(args, "sglang_enable_deterministic_inference", False):
-                params["sampling_seed"] = args.rollout_seed + slot
-            name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
-            tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation), name=name))
-        group = await _gather_tasks(tasks)
+        if batchable_group(args, group, evaluation):  # one request for the whole group
+            group = await _generate_and_rm_batched(args, group, sampling_params, evaluation)
+        else:
+            tasks = []
+            for slot, sample in enumerate(group):
+                params = copy.deepcopy(sampling_params)
+                if getattr(args, "sglang_enable_deterministic_inference", False):
+                    params["sampling_seed"] = args.rollout_seed + slot
+                name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
+                tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation),
+                                                 name=name))
+            group = await _gather_tasks(tasks)
         span.retarget(_leaves(group))  # fan-out slots continue on their emitted samples
 
         if getattr(args, "group_rm", False) and not evaluation:

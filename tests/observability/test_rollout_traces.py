@@ -65,7 +65,7 @@ def test_default_rollout_span_tree(tiny_model_dir, tmp_path, engine):
         assert tree["generate_and_rm"][0] == "generate_and_rm_group"
         assert tree["generate_and_rm"][2]["status"] == "completed"
         parent, start, end = tree["sglang_generate"]
-        assert parent == "generate_and_rm" and start == {"max_new_tokens": 8}
+        assert parent == "generate_and_rm" and start == {"max_new_tokens": 8, "batch_size": 2}  # the group in one request
         assert end["prompt_tokens"] == len(sample.tokens) - 3 and end["completion_tokens"] == 3
         assert end["finish_reason"] == "stop" and end["sglang_request_id"].startswith("req-")
         assert tree["sglang_pd_prefill"][0] == "sglang_generate" and tree["sglang_pd_decode"][0] == "sglang_generate"

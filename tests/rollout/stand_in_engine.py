@@ -4,7 +4,9 @@ A test gives a ``script(payload) -> Reply`` deciding the tokens, log-probs, fini
 per-token delay of each request. Tokens are "generated" one at a time (``delay_s`` apart), so an
 ``/abort_request {"abort_all": true}`` arriving mid-way returns the partial output with
 ``finish_reason.type == "abort"``, exactly as SGLang does. ``max_new_tokens`` is honoured
-(``finish_reason.type == "length"``). Every request (payload and headers) is recorded.
+(``finish_reason.type == "length"``). Every request (payload and headers) is recorded; a batched
+``/generate`` (``input_ids`` a list of lists) is scripted and recorded prompt by prompt and answered
+with the list of outputs, as SGLang does.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class StandInEngine:
         self.script = script
         self.detokenize = detokenize
         self.weight_version = weight_version
-        self.requests: list[dict] = []
+        self.requests: list[dict] = []  # one per prompt (a batch's prompts are recorded one by one)
+        self.batches: list[dict] = []  # the batched bodies as sent
         self.headers: list[dict] = []
         self.abort_calls = 0
         self._in_flight: set[asyncio.Event] = set()
@@ -57,11 +60,24 @@ class StandInEngine:
 
     async def _generate(self, request: web.Request) -> web.Response:
         payload = await request.json()
+        ids = payload.get("input_ids")
+        if ids and isinstance(ids[0], list):  # a batch (SGLANG_PROTOCOL §2.1): every prompt scripted on its own
+            self.batches.append(payload)
+            parts = [{**payload, "input_ids": prompt} for prompt in ids]
+            answers = await asyncio.gather(*(self._one(part, dict(request.headers)) for part in parts))
+            failed = next((a for a in answers if a[1] != 200), None)
+            if failed is not None:
+                return web.json_response(failed[0], status=failed[1])
+            return web.json_response([body for body, _ in answers])
+        body, status = await self._one(payload, dict(request.headers))
+        return web.json_response(body, status=status)
+
+    async def _one(self, payload: dict, headers: dict) -> tuple[dict, int]:
         self.requests.append(payload)
-        self.headers.append(dict(request.headers))
+        self.headers.append(headers)
         reply = self.script(payload)
         if reply.http_status != 200:
-            return web.json_response(reply.error or {"error": {"message": "scripted error"}}, status=reply.http_status)
+            return reply.error or {"error": {"message": "scripted error"}}, reply.http_status
         max_new = payload.get("sampling_params", {}).get("max_new_tokens")
         logprobs = reply.logprobs or [-0.01 * (i + 1) for i in range(len(reply.tokens))]
         abort = asyncio.Event()
@@ -100,7 +116,7 @@ class StandInEngine:
         }
         if reply.omit_logprobs:
             del meta["output_token_logprobs"], meta["output_token_logprobs_length"]
-        return web.json_response({"text": self.detokenize(emitted), "output_ids": emitted, "meta_info": meta})
+        return {"text": self.detokenize(emitted), "output_ids": emitted, "meta_info": meta}, 200
 
     async def _abort(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -3,6 +3,7 @@ sampling, abort + partial rollout, evaluation, hooks and error messages."""
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -129,6 +130,71 @@ def test_generate_rollout_groups_rewards_and_hooks(tiny_model_dir, prompt_file, 
     assert [s.remove_sample for s in leaves] == [False, True, False, True]
     assert args.recorded_all_groups == [0, 2]
     assert len({s.session_id for s in leaves}) == 4
+
+
+def test_a_group_is_generated_by_one_batched_request(tiny_model_dir, prompt_file, engine):
+    """The default generator sends each prompt group as one /generate with input_ids a list of lists
+    (the engine prefills the group together); each sample still gets its own answer."""
+    args = make_args(tiny_model_dir, prompt_file, engine, "--n-samples-per-prompt", "3",
+                     "--rm-type", "random")  # fmt: skip
+    calls = iter(range(100))
+    engine.holder["script"] = lambda payload: Reply(tokens=[10 + next(calls), 3])
+    out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(engine.batches) == 2 and len(engine.requests) == 6  # 2 groups x 3 samples in 2 requests
+    for body, group in zip(engine.batches, out.samples):
+        prompt_ids = group[0].tokens[: len(group[0].tokens) - group[0].response_length]
+        assert body["input_ids"] == [prompt_ids] * 3 and body["sampling_params"]["max_new_tokens"] == 8
+        assert body["return_logprob"] is True
+    firsts = [s.tokens[-2] for group in out.samples for s in group]
+    assert sorted(firsts) == list(range(10, 16))  # every sample has its own scripted answer
+    assert all(s.status == Sample.Status.COMPLETED and s.rollout_log_probs == [-0.01, -0.02]
+               for group in out.samples for s in group)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--router-policy", "consistent_hashing"),  # one routing key per sample
+    ("--sglang-enable-deterministic-inference",),  # one sampling seed per slot
+    ("--custom-generate-function-path", "tests.plugin_contracts.sample_plugins.generate.generate"),
+])
+def test_per_sample_requests_where_a_batch_cannot_express_the_slots(tiny_model_dir, prompt_file, engine, flags):
+    args = make_args(tiny_model_dir, prompt_file, engine, "--rm-type", "random", *flags)
+    out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(out.samples) == 2 and not engine.batches
+
+
+def test_batched_groups_respect_the_concurrency_bound(tiny_model_dir, prompt_file, engine):
+    """--sglang-server-concurrency 4: groups of 2 take 2 permits each (never more than 4 samples in
+    flight); a group of 6, larger than the bound, is sent sample by sample within it."""
+    in_flight, peak = [0], [0]
+    lock = threading.Lock()
+
+    def script(payload):
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        return Reply(tokens=[4, 5, 6], delay_s=0.02)
+
+    original = engine._one
+
+    async def counted(payload, headers):
+        try:
+            return await original(payload, headers)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    engine._one = counted
+    engine.holder["script"] = script
+    args = make_args(tiny_model_dir, prompt_file, engine, "--rollout-batch-size", "4", "--rm-type", "random")
+    out = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(out.samples) == 4 and peak[0] == 4 and len(engine.batches) == 4
+    args = make_args(tiny_model_dir, prompt_file, engine, "--rollout-batch-size", "2", "--n-samples-per-prompt", "6",
+                     "--rm-type", "random")  # fmt: skip
+    peak[0], batches = 0, len(engine.batches)
+    out = generate_rollout(args, 1, RolloutDataSourceWithBuffer(args))
+    assert [len(g) for g in out.samples] == [6, 6] and all(s.status == Sample.Status.COMPLETED
+                                                           for g in out.samples for s in g)
+    assert len(engine.batches) == batches and peak[0] == 4
 
 
 def test_fan_out_groups_share_rollout_id(tiny_model_dir, prompt_file, engine):

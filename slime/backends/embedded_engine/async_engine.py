@@ -32,26 +32,45 @@ class AsyncEngine:
         self.engine = engine
         self.inflight: dict[str, _Tracked] = {}
 
-    async def _submit(self, request: GenerateRequest) -> _Tracked:
-        if request.rid in self.inflight:
-            raise RequestError(f"Duplicate request ID detected: {request.rid}")
+    async def _submit(self, requests: list[GenerateRequest]) -> list[_Tracked]:
+        """Hand every request of one HTTP call to the engine in ONE command, so a batch (a prompt
+        group's samples) reaches the scheduler together and is prefilled together."""
+        seen: set[str] = set()
+        for request in requests:
+            if request.rid in self.inflight or request.rid in seen:
+                raise RequestError(f"Duplicate request ID detected: {request.rid}")
+            seen.add(request.rid)
         loop = asyncio.get_running_loop()
-        tracked = _Tracked(seq_future=loop.create_future())
-        self.inflight[request.rid] = tracked
+        tracked = []
+        for request in requests:
+            item = _Tracked(seq_future=loop.create_future())
+            self.inflight[request.rid] = item
+            tracked.append(item)
 
-        def on_event(seq: Sequence, finished: bool) -> None:
-            snapshot = (list(seq.output_ids), list(seq.output_logprobs)) if not finished else None
-            loop.call_soon_threadsafe(tracked.events.put_nowait, (seq, finished, snapshot))
+        def on_event_of(item: _Tracked):
+            def on_event(seq: Sequence, finished: bool) -> None:
+                snapshot = (list(seq.output_ids), list(seq.output_logprobs)) if not finished else None
+                loop.call_soon_threadsafe(item.events.put_nowait, (seq, finished, snapshot))
+            return on_event
 
-        await asyncio.wrap_future(self.engine.call(lambda: self.engine.add_request(request, on_event)))
+        def add_all() -> None:
+            for request, item in zip(requests, tracked):
+                self.engine.add_request(request, on_event_of(item))
+
+        try:
+            await asyncio.wrap_future(self.engine.call(add_all))
+        except BaseException:  # none of them is served: those already added are aborted
+            self.engine.call(lambda: [self.engine.abort(request.rid) for request in requests])
+            for request in requests:
+                self.inflight.pop(request.rid, None)
+            raise
         return tracked
 
     async def generate(self, requests: list[GenerateRequest]) -> list[tuple[Sequence, float]]:
         """Run requests to completion; returns (sequence, e2e latency) in request order."""
         tracked = []
         try:
-            for request in requests:
-                tracked.append(await self._submit(request))
+            tracked = await self._submit(requests)
             results = []
             for request, item in zip(requests, tracked):
                 while True:
@@ -73,8 +92,7 @@ class AsyncEngine:
         merged: asyncio.Queue = asyncio.Queue()
         tracked = []
         try:
-            for request in requests:
-                tracked.append(await self._submit(request))
+            tracked = await self._submit(requests)
             pumps = [asyncio.create_task(self._pump(i, t, merged), name=f"stream-{r.rid}")
                      for i, (r, t) in enumerate(zip(requests, tracked))]
             remaining = len(requests)
