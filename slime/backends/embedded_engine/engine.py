@@ -208,8 +208,13 @@ class Engine:
         return produced
 
     def _prefill(self, admitted: list[Sequence]) -> int:
-        """Fill the cache with each admitted sequence's prompt (+ output so far), then sample its next token."""
-        pending = list(admitted)
+        """Fill the cache with each admitted sequence's prompt (+ output so far), then sample its next token.
+
+        Requests admitted together with the same tokens to fill (a prompt group's samples) share
+        one prefill: the first is computed, the others copy its keys/values into their slots and
+        sample their own first token from its logits."""
+        leaders, followers = self._share_prefills(admitted)
+        pending = leaders
         produced = 0
         while pending:
             chunk = max(1, self.chunked_prefill_size // len(pending))
@@ -229,6 +234,7 @@ class Engine:
                 if seq.num_computed >= len(seq.fill_ids):
                     done.append((seq, last_logits[i]))
             pending = [s for s in pending if s.num_computed < len(s.fill_ids)]
+            done += self._copy_shared(done, followers)
             finished = [s for s, _ in done if len(s.output_ids) >= s.max_new_tokens]
             for seq in finished:
                 self._finish(seq, {"type": "length", "length": seq.max_new_tokens})
@@ -236,6 +242,36 @@ class Engine:
             if ready:
                 produced += self._sample_and_append([s for s, _ in ready], torch.stack([l for _, l in ready]))
         return produced
+
+    def _share_prefills(self, admitted: list[Sequence]) -> tuple[list[Sequence], dict[int, list[Sequence]]]:
+        """(sequences to prefill, {id(leader): sequences that take the leader's cache}). Only
+        requests starting from an empty slot and not asking for prompt log-probs share."""
+        leaders, followers, by_tokens = [], {}, {}
+        for seq in admitted:
+            key = tuple(seq.fill_ids) if seq.num_computed == 0 and not self._wants_input_logprobs(seq) else None
+            leader = by_tokens.get(key) if key is not None else None
+            if leader is None:
+                leaders.append(seq)
+                if key is not None:
+                    by_tokens[key] = seq
+            else:
+                followers.setdefault(id(leader), []).append(seq)
+        return leaders, followers
+
+    def _copy_shared(self, done: list[tuple[Sequence, torch.Tensor]],
+                     followers: dict[int, list[Sequence]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """Give the followers of the leaders just prefilled their cache rows and logits."""
+        copies, srcs, dsts = [], [], []
+        for leader, logits in done:
+            for seq in followers.get(id(leader), ()):
+                srcs.append(leader.slot)
+                dsts.append(seq.slot)
+                seq.num_computed = leader.num_computed
+                copies.append((seq, logits))
+        if copies:
+            self.runner.kv_cache.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
+            self.scheduler.stats.prefill_shared_rows += len(copies)
+        return copies
 
     def _decode(self) -> int:
         start = time.perf_counter()

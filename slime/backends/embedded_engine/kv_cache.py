@@ -79,6 +79,16 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def copy_slots(self, srcs: list[int], dsts: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of each slot ``srcs[i]`` into ``dsts[i]`` (one indexed
+        copy per buffer: requests sharing a prompt take the prefilled one's keys and values)."""
+        if not srcs or length == 0:
+            return
+        src = torch.tensor(srcs, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dsts, dtype=torch.long, device=self.device)
+        for buf in self.keys + self.values:
+            buf[dst, :, :length] = buf[src, :, :length]
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (batch compaction)."""
         if src == dst or length == 0:

@@ -90,6 +90,7 @@ class SchedulerStats:
     # engine steps at all (the remainder of a burst's wall time is the engine waiting for requests).
     prefill_seconds: float = 0.0
     prefill_tokens: int = 0
+    prefill_shared_rows: int = 0  # requests that took another's prefill (same tokens admitted together)
     busy_seconds: float = 0.0
 
 

@@ -76,6 +76,25 @@ def test_logprobs_equal_hf_forward(http, hf_model, temperature):
         assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_a_group_of_one_prompt_shares_its_prefill(http, hf_model):
+    """A batch of the same prompt (a GRPO group) is prefilled once: the other samples copy its cache
+    rows, yet each samples on its own, and every token's log-prob is the model's."""
+    prompt, n = PROMPTS[0] * 3, 6
+    before = http.get("/get_server_info").json()["batch_stats"]
+    sampling = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    outs = generate(http, input_ids=[prompt] * n, sampling_params=sampling, return_logprob=True)
+    after = http.get("/get_server_info").json()["batch_stats"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt)  # one prefill for six requests
+    assert after["prefill_shared_rows"] - before["prefill_shared_rows"] == n - 1
+    assert len({tuple(out["output_ids"]) for out in outs}) > 1  # independent samples, not copies
+    for out in outs:
+        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(hf_logprobs(hf_model, prompt, out["output_ids"], 1.0), abs=1e-4)
+    greedy_outs = generate(http, input_ids=[prompt] * 3, return_logprob=True,
+                           sampling_params={**sampling, "temperature": 0})
+    assert [out["output_ids"] for out in greedy_outs] == [hf_greedy(hf_model, prompt, 12)] * 3
+
+
 def test_prompt_logprobs(http, hf_model):
     prompt = PROMPTS[2]
     out = generate(http, input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0},
