@@ -1,0 +1,88 @@
+"""Every flag of Megatron-LM's model groups (its training arguments.py: transformer configuration,
+network size, moe, mla, mixed precision, Transformer-Engine) parses in slime, and is either slime's own,
+a TransformerConfig field handed to Megatron-Core when set, or refused at start with what is missing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime.utils.arguments import get_parser, parse_args
+from slime.utils.arguments_groups import REFUSED_FLAGS, megatron_lm_passthrough_dests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import megatron_cpu  # noqa: E402
+
+BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
+SCRIPT = """
+import json, sys
+sys.path.insert(0, "tools")
+from gen_megatron_lm_flags import megatron_lm_model_flags
+from slime.utils.arguments import parse_args
+from slime.backends.megatron_utils import model as mm
+flags = [dict(strings=list(f["strings"])) for f in megatron_lm_model_flags()]
+args = parse_args(json.loads(sys.argv[1]))
+config = mm.transformer_config(args, use_cpu_initialization=True)
+print(json.dumps({"flags": flags, "init_method_std": config.init_method_std,
+                  "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "softmax_type": config.softmax_type}))
+"""
+DENSE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+         "--normalization", "RMSNorm", "--swiglu", "--train-backend", "megatron", "--init-method-std", "0.01",
+         "--moe-shared-expert-overlap", "--softmax-type", "off-by-one"]
+
+
+@pytest.fixture(scope="module")
+def megatron_lm():
+    path = megatron_cpu.pythonpath()
+    if path is None:
+        pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
+    env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    argv = [a for a in BASE if a not in ("--train-backend", "fsdp")] + DENSE
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argv)], cwd=megatron_cpu.ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_megatron_lm_model_flag_parses_and_is_passed_or_refused(megatron_lm):
+    parser, _ = get_parser(parse_sglang=False)
+    actions = parser._option_string_actions
+    passed = set(megatron_lm_passthrough_dests())
+    unparsed, unhandled, counts = [], [], {"slime": 0, "passed": 0, "refused": 0}
+    for flag in megatron_lm["flags"]:
+        strings = flag["strings"]
+        if not all(s in actions for s in strings):
+            unparsed.append(strings[0])
+            continue
+        dest = actions[strings[0]].dest
+        if any(s in REFUSED_FLAGS for s in strings) or any(o in REFUSED_FLAGS for o in actions[strings[0]].option_strings):
+            counts["refused"] += 1
+        elif dest in passed:
+            counts["passed"] += 1
+        else:
+            counts["slime"] += 1  # slime's own flag, read where it takes effect (tests/utils/test_no_silent_flags.py)
+    assert not unparsed, f"Megatron-LM flags slime does not parse (python tools/gen_megatron_lm_flags.py): {unparsed}"
+    assert not unhandled
+    assert len(megatron_lm["flags"]) > 250 and min(counts.values()) > 20, counts
+
+
+def test_a_passed_flag_reaches_megatron_cores_config(megatron_lm):
+    assert megatron_lm["init_method_std"] == 0.01 and megatron_lm["moe_shared_expert_overlap"] is True
+    assert megatron_lm["softmax_type"] == "off-by-one"
+
+
+def test_refused_and_backend_bound_flags_say_why():
+    with pytest.raises(ValueError, match=r"--fp8-margin 1 is not implemented by slime \(FP8/FP4 training needs "
+                                         r"Transformer Engine"):
+        parse_args(BASE + ["--fp8-margin", "1"])
+    with pytest.raises(ValueError, match="--mtp-standalone True is not implemented.*multi-token-prediction"):
+        parse_args(BASE + ["--mtp-standalone"])
+    with pytest.raises(ValueError, match="--init-method-std: Megatron-Core TransformerConfig fields, used only with "
+                                         "--train-backend megatron"):
+        parse_args(BASE + ["--init-method-std", "0.01"])
+    args = parse_args(BASE + ["--no-position-embedding"])  # RoPE only: what slime always does
+    assert args.add_position_embedding is False
