@@ -1,5 +1,6 @@
-# Source (checked 2026-12-01, through public copies of it: the model page itself is not in the search index):
-# https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json, the same shape as DeepSeek-V3-Base / -0324 / R1): hidden 7168, 61 layers (first_k_dense_replace 3), 128 heads,
+# Source (checked 2026-12-01): https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json, read
+# through public copies of it (the model page itself is not in the search index); DeepSeek-V3-Base, -0324 and R1
+# have the same shape: hidden 7168, 61 layers (first_k_dense_replace 3), 128 heads,
 # q/kv LoRA 1536/512, qk_nope/rope/v 128/64/128, 256 routed + 1 shared experts of 2048, top-8 of 8 groups keep 4,
 # routed_scaling_factor 2.5, YaRN factor 40 (beta 32/1, mscale 1/1, from 4096), rms_norm_eps 1e-6, vocab 129280.
 # Published total: 671B + the 14B MTP module (not built here). Every value below matched; nothing changed.

@@ -1,5 +1,6 @@
-# Source (checked 2026-12-01; GLM-4.5's own page not in the search index): https://huggingface.co/zai-org/GLM-4.5/blob/main/config.json, whose shape GLM-4.6
-# and GLM-4.7 keep (https://huggingface.co/zai-org/GLM-4.7/blob/main/config.json): hidden 5120, 92 layers
+# Source (checked 2026-12-01): https://huggingface.co/zai-org/GLM-4.5/blob/main/config.json (its page is not in the
+# search index; read through NVIDIA Megatron-Bridge's GLM-4.5 card and the configs of GLM-4.6 / GLM-4.7, which keep
+# the shape: https://huggingface.co/zai-org/GLM-4.7/blob/main/config.json): hidden 5120, 92 layers
 # (first_k_dense_replace 3), 96 heads / 8 KV heads of 128, partial_rotary_factor 0.5, use_qk_norm true,
 # attention_bias true, 160 routed + 1 shared experts of 1536, top-8, routed_scaling_factor 2.5, rope_theta 1e6,
 # rms_norm_eps 1e-5, vocab 151552. Published total 355B (the MTP layer not built here). Every value matched.
