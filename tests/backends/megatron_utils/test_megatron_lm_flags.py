@@ -17,6 +17,7 @@ from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import megatron_cpu  # noqa: E402
+from test_model_config import PRESETS, preset_args  # noqa: E402
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
 SCRIPT = """
@@ -28,8 +29,15 @@ from slime.backends.megatron_utils import model as mm
 flags = [list(f["strings"]) for f in megatron_lm_model_flags()]
 args = parse_args(json.loads(sys.argv[1]))
 config = mm.transformer_config(args, use_cpu_initialization=True)
+presets = {}
+for name, argv in json.loads(sys.argv[2]).items():  # each preset's Megatron-Core config (validated by its __post_init__)
+    preset = mm.transformer_config(parse_args(argv), use_cpu_initialization=True)
+    presets[name] = [type(preset).__name__, preset.num_layers, preset.num_moe_experts,
+                     sum(preset.moe_layer_freq) if isinstance(preset.moe_layer_freq, list) else None,
+                     getattr(preset, "beta_fast", None)]
 print(json.dumps({"flags": flags, "init_method_std": config.init_method_std,
-                  "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "softmax_type": config.softmax_type}))
+                  "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "softmax_type": config.softmax_type,
+                  "presets": presets}))
 """
 DENSE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
          "--normalization", "RMSNorm", "--swiglu", "--train-backend", "megatron", "--init-method-std", "0.01",
@@ -42,8 +50,10 @@ def megatron_lm():
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
     env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    megatron_base = [a for a in BASE if a not in ("--train-backend", "fsdp")] + ["--train-backend", "megatron"]
+    presets = {p.stem: megatron_base + preset_args(p.stem) for p in PRESETS.glob("*.sh")}
     argv = [a for a in BASE if a not in ("--train-backend", "fsdp")] + DENSE
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argv)], cwd=megatron_cpu.ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argv), json.dumps(presets)], cwd=megatron_cpu.ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,6 +92,19 @@ def test_every_megatron_lm_model_flag_parses_and_is_passed_or_refused(megatron_l
 def test_a_passed_flag_reaches_megatron_cores_config(megatron_lm):
     assert megatron_lm["init_method_std"] == 0.01 and megatron_lm["moe_shared_expert_overlap"] is True
     assert megatron_lm["softmax_type"] == "off-by-one"
+
+
+def test_every_preset_builds_its_megatron_core_config(megatron_lm):
+    """scripts/models/*.sh through slime's parser into Megatron-Core's (MLA)TransformerConfig, whose own
+    checks pass (head and expert divisibility, the MoE layer pattern's length); no weights are built."""
+    presets = megatron_lm["presets"]
+    assert set(presets) == {p.stem for p in PRESETS.glob("*.sh")}
+    assert presets["deepseek-v3"] == ["MLATransformerConfig", 61, 256, 58, 32.0]
+    assert presets["kimi-k2"] == ["MLATransformerConfig", 61, 384, 60, 1.0]  # Kimi-K2's YaRN beta_fast reaches MLA
+    assert presets["moonlight-16B-A3B"] == ["MLATransformerConfig", 27, 64, 26, 32.0]
+    assert presets["glm4.5-355B-A32B"] == ["TransformerConfig", 92, 160, 89, None]
+    assert presets["glm4.5-air"] == ["TransformerConfig", 46, 128, 45, None]
+    assert presets["qwen3-30B-A3B"] == ["TransformerConfig", 48, 128, None, None]
 
 
 def test_refused_and_backend_bound_flags_say_why():
