@@ -79,6 +79,28 @@ def _megatron_lm_refusal(dest: str, group: str) -> str | None:
         (("moe_enable_routing_replay",), "use --use-routing-replay (R2) or --use-rollout-routing-replay (R3)"),
         (("transformer_impl",), "slime picks the layer spec itself (Transformer Engine's when installed, else the "
                                 "local spec); pass --spec MODULE FUNCTION to choose one"),
+        (("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards",
+          "pipeline_model_parallel_comm_backend", "hierarchical_context_parallel_sizes", "hybrid_context_parallel",
+          "max_seqlen_per_dp_cp_rank"),
+         "a process-group option of Megatron-LM's initialize_model_parallel; slime builds the groups from the "
+         "--*-parallel-size flags"),
+        (("tp_comm_",), "TP communication overlap needs Transformer Engine's userbuffers, which slime does not set up"),
+        (("cross_entropy_",), "log-probs come from slime's own kernels on the response rows, not Megatron's LM loss"),
+        (("account_for_", "microbatch_group_size_per_vp_stage"),
+         "the pipeline split is --decoder-first/last-pipeline-num-layers (the HF weight mapping follows it); "
+         "virtual pipeline stages are refused"),
+        (("enable_cuda_graph", "cuda_graph_", "external_cuda_graph", "delay_offload_until_cuda_graph"),
+         "CUDA graphs need fixed shapes; slime's micro-batches vary in length"),
+        (("moe_flex_dispatcher_", "moe_hybridep_", "moe_ncclep_", "moe_permute_fusion_into_hybridep"),
+         "the flex token dispatcher is used only through --moe-enable-deepep (DeepEP); HybridEP and NCCL-EP are "
+         "not wired in"),
+        (("qk_clip",), "QK-clip is applied by Megatron-LM's own training loop, not by Megatron-Core's layers"),
+        (("softmax_type", "apply_residual_connection_post_layernorm", "glu_linear_offset", "activation_func_clamp_value",
+          "qk_l2_norm", "attention_output_gate", "moe_latent_size", "use_mup", "mup_", "moe_apply_probs_on_input",
+          "moe_shared_expert_glu_interleave_size", "moe_mlp_glu_interleave_size", "moe_single_grouped_",
+          "use_grouped_gemm_for_", "moe_router_force_"),
+         "changes the network (or its weight layout) away from the HF architecture that the weight mapping and the "
+         "engines implement"),
     ]
     for prefixes, reason in by_prefix:
         if dest.startswith(prefixes):

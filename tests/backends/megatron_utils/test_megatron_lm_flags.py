@@ -36,12 +36,12 @@ for name, argv in json.loads(sys.argv[2]).items():  # each preset's Megatron-Cor
                      sum(preset.moe_layer_freq) if isinstance(preset.moe_layer_freq, list) else None,
                      getattr(preset, "beta_fast", None)]
 print(json.dumps({"flags": flags, "init_method_std": config.init_method_std,
-                  "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "softmax_type": config.softmax_type,
+                  "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "moe_z_loss_coeff": config.moe_z_loss_coeff,
                   "presets": presets}))
 """
 DENSE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
          "--normalization", "RMSNorm", "--swiglu", "--train-backend", "megatron", "--init-method-std", "0.01",
-         "--moe-shared-expert-overlap", "--softmax-type", "off-by-one"]
+         "--moe-shared-expert-overlap", "--moe-z-loss-coeff", "0.001"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_every_megatron_lm_model_flag_parses_and_is_passed_or_refused(megatron_l
 
 def test_a_passed_flag_reaches_megatron_cores_config(megatron_lm):
     assert megatron_lm["init_method_std"] == 0.01 and megatron_lm["moe_shared_expert_overlap"] is True
-    assert megatron_lm["softmax_type"] == "off-by-one"
+    assert megatron_lm["moe_z_loss_coeff"] == 0.001
 
 
 def test_every_preset_builds_its_megatron_core_config(megatron_lm):
@@ -113,6 +113,10 @@ def test_refused_and_backend_bound_flags_say_why():
         parse_args(BASE + ["--fp8-margin", "1"])
     with pytest.raises(ValueError, match="--mtp-standalone True is not implemented.*multi-token-prediction"):
         parse_args(BASE + ["--mtp-standalone"])
+    with pytest.raises(ValueError, match="--softmax-type 'off-by-one' is not implemented.*away from the HF architecture"):
+        parse_args(BASE + ["--softmax-type", "off-by-one"])
+    with pytest.raises(ValueError, match="--account-for-embedding-in-pipeline-split True .*decoder-first/last"):
+        parse_args(BASE + ["--account-for-embedding-in-pipeline-split"])
     with pytest.raises(ValueError, match="--init-method-std: Megatron-Core TransformerConfig fields, used only with "
                                          "--train-backend megatron"):
         parse_args(BASE + ["--init-method-std", "0.01"])
