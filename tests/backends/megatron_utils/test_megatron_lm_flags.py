@@ -35,7 +35,27 @@ for name, argv in json.loads(sys.argv[2]).items():  # each preset's Megatron-Cor
     presets[name] = [type(preset).__name__, preset.num_layers, preset.num_moe_experts,
                      sum(preset.moe_layer_freq) if isinstance(preset.moe_layer_freq, list) else None,
                      getattr(preset, "beta_fast", None)]
-print(json.dumps({"flags": flags, "init_method_std": config.init_method_std,
+# Kimi-K2's YaRN frequencies: Megatron-Core's MLA rotary built from the preset vs transformers' DeepSeek-V3 YaRN
+sys.path.insert(0, "tests/backends/megatron_utils")
+import megatron_cpu
+megatron_cpu.patch_for_cpu()
+import torch, transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+kimi = mm.transformer_config(parse_args(json.loads(sys.argv[2])["kimi-k2"]), use_cpu_initialization=True)
+hf = transformers.DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=131072, rope_parameters=dict(
+    rope_type="yarn", rope_theta=50000.0, factor=32.0, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+    original_max_position_embeddings=4096))
+hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+def megatron_freqs(beta_fast):
+    rope = YarnRotaryEmbedding(kimi.qk_pos_emb_head_dim, rotary_base=kimi.rotary_base, scaling_factor=kimi.rotary_scaling_factor,
+                               original_max_position_embeddings=kimi.original_max_position_embeddings,
+                               beta_fast=beta_fast, beta_slow=kimi.beta_slow, mscale=kimi.mscale,
+                               mscale_all_dim=kimi.mscale_all_dim, use_cpu_initialization=True)
+    return rope.get_emb(2)[0][1, 0, 0, : kimi.qk_pos_emb_head_dim // 2]  # position 1: the frequencies themselves
+yarn = {"preset": (megatron_freqs(kimi.beta_fast) - hf_inv_freq).abs().max().item(),
+        "beta_fast_32": (megatron_freqs(32.0) - hf_inv_freq).abs().max().item()}
+print(json.dumps({"yarn": yarn, "flags": flags, "init_method_std": config.init_method_std,
                   "moe_shared_expert_overlap": config.moe_shared_expert_overlap, "moe_z_loss_coeff": config.moe_z_loss_coeff,
                   "presets": presets}))
 """
@@ -105,6 +125,12 @@ def test_every_preset_builds_its_megatron_core_config(megatron_lm):
     assert presets["glm4.5-355B-A32B"] == ["TransformerConfig", 92, 160, 89, None]
     assert presets["glm4.5-air"] == ["TransformerConfig", 46, 128, 45, None]
     assert presets["qwen3-30B-A3B"] == ["TransformerConfig", 48, 128, None, None]
+
+
+def test_kimi_k2_yarn_frequencies_equal_transformers(megatron_lm):
+    """The Kimi-K2 preset's MLA rotary frequencies (Megatron-Core's YaRN, beta_fast 1 from --yarn-beta-fast)
+    equal transformers' YaRN for its config; with DeepSeek-V3's beta_fast 32 (hard-wired before) they do not."""
+    assert megatron_lm["yarn"]["preset"] < 1e-6 and megatron_lm["yarn"]["beta_fast_32"] > 1e-3, megatron_lm["yarn"]
 
 
 def test_refused_and_backend_bound_flags_say_why():
