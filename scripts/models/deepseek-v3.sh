@@ -1,3 +1,9 @@
+# Source (checked 2026-12-01): https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json, read
+# through public copies of it (the model page itself is not in the search index); DeepSeek-V3-Base, -0324 and R1
+# have the same shape: hidden 7168, 61 layers (first_k_dense_replace 3), 128 heads,
+# q/kv LoRA 1536/512, qk_nope/rope/v 128/64/128, 256 routed + 1 shared experts of 2048, top-8 of 8 groups keep 4,
+# routed_scaling_factor 2.5, YaRN factor 40 (beta 32/1, mscale 1/1, from 4096), rms_norm_eps 1e-6, vocab 129280.
+# Published total: 671B + the 14B MTP module (not built here). Every value below matched; nothing changed.
 # deepseek-v3 (also DeepSeek-V3-0324 / R1: the same shape): Megatron model-shape flags (values of the
 # published Hugging Face config.json). MLA with q/kv LoRA and YaRN, 256 routed experts + 1 shared,
 # sigmoid routing with an expert bias over 8 groups (4 kept), 3 dense first layers.

@@ -1,3 +1,9 @@
+# Source (checked 2026-12-01): https://huggingface.co/zai-org/GLM-4.5/blob/main/config.json (its page is not in the
+# search index; read through NVIDIA Megatron-Bridge's GLM-4.5 card and the configs of GLM-4.6 / GLM-4.7, which keep
+# the shape: https://huggingface.co/zai-org/GLM-4.7/blob/main/config.json): hidden 5120, 92 layers
+# (first_k_dense_replace 3), 96 heads / 8 KV heads of 128, partial_rotary_factor 0.5, use_qk_norm true,
+# attention_bias true, 160 routed + 1 shared experts of 1536, top-8, routed_scaling_factor 2.5, rope_theta 1e6,
+# rms_norm_eps 1e-5, vocab 151552. Published total 355B (the MTP layer not built here). Every value matched.
 # glm4.5-355B-A32B (GLM-4.5): Megatron model-shape flags (values of the published Hugging Face
 # config.json). GQA with partial rotary (half of each head), qkv bias and qk-norm; 160 routed experts
 # + 1 shared, sigmoid routing with an expert bias, 3 dense first layers. (Its one MTP layer is not trained.)

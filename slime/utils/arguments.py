@@ -286,6 +286,13 @@ def _refuse_unimplemented(args) -> None:
 
 def _validate_model_shape_flags(args) -> None:
     """Megatron model flags that contradict each other (the HF config is compared later, per backend)."""
+    from slime.utils.arguments_groups import megatron_lm_passthrough_dests
+
+    megatron_only = [d for d in megatron_lm_passthrough_dests() if getattr(args, d, None) is not None]
+    if megatron_only and args.train_backend != "megatron":
+        flags = ", ".join("--" + d.replace("_", "-") for d in megatron_only)
+        raise ValueError(f"{flags}: Megatron-Core TransformerConfig fields, used only with --train-backend megatron "
+                         f"(got --train-backend {args.train_backend})")
     mla = args.multi_latent_attention
     if not mla and args.rotary_scaling_factor != 1.0 and args.rope_scaling_factor not in (8.0, args.rotary_scaling_factor):
         raise ValueError(f"--rotary-scaling-factor {args.rotary_scaling_factor} and --rope-scaling-factor "

@@ -60,6 +60,104 @@ REFUSED_FLAGS: dict[str, str] = {
 }
 
 
+def _megatron_lm_refusal(dest: str, group: str) -> str | None:
+    """What is missing for a Megatron-LM model flag slime does not pass on; None for the TransformerConfig
+    fields it passes to Megatron-Core as they are."""
+    fp8 = "FP8/FP4 training needs Transformer Engine's low-precision layers and is not wired in; train in bf16"
+    by_prefix = [
+        (("fp8_", "fp4", "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+          "reuse_grad_buf_for_mxfp8"), fp8),
+        (("mtp_",), "multi-token-prediction layers are not built; drop the flag"),
+        (("experimental_attention_variant", "dsa_", "linear_"), "gated-delta-net and DSA attention layers are not "
+                                                               "built (no HF mapping); use a softmax-attention model"),
+        (("mamba_", "is_hybrid_model", "use_mamba_mem_eff_path"), "Mamba hybrid layers are not built"),
+        (("inference_", "flash_decode", "nccl_all_reduce_for_prefill", "symmetric_ar_type", "mlp_chunks_for_prefill",
+          "moe_pad_experts_for_cuda_graph_inference", "cache_mla_latents"),
+         "an option of Megatron's inference engine; rollouts run on SGLang or the embedded engine"),
+        (("use_kitchen", "kitchen_"), "NVIDIA Kitchen quantization is not wired in"),
+        (("mrope_section",), "multimodal (M-)RoPE is not built"),
+        (("moe_enable_routing_replay",), "use --use-routing-replay (R2) or --use-rollout-routing-replay (R3)"),
+        (("transformer_impl",), "slime picks the layer spec itself (Transformer Engine's when installed, else the "
+                                "local spec); pass --spec MODULE FUNCTION to choose one"),
+        (("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards",
+          "pipeline_model_parallel_comm_backend", "hierarchical_context_parallel_sizes", "hybrid_context_parallel",
+          "max_seqlen_per_dp_cp_rank"),
+         "a process-group option of Megatron-LM's initialize_model_parallel; slime builds the groups from the "
+         "--*-parallel-size flags"),
+        (("tp_comm_",), "TP communication overlap needs Transformer Engine's userbuffers, which slime does not set up"),
+        (("cross_entropy_",), "log-probs come from slime's own kernels on the response rows, not Megatron's LM loss"),
+        (("account_for_", "microbatch_group_size_per_vp_stage"),
+         "the pipeline split is --decoder-first/last-pipeline-num-layers (the HF weight mapping follows it); "
+         "virtual pipeline stages are refused"),
+        (("enable_cuda_graph", "cuda_graph_", "external_cuda_graph", "delay_offload_until_cuda_graph"),
+         "CUDA graphs need fixed shapes; slime's micro-batches vary in length"),
+        (("moe_flex_dispatcher_", "moe_hybridep_", "moe_ncclep_", "moe_permute_fusion_into_hybridep"),
+         "the flex token dispatcher is used only through --moe-enable-deepep (DeepEP); HybridEP and NCCL-EP are "
+         "not wired in"),
+        (("qk_clip",), "QK-clip is applied by Megatron-LM's own training loop, not by Megatron-Core's layers"),
+        (("softmax_type", "apply_residual_connection_post_layernorm", "glu_linear_offset", "activation_func_clamp_value",
+          "qk_l2_norm", "attention_output_gate", "moe_latent_size", "use_mup", "mup_", "moe_apply_probs_on_input",
+          "moe_shared_expert_glu_interleave_size", "moe_mlp_glu_interleave_size", "moe_single_grouped_",
+          "use_grouped_gemm_for_", "moe_router_force_"),
+         "changes the network (or its weight layout) away from the HF architecture that the weight mapping and the "
+         "engines implement"),
+    ]
+    for prefixes, reason in by_prefix:
+        if dest.startswith(prefixes):
+            return reason
+    if group == "transformer configuration":
+        return None
+    return {
+        "encoder_num_layers": "decoder-only models: use --num-layers", "decoder_num_layers": "use --num-layers",
+        "window_size": "sliding-window attention is not mapped from HF configs",
+        "window_attn_skip_freq": "sliding-window attention is not mapped from HF configs",
+        "yarn_correction_range_round_to_int": "Megatron-Core's MLA YaRN rounds as DeepSeek's does; drop the flag",
+        "relative_attention_num_buckets": "relative position embeddings (T5) are not built: RoPE only",
+        "relative_attention_max_distance": "relative position embeddings (T5) are not built: RoPE only",
+        "rotary_seq_len_interpolation_factor": "use --rotary-scaling-factor (YaRN) or --use-rope-scaling (Llama 3.1)",
+        "no_rope_freq": "layers without RoPE are not mapped from HF configs",
+        "openai_gelu": "activations other than SwiGLU/GELU are not mapped from HF configs",
+        "squared_relu": "activations other than SwiGLU/GELU are not mapped from HF configs",
+        "quick_geglu": "activations other than SwiGLU/GELU are not mapped from HF configs",
+        "onnx_safe": "an option of Megatron-LM's BERT/ONNX export; drop the flag",
+        "bert_binary_head": "an option of Megatron-LM's BERT model; drop the flag",
+        "moe_use_upcycling": "upcycling a dense checkpoint is not implemented; convert the model first",
+        "moe_upcycling_granularity": "upcycling a dense checkpoint is not implemented",
+        "mla_down_proj_fusion": "the fused MLA down projection needs Transformer Engine's fused layers; drop the flag",
+        "grad_reduce_in_bf16": "gradients are reduced in fp32 (DistributedDataParallelConfig); drop the flag",
+        "loss_scale": "fp16 loss scaling is not configurable; train in bf16 (the default)",
+        "initial_loss_scale": "fp16 loss scaling is not configurable; train in bf16 (the default)",
+        "min_loss_scale": "fp16 loss scaling is not configurable; train in bf16 (the default)",
+        "loss_scale_window": "fp16 loss scaling is not configurable; train in bf16 (the default)",
+        "hysteresis": "fp16 loss scaling is not configurable; train in bf16 (the default)",
+        "fp16_lm_cross_entropy": "log-probs are computed in fp32 from the logits; drop the flag",
+        "te_precision_config_file": "per-module Transformer Engine precision configs are not wired in",
+    }.get(dest, "not implemented by slime")
+
+
+def _add_megatron_lm_refusals() -> None:
+    from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
+
+    refused_dests = set()
+    for strings, dest, _kind, _type, _nargs, _choices, _default, group in MEGATRON_LM_FLAGS:
+        reason = _megatron_lm_refusal(dest, group)
+        # one entry per destination (--x / --no-x pairs share one): the check compares the value with the default
+        if reason is not None and dest != "add_position_embedding" and dest not in refused_dests:
+            REFUSED_FLAGS[strings[0]] = reason
+            refused_dests.add(dest)
+
+
+_add_megatron_lm_refusals()
+
+
+def megatron_lm_passthrough_dests() -> tuple[str, ...]:
+    """TransformerConfig fields whose Megatron-LM flag slime passes to Megatron-Core when it is set."""
+    from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
+
+    return tuple(dest for strings, dest, *_rest, group in MEGATRON_LM_FLAGS
+                 if group == "transformer configuration" and strings[0] not in REFUSED_FLAGS)
+
+
 def _refused_help(flag: str, help: str | None = None) -> str:
     text = f"{help} " if help else ""
     return f"{text}[Accepted for upstream scripts, refused unless left at its default: {REFUSED_FLAGS[flag]}.]"
@@ -585,6 +683,23 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     _add_mla_arguments(parser)
     _add_moe_router_arguments(parser)
     _add_megatron_misc_arguments(parser)
+    _add_megatron_lm_arguments(parser)
+
+
+def _add_megatron_lm_arguments(parser) -> None:
+    """The rest of Megatron-LM's model flags (slime/utils/megatron_lm_flags.py), so upstream scripts parse.
+    Default None: a TransformerConfig field is passed to Megatron-Core only when set; the others are refused
+    (MEGATRON_LM_REFUSALS)."""
+    from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
+
+    g = parser.add_argument_group("Megatron-LM model flags (TransformerConfig fields passed to Megatron-Core when set)")
+    for strings, dest, kind, type_name, nargs, choices, default, group in MEGATRON_LM_FLAGS:
+        if kind in ("storetrue", "storefalse"):
+            g.add_argument(*strings, dest=dest, action="store_const", const=kind == "storetrue", default=None,
+                           help=f"Megatron-LM's {strings[0]} (its default: {default}).")
+        else:
+            g.add_argument(*strings, dest=dest, type={"int": int, "float": float}.get(type_name, str), nargs=nargs,
+                           choices=choices, default=None, help=f"Megatron-LM's {strings[0]} (its default: {default}).")
 
 
 def _add_mla_arguments(parser) -> None:
@@ -601,6 +716,13 @@ def _add_mla_arguments(parser) -> None:
                         "for other models the Llama 3.1 factor of --use-rope-scaling.")
     g.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (HF rope_scaling.mscale).")
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim (HF rope_scaling.mscale_all_dim).")
+    g.add_argument("--yarn-beta-fast", type=float, default=32.0,
+                   help="YaRN beta_fast under --multi-latent-attention (HF rope_scaling.beta_fast; Kimi-K2 uses 1).")
+    g.add_argument("--yarn-beta-slow", type=float, default=1.0,
+                   help="YaRN beta_slow under --multi-latent-attention (HF rope_scaling.beta_slow).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=4096,
+                   help="YaRN's pre-extension context under --multi-latent-attention (HF "
+                        "rope_scaling.original_max_position_embeddings).")
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
                    help="Rotary type of --multi-latent-attention (default yarn, as Megatron; rope for configs "
                         "without rope_scaling).")

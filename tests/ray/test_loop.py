@@ -300,12 +300,16 @@ def test_ppo_with_critic(tiny_model_dir, tiny_task_data, tmp_path):
     assert len(by_kind(records, "train", "train/pg_loss")) == 4
 
 
-def test_deepseek_v3_architecture_through_the_loop(tiny_deepseek_v3_dir, tiny_task_data, tmp_path):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_moe_architecture_through_the_loop(arch, request, tiny_task_data, tmp_path):
     """A tiny DeepSeek-V3 (MLA over the engine's compressed-latent cache, sigmoid-routed experts with
-    expert bias and group-limited top-k, a shared expert, a dense first layer) through train.py: the
-    first step's invariants, and after every weight update the engine samples with exactly the
-    trainer's weights (its log-probs equal the trainer's recomputation), the fused experts included."""
-    run_train(grpo_args(tiny_deepseek_v3_dir, tiny_task_data, tmp_path / "run", "--rollout-batch-size", "4",
+    expert bias and group-limited top-k, a shared expert, a dense first layer) and a tiny GLM-4.5
+    (Glm4MoeForCausalLM: GQA with partial rotary, qkv bias and qk-norm, the same sigmoid MoE) through
+    train.py: the first step's invariants, and after every weight update the engine samples with
+    exactly the trainer's weights (its log-probs equal the trainer's recomputation), experts included."""
+    model_dir = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_v3_dir", "glm4_moe": "tiny_glm4_moe_dir"}[arch])
+    assert json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == arch
+    run_train(grpo_args(model_dir, tiny_task_data, tmp_path / "run", "--rollout-batch-size", "4",
                         "--n-samples-per-prompt", "4", steps=2))
     records = read_metrics(tmp_path / "run")
     ppo_kl = by_kind(records, "train", "train/ppo_kl")

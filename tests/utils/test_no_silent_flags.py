@@ -7,7 +7,8 @@ in a load context, ``getattr(..., "<dest>")`` / ``hasattr``, or ``"<dest>"`` as 
 list/tuple/set or dict value, or anywhere in getattr's name expression (the tables that code walks with ``getattr(args, name)``, e.g. the eval
 dataset defaults). ``--router-*`` flags are consumed wholesale by ``PassThrough.router_forwarded``
 (and ``--sglang-*`` by ``PassThrough.forwarded`` when SGLang is installed), so those dests are
-counted as read once the forwarded dicts themselves are read.
+counted as read once the forwarded dicts themselves are read; likewise the Megatron-LM TransformerConfig
+flags that ``megatron_lm_passthrough_dests`` lists (the Megatron backend hands them to Megatron-Core).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import pathlib
 import pytest
 
 from slime.utils.arguments import get_parser, parse_args, refused_flag_defaults
-from slime.utils.arguments_groups import REFUSED_FLAGS
+from slime.utils.arguments_groups import REFUSED_FLAGS, megatron_lm_passthrough_dests
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ARGUMENT_MODULES = {"slime/utils/arguments.py", "slime/utils/arguments_groups.py", "slime/backends/fsdp_utils/arguments.py"}
+ARGUMENT_MODULES = {"slime/utils/arguments.py", "slime/utils/arguments_groups.py", "slime/backends/fsdp_utils/arguments.py",
+                    "slime/utils/megatron_lm_flags.py"}
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
 
 # Flags nothing reads because what they ask for is what slime always does. Keep this list short.
@@ -37,6 +39,8 @@ ALLOWED_UNREAD = {
     "use_rotary_position_embeddings": "always on",
     # bf16 autocast is the GPU default of both backends; --fp16 is the flag that changes it
     "bf16": "the default",
+    # Megatron-LM's --no-position-embedding: no learned absolute position embedding, which is always so (RoPE only)
+    "add_position_embedding": "always so",
 }
 
 # Flags validate_args consumes to fill other values that are read: (argv, dest, expected value).
@@ -94,6 +98,9 @@ def silent_flags() -> dict[str, str]:
         forwarded |= set(passthrough.router_dests)
     if "sglang_passthrough" in read:
         forwarded |= set(passthrough.sglang_dests)
+    # TransformerConfig fields handed to Megatron-Core by name in the Megatron backend's config builder
+    if "megatron_lm_passthrough_dests()" in (ROOT / "slime/backends/megatron_utils/model.py").read_text():
+        forwarded |= set(megatron_lm_passthrough_dests())
     silent = {}
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":

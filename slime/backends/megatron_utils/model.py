@@ -118,10 +118,24 @@ def transformer_config(args, **overrides):
         if getattr(args, "moe_enable_deepep", False):  # refused at start without CUDA and deep_ep
             kwargs.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
     kwargs.update(overrides)
+    kwargs.update(megatron_lm_config_fields(args, set(kwargs)))
     if getattr(args, "multi_latent_attention", False):
         kwargs.update(mla_config_kwargs(args))
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def megatron_lm_config_fields(args, set_by_slime: set[str]) -> dict:
+    """The TransformerConfig fields given by their own Megatron-LM flag (slime/utils/megatron_lm_flags.py),
+    for Megatron-Core as they are; a field slime derives from other flags cannot also be set directly."""
+    from slime.utils.arguments_groups import megatron_lm_passthrough_dests
+
+    fields = {dest: getattr(args, dest) for dest in megatron_lm_passthrough_dests() if getattr(args, dest, None) is not None}
+    clash = sorted(set(fields) & set_by_slime)
+    if clash:
+        flags = ", ".join("--" + d.replace("_", "-") for d in clash)
+        raise ValueError(f"{flags}: slime sets these TransformerConfig fields from its own flags; drop them")
+    return fields
 
 
 def llama_rope_scaling_factor(args) -> float:
@@ -140,8 +154,8 @@ def mla_config_kwargs(args) -> dict:
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
         rope_type=args.rope_type or "yarn", rotary_base=float(args.rotary_base),
         rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
-        # DeepSeek-V3, Kimi-K2 and Moonlight's YaRN all start from 4096 positions (hf_validate_args checks it)
-        original_max_position_embeddings=4096,
+        original_max_position_embeddings=args.yarn_original_max_position_embeddings,
+        beta_fast=args.yarn_beta_fast, beta_slow=args.yarn_beta_slow,
     )
 
 

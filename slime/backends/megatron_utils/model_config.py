@@ -33,7 +33,9 @@ MODEL_SHAPE_FLAGS = (
 
 #: families whose MoE is DeepSeek-V3's: sigmoid scores, a per-expert bias for the choice only, group-limited
 #: top-k, routed_scaling_factor, shared experts of n_shared_experts x moe_intermediate_size, dense first layers
-SIGMOID_MOE_TYPES = ("deepseek_v3", "glm4_moe")
+SIGMOID_MOE_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe")
+#: configs of DeepSeek-V3's architecture (Kimi-K2's config.json names its own model_type, with the same fields)
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
 def load_hf_config(path: str) -> dict:
@@ -84,6 +86,9 @@ def _mla_args(config: dict) -> dict[str, Any]:
         "rotary_scaling_factor": float(rope.get("factor", 1.0)) if yarn else 1.0,
         "mscale": float(rope.get("mscale", 1.0)) if yarn else 1.0,
         "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)) if yarn else 0.0,
+        "yarn_beta_fast": float(rope.get("beta_fast", 32.0)) if yarn else 32.0,
+        "yarn_beta_slow": float(rope.get("beta_slow", 1.0)) if yarn else 1.0,
+        "yarn_original_max_position_embeddings": int(rope.get("original_max_position_embeddings") or 4096) if yarn else 4096,
     }
 
 
@@ -128,13 +133,14 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
         "rotary_percent": float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
         "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rotary_scaling_factor": 1.0, "mscale": 1.0,
-        "mscale_all_dim": 0.0, "rope_type": None,
+        "mscale_all_dim": 0.0, "rope_type": None, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+        "yarn_original_max_position_embeddings": 4096,
         "moe_shared_expert_gate": model_type == "qwen2_moe" and bool(config.get("shared_expert_intermediate_size")),
         "moe_layer_freq": 1,
         "use_rope_scaling": _rope_scaling(config) is not None,
         "rope_scaling_factor": float(_rope_scaling(config)["factor"]) if _rope_scaling(config) else 8.0,
     }
-    if model_type == "deepseek_v3":
+    if model_type in MLA_MODEL_TYPES:
         out.update(_mla_args(config))
         out["num_query_groups"], out["group_query_attention"] = heads, False
         out["kv_channels"] = int(config["v_head_dim"])
@@ -179,7 +185,9 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         checks += [("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
                    ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
                    ("rotary_scaling_factor", "rope_scaling.factor"), ("mscale", "rope_scaling.mscale"),
-                   ("mscale_all_dim", "rope_scaling.mscale_all_dim")]
+                   ("mscale_all_dim", "rope_scaling.mscale_all_dim"), ("yarn_beta_fast", "rope_scaling.beta_fast"),
+                   ("yarn_beta_slow", "rope_scaling.beta_slow"),
+                   ("yarn_original_max_position_embeddings", "rope_scaling.original_max_position_embeddings")]
     if experts:
         checks += [("num_experts", "num_experts"), ("moe_ffn_hidden_size", "moe_intermediate_size"),
                    ("moe_router_topk", "num_experts_per_tok"),
@@ -190,10 +198,6 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         if not all_moe:
             checks.append(("moe_layer_freq", "first_k_dense_replace/mlp_only_layers"))
     problems = []
-    if mla and (_rope_parameters(config).get("original_max_position_embeddings") or 4096) != 4096:
-        problems.append(f"config.json rope_scaling.original_max_position_embeddings "
-                        f"{_rope_parameters(config)['original_max_position_embeddings']}: Megatron's MLA YaRN is built "
-                        f"for 4096")
     for dest, hf_key in checks:
         given = getattr(args, dest, None)
         if given is None:
@@ -231,3 +235,41 @@ def fill_model_args(args, config: dict) -> list[str]:
         setattr(args, dest, value)
         filled.append(_flag(dest))
     return filled
+
+
+def parameter_count(args) -> int:
+    """Parameters of the decoder the Megatron shape flags describe (embeddings, attention — MLA or
+    grouped-query —, dense and MoE MLPs with their routers and shared experts, norms; no
+    multi-token-prediction layers, no vocabulary padding). Pure arithmetic on the flags: it checks a
+    preset against a model's published size without building anything."""
+    h, layers, vocab = args.hidden_size, args.num_layers, args.vocab_size
+    heads = args.num_attention_heads
+    norm = 1 if args.normalization == "RMSNorm" else 2  # LayerNorm has a bias
+    if args.multi_latent_attention:
+        q_head = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q = (h * args.q_lora_rank + args.q_lora_rank * norm + args.q_lora_rank * heads * q_head if args.q_lora_rank
+             else h * heads * q_head)
+        kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * norm
+        kv += args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim)
+        attention = q + kv + heads * args.v_head_dim * h
+    else:
+        head = args.kv_channels or h // heads
+        groups = args.num_query_groups if args.group_query_attention else heads
+        attention = h * (heads + 2 * groups) * head + heads * head * h
+        attention += (heads + 2 * groups) * head if args.add_qkv_bias else 0
+        attention += 2 * head * norm if args.qk_layernorm else 0
+    mlp_matrices = 3 if args.swiglu else 2
+    dense_mlp = mlp_matrices * h * args.ffn_hidden_size
+    moe_layers = 0
+    moe_mlp = 0
+    if args.num_experts:
+        freq = args.moe_layer_freq
+        pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(layers)]
+        moe_layers = sum(pattern)
+        moe_mlp = h * args.num_experts + args.num_experts * mlp_matrices * h * args.moe_ffn_hidden_size
+        moe_mlp += mlp_matrices * h * (args.moe_shared_expert_intermediate_size or 0)
+        moe_mlp += h if getattr(args, "moe_shared_expert_gate", False) else 0
+    per_layer_norms = 2 * h * norm
+    total = layers * (attention + per_layer_norms) + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+    total += vocab * h * (2 if args.untie_embeddings_and_output_weights else 1) + h * norm
+    return total

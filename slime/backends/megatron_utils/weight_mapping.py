@@ -53,11 +53,14 @@ __all__ = [
 ]
 
 #: HF ``model_type`` values this mapping knows (dense and MoE decoder-only families).
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "kimi_k2",
+                         "glm4_moe")
 
 #: MoE families with DeepSeek-V3's MoE block: ``mlp.gate.e_score_correction_bias`` (Megatron's
 #: ``mlp.router.expert_bias``), ``mlp.shared_experts.*``, the first ``first_k_dense_replace`` layers dense
-DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe")
+DEEPSEEK_MOE_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe")
+#: MLA families (Kimi-K2 checkpoints have DeepSeek-V3's tensor names)
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
@@ -120,7 +123,7 @@ class ModelLayout:
             moe_layers = (False,) * layers
         shared = bool(num_experts and ((get("shared_expert_intermediate_size", 0) or 0) > 0
                                        or (deepseek_moe and (get("n_shared_experts", 0) or 0) > 0)))
-        mla = model_type == "deepseek_v3"
+        mla = model_type in MLA_MODEL_TYPES
         if mla and get("rope_interleave", True) is False:
             raise ValueError("DeepSeek-V3 config with rope_interleave false: Megatron's MLA de-interleaves the rotary "
                              "channels, so this layout has no mapping yet")

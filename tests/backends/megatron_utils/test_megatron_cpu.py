@@ -292,17 +292,20 @@ def test_moe_at_tp2_without_sequence_parallel_is_refused_by_name(tiny_moe_dir, t
     assert "--tensor-model-parallel-size 2 on an MoE model" in proc.stderr and "--sequence-parallel" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_rollout_routing_replay_on_deepseek_v3(tiny_deepseek_v3_dir, tmp_path):
-    """R3 with DeepSeek-V3's router (sigmoid scores, expert bias, group-limited top-k) through the
-    Megatron training worker (MLA micro-batches padded): after the routers are perturbed, both the
-    π_old pass and the training forward use the engine's experts, call by call, in all 3 MoE layers."""
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_rollout_routing_replay_on_the_sigmoid_moe_families(arch, request, tmp_path):
+    """R3 with DeepSeek-V3's router (sigmoid scores, expert bias, group-limited top-k; MLA
+    micro-batches padded) and GLM-4.5's (the same sigmoid router over one group; packed micro-batches)
+    through the Megatron training worker: after the routers are perturbed, both the π_old pass and the
+    training forward use the engine's experts, call by call, in all 3 MoE layers."""
     path = megatron_cpu.pythonpath()
     if path is None:
         pytest.skip("Megatron-Core's code is not unpacked in .venv/megatron-core (bash scripts/setup-env.sh does it)")
+    model_dir = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_v3_dir", "glm4_moe": "tiny_glm4_moe_dir"}[arch])
     out = tmp_path / "routing.json"
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone", str(WORKER),
-               "--hf-dir", tiny_deepseek_v3_dir, "--save", str(tmp_path / "ckpt"), "--out", str(out), "--routing-check",
+               "--hf-dir", model_dir, "--save", str(tmp_path / "ckpt"), "--out", str(out), "--routing-check",
                "--use-rollout-routing-replay"]
     proc = subprocess.run(command, cwd=megatron_cpu.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, model_args_from_hf_config
+from slime.backends.megatron_utils.model_config import (fill_model_args, hf_validate_args, model_args_from_hf_config,
+                                                        parameter_count)
 from slime.utils.arguments import get_parser
 
 PRESETS = Path(__file__).resolve().parents[3] / "scripts" / "models"
@@ -65,6 +66,29 @@ PUBLISHED = {
                        routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=False,
                        attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000, rms_norm_eps=1e-5,
                        vocab_size=151552, tie_word_embeddings=False, hidden_act="silu"),
+    "moonlight-16B-A3B": dict(model_type="deepseek_v3", num_hidden_layers=27, hidden_size=2048, intermediate_size=11264,
+                              moe_intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16,
+                              n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=2.446, kv_lora_rank=512,
+                              q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1,
+                              topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1, norm_topk_prob=True,
+                              vocab_size=163840, rope_theta=50000.0, rope_scaling=None, tie_word_embeddings=False,
+                              rms_norm_eps=1e-5, hidden_act="silu"),
+    "kimi-k2": dict(model_type="kimi_k2", num_hidden_layers=61, hidden_size=7168, intermediate_size=18432,
+                    moe_intermediate_size=2048, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+                    n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536,
+                    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+                    num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, vocab_size=163840,
+                    rope_theta=50000.0, tie_word_embeddings=False,
+                    rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                    **QWEN),
+}
+
+# Total parameters each model's card publishes (billions; MTP modules excluded where the card counts them apart)
+PUBLISHED_TOTAL_B = {
+    "qwen2.5-0.5B": 0.49, "qwen2.5-1.5B": 1.54, "qwen2.5-7B": 7.61, "qwen3-0.6B": 0.6, "qwen3-1.7B": 1.7,
+    "qwen3-4B": 4.0, "qwen3-8B": 8.2, "qwen3-30B-A3B": 30.5, "llama3.1-8B": 8.03, "deepseek-v3": 671,
+    "glm4.5-355B-A32B": 355, "glm4.5-air": 106, "moonlight-16B-A3B": 16, "kimi-k2": 1000,
 }
 
 BASE = ["--rollout-batch-size", "1", "--num-rollout", "1"]
@@ -97,6 +121,29 @@ def test_preset_matches_published_config(name):
                  "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rope_scaling", "multi_latent_attention",
                  "moe_layer_freq", "moe_router_score_function", "moe_router_enable_expert_bias", "rotary_percent"):
         assert getattr(args, dest) == expected[dest], dest
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count_is_the_published_total(name):
+    """The shape a preset describes has the model card's parameter count (within 3%): catches a
+    wrong layer count, expert count or expert width that the config check alone could share."""
+    count = parameter_count(parse(preset_args(name))) / 1e9
+    assert count == pytest.approx(PUBLISHED_TOTAL_B[name], rel=0.03), f"{name}: {count:.2f}B"
+
+
+def test_parameter_count_sees_a_wrong_expert_count():
+    count = parameter_count(parse(preset_args("kimi-k2") + ["--num-experts", "256"])) / 1e9
+    assert count < 0.7 * PUBLISHED_TOTAL_B["kimi-k2"]
+
+
+def test_kimi_yarn_betas_are_checked():
+    """Kimi-K2's YaRN uses beta_fast 1 (DeepSeek-V3's 32 is Megatron's default): a preset without it is named."""
+    argv = preset_args("kimi-k2")
+    at = argv.index("--yarn-beta-fast")
+    args = parse(argv[:at] + argv[at + 2:])
+    args.hf_checkpoint = "/models/kimi-k2"
+    with pytest.raises(AssertionError, match="--yarn-beta-fast 32.0 but config.json rope_scaling.beta_fast 1.0"):
+        hf_validate_args(args, PUBLISHED["kimi-k2"])
 
 
 def test_mismatches_are_named():
