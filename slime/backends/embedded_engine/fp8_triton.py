@@ -1,0 +1,123 @@
+"""Triton kernels of the FP8 GEMM (``--fp8-gemm-backend triton``): ``C = A @ Bᵀ`` with block scales.
+
+* ``A [M, K]`` (activations) is quantized per token and 128-channel group by ``_act_quant_kernel``:
+  program ``(m, g)`` reads ``x[m, 128g : 128(g+1)]``, ``s = amax / 448`` (1 for an all-zero group),
+  writes ``e4m3(x / s)`` and ``s`` to ``a_scales [M, ceil(K/128)]``.
+* ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
+  ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
+* ``_gemm_kernel``: program ``(pid_m, pid_n)`` owns ``BLOCK_M`` rows and 128 output columns — exactly
+  one row of weight blocks, so one weight scale per K step — and walks K in steps of 128::
+
+      acc += (A_tile @ B_tileᵀ  in fp32, from e4m3 operands) * a_scale[m, k] * b_scale[n, k]
+
+  then writes ``acc`` in the output dtype. Ragged edges (M, N, K not multiples of the tiles) are
+  masked loads of zeros, which add nothing.
+
+Launch on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set
+before import; slow, for tests on tiny shapes). No host syncs: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from slime.backends.embedded_engine.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dequantize path of fp8.py is used
+    triton = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels can run on tensors of ``device``: CUDA with Triton, or the CPU under the interpreter."""
+    device = torch.device(device)
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, fp8_max,
+                          GROUP: tl.constexpr):
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        offs = group * GROUP + tl.arange(0, GROUP)
+        inside = offs < cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, amax / fp8_max, 1.0)
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(s_ptr + row * stride_s + group, scale)
+
+    @triton.jit
+    def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K,
+                     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_m = offs_m < M
+        in_n = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k = kb * BLOCK_K + offs_k
+            in_k = k < K
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+            b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
+            a_scale = tl.load(a_s_ptr + offs_m * stride_asm + kb, mask=in_m, other=0.0)
+            b_scale = tl.load(b_s_ptr + pid_n * stride_bsn + kb)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=in_m[:, None] & in_n[None, :])
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``); ``fp8.quantize_activation`` is the reference."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, BLOCK)
+    # Triton's interpreter rounds fp32 -> e4m3 wrongly (124.3 -> 64, ties away from even), so under it the
+    # kernel writes the scaled fp32 values and torch casts them; compiled kernels cast on the GPU.
+    interpreted = _interpreting()
+    values = torch.empty((rows, cols), dtype=torch.float32 if interpreted else FP8_DTYPE, device=x.device)
+    scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows:
+        _act_quant_kernel[(rows, groups)](x, values, scales, cols, x.stride(0), values.stride(0), scales.stride(0),
+                                          FP8_MAX, GROUP=BLOCK, num_warps=1)
+    return (values.to(FP8_DTYPE) if interpreted else values), scales
+
+
+def _block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != cols:
+        raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {weight.shape[1]}")
+    a, a_scales = quantize_activation(x)
+    out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m = _block_m(rows)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, BLOCK))
+    _gemm_kernel[grid](a, a_scales, weight, weight_scales, out, rows, out_features, cols,
+                       a.stride(0), a_scales.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0),
+                       BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    return out
