@@ -364,6 +364,14 @@ class ModelRunner:
             raise KeyError(f"no parameter named {name!r}")
         return tensor
 
+    def weight_bytes(self) -> int:
+        """Bytes of the served weights: the parameters (a tied embedding once) plus FP8 values and scales."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.fp8 is not None:
+            modules = [*self.fp8.linears.values(), *self.fp8.experts.values()]
+            total += sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
+        return total
+
     def release_weights(self) -> None:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
         if self.device.type == "cuda" and self.weights_on_device:

@@ -145,6 +145,10 @@ def test_decoder_linears_are_quantized_the_rest_is_not(runners):
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    # the decoder's linears shrink from 4 bytes (fp32 here) to 1 byte + a scale per 16384 elements
+    linear_elements = sum(m.weight_fp8.numel() for m in runners["fp8"].fp8.linears.values())
+    saved = runners[None].weight_bytes() - runners["fp8"].weight_bytes()
+    assert 3 * linear_elements * 0.99 < saved < 3 * linear_elements, (saved, linear_elements)
 
 
 def test_get_weight_answers_the_dequantized_weight(runners):
