@@ -5,8 +5,9 @@
   writes ``e4m3(x / s)`` and ``s`` to ``a_scales [M, ceil(K/128)]``.
 * ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
   ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
-* ``_gemm_kernel``: program ``(pid_m, pid_n)`` owns ``BLOCK_M`` rows and 128 output columns — exactly
-  one row of weight blocks, so one weight scale per K step — and walks K in steps of 128::
+* ``_gemm_kernel``: program ``(pid_m, pid_n)`` owns ``BLOCK_M`` rows and ``BLOCK_N`` (128, 64 or 32)
+  output columns — inside one row of weight blocks, so one weight scale per K step — and walks K in
+  steps of 128::
 
       acc += (A_tile @ B_tileᵀ  in fp32, from e4m3 operands) * a_scale[m, k] * b_scale[n, k]
 
@@ -56,14 +57,14 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
         scale = tl.where(amax > 0, amax / fp8_max, 1.0)
-        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=inside)
         tl.store(s_ptr + row * stride_s + group, scale)
 
     @triton.jit
     def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K,
                      stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,7 +79,7 @@ if triton is not None:
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
             b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
             a_scale = tl.load(a_s_ptr + offs_m * stride_asm + kb, mask=in_m, other=0.0)
-            b_scale = tl.load(b_s_ptr + pid_n * stride_bsn + kb)
+            b_scale = tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=in_m[:, None] & in_n[None, :])
@@ -99,13 +100,32 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (values.to(FP8_DTYPE) if interpreted else values), scales
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+MIN_PROGRAMS_PER_SM = 2
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_tiles(rows: int, out_features: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)``: one row tile up to 128 rows, so a decode step reads every weight byte
+    once; columns in tiles of 128, 64 or 32 (each inside one 128-row block of weight scales), the
+    widest that still gives every SM two programs (a decode-sized GEMM is a weight read, and a few
+    wide tiles would leave most of the GPU idle)."""
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    for block_n in (128, 64):
+        if row_tiles * triton.cdiv(out_features, block_n) >= MIN_PROGRAMS_PER_SM * _sm_count(device):
+            return block_m, block_n
+    return block_m, 32
 
 
 def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
-    """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``."""
+                      out_dtype: torch.dtype, block_n: int | None = None) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``.
+    ``block_n`` (32, 64 or 128) overrides the planned column tile (tests)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     out_features = weight.shape[0]
@@ -115,9 +135,13 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    block_m = _block_m(rows)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, BLOCK))
+    block_m, planned_n = plan_tiles(rows, out_features, x.device)
+    block_n = block_n or planned_n
+    if BLOCK % block_n:
+        raise ValueError(f"fp8 GEMM: a column tile of {block_n} does not divide the {BLOCK}-row scale blocks")
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
     _gemm_kernel[grid](a, a_scales, weight, weight_scales, out, rows, out_features, cols,
                        a.stride(0), a_scales.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0),
-                       BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
+                       num_warps=8 if block_m * block_n >= 128 * 64 else 4, num_stages=3)
     return out

@@ -100,8 +100,9 @@ def test_unknown_quantization_and_backend_are_refused(tiny_model_dir):
 
 # ---------------------------------------------------------------------------------- the Triton kernels
 @needs_interpreter
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 200, 300), (5, 128, 128), (40, 64, 384)])
-def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_features):
+@pytest.mark.parametrize("rows,out_features,in_features,block_n", [(1, 200, 300, None), (5, 128, 128, 64),
+                                                                   (40, 64, 384, 32), (130, 40, 256, 32)])
+def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_features, block_n):
     from slime.backends.embedded_engine import fp8_triton
 
     generator = torch.Generator().manual_seed(rows)
@@ -111,7 +112,7 @@ def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_feature
     q, s = fp8_triton.quantize_activation(x)
     ref_q, ref_s = fp8.quantize_activation(x)
     assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
-    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32)
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, block_n=block_n)
     torch.testing.assert_close(out, fp8.reference_matmul(x, values, scales, quantize_inputs=True),
                                rtol=1e-5, atol=1e-5)
     exact = x @ weight.T  # both operands rounded to e4m3: a few percent of the output's norm
@@ -283,3 +284,56 @@ def test_fp8_engine_weight_update_over_http_is_read_back_dequantized(fp8_server,
         assert http.post("/update_weights_from_tensor", json={
             "serialized_named_tensors": [serialize_for_engine([(name, original.clone().share_memory_())])],
             "weight_version": "base"}).json()["success"]
+
+
+# ---------------------------------------------------------------------------------- CUDA (skipped without it)
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 200, 300), (128, 1024, 1024), (77, 3072, 1024),
+                                                           (128, 1024, 3072), (300, 64, 384)])
+def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
+    values, scales = fp8.quantize_weight(weight)
+    q, s = fp8_triton.quantize_activation(x)
+    ref_q, ref_s = fp8.quantize_activation(x)
+    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)  # the GPU's own fp32 -> e4m3 cast
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16)
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    assert float((out.float() - reference).norm() / reference.norm()) < 4e-3  # the bf16 output rounding
+    exact = x.float() @ weight.T
+    assert float((out.float() - exact).norm() / exact.norm()) < 0.06
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "dequant"])
+def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
+    import httpx
+    from engine_test_utils import hf_logprobs, load_hf, perturbed_state_dict
+    from slime.backends.embedded_engine.launch import running_engine
+
+    hf = load_hf(tiny_model_dir)
+    state = perturbed_state_dict(tiny_model_dir, seed=3)
+    perturbed = load_hf(tiny_model_dir)
+    perturbed.load_state_dict(state)
+    with running_engine(tiny_model_dir, extra_args=["--device", "cuda", "--context-length", "256",
+                                                    "--max-running-requests", "8", "--quantization", "fp8",
+                                                    "--fp8-gemm-backend", backend]) as proc, \
+            httpx.Client(base_url=proc.url, timeout=120) as http:
+        for model in (hf, perturbed):
+            gaps = []
+            for prompt in PROMPTS:
+                tokens, logprobs = _greedy(http, prompt)
+                gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(model, prompt, tokens, 1.0))]
+            mean_gap = sum(gaps) / len(gaps)
+            print(f"{backend}: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
+            assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap  # bf16 activations on top of fp8 weights
+            # the update lands in place, so the decode CUDA graphs captured above serve the new weights
+            new_dir = tmp_path / "perturbed"
+            if model is hf:
+                from engine_test_utils import copy_with_weights
+
+                copy_with_weights(tiny_model_dir, new_dir, state)
+                assert http.post("/update_weights_from_disk", json={"model_path": str(new_dir)}).json()["success"]
