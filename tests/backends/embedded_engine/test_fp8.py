@@ -216,7 +216,7 @@ def test_moe_experts_are_quantized_and_updated_by_checkpoint_and_fused_names(tin
         runner.load_named_tensors([(f"{prefix}.gate_up_proj", new_fused[:, :half])])
 
 
-# ---------------------------------------------------------------------------------- the engine over HTTP
+# ---------------------------------------------------------------------------------- the engine's decode
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [100, 200, 300, 400, 500], [42]]
 # Measured on the tiny model (fp32, 4 prompts x 16 greedy tokens): mean |engine - HF fp32| log-prob gap
 # 0.011 (max 0.023) with fp8 weights, every greedy token equal; block scales off by 2x give 0.15. The
@@ -225,13 +225,46 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [100, 200, 300, 400, 500], [42]]
 MAX_MEAN_LOGPROB_GAP = 0.05
 
 
-@pytest.fixture(scope="module")
-def fp8_server(tiny_model_dir):
-    from slime.backends.embedded_engine.launch import running_engine
+def _engine_greedy(runner, prompts, n=16) -> list[tuple[list[int], list[float]]]:
+    """Greedy outputs (tokens, log-probs) of the engine's scheduler and decode loop over ``runner``."""
+    import threading
 
-    with running_engine(tiny_model_dir, extra_args=["--context-length", "256", "--max-running-requests", "8",
-                                                    "--quantization", "fp8"]) as proc:
-        yield proc
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+
+    engine = Engine(runner, chunked_prefill_size=64)
+    engine.start()
+    try:
+        waits = []
+        for i, prompt in enumerate(prompts):
+            done = threading.Event()
+            request = GenerateRequest(rid=f"fp8-{i}", input_ids=prompt,
+                                      params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+            seq = engine.call(lambda r=request, d=done: engine.add_request(
+                r, lambda s, finished, d=d: finished and d.set())).result(30)
+            waits.append((seq, done))
+        for _, done in waits:
+            assert done.wait(120)
+        return [(list(seq.output_ids), list(seq.output_logprobs)) for seq, _ in waits]
+    finally:
+        engine.stop()
+
+
+def test_fp8_engine_greedy_decode_stays_close_to_fp32(runners, tiny_model_dir):
+    from engine_test_utils import hf_greedy, hf_logprobs, load_hf
+
+    hf = load_hf(tiny_model_dir)
+    gaps, agree, total = [], 0, 0
+    for prompt, (tokens, logprobs) in zip(PROMPTS, _engine_greedy(runners["fp8"], PROMPTS)):
+        reference = hf_greedy(hf, prompt, len(tokens))
+        # tokens agree until the first flip (after it the continuations differ by construction)
+        first_flip = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
+        agree, total = agree + first_flip, total + len(tokens)
+        gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(hf, prompt, tokens, 1.0))]
+    mean_gap = sum(gaps) / len(gaps)
+    print(f"fp8 vs fp32: mean log-prob gap {mean_gap:.4f}, max {max(gaps):.4f}, tokens before a flip {agree}/{total}")
+    assert 1e-4 < mean_gap < MAX_MEAN_LOGPROB_GAP, mean_gap  # quantized (not fp32), and close to it
+    assert agree >= total // 2, (agree, total)
 
 
 def _greedy(http, prompt, n=16):
@@ -240,50 +273,6 @@ def _greedy(http, prompt, n=16):
     assert response.status_code == 200, response.text
     out = response.json()
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-
-
-def test_fp8_engine_greedy_decode_stays_close_to_fp32(fp8_server, tiny_model_dir):
-    import httpx
-    from engine_test_utils import hf_greedy, hf_logprobs, load_hf
-
-    hf = load_hf(tiny_model_dir)
-    gaps, agree, total = [], 0, 0
-    with httpx.Client(base_url=fp8_server.url, timeout=60) as http:
-        for prompt in PROMPTS:
-            tokens, logprobs = _greedy(http, prompt)
-            reference = hf_greedy(hf, prompt, len(tokens))
-            # tokens agree until the first flip (after it the continuations differ by construction)
-            first_flip = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
-            agree, total = agree + first_flip, total + len(tokens)
-            gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(hf, prompt, tokens, 1.0))]
-    mean_gap = sum(gaps) / len(gaps)
-    print(f"fp8 vs fp32: mean log-prob gap {mean_gap:.4f}, max {max(gaps):.4f}, tokens before a flip {agree}/{total}")
-    assert 1e-4 < mean_gap < MAX_MEAN_LOGPROB_GAP, mean_gap  # quantized (not fp32), and close to it
-    assert agree >= total // 2, (agree, total)
-
-
-def test_fp8_engine_weight_update_over_http_is_read_back_dequantized(fp8_server, tiny_model_dir):
-    import httpx
-    from engine_test_utils import load_hf
-    from slime.backends.update_weight.wire_format import serialize_for_engine, use_file_system_sharing
-
-    use_file_system_sharing()
-    name = "model.layers.0.self_attn.o_proj.weight"
-    new = torch.randn(128, 128, generator=torch.Generator().manual_seed(7)) * 0.05
-    with httpx.Client(base_url=fp8_server.url, timeout=60) as http:
-        response = http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [serialize_for_engine([(name, new.clone().share_memory_())])],
-            "weight_version": "fp8-1"})
-        assert response.json()["success"], response.text
-        got = torch.tensor(http.post("/get_weights_by_name", json={"name": name, "truncate_size": 128}).json())
-        assert torch.equal(got, fp8.dequantize_weight(*fp8.quantize_weight(new)))
-        bad = http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [serialize_for_engine([(name, new[:64].clone().share_memory_())])]})
-        assert bad.status_code == 400 and "expected shape (128, 128)" in bad.text, bad.text
-        original = load_hf(tiny_model_dir).state_dict()[name]
-        assert http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [serialize_for_engine([(name, original.clone().share_memory_())])],
-            "weight_version": "base"}).json()["success"]
 
 
 # ---------------------------------------------------------------------------------- CUDA (skipped without it)
