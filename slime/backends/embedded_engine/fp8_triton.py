@@ -20,6 +20,7 @@ before import; slow, for tests on tiny shapes). No host syncs: capturable in a C
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -106,7 +107,12 @@ MIN_PROGRAMS_PER_SM = 2
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan_tiles(rows: int, out_features: int, device: torch.device) -> tuple[int, int]:
