@@ -71,7 +71,11 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_weight(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_weight`: ``values * scale`` of each element's block, in ``dtype``."""
-    rows, cols = values.shape[-2:]
+    *lead, rows, cols = values.shape
+    nb, kb = scales.shape[-2:]
+    if rows == nb * BLOCK and cols == kb * BLOCK:  # whole blocks: broadcast the scales, no expanded copy
+        tiles = values.float().view(*lead, nb, BLOCK, kb, BLOCK) * scales[..., :, None, :, None]
+        return tiles.view(*lead, rows, cols).to(dtype)
     expanded = scales.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].repeat_interleave(BLOCK, dim=-1)[..., :cols]
     return (values.float() * expanded).to(dtype)
 
