@@ -195,8 +195,19 @@ def test_disk_update_is_quantized(runners, tiny_model_dir, tmp_path):
 def test_moe_experts_are_quantized_and_updated_by_checkpoint_and_fused_names(tiny_deepseek_v3_dir):
     from slime.backends.embedded_engine.model_runner import ModelRunner
 
+    from engine_test_utils import load_hf
+    from slime.backends.embedded_engine.model_runner import ForwardRow
+
     runner = ModelRunner(tiny_deepseek_v3_dir, num_slots=2, slot_capacity=64, quantization="fp8")
     assert runner.fp8.experts, "the routed experts were not quantized"
+    # the FP8 experts route and compute like transformers' fp32 ones, up to the FP8 rounding
+    prompt = PROMPTS[2] + PROMPTS[0]
+    _, (logits,) = runner.forward([0], [ForwardRow(prompt, 0, want_all_logits=True)])
+    with torch.no_grad():
+        reference = load_hf(tiny_deepseek_v3_dir)(torch.tensor([prompt])).logits[0]
+    gap = (torch.log_softmax(logits, -1) - torch.log_softmax(reference, -1)).abs().mean()
+    print(f"DeepSeek-V3 fp8 vs fp32: mean log-prob gap {float(gap):.4f}")
+    assert 1e-5 < float(gap) < MAX_MEAN_LOGPROB_GAP, float(gap)
     prefix = next(iter(runner.fp8.experts))
     assert not any(name.endswith("kv_b_proj") for name in runner.fp8.linears)  # absorbed MLA reads it as a matrix
     assert not any(name.endswith(".gate") for name in runner.fp8.linears)
