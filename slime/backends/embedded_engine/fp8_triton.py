@@ -57,8 +57,10 @@ if triton is not None:
         inside = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(amax > 0, amax / fp8_max, 1.0)
-        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        # correctly rounded divisions (plain `/` on fp32 is approximate on CUDA), so the scales and values
+        # are bit-identical to fp8.quantize_activation's
+        scale = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, tl.broadcast_to(scale, [GROUP])), -fp8_max), fp8_max)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=inside)
         tl.store(s_ptr + row * stride_s + group, scale)
 
