@@ -175,7 +175,28 @@ class Fp8Experts(nn.Module):
         values, scales = getattr(self, f"{kind}_fp8"), getattr(self, f"{kind}_scale_inv")
         return (values, scales) if expert is None else (values[expert], scales[expert])
 
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate = fp8_linear(rows, *self.matrix("gate", expert), None, self.backend)
+        up = fp8_linear(rows, *self.matrix("up", expert), None, self.backend)
+        return fp8_linear(self.act_fn(gate) * up, *self.matrix("down", expert), None, self.backend)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.dense_forward(hidden_states, top_k_index, top_k_weights)
+        return self.routed_forward(hidden_states, top_k_index, top_k_weights)
+
+    def dense_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Every expert on every token, weighted by its routing weight (0 where not picked): no host
+        sync, so a decode step captures in a CUDA graph. A decode batch reads every hit expert's
+        weights anyway; prefill takes :meth:`routed_forward`, which computes picked rows only."""
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == expert)).sum(dim=-1, keepdim=True)
+            out += (self._expert(expert, hidden_states) * weight).to(out.dtype)
+        return out
+
+    def routed_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """transformers' eager loop: each hit expert on the rows routed to it."""
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # one class more than there are experts: some routers mark an unused pick with index E
@@ -185,10 +206,7 @@ class Fp8Experts(nn.Module):
             if expert == self.num_experts:
                 continue
             top_k_pos, token_idx = torch.where(expert_mask[expert])
-            rows = hidden_states[token_idx]
-            gate = fp8_linear(rows, *self.matrix("gate", expert), None, self.backend)
-            up = fp8_linear(rows, *self.matrix("up", expert), None, self.backend)
-            down = fp8_linear(self.act_fn(gate) * up, *self.matrix("down", expert), None, self.backend)
+            down = self._expert(expert, hidden_states[token_idx])
             out.index_add_(0, token_idx, (down * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
         return out
 
@@ -262,7 +280,11 @@ class Fp8Weights:
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
+    """transformers' ``[gate; up]``-concatenated, untransposed, bias-free expert layout (other layouts
+    stay in the model dtype)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not getattr(module, "is_concatenated", True) or getattr(module, "is_transposed", False):
+        return False
     return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
             and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
             and hasattr(module, "act_fn") and not getattr(module, "has_bias", False))
