@@ -3,6 +3,8 @@
     python bench/engine_decode.py [--model tiny] [--device cpu] [--num-requests 64] [--out]       # CPU
     python bench/engine_decode.py --model qwen3-0.6b --num-requests 128 --prompt-len 256 \\
         --max-new-tokens 512 --out                                                               # H200
+    python bench/engine_decode.py --model qwen3-4b --num-requests 128 --prompt-len 256 \\
+        --max-new-tokens 512 --skip-hf --quantization fp8 --out                                  # FP8 rollout
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
@@ -49,6 +51,13 @@ Metrics:
   this run instead (``measured_copy_bytes_per_s``, read+write / 2), and
   ``roofline_fraction_over_burst_wall`` spreads the same traffic over the burst's whole wall time.
 
+``--quantization fp8`` serves the model with block-wise FP8 linear layers (``--fp8-gemm-backend``
+picks the GEMM; docs/embedded_engine.md) and adds the weight-update cost: ``weight_update_seconds``
+(every tensor of the checkpoint, already on the device in bf16, through the engine's update path:
+quantized into the FP8 blocks, or copied as-is without ``--quantization``), measured in this process
+after the engine stopped, and ``disk_update_seconds`` (``/update_weights_from_disk`` of the same
+checkpoint, file reading included). Compare a run with and without the flag at the same workload.
+
 ``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
 """
 
@@ -81,6 +90,8 @@ ARCHITECTURES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     # MoE with multi-latent attention at ~0.95B total parameters (DeepSeek-V3 architecture): 12 layers, the
     # first dense; 32 routed experts (top-4 of 2 groups out of 4) + 1 shared; q/kv LoRA 384/256; YaRN
     "deepseek-v3-1b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
@@ -214,6 +225,48 @@ class HFBaseline:
         return sum(lengths) / elapsed, padded / elapsed
 
 
+def disk_update_seconds(url: str, model_path: str) -> float:
+    """Wall time of ``/update_weights_from_disk`` reloading ``model_path`` (file reading included)."""
+    import httpx
+
+    start = time.perf_counter()
+    response = httpx.post(url + "/update_weights_from_disk", json={"model_path": model_path}, timeout=3600)
+    elapsed = time.perf_counter() - start
+    if not response.json().get("success"):
+        raise RuntimeError(f"/update_weights_from_disk failed: {response.text}")
+    return elapsed
+
+
+def weight_update_seconds(model_path: str, device: str, quantization: str | None, repeats: int = 3) -> float:
+    """Best time of loading every tensor of the checkpoint (bf16, already on ``device``) into a model
+    through the engine's update path: quantized into FP8 blocks (``Fp8Weights.load``) or copied."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.embedded_engine import fp8
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    source = [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
+    weights = fp8.quantize_model(model, "dequant") if quantization else None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            sync(device)
+            start = time.perf_counter()
+            for name, tensor in source:
+                if weights is not None and weights.owns(name):
+                    weights.load(name, tensor)
+                elif name in params:
+                    params[name].copy_(tensor)
+            sync(device)
+            best = min(best, time.perf_counter() - start)
+    del model, source, weights, params
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
 def measured_copy_bytes_per_s() -> float:
     """One-way device copy bandwidth: 1 GiB device-to-device copies, (read + write) / 2 per second, best of 5."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -242,6 +295,10 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate in chunks of this many prompts (default: all in one batch)")
     parser.add_argument("--engine-args", default="", help="extra engine flags, e.g. '--chunked-prefill-size 8192'")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="serve with block-wise FP8 linear layers (the engine's --quantization)")
+    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "triton", "dequant"],
+                        help="with --quantization fp8: the engine's GEMM (auto: triton on CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best is reported")
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")
@@ -265,9 +322,11 @@ def main() -> None:
         vocab = min(AutoConfig.from_pretrained(model_path).vocab_size, len(AutoTokenizer.from_pretrained(model_path)))
         prompts, lengths = make_workload(args.num_requests, vocab, args.seed, args.prompt_len, args.max_new_tokens)
         context = max(512, max(len(p) + n for p, n in zip(prompts, lengths)))
+        quantization = ["--quantization", args.quantization, "--fp8-gemm-backend", args.fp8_gemm_backend] \
+            if args.quantization else []
         engine = EmbeddedEngineProcess(model_path, extra_args=[
             "--device", args.device, "--max-running-requests", str(args.num_requests),
-            "--context-length", str(context), *shlex.split(args.engine_args)])
+            "--context-length", str(context), *quantization, *shlex.split(args.engine_args)])
         hf = None if args.skip_hf else HFBaseline(model_path, args.device, args.hf_batch_size)
         engine.start()
         try:
@@ -287,8 +346,12 @@ def main() -> None:
                 engine_runs.append((tps, delta, info))
                 if hf is not None:
                     hf_runs.append(hf.run(prompts, lengths))
+            disk_update = disk_update_seconds(engine.url, model_path)
         finally:
             engine.stop()
+        hf_batch_size = None if hf is None else (hf.batch_size or args.num_requests)
+        hf = None  # free its device memory before the in-process weight-update timing
+        update = weight_update_seconds(model_path, args.device, args.quantization)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -306,6 +369,7 @@ def main() -> None:
         hf_tps, hf_padded_tps = max(hf_runs)
         metrics.update({"hf_generate_output_tokens_per_s": hf_tps,
                         "hf_generate_padded_batch_tokens_per_s": hf_padded_tps, "speedup_vs_hf": engine_tps / hf_tps})
+    metrics.update({"weight_update_seconds": update, "disk_update_seconds": disk_update})
     steps = decode["decode_steps"]
     metrics.update({"decode_seconds": decode["decode_seconds"], "decode_steps": steps,
                     "decode_steps_per_s": steps / decode["decode_seconds"],
@@ -326,8 +390,10 @@ def main() -> None:
               "prompt_len": args.prompt_len or "8-64", "output_len": args.max_new_tokens or "16-128",
               "total_output_tokens": sum(lengths), "temperature": 1.0, "ignore_eos": True, "repeats": args.repeats,
               "context_length": context, "engine_args": args.engine_args,
-              "hf_batch_size": None if hf is None else (hf.batch_size or args.num_requests),
-              "hf_batches": None if hf is None else math.ceil(args.num_requests / (hf.batch_size or args.num_requests)),
+              "quantization": args.quantization,
+              "fp8_gemm_backend": args.fp8_gemm_backend if args.quantization else None,
+              "hf_batch_size": hf_batch_size,
+              "hf_batches": None if hf_batch_size is None else math.ceil(args.num_requests / hf_batch_size),
               "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
               "python": platform.python_version(), "torch": torch.__version__}
     if args.device == "cuda":

@@ -11,7 +11,7 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra --timeout=900 "$@"
 fi
 .venv/bin/python -m pytest -q -ra --timeout=900 tests
-# The fused Triton log-prob kernels on the CPU, run by Triton's interpreter (~10 s). triton is not a
+# The fused Triton log-prob kernels and the FP8 GEMM on the CPU, run by Triton's interpreter (~15 s). triton is not a
 # dependency: setup-env.sh keeps a copy in .venv/sglang-args, off the import path; this pass sees
 # only that package (a directory holding a link to it), so the main run above stays triton-free.
 interp_dir=.venv/triton-interpreter
@@ -19,5 +19,7 @@ if [ -d .venv/sglang-args/triton ]; then
   mkdir -p "$interp_dir" && ln -sfn "$root/.venv/sglang-args/triton" "$interp_dir/triton"
   echo "[test] the Triton kernels under TRITON_INTERPRET=1"
   PYTHONPATH="$interp_dir" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -ra --timeout=900 -p no:cacheprovider \
-    tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py
+    tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py \
+    tests/backends/embedded_engine/test_fp8.py::test_triton_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias
 fi

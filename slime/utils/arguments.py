@@ -546,6 +546,10 @@ def _validate_sglang_side(args) -> None:
         raise ValueError(f"--sglang-dp-size {dp} > 1 requires --sglang-enable-dp-attention")
     if args.sglang_router_ip and ":" in args.sglang_router_ip and not args.sglang_router_ip.startswith("["):
         args.sglang_router_ip = f"[{args.sglang_router_ip}]"
+    quantization = getattr(args, "sglang_quantization", None)
+    if quantization and args.check_weight_update_equal:
+        raise ValueError(f"--check-weight-update-equal compares the engine's weights with the trainer's exactly, but "
+                         f"--sglang-quantization {quantization} engines hold rounded ones; drop one of the two")
     if (args.sglang_router_ip is None) != (args.sglang_router_port is None):
         raise ValueError("--sglang-router-ip and --sglang-router-port must be given together")
     if args.sglang_config is not None and not args.debug_train_only:

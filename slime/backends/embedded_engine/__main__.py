@@ -35,7 +35,8 @@ def build_server(args: ServerArgs):
                          mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
                          max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
                          cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend,
-                         mla_decode=args.mla_decode)
+                         mla_decode=args.mla_decode, quantization=args.quantization,
+                         fp8_gemm_backend=args.fp8_gemm_backend)
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
     engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed)
     engine.start()

@@ -30,6 +30,8 @@ class ServerArgs:
     log_level: str = "warning"
     custom_pull_weights_pre_read_hook: str | None = None
     mla_decode: str = "absorbed"
+    quantization: str | None = None
+    fp8_gemm_backend: str = "auto"
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -75,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-latent attention (DeepSeek-V3) decode: absorbed (kv_b_proj folded into the query and "
                         "output, reads the compressed cache once) or expanded (transformers' reference: the cached "
                         "latent expanded to per-head keys/values every step)")
+    p.add_argument("--quantization", default=None,
+                   help="fp8: serve the decoder's linear layers (attention, MLP, experts) as block-wise FP8 e4m3 "
+                        "with one fp32 scale per 128x128 block, quantized at load and at every weight update; "
+                        "embeddings, lm_head, norms and the KV cache stay in --dtype (SGLang's flag; fp8 is the "
+                        "only value the embedded engine implements)")
+    p.add_argument("--fp8-gemm-backend", default="auto",
+                   help="with --quantization fp8: triton (CUDA; the default there) quantizes activations per token "
+                        "and 128-channel group and multiplies e4m3 x e4m3; dequant (the default on CPU) dequantizes "
+                        "the weight to --dtype and runs an ordinary matmul; auto picks between them")
     return p
 
 
@@ -106,6 +117,14 @@ def validate_args(args: ServerArgs) -> None:
                          "(or bind 127.0.0.1)")
     if args.attention_backend == "triton" and args.device != "cuda":
         raise SystemExit("--attention-backend triton runs on --device cuda only; use torch_native on CPU")
+    if args.quantization is not None and args.quantization != "fp8":
+        raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
+                         "implements fp8 (block-wise, quantized online); use --rollout-backend sglang for SGLang's "
+                         "other methods")
+    if args.fp8_gemm_backend not in ("auto", "triton", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, triton or dequant")
+    if args.fp8_gemm_backend == "triton" and args.device != "cuda":
+        raise SystemExit("--fp8-gemm-backend triton runs on --device cuda only; use dequant (the default) on CPU")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 < args.mem_fraction_static <= 1:

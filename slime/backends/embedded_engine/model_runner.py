@@ -43,7 +43,8 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
-                 attention_backend: str | None = None, mla_decode: str = "absorbed"):
+                 attention_backend: str | None = None, mla_decode: str = "absorbed",
+                 quantization: str | None = None, fp8_gemm_backend: str = "auto"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -71,6 +72,7 @@ class ModelRunner:
             from slime.backends.embedded_engine import mla_decode as mla
 
             self.mla_layers = mla.install(self.model)
+        self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
         self._plan_cache(slot_capacity, mem_fraction_static, max_total_tokens)
@@ -87,6 +89,22 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} is not supported; choose auto or one of {sorted(DTYPES)}")
         return DTYPES[dtype]
+
+    def _quantize(self, quantization: str | None, gemm_backend: str):
+        """``--quantization fp8``: the decoder's linear layers become block-wise FP8 (``fp8.py``)."""
+        if quantization is None:
+            return None
+        from slime.backends.embedded_engine import fp8
+
+        if quantization not in fp8.QUANTIZATIONS:
+            raise ValueError(f"--quantization {quantization!r} is not supported by the embedded engine; choose "
+                             f"{' or '.join(fp8.QUANTIZATIONS)} (or run SGLang for its other methods)")
+        backend = fp8.resolve_backend(gemm_backend, self.device)
+        # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype
+        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else ())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the replaced full-precision weights
+        return weights
 
     def _resolve_attention_backend(self, requested: str | None) -> str:
         from slime.backends.embedded_engine import triton_attention
@@ -305,6 +323,10 @@ class ModelRunner:
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         count = 0
         for name, tensor in named_tensors:
+            if self.fp8 is not None and self.fp8.owns(name):  # quantized into its FP8 blocks
+                self.fp8.load(name, tensor)
+                count += 1
+                continue
             target = params.get(name)
             if target is None:
                 target = _fused_expert_slice(params, name)
@@ -330,7 +352,9 @@ class ModelRunner:
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
-        experts read their slice of the fused expert parameters."""
+        experts read their slice of the fused expert parameters; FP8 weights read dequantized."""
+        if self.fp8 is not None and self.fp8.owns(name):
+            return self.fp8.dequantized(name)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         tensor = params.get(name)
@@ -339,6 +363,14 @@ class ModelRunner:
         if tensor is None:
             raise KeyError(f"no parameter named {name!r}")
         return tensor
+
+    def weight_bytes(self) -> int:
+        """Bytes of the served weights: the parameters (a tied embedding once) plus FP8 values and scales."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.fp8 is not None:
+            modules = [*self.fp8.linears.values(), *self.fp8.experts.values()]
+            total += sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
+        return total
 
     def release_weights(self) -> None:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""

@@ -211,7 +211,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _memory_usage(runner) -> dict:
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.weight_bytes()
     shape = runner.kv_cache.shape
     return {"weight": weight_bytes / 2**30, "kvcache": runner.kv_cache.nbytes() / 2**30,
             "token_capacity": shape.num_slots * shape.slot_capacity, "graph": 0.0}

@@ -1,0 +1,316 @@
+"""FP8 rollout (``--quantization fp8``): block-wise FP8 weights for the decoder's linear layers.
+
+The policy is served in FP8 and re-quantized at every weight update, the way DeepSeek-V3's FP8
+checkpoints store it: a weight ``W [N, K]`` is cut into 128 x 128 blocks (the last row and column of
+blocks may be smaller), and block ``(i, j)`` is stored as e4m3 values with one fp32 scale::
+
+    s_ij = amax(|W_block|) / 448          (448 = the largest e4m3 value; an all-zero block gets s = 1)
+    Q_block = e4m3(W_block / s_ij)        (round to nearest; |W / s| <= 448, so nothing saturates)
+    W_block ~= Q_block * s_ij             (the dequantized weight)
+
+so the round-trip error of an element is at most half an e4m3 spacing of ``|W / s|`` times ``s``:
+``|W| * 2^-4`` for normal e4m3 values, ``2^-10 * s`` in the subnormal range.
+
+What is quantized: every ``nn.Linear`` inside the decoder layers (attention q/k/v/o and their MLA
+LoRA projections, MLP gate/up/down, shared experts) and the routed experts of transformers' fused
+``experts`` modules. Embeddings, ``lm_head``, norms, MoE routers (``mlp.gate``) and, under the
+absorbed MLA decode, ``kv_b_proj`` (read as a matrix by that path) stay in the model dtype. The KV
+cache is untouched.
+
+GEMM backends (``--fp8-gemm-backend``): ``triton`` (CUDA, the default there) quantizes the
+activations per token and 128-channel group (``1 x 128`` blocks, the same formula) and multiplies
+e4m3 by e4m3 in ``fp8_triton.py``; ``dequant`` (the default on CPU, a reference everywhere)
+dequantizes the weight to the model dtype and runs an ordinary matmul on unquantized activations.
+
+Weight updates arrive under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+checkpoint-named experts ``...experts.3.gate_proj.weight`` or fused ``...experts.gate_up_proj``);
+:class:`Fp8Weights` maps each such name to its quantized storage, quantizes the incoming tensor in
+place (CUDA graphs keep pointing at the same buffers) and answers reads with the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+QUANTIZATIONS = ("fp8",)
+GEMM_BACKENDS = ("auto", "triton", "dequant")
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., N, K]`` -> (e4m3 values ``[..., N, K]``, fp32 scales ``[..., ceil(N/128), ceil(K/128)]``).
+    Leading dimensions (experts) are quantized independently."""
+    *lead, rows, cols = weight.shape
+    w = weight.float().reshape(-1, rows, cols)
+    nb, kb = _blocks(rows), _blocks(cols)
+    padded = torch.zeros((w.shape[0], nb * BLOCK, kb * BLOCK), dtype=torch.float32, device=w.device)
+    padded[:, :rows, :cols] = w  # zero padding does not change a ragged block's amax
+    tiles = padded.view(-1, nb, BLOCK, kb, BLOCK)
+    scales = _scales_from_amax(tiles.abs().amax(dim=(2, 4)))
+    values = (tiles / scales[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    values = values.view(-1, nb * BLOCK, kb * BLOCK)[:, :rows, :cols]
+    return values.reshape(*lead, rows, cols).contiguous(), scales.reshape(*lead, nb, kb)
+
+
+def dequantize_weight(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_weight`: ``values * scale`` of each element's block, in ``dtype``."""
+    *lead, rows, cols = values.shape
+    nb, kb = scales.shape[-2:]
+    if rows == nb * BLOCK and cols == kb * BLOCK:  # whole blocks: broadcast the scales, no expanded copy
+        tiles = values.float().view(*lead, nb, BLOCK, kb, BLOCK) * scales[..., :, None, :, None]
+        return tiles.view(*lead, rows, cols).to(dtype)
+    expanded = scales.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].repeat_interleave(BLOCK, dim=-1)[..., :cols]
+    return (values.float() * expanded).to(dtype)
+
+
+@torch.no_grad()
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``): one scale per token and
+    128-channel group (the reference of the Triton activation quantizer)."""
+    rows, cols = x.shape
+    kb = _blocks(cols)
+    padded = torch.zeros((rows, kb * BLOCK), dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x.float()
+    groups = padded.view(rows, kb, BLOCK)
+    scales = _scales_from_amax(groups.abs().amax(dim=-1))
+    values = (groups / scales[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, -1)[:, :cols]
+    return values.contiguous(), scales
+
+
+def reference_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                     quantize_inputs: bool) -> torch.Tensor:
+    """fp32 ``x [M, K] @ dequant(W)ᵀ`` (``x`` rounded through :func:`quantize_activation` first when
+    ``quantize_inputs``): what the Triton GEMM computes, written plainly."""
+    if quantize_inputs:
+        q, s = quantize_activation(x)
+        x = q.float() * s.repeat_interleave(BLOCK, dim=-1)[:, : x.shape[1]]
+    return x.float() @ dequantize_weight(values, scales, torch.float32).T
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` where its kernels run (CUDA with Triton), else ``dequant``."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    if requested not in GEMM_BACKENDS:
+        raise ValueError(f"--fp8-gemm-backend {requested!r} is not supported; choose one of {list(GEMM_BACKENDS)}")
+    if requested == "auto":
+        return "triton" if fp8_triton.available(device) and device.type == "cuda" else "dequant"
+    if requested == "triton" and not fp8_triton.available(device):
+        raise ValueError("--fp8-gemm-backend triton needs --device cuda and the triton package (or, for tests on the "
+                         "CPU, TRITON_INTERPRET=1); use --fp8-gemm-backend dequant")
+    return requested
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               backend: str) -> torch.Tensor:
+    """``x [..., K] @ Wᵀ (+ bias)`` with ``W`` block-quantized, in ``x``'s dtype."""
+    if backend == "triton":
+        from slime.backends.embedded_engine import fp8_triton
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = fp8_triton.w8a8_block_matmul(rows, values, scales, out_dtype=x.dtype)
+        out = out.view(*x.shape[:-1], values.shape[0])
+        return out if bias is None else out + bias
+    return nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
+
+
+class Fp8Linear(nn.Module):
+    """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale_inv
+    [ceil(N/128), ceil(K/128)]`` (DeepSeek-V3's name for the per-block scale); bias in the model dtype."""
+
+    def __init__(self, linear: nn.Linear, backend: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.backend = backend
+        values, scales = quantize_weight(linear.weight)
+        self.register_buffer("weight_fp8", values)
+        self.register_buffer("weight_scale_inv", scales)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks, {self.backend}"
+
+
+class Fp8Experts(nn.Module):
+    """transformers' fused routed experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, a
+    ``forward(hidden_states, top_k_index, top_k_weights)``) with each expert's gate, up and down
+    matrices block-quantized separately (so a checkpoint-named update of one touches only its own blocks)."""
+
+    def __init__(self, experts: nn.Module, backend: str):
+        super().__init__()
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.intermediate = experts.gate_up_proj.shape[1] // 2
+        self.dtype = experts.gate_up_proj.dtype
+        self.act_fn = experts.act_fn
+        self.backend = backend
+        gate_up = experts.gate_up_proj.detach()
+        for kind, weight in (("gate", gate_up[:, :self.intermediate]), ("up", gate_up[:, self.intermediate:]),
+                             ("down", experts.down_proj.detach())):
+            values, scales = quantize_weight(weight)
+            self.register_buffer(f"{kind}_fp8", values)
+            self.register_buffer(f"{kind}_scale_inv", scales)
+
+    def matrix(self, kind: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        values, scales = getattr(self, f"{kind}_fp8"), getattr(self, f"{kind}_scale_inv")
+        return (values, scales) if expert is None else (values[expert], scales[expert])
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate = fp8_linear(rows, *self.matrix("gate", expert), None, self.backend)
+        up = fp8_linear(rows, *self.matrix("up", expert), None, self.backend)
+        return fp8_linear(self.act_fn(gate) * up, *self.matrix("down", expert), None, self.backend)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.dense_forward(hidden_states, top_k_index, top_k_weights)
+        return self.routed_forward(hidden_states, top_k_index, top_k_weights)
+
+    def dense_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Every expert on every token, weighted by its routing weight (0 where not picked): no host
+        sync, so a decode step captures in a CUDA graph. A decode batch reads every hit expert's
+        weights anyway; prefill takes :meth:`routed_forward`, which computes picked rows only."""
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == expert)).sum(dim=-1, keepdim=True)
+            out += (self._expert(expert, hidden_states) * weight).to(out.dtype)
+        return out
+
+    def routed_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """transformers' eager loop: each hit expert on the rows routed to it."""
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # one class more than there are experts: some routers mark an unused pick with index E
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit[:, 0].tolist():
+            if expert == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert])
+            down = self._expert(expert, hidden_states[token_idx])
+            out.index_add_(0, token_idx, (down * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
+        return out
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+
+
+class Fp8Weights:
+    """The quantized weights of a model by Hugging Face name: which names they answer, loading a
+    full-precision tensor into them (quantized in place) and reading them back dequantized."""
+
+    def __init__(self, linears: dict[str, Fp8Linear], experts: dict[str, Fp8Experts]):
+        self.linears = linears  # "model.layers.0.self_attn.q_proj" -> module
+        self.experts = experts  # "model.layers.1.mlp.experts" -> module
+
+    def __len__(self) -> int:
+        return len(self.linears) + len(self.experts)
+
+    def _target(self, name: str) -> tuple[object, list[tuple[str, slice | None]], int | None] | None:
+        """(module, [(matrix kind, rows of the incoming tensor)], expert) that ``name`` fills, or None."""
+        if name.endswith(".weight") and name[: -len(".weight")] in self.linears:
+            return self.linears[name[: -len(".weight")]], [("weight", None)], None
+        match = _EXPERT_NAME.match(name)
+        if match is None or match.group(1) not in self.experts:
+            return None
+        module = self.experts[match.group(1)]
+        half = module.intermediate
+        if match.group(4) == "gate_up_proj":
+            return module, [("gate", slice(0, half)), ("up", slice(half, 2 * half))], None
+        if match.group(4) == "down_proj":
+            return module, [("down", None)], None
+        expert = int(match.group(2))
+        if expert >= module.num_experts:
+            return None
+        return module, [(match.group(3)[: -len("_proj")], None)], expert
+
+    def owns(self, name: str) -> bool:
+        return self._target(name) is not None
+
+    @staticmethod
+    def _storage(module, kind: str, expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind == "weight":
+            return module.weight_fp8, module.weight_scale_inv
+        return module.matrix(kind, expert)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        module, parts, expert = self._target(name)
+        shapes = [tuple(self._storage(module, kind, expert)[0].shape) for kind, _ in parts]
+        if len(shapes) == 1:
+            return shapes[0]
+        return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])  # gate_up: [E, 2I, H]
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Quantize ``tensor`` (any float dtype, the HF shape of ``name``) into its storage."""
+        module, parts, expert = self._target(name)
+        expected = self.shape(name)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(tensor.shape)}")
+        for kind, rows in parts:
+            values, scales = self._storage(module, kind, expert)
+            part = tensor if rows is None else tensor[:, rows]
+            new_values, new_scales = quantize_weight(part.to(device=values.device))
+            values.copy_(new_values)
+            scales.copy_(new_scales)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        module, parts, expert = self._target(name)
+        matrices = [dequantize_weight(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
+        return matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    """transformers' ``[gate; up]``-concatenated, untransposed, bias-free expert layout (other layouts
+    stay in the model dtype)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not getattr(module, "is_concatenated", True) or getattr(module, "is_transposed", False):
+        return False
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+            and hasattr(module, "act_fn") and not getattr(module, "has_bias", False))
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = ()) -> Fp8Weights:
+    """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place.
+    ``keep``: module-name suffixes left in the model dtype (besides routers, embeddings and the head)."""
+    linears, experts = {}, {}
+    for name, module in list(model.named_modules()):
+        if ".layers." not in f".{name}." or (keep and name.endswith(keep)):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        if isinstance(module, nn.Linear):
+            if leaf == "gate":  # the MoE router: its logits pick the experts, kept exact
+                continue
+            replacement = linears[name] = Fp8Linear(module, backend)
+        elif _is_fused_experts(module):
+            replacement = experts[name] = Fp8Experts(module, backend)
+        else:
+            continue
+        setattr(model.get_submodule(parent_name), leaf, replacement)
+    if not linears:
+        raise ValueError(f"--quantization fp8: {type(model).__name__} has no nn.Linear inside its decoder layers "
+                         "to quantize")
+    logger.info("fp8: %d linear layers and %d expert groups quantized (128x128 blocks, %s GEMM)",
+                len(linears), len(experts), backend)
+    return Fp8Weights(linears, experts)
