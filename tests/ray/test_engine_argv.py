@@ -48,3 +48,15 @@ def test_engine_decodes_a_whole_rollout_step_at_once_unless_told():
     assert argv[argv.index("--max-running-requests") + 1] == "64"
     argv = embedded_engine_argv(parse_args(base + ["--rollout-num-gpus", "1", "--sglang-max-running-requests", "32"]), gpu=False)
     assert argv[argv.index("--max-running-requests") + 1] == "32"
+
+
+def test_speculative_flags_reach_the_engine_and_parse_there():
+    from slime.backends.embedded_engine.config import parse_args as engine_parse_args, speculative_config
+
+    args = parse_args(BASE + ["--sglang-speculative-algorithm", "STANDALONE", "--sglang-speculative-draft-model-path",
+                              "/tmp/draft", "--sglang-speculative-num-steps", "3",
+                              "--sglang-speculative-ngram-max-trie-depth", "6"])
+    argv = embedded_engine_argv(args, gpu=False)
+    config = speculative_config(engine_parse_args(["--model-path", "/tmp", *argv]))
+    assert (config.algorithm, config.draft_model_path, config.num_draft_tokens, config.ngram_max_match) == (
+        "STANDALONE", "/tmp/draft", 4, 6)
