@@ -15,6 +15,10 @@ has computed one token too many in step k+1; it is dropped. Anything that change
 (admissions, finished rows, commands such as aborts or weight updates) first completes the step in
 flight ("drains").
 
+With speculative decoding (``speculative``, :mod:`speculative`) a decode step drafts tokens for every
+row, verifies them in one forward of the target and emits the accepted run per row; that step does
+not run ahead (a step where no row has a draft is an ordinary one and may).
+
 Outputs leave through each sequence's ``on_event`` callback (called on the engine thread; the
 HTTP layer hops back to its event loop with ``call_soon_threadsafe``).
 """
