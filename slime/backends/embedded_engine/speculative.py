@@ -60,6 +60,9 @@ UNSUPPORTED_ALGORITHMS = {
 }
 #: SGLang's defaults: NGRAM verifies 12 tokens (11 drafts), STANDALONE drafts 3 steps (4 tokens)
 DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4}
+#: seeded requests: the draws of drafts and of acceptance tests come from their own streams (integers:
+#: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
+DRAFT_STREAM, ACCEPT_STREAM = 1, 2
 NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per proposal (bounds host time)
 
 
@@ -190,8 +193,9 @@ class DraftModel:
         self.runner.grow_cache(need)
 
     def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
-                generator: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Sample ``ks[i]`` draft tokens for each row; returns the tokens and each row's ``q`` ([k_i, vocab])."""
+                generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Sample ``ks[i]`` draft tokens for each row of ``seqs`` (some of a running batch of
+        ``batch_size``); returns the tokens and each row's ``q`` ([k_i, vocab])."""
         if self.runner.kv_cache.shape.num_slots <= max(seq.slot for seq in seqs):
             raise RuntimeError(f"the draft model's KV cache has {self.runner.kv_cache.shape.num_slots} slots, fewer than "
                                "the target's running batch; lower --max-running-requests")
@@ -201,7 +205,7 @@ class DraftModel:
         live = list(range(len(seqs)))
         for step in range(max(ks)):
             rows = [dataclasses.replace(settings[i][step], seed=None if settings[i][step].seed is None
-                                        else hash((settings[i][step].seed, "draft")) & 0x7FFFFFFF) for i in live]
+                                        else hash((settings[i][step].seed, DRAFT_STREAM)) & 0x7FFFFFFF) for i in live]
             _, q = sampling_distribution(logits, rows)
             tokens = _draw(q, rows, generator).tolist()
             for n, i in enumerate(live):
@@ -210,7 +214,7 @@ class DraftModel:
             live_next = [n for n, i in enumerate(live) if len(drafts[i]) < ks[i]]
             if not live_next:
                 break
-            logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next])
+            logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next], batch_size)
             live = [live[n] for n in live_next]
         return drafts, [torch.stack(p) for p in probs]
 
@@ -231,12 +235,13 @@ class DraftModel:
             pending = [i for i in pending if seqs[i].spec.draft_computed < len(seqs[i].fill_ids)]
         return torch.stack(last)
 
-    def _feed(self, seqs: list["Sequence"], tokens: list[int]) -> torch.Tensor:
-        """One draft token per row at the row's next draft position (the decode path when the rows are
-        the whole batch in slots 0..B-1, as it is unless some rows draft fewer tokens)."""
+    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
+        """One draft token per row at the row's next draft position. The decode path (CUDA graphs) only
+        when the rows are the whole running batch in slots 0..B-1: its padding rows write into the
+        slots after B, which must be free."""
         positions = [seq.spec.draft_computed for seq in seqs]
         slots = [seq.slot for seq in seqs]
-        if slots == list(range(len(seqs))):
+        if slots == list(range(batch_size)):
             logits = self.runner.decode(tokens, positions)
         else:
             logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens, positions)])
@@ -260,7 +265,7 @@ def _uniforms(rows: list[RowSampling], generator: torch.Generator | None, device
     u = torch.rand(len(rows), device=device, generator=generator)
     for i, row in enumerate(rows):
         if row.seed is not None:
-            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position, "accept")) & 0x7FFFFFFF)
+            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position, ACCEPT_STREAM)) & 0x7FFFFFFF)
             u[i] = torch.rand(1, device=device, generator=seeded)[0]
     return u
 
@@ -380,7 +385,7 @@ class SpeculativeDecoder:
         else:
             drafting = [i for i, k in enumerate(ks) if k]
             tokens, probs = self.draft.propose([running[i] for i in drafting], [ks[i] for i in drafting],
-                                               [settings[i] for i in drafting], engine.generator)
+                                               [settings[i] for i in drafting], engine.generator, len(running))
             drafts, draft_probs = [[] for _ in running], [None] * len(running)
             for n, i in enumerate(drafting):
                 drafts[i], draft_probs[i] = tokens[n], probs[n]

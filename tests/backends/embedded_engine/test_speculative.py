@@ -277,3 +277,12 @@ def test_sampled_logprobs_are_the_targets(tiny_model_dir, draft_dir):
     model = load_hf(tiny_model_dir)
     for prompt, seq in zip(PROMPTS, seqs):
         assert seq.output_logprobs == pytest.approx(hf_logprobs(model, prompt, seq.output_ids, 0.8), abs=1e-4)
+
+
+def test_seeded_request_is_reproducible_whatever_its_batch(tiny_model_dir, draft_dir):
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, sampling_seed=7)
+    alone, _ = run(tiny_model_dir, PROMPTS[:1], [seeded], "STANDALONE", draft_dir)
+    others = [SamplingParams(max_new_tokens=8 + i, temperature=1.0, ignore_eos=True) for i in range(4)]
+    batched, stats = run(tiny_model_dir, PROMPTS, [seeded] + others, "STANDALONE", draft_dir)
+    assert batched[0].output_ids == alone[0].output_ids
+    assert stats["spec_accepted_drafts"] > 0
