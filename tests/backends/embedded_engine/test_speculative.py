@@ -98,6 +98,17 @@ def test_flags_use_sglang_names_and_refuse_what_the_engine_does_not_run(tiny_mod
                     "--speculative-num-draft-tokens", "5"])
 
 
+def test_server_builds_the_decoder_of_its_flags(tiny_model_dir):
+    from slime.backends.embedded_engine.__main__ import build_speculative
+
+    target = ModelRunner(tiny_model_dir, device="cpu", num_slots=4)
+    args = parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "STANDALONE",
+                       "--speculative-draft-model-path", tiny_model_dir, "--max-running-requests", "4"])
+    decoder = build_speculative(args, target, 256)
+    assert decoder.config.max_drafts == 3 and decoder.draft.runner.kv_cache.shape.num_slots == 4
+    assert build_speculative(parse_args(["--model-path", tiny_model_dir]), target, 256) is None
+
+
 def test_ngram_proposes_what_followed_the_longest_earlier_match():
     tokens = [1, 2, 3, 9, 9, 2, 3, 4, 5, 6, 7, 2, 3]  # suffix [2, 3]: at 1..2 (then 9) and 5..6 (then 4)
     assert ngram_propose(SpecState(), tokens, max_match=4, k=3) == [4, 5, 6]  # the most recent of equal matches
