@@ -32,7 +32,6 @@ counters go to ``meta_info`` under SGLang's names (:func:`spec_meta_info`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.scheduler import Sequence
 
-logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("NGRAM", "STANDALONE")
 #: SGLang's algorithms the embedded engine does not run, and why
