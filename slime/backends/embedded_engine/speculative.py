@@ -32,6 +32,7 @@ counters go to ``meta_info`` under SGLang's names (:func:`spec_meta_info`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -290,17 +291,14 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
     (None: every draft is a point mass, as n-gram proposals are). ``settings[i][j]``: row i's sampling
     settings at its j-th verified position (noise seeds)."""
     device = probs.device
-    flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]
+    flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]  # every draft, row by row
+    q = torch.cat(draft_probs) if draft_probs is not None and flat else None  # row n: q of flat[n]
     accepted = [0] * len(drafts)
     if flat:
         index = torch.tensor([offsets[i] + j for i, j in flat], device=device)
         tokens = torch.tensor([drafts[i][j] for i, j in flat], device=device)
         p_x = probs[index].gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if draft_probs is None:
-            ratio = p_x
-        else:
-            q_x = torch.stack([draft_probs[i][j, drafts[i][j]] for i, j in flat])
-            ratio = p_x / q_x.clamp_min(1e-30)
+        ratio = p_x if q is None else p_x / q.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp_min(1e-30)
         ok = (_uniforms([settings[i][j] for i, j in flat], generator, device) < ratio).tolist()
         n = 0
         for i, d in enumerate(drafts):
@@ -310,18 +308,20 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
             accepted[i] = run
             n += len(d)
     # the one token after the accepted run: from the residual at a rejection, from p after a full run
-    final_index = [offsets[i] + accepted[i] for i in range(len(drafts))]
-    final = probs[torch.tensor(final_index, device=device)].clone()
-    for i, d in enumerate(drafts):
-        if accepted[i] < len(d):
-            if draft_probs is None:
-                residual = final[i].clone()
-                residual[d[accepted[i]]] = 0.0
-            else:
-                residual = (final[i] - draft_probs[i][accepted[i]]).clamp_min(0.0)
-            total = residual.sum()
-            if float(total) > 1e-12:  # (p == q to rounding: the rejection itself was rounding, keep p)
-                final[i] = residual / total
+    final = probs[torch.tensor([offsets[i] + accepted[i] for i in range(len(drafts))], device=device)]
+    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
+    if rejected:
+        rows = torch.tensor(rejected, device=device)
+        if q is None:  # point masses at the rejected drafts
+            q_rejected = torch.nn.functional.one_hot(
+                torch.tensor([drafts[i][accepted[i]] for i in rejected], device=device), probs.shape[1]).to(probs.dtype)
+        else:
+            starts = list(itertools.accumulate((len(d) for d in drafts), initial=0))  # row i's first draft in q
+            q_rejected = q[torch.tensor([starts[i] + accepted[i] for i in rejected], device=device)]
+        residual = (final[rows] - q_rejected).clamp_min(0.0)
+        total = residual.sum(dim=-1, keepdim=True)
+        # p == q to rounding (the rejection itself was rounding): keep p
+        final[rows] = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final[rows])
     final_settings = [settings[i][accepted[i]] for i in range(len(drafts))]
     last = _draw(final, final_settings, generator).tolist()
     emitted = [d[: accepted[i]] + [last[i]] for i, d in enumerate(drafts)]
