@@ -19,7 +19,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
-                         "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend"}
+                         "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend",
+                         "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
+                         "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
+                         "speculative-ngram-max-trie-depth"}
 # SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
 EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "fp8-gemm-runner-backend": "fp8-gemm-backend"}
 

@@ -9,7 +9,8 @@
   equal, counted per shared reward value (not for ``ppo``)
 * ``rollout/repetition_frac`` — share of responses whose tail repeats one chunk ≥ 4 times
 * ``rollout/prefix_cache_hit_rate``, ``rollout/avg_cached_tokens_per_sample``
-* ``rollout/spec_accept_rate``, ``rollout/spec_accept_length`` (speculative decoding only)
+* ``rollout/spec_accept_rate`` (accepted / proposed draft tokens), ``rollout/spec_accept_length``
+  (generated tokens per verify step), summed over the samples (speculative decoding only)
 * ``rollout/top_p_kept_vocab_per_token`` — mean size of the engine's kept top-p set per generated
   token (``--rollout-top-p`` ≠ 1; ``remove_sample`` samples and empty tool-token spans excluded)
 * ``perf/rollout_time``, ``perf/tokens_per_gpu_per_sec``, ``perf/effective_tokens_per_gpu_per_sec``,
@@ -130,8 +131,7 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     )
     metrics["rollout/avg_cached_tokens_per_sample"] = sum(s.prefix_cache_info.cached_tokens for s in samples) / n
     if getattr(args, "sglang_speculative_algorithm", None):
-        metrics["rollout/spec_accept_rate"] = statistics.fmean(s.spec_info.spec_accept_rate for s in samples)
-        metrics["rollout/spec_accept_length"] = statistics.fmean(s.spec_info.spec_accept_length for s in samples)
+        metrics.update(spec_metrics(samples))
 
     kept_vocab = _top_p_kept_vocab_per_token(samples)
     if kept_vocab is not None:
@@ -155,6 +155,17 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     if any(non_generation):
         metrics.update(_stats("perf/non_generation_time", non_generation, keys=("mean", "max")))
     return metrics
+
+
+def spec_metrics(samples: list[Sample]) -> dict:
+    """Speculative decoding over the step's samples: accepted / proposed draft tokens, and generated
+    tokens per verify step (target forward), both summed over the samples before dividing, so that
+    long samples weigh by their tokens and a sample that never speculated does not count as 0."""
+    infos = [s.spec_info for s in samples]
+    proposed = sum(i.spec_draft_token_num for i in infos)
+    verify = sum(i.spec_verify_ct for i in infos)
+    return {"rollout/spec_accept_rate": sum(i.spec_accept_token_num for i in infos) / proposed if proposed else 0.0,
+            "rollout/spec_accept_length": sum(i.completion_token_num for i in infos) / verify if verify else 0.0}
 
 
 def model_turns(sample: Sample) -> int:

@@ -59,3 +59,15 @@ def test_fp8_flags_reach_the_engine_and_the_exact_weight_check_is_refused():
     assert argv[argv.index("--fp8-gemm-backend") + 1] == "dequant"
     with pytest.raises(ValueError, match="--check-weight-update-equal .* --sglang-quantization fp8"):
         parse_args(BASE + ["--sglang-quantization", "fp8", "--check-weight-update-equal"])
+
+
+def test_speculative_flags_reach_the_engine_and_parse_there():
+    from slime.backends.embedded_engine.config import parse_args as engine_parse_args, speculative_config
+
+    args = parse_args(BASE + ["--sglang-speculative-algorithm", "STANDALONE", "--sglang-speculative-draft-model-path",
+                              "/tmp/draft", "--sglang-speculative-num-steps", "3",
+                              "--sglang-speculative-ngram-max-trie-depth", "6"])
+    argv = embedded_engine_argv(args, gpu=False)
+    config = speculative_config(engine_parse_args(["--model-path", "/tmp", *argv]))
+    assert (config.algorithm, config.draft_model_path, config.num_draft_tokens, config.ngram_max_match) == (
+        "STANDALONE", "/tmp/draft", 4, 6)

@@ -65,3 +65,18 @@ def test_reward_category_metrics(caplog):
     assert not any(k.startswith("rollout/error_cat/") for k in metrics)
     assert "--log-reward-category 'reason'" in caplog.text  # a mistyped key is named, not silently empty
 
+
+
+def test_spec_metrics_sum_the_engine_counters_over_samples():
+    """Two samples' final meta_info as the embedded engine (or SGLang) sends it: 9 of 12 drafts accepted
+    over 5 verify steps for 13 + 7 tokens; the metrics are ratios of the sums, not means of ratios."""
+    args = _args("--sglang-speculative-algorithm", "NGRAM")
+    samples = known_rollout()[:2]
+    metas = [{"spec_num_correct_drafts": 8, "spec_num_proposed_drafts": 9, "spec_verify_ct": 3, "completion_tokens": 13},
+             {"spec_num_correct_drafts": 1, "spec_num_proposed_drafts": 3, "spec_verify_ct": 2, "completion_tokens": 7}]
+    for sample, meta in zip(samples, metas):
+        sample.spec_info.add(meta)
+    metrics = compute_rollout_metrics(args, samples, rollout_time=1.0)
+    assert metrics["rollout/spec_accept_rate"] == 9 / 12
+    assert metrics["rollout/spec_accept_length"] == 20 / 5
+    assert "rollout/spec_accept_rate" not in compute_rollout_metrics(_args(), samples, rollout_time=1.0)

@@ -38,7 +38,8 @@ def build_server(args: ServerArgs):
                          mla_decode=args.mla_decode, quantization=args.quantization,
                          fp8_gemm_backend=args.fp8_gemm_backend)
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
-    engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed)
+    engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed,
+                    speculative=build_speculative(args, runner, prefill))
     engine.start()
     warmup = GenerateRequest(rid="WARMUP", input_ids=[0], params=SamplingParams(max_new_tokens=2, temperature=0.0))
     done = engine.call(lambda: engine.add_request(warmup, lambda seq, finished: None))
@@ -56,6 +57,26 @@ def build_server(args: ServerArgs):
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)
     return _Server(config), state
+
+
+def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
+    """The speculative decoder of ``--speculative-algorithm`` (None when off); STANDALONE loads its draft
+    model here, with as many slots as the target and the target's device, dtype and attention backend."""
+    from slime.backends.embedded_engine.config import speculative_config
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+    from slime.backends.embedded_engine.speculative import DraftModel, SpeculativeDecoder
+
+    config = speculative_config(args)
+    if config is None:
+        return None
+    draft = None
+    if config.draft_model_path:
+        draft_runner = ModelRunner(config.draft_model_path, device=args.device, dtype=args.dtype,
+                                   num_slots=runner.max_slots, slot_capacity=runner.context_length,
+                                   cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                                   attention_backend=args.attention_backend, mla_decode=args.mla_decode)
+        draft = DraftModel(draft_runner, runner, prefill_tokens)
+    return SpeculativeDecoder(config, draft)
 
 
 def main(argv: list[str] | None = None) -> None:

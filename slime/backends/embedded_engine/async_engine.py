@@ -18,6 +18,7 @@ import numpy as np
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams
 from slime.backends.embedded_engine.scheduler import Sequence
+from slime.backends.embedded_engine.speculative import spec_meta_info
 
 
 @dataclass
@@ -161,6 +162,7 @@ class AsyncEngine:
             if final and req.return_top_p_token_ids:
                 meta.update(_top_p_replay(seq.text_cache.get("top_p_token_ids", []), len(output_ids)))
         if final:
+            meta.update(spec_meta_info(seq))  # speculative decoding's per-request counters (empty when off)
             meta["e2e_latency"] = latency
             meta.update(self.phase_times(seq, latency))
         meta["response_sent_to_client_ts"] = time.time()

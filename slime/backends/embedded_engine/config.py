@@ -32,6 +32,12 @@ class ServerArgs:
     mla_decode: str = "absorbed"
     quantization: str | None = None
     fp8_gemm_backend: str = "auto"
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_ngram_max_trie_depth: int = 18
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -86,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quantization fp8: triton (CUDA; the default there) quantizes activations per token "
                         "and 128-channel group and multiplies e4m3 x e4m3; dequant (the default on CPU) dequantizes "
                         "the weight to --dtype and runs an ordinary matmul; auto picks between them")
+    spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
+    spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
+                      help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "
+                           "text's suffix) or STANDALONE (a small draft model); drafts are verified in one forward "
+                           "with exact rejection sampling. EAGLE/EAGLE3/NEXTN/DFLASH are refused")
+    spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None,
+                      help="STANDALONE: local HF checkpoint of the draft model (the target's tokenizer)")
+    spec.add_argument("--speculative-num-steps", type=int, default=None,
+                      help="draft tokens proposed per step (= --speculative-num-draft-tokens - 1)")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                      help="tokens verified per step: the last token + the drafts (default 12 NGRAM, 4 STANDALONE)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None,
+                      help="drafts per step form one chain: only 1 is accepted")
+    spec.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18,
+                      help="NGRAM: longest suffix of prompt + output matched against its earlier text")
     return p
 
 
@@ -129,3 +150,16 @@ def validate_args(args: ServerArgs) -> None:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 < args.mem_fraction_static <= 1:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
+    try:
+        speculative_config(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def speculative_config(args: ServerArgs):
+    """The engine's speculative-decoding settings (None: off); ValueError naming the flag otherwise."""
+    from slime.backends.embedded_engine.speculative import resolve_config
+
+    return resolve_config(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
+                          args.speculative_num_draft_tokens, args.speculative_eagle_topk,
+                          args.speculative_ngram_max_trie_depth)

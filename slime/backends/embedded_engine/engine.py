@@ -15,6 +15,10 @@ has computed one token too many in step k+1; it is dropped. Anything that change
 (admissions, finished rows, commands such as aborts or weight updates) first completes the step in
 flight ("drains").
 
+With speculative decoding (``speculative``, :mod:`speculative`) a decode step drafts tokens for every
+row, verifies them in one forward of the target and emits the accepted run per row; that step does
+not run ahead (a step where no row has a draft is an ordinary one and may).
+
 Outputs leave through each sequence's ``on_event`` callback (called on the engine thread; the
 HTTP layer hops back to its event loop with ``call_soon_threadsafe``).
 """
@@ -37,14 +41,16 @@ from slime.backends.embedded_engine.profiler import EngineProfiler
 from slime.backends.embedded_engine.sampler import (GREEDY_EPS, RowSampling, kept_token_ids, on_fast_path, sample,
                                                     sample_on_device)
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
+from slime.backends.embedded_engine.speculative import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, chunked_prefill_size: int = 2048, weight_version: str = "default",
-                 seed: int = 0):
+                 seed: int = 0, speculative: "SpeculativeDecoder | None" = None):
         self.runner = runner
+        self.speculative = speculative  # draft + verify decode steps (speculative.py), None: one token a step
         self.tokenizer = runner.tokenizer
         shape = runner.kv_cache.shape
         self.scheduler = Scheduler(shape.num_slots, max_prefill_tokens=chunked_prefill_size,
@@ -148,6 +154,8 @@ class Engine:
     def _apply_moves(self, moves: list[SlotMove]) -> None:
         for move in moves:
             self.runner.kv_cache.move_slot(move.src, move.dst, move.length)
+            if self.speculative is not None:  # the draft model's cache keeps the same slot layout
+                self.speculative.move_slot(move.src, move.dst, move.length)
 
     # ------------------------------------------------------------------ one step
     #: a burst of requests is gathered into few prefills: waiting requests join once arrivals paused
@@ -183,6 +191,8 @@ class Engine:
             now = time.monotonic()
             for seq in admitted:
                 seq.admitted = seq.admitted or now  # a retracted request keeps its first admission
+            if self.speculative is not None:
+                self.speculative.admitted(admitted)
             prefill_start = time.perf_counter()
             with self.profiler.stage("prefill"):
                 produced += self._prefill(admitted)
@@ -203,6 +213,8 @@ class Engine:
             return 0  # it waits (admit() stops at it); the batch drains first
         produced = self._drain()
         self.runner.grow_cache(self.scheduler.waiting[0].need)
+        if self.speculative is not None:
+            self.speculative.grow_cache(self.scheduler.waiting[0].need)
         shape = self.runner.kv_cache.shape
         self.scheduler.num_slots, self.scheduler.slot_capacity = shape.num_slots, shape.slot_capacity
         return produced
@@ -277,6 +289,14 @@ class Engine:
         start = time.perf_counter()
         running = list(self.scheduler.running)  # the batch sits in slots 0..B-1 (the scheduler keeps it compact)
         previous, produced = self._inflight, 0
+        if self.speculative is not None:  # draft + verify; a step where no row has a draft decodes as usual
+            produced = self._drain()
+            running = list(self.scheduler.running)
+            verified = self.speculative.step(self, running) if running else 0
+            if verified is not None:
+                self.scheduler.stats.decode_seconds += time.perf_counter() - start
+                return produced + verified
+            previous = None
         if previous is not None and self._can_run_ahead(running, previous):
             self._inflight = self._launch(running, previous)  # step k+1 from step k's tokens on the device ...
             produced = self._complete(previous)  # ... while the host reads step k
@@ -370,13 +390,15 @@ class Engine:
         self.scheduler.stats.generated_tokens += len(results)
         return len(results)
 
-    def _row_sampling(self, seq: Sequence) -> RowSampling:
+    def _row_sampling(self, seq: Sequence, ahead: int = 0) -> RowSampling:
+        """Sampling settings of ``seq``'s next token, or (speculation) of the one ``ahead`` tokens later."""
         params = seq.request.params
+        position = len(seq.output_ids) + ahead
         banned = ()
-        if len(seq.output_ids) < params.min_new_tokens and not params.ignore_eos:
+        if position < params.min_new_tokens and not params.ignore_eos:
             banned = tuple(self._stop_token_ids(seq))
         return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                           min_p=params.min_p, seed=params.sampling_seed, position=len(seq.output_ids),
+                           min_p=params.min_p, seed=params.sampling_seed, position=position,
                            banned_token_ids=banned)
 
     # ------------------------------------------------------------------ stopping

@@ -112,21 +112,41 @@ def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     return probs
 
 
-def kept_token_ids(logits: torch.Tensor, rows: list[RowSampling]) -> list[np.ndarray]:
-    """Per row, the ids the sampler could draw from: non-zero probability after top-k / top-p /
-    min-p truncation of softmax(logits / T) as int32 arrays, i.e. the set :func:`sample` drew from (the nucleus a
-    trainer renormalises over; top-p replay, ``custom_params.return_top_p_token_ids``). Greedy rows
-    keep their argmax only. Off the fast path: called only for rows whose request asked for it."""
+def sampling_distribution(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two distributions of a sampling step, per row of ``logits`` ([rows, vocab]):
+
+    * ``logprobs``: ``log_softmax(logits / T)`` over the full vocabulary (banned ids at -inf), what
+      :func:`sample` returns for the sampled token;
+    * ``probs``: the distribution :func:`sample` draws from: top-k / top-p / min-p truncation of
+      ``softmax(logits / T)``, renormalised; a greedy row is one-hot at its argmax.
+
+    Speculative verification (``speculative.py``) accepts draft tokens against ``probs`` so that the
+    tokens it emits follow exactly what :func:`sample` would have drawn."""
     logits = logits.float().clone()
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     temperatures = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
-    probs = _truncate(torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1).exp(), rows)
-    for i, row in enumerate(rows):
-        if row.greedy:
-            probs[i] = 0.0
-            probs[i, logits[i].argmax()] = 1.0
+    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    probs = _truncate(logprobs.exp(), rows)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    greedy = [i for i, row in enumerate(rows) if row.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx] = torch.nn.functional.one_hot(logits[idx].argmax(dim=-1), probs.shape[1]).to(probs.dtype)
+    return logprobs, probs
+
+
+def kept_token_ids(logits: torch.Tensor, rows: list[RowSampling]) -> list[np.ndarray]:
+    """Per row, the ids the sampler could draw from: non-zero probability after top-k / top-p /
+    min-p truncation of softmax(logits / T) as int32 arrays, i.e. the set :func:`sample` drew from (the nucleus a
+    trainer renormalises over; top-p replay, ``custom_params.return_top_p_token_ids``). Greedy rows
+    keep their argmax only. Off the fast path: called only for rows whose request asked for it."""
+    return kept_ids_of(sampling_distribution(logits, rows)[1])
+
+
+def kept_ids_of(probs: torch.Tensor) -> list[np.ndarray]:
+    """Row-wise ids with non-zero probability in ``probs`` ([rows, vocab]) as int32 arrays."""
     keep = probs > 0
     ids = torch.nonzero(keep)[:, 1].to(torch.int32).cpu().numpy()  # row-major
     counts = keep.sum(dim=1).cpu().numpy()

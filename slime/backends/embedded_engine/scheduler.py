@@ -45,6 +45,7 @@ class Sequence:
     first_token: float | None = None  # first sampled token (end of prefill)
     finished: float | None = None
     text_cache: dict[str, Any] = field(default_factory=dict)
+    spec: Any = None  # speculative-decoding state (speculative.SpecState) when the engine speculates
 
     @property
     def rid(self) -> str:
@@ -92,6 +93,11 @@ class SchedulerStats:
     prefill_tokens: int = 0
     prefill_shared_rows: int = 0  # requests that took another's prefill (same tokens admitted together)
     busy_seconds: float = 0.0
+    # Speculative decoding (speculative.py): target forwards that verified drafts, drafts proposed
+    # and accepted over all requests (decode_steps counts verify forwards too).
+    spec_verify_forwards: int = 0
+    spec_proposed_drafts: int = 0
+    spec_accepted_drafts: int = 0
 
 
 class Scheduler:

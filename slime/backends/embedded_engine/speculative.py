@@ -1,0 +1,439 @@
+"""Speculative decoding for the embedded engine: draft k tokens cheaply, verify them in one forward.
+
+A decode step with speculation (``--speculative-algorithm NGRAM`` or ``STANDALONE``):
+
+1. **Draft.** Every running row proposes up to ``k = --speculative-num-draft-tokens - 1`` tokens
+   ``x_1..x_k`` (fewer near its ``max_new_tokens``):
+   * ``NGRAM`` (prompt lookup): find the earlier occurrence of the longest suffix (at most
+     ``--speculative-ngram-max-trie-depth`` tokens) of prompt + output, the most recent one on ties,
+     and propose the tokens that followed it. The draft distribution ``q`` is a point mass.
+   * ``STANDALONE``: a second, small HF checkpoint (``--speculative-draft-model-path``) with its own
+     :class:`ModelRunner` and slot cache samples ``x_j ~ q_j``, ``q_j`` processed exactly like the
+     target's (temperature, top-k, top-p, min-p, banned stop ids). Its cache catches up lazily: a row
+     first feeds the draft what it has not seen (the prompt, then the tokens accepted since).
+2. **Verify.** One batched forward of the target over ``[last token, x_1..x_k]`` per row gives
+   ``p_1..p_{k+1}`` (the rows' drafts may differ in length; they are left-padded).
+3. **Accept** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+   Chen et al. 2023): ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order;
+   at the first rejection the row emits a token from the residual ``norm(max(p_j - q_j, 0))``, and if
+   all ``k`` are accepted a bonus token from ``p_{k+1}``. The emitted tokens then follow the target's
+   distribution exactly; a greedy row (``p`` one-hot) accepts exactly the drafts that equal the
+   argmax, so greedy output equals non-speculative greedy output.
+4. **Emit** the tokens one by one through the engine's usual stop checks (stop ids, stop strings,
+   ``max_new_tokens``), with the *target's* log-probs ``log_softmax(logits / T)`` of each emitted
+   token. A row's slot length becomes ``prompt + output - 1`` again; the keys/values written for
+   rejected drafts lie past it, are masked out of every later read and are overwritten before any
+   position is read again.
+
+When no row has a draft the step is an ordinary decode step (on CUDA it may run ahead). Per-request
+counters go to ``meta_info`` under SGLang's names (:func:`spec_meta_info`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+from slime.backends.embedded_engine.sampler import RowSampling, _exponential_noise, kept_ids_of, sampling_distribution
+
+if TYPE_CHECKING:
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.scheduler import Sequence
+
+
+ALGORITHMS = ("NGRAM", "STANDALONE")
+#: SGLang's algorithms the embedded engine does not run, and why
+UNSUPPORTED_ALGORITHMS = {
+    "EAGLE": "EAGLE needs an EAGLE draft head trained on the target's hidden states",
+    "EAGLE3": "EAGLE3 needs an EAGLE3 draft head trained on the target's hidden states",
+    "NEXTN": "NEXTN needs the model's own multi-token-prediction (MTP) layers",
+    "FROZEN_KV_MTP": "FROZEN_KV_MTP needs the model's own multi-token-prediction (MTP) layers",
+    "DFLASH": "DFLASH needs a DFlash block-diffusion draft",
+    "DSPARK": "DSPARK needs a DSpark draft",
+    "UNO": "UNO needs an UNO draft LoRA",
+}
+#: SGLang's defaults: NGRAM verifies 12 tokens (11 drafts), STANDALONE drafts 3 steps (4 tokens)
+DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4}
+#: seeded requests: the draws of drafts and of acceptance tests come from their own streams (integers:
+#: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
+DRAFT_STREAM, ACCEPT_STREAM = 1, 2
+NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per proposal (bounds host time)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    algorithm: str  # NGRAM or STANDALONE
+    num_draft_tokens: int  # verified tokens per step: the last token + num_draft_tokens - 1 drafts
+    draft_model_path: str | None = None
+    ngram_max_match: int = 18  # --speculative-ngram-max-trie-depth
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_draft_tokens - 1
+
+
+def resolve_config(algorithm: str | None, draft_model_path: str | None, num_steps: int | None,
+                   num_draft_tokens: int | None, eagle_topk: int | None, ngram_max_trie_depth: int
+                   ) -> SpeculativeConfig | None:
+    """The engine's speculative settings from SGLang's flags (None: speculation off); raises with the
+    flag names for values the engine does not implement."""
+    if algorithm is None:
+        for flag, value in (("--speculative-draft-model-path", draft_model_path), ("--speculative-num-steps", num_steps),
+                            ("--speculative-num-draft-tokens", num_draft_tokens)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} needs --speculative-algorithm (NGRAM or STANDALONE)")
+        return None
+    name = algorithm.upper()
+    if name in UNSUPPORTED_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm {algorithm}: {UNSUPPORTED_ALGORITHMS[name]}, which the embedded "
+                         f"engine does not run; use NGRAM (prompt lookup) or STANDALONE (a small draft model)")
+    if name not in ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm {algorithm!r} is unknown; the embedded engine runs {ALGORITHMS}")
+    if eagle_topk not in (None, 1):
+        raise ValueError(f"--speculative-eagle-topk {eagle_topk}: the embedded engine verifies one chain of drafts "
+                         "(tree drafts are not implemented); use 1 or leave it unset")
+    if name == "STANDALONE" and not draft_model_path:
+        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR "
+                         "(a small HF checkpoint with the target's tokenizer)")
+    if name == "NGRAM" and draft_model_path:
+        raise ValueError("--speculative-draft-model-path is for --speculative-algorithm STANDALONE; "
+                         "NGRAM drafts from the prompt and output")
+    if num_steps is not None and num_steps < 1:
+        raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+    if num_draft_tokens is not None and num_draft_tokens < 2:
+        raise ValueError(f"--speculative-num-draft-tokens must be >= 2 (the last token + at least one draft), "
+                         f"got {num_draft_tokens}")
+    if num_steps is not None and num_draft_tokens is not None and num_draft_tokens != num_steps + 1:
+        raise ValueError(f"--speculative-num-draft-tokens {num_draft_tokens} must be --speculative-num-steps + 1 "
+                         f"({num_steps + 1}) for a chain of drafts; give one of the two")
+    tokens = num_draft_tokens or (num_steps + 1 if num_steps is not None else DEFAULT_DRAFT_TOKENS[name])
+    if ngram_max_trie_depth < 1:
+        raise ValueError(f"--speculative-ngram-max-trie-depth must be >= 1, got {ngram_max_trie_depth}")
+    return SpeculativeConfig(name, tokens, draft_model_path if name == "STANDALONE" else None, ngram_max_trie_depth)
+
+
+@dataclass
+class SpecState:
+    """One request's speculative bookkeeping (``Sequence.spec``)."""
+
+    verify_ct: int = 0  # decode steps (target forwards after prefill) of this request
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the verifier accepted
+    histogram: list[int] = field(default_factory=list)  # histogram[a]: verify steps that accepted a drafts
+    draft_computed: int = 0  # STANDALONE: positions of this request in the draft model's slot cache
+    ngram_index: dict[int, list[int]] = field(default_factory=dict)  # NGRAM: token -> positions
+    ngram_indexed: int = 0  # tokens of prompt + output in ngram_index
+
+    def count_step(self, proposed: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        while len(self.histogram) <= accepted:
+            self.histogram.append(0)
+        self.histogram[accepted] += 1
+
+
+def spec_meta_info(seq: "Sequence") -> dict:
+    """SGLang's per-request speculative counters (final ``meta_info``; SGLANG_PROTOCOL.md §2.4)."""
+    state = seq.spec
+    if state is None or not state.verify_ct:
+        return {}
+    completion = len(seq.output_ids)
+    return {"spec_verify_ct": state.verify_ct, "spec_num_correct_drafts": state.accepted,
+            "spec_num_proposed_drafts": state.proposed, "spec_accepted_drafts": state.accepted,
+            "spec_proposed_drafts": state.proposed,
+            "spec_accept_rate": state.accepted / state.proposed if state.proposed else 0.0,
+            "spec_accept_length": completion / state.verify_ct,
+            "spec_correct_drafts_histogram": list(state.histogram), "spec_accept_histogram": list(state.histogram)}
+
+
+# ---------------------------------------------------------------------- drafters
+def ngram_propose(state: SpecState, tokens: list[int], max_match: int, k: int) -> list[int]:
+    """Prompt lookup: the ``k`` tokens that followed the most recent earlier occurrence of the longest
+    suffix of ``tokens`` (up to ``max_match`` tokens long); [] when the last token never occurred."""
+    for pos in range(state.ngram_indexed, len(tokens) - 1):  # the last token is the query, not a candidate
+        state.ngram_index.setdefault(tokens[pos], []).append(pos)
+    state.ngram_indexed = max(state.ngram_indexed, len(tokens) - 1)
+    last = len(tokens) - 1
+    best, best_len = -1, 0
+    for cand in reversed(state.ngram_index.get(tokens[last], [])[-NGRAM_CANDIDATES:]):
+        length = 1
+        while length < max_match and cand - length >= 0 and tokens[cand - length] == tokens[last - length]:
+            length += 1
+        if length > best_len:
+            best, best_len = cand, length
+            if length == max_match:
+                break
+    return tokens[best + 1: best + 1 + k] if best >= 0 else []
+
+
+class DraftModel:
+    """STANDALONE drafter: a small model in its own slot cache, kept in the target's slot layout."""
+
+    def __init__(self, runner: ModelRunner, target: ModelRunner, prefill_tokens: int):
+        if runner.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {runner.model_path}: its vocabulary has {runner.vocab_size} "
+                             f"ids, the target's {target.vocab_size}; the draft must share the target's tokenizer")
+        if runner.context_length < target.context_length:
+            raise ValueError(f"--speculative-draft-model-path {runner.model_path} holds {runner.context_length} "
+                             f"positions, the target {target.context_length}; lower --context-length")
+        self.runner = runner
+        self.prefill_tokens = prefill_tokens
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.runner.kv_cache.move_slot(src, dst, length)
+
+    def grow_cache(self, need: int) -> None:
+        self.runner.grow_cache(need)
+
+    def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
+                generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Sample ``ks[i]`` draft tokens for each row of ``seqs`` (some of a running batch of
+        ``batch_size``); returns the tokens and each row's ``q`` ([k_i, vocab])."""
+        if self.runner.kv_cache.shape.num_slots <= max(seq.slot for seq in seqs):
+            raise RuntimeError(f"the draft model's KV cache has {self.runner.kv_cache.shape.num_slots} slots, fewer than "
+                               "the target's running batch; lower --max-running-requests")
+        logits = self._catch_up(seqs)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))
+        for step in range(max(ks)):
+            rows = [dataclasses.replace(settings[i][step], seed=None if settings[i][step].seed is None
+                                        else hash((settings[i][step].seed, DRAFT_STREAM)) & 0x7FFFFFFF) for i in live]
+            _, q = sampling_distribution(logits, rows)
+            tokens = _draw(q, rows, generator).tolist()
+            for n, i in enumerate(live):
+                drafts[i].append(tokens[n])
+                probs[i].append(q[n])
+            live_next = [n for n, i in enumerate(live) if len(drafts[i]) < ks[i]]
+            if not live_next:
+                break
+            logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next], batch_size)
+            live = [live[n] for n in live_next]
+        return drafts, [torch.stack(p) for p in probs]
+
+    def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
+        """Feed every row what the draft cache lacks of prompt + output; last-position logits [rows, vocab]."""
+        last: list[torch.Tensor | None] = [None] * len(seqs)
+        pending = list(range(len(seqs)))
+        while pending:
+            chunk = max(1, self.prefill_tokens // len(pending))
+            rows = []
+            for i in pending:
+                state, fill = seqs[i].spec, seqs[i].fill_ids
+                rows.append(ForwardRow(fill[state.draft_computed: state.draft_computed + chunk], state.draft_computed))
+            out, _ = self.runner.forward([seqs[i].slot for i in pending], rows)
+            for n, i in enumerate(pending):
+                seqs[i].spec.draft_computed += len(rows[n].tokens)
+                last[i] = out[n]
+            pending = [i for i in pending if seqs[i].spec.draft_computed < len(seqs[i].fill_ids)]
+        return torch.stack(last)
+
+    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
+        """One draft token per row at the row's next draft position. The decode path (CUDA graphs) only
+        when the rows are the whole running batch in slots 0..B-1: its padding rows write into the
+        slots after B, which must be free."""
+        positions = [seq.spec.draft_computed for seq in seqs]
+        slots = [seq.slot for seq in seqs]
+        if slots == list(range(batch_size)):
+            logits = self.runner.decode(tokens, positions)
+        else:
+            logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens, positions)])
+        for seq in seqs:
+            seq.spec.draft_computed += 1
+        return logits
+
+    def rewind(self, seq: "Sequence") -> None:
+        """After verification: the draft cache is valid for the tokens still in prompt + output."""
+        seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)
+
+
+# ---------------------------------------------------------------------- verification
+def _draw(probs: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:
+    """One id per row of ``probs`` (exponential race, per-request seeds honoured as in the sampler)."""
+    noise = _exponential_noise(probs.shape, rows, generator, probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _uniforms(rows: list[RowSampling], generator: torch.Generator | None, device) -> torch.Tensor:
+    u = torch.rand(len(rows), device=device, generator=generator)
+    for i, row in enumerate(rows):
+        if row.seed is not None:
+            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position, ACCEPT_STREAM)) & 0x7FFFFFFF)
+            u[i] = torch.rand(1, device=device, generator=seeded)[0]
+    return u
+
+
+@dataclass
+class Verified:
+    """One verify step's outcome per row: emitted tokens (accepted drafts + one more), their target
+    log-probs, how many drafts were accepted, and the kept sets (top-p replay) where asked."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    accepted: list[int]
+    kept: list[list | None]
+
+
+def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int], drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor] | None, settings: list[list[RowSampling]],
+                  generator: torch.Generator | None, want_kept: list[bool] | None = None) -> Verified:
+    """Speculative (rejection) sampling over flattened verify positions.
+
+    ``probs`` / ``logprobs`` ([positions, vocab]): the target's sampling distribution and full-vocabulary
+    log-probs at each verified position; row i's ``len(drafts[i]) + 1`` positions start at
+    ``offsets[i]``. ``draft_probs[i]`` ([k_i, vocab]) is the draft distribution ``q`` of row i's drafts
+    (None: every draft is a point mass, as n-gram proposals are). ``settings[i][j]``: row i's sampling
+    settings at its j-th verified position (noise seeds)."""
+    device = probs.device
+    flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]  # every draft, row by row
+    q = torch.cat(draft_probs) if draft_probs is not None and flat else None  # row n: q of flat[n]
+    accepted = [0] * len(drafts)
+    if flat:
+        index = torch.tensor([offsets[i] + j for i, j in flat], device=device)
+        tokens = torch.tensor([drafts[i][j] for i, j in flat], device=device)
+        p_x = probs[index].gather(1, tokens.unsqueeze(1)).squeeze(1)
+        ratio = p_x if q is None else p_x / q.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp_min(1e-30)
+        ok = (_uniforms([settings[i][j] for i, j in flat], generator, device) < ratio).tolist()
+        n = 0
+        for i, d in enumerate(drafts):
+            run = 0
+            while run < len(d) and ok[n + run]:
+                run += 1
+            accepted[i] = run
+            n += len(d)
+    # the one token after the accepted run: from the residual at a rejection, from p after a full run
+    final = probs[torch.tensor([offsets[i] + accepted[i] for i in range(len(drafts))], device=device)]
+    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
+    if rejected:
+        rows = torch.tensor(rejected, device=device)
+        if q is None:  # point masses at the rejected drafts
+            q_rejected = torch.nn.functional.one_hot(
+                torch.tensor([drafts[i][accepted[i]] for i in rejected], device=device), probs.shape[1]).to(probs.dtype)
+        else:
+            starts = list(itertools.accumulate((len(d) for d in drafts), initial=0))  # row i's first draft in q
+            q_rejected = q[torch.tensor([starts[i] + accepted[i] for i in rejected], device=device)]
+        residual = (final[rows] - q_rejected).clamp_min(0.0)
+        total = residual.sum(dim=-1, keepdim=True)
+        # p == q to rounding (the rejection itself was rounding): keep p
+        final[rows] = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final[rows])
+    final_settings = [settings[i][accepted[i]] for i in range(len(drafts))]
+    last = _draw(final, final_settings, generator).tolist()
+    emitted = [d[: accepted[i]] + [last[i]] for i, d in enumerate(drafts)]
+    lp_index = torch.tensor([offsets[i] + j for i, e in enumerate(emitted) for j in range(len(e))], device=device)
+    lp_tokens = torch.tensor([t for e in emitted for t in e], device=device)
+    flat_lp = logprobs[lp_index].gather(1, lp_tokens.unsqueeze(1)).squeeze(1).tolist()
+    out_lp, n = [], 0
+    for e in emitted:
+        out_lp.append(flat_lp[n: n + len(e)])
+        n += len(e)
+    kept: list[list | None] = [None] * len(drafts)
+    for i, wants in enumerate(want_kept or []):
+        if wants:
+            kept[i] = kept_ids_of(probs[offsets[i]: offsets[i] + len(emitted[i])])
+    return Verified(emitted, out_lp, accepted, kept)
+
+
+class SpeculativeDecoder:
+    """The engine's speculative step: propose (n-gram or draft model), verify in one target forward,
+    accept, emit. Hooks in :class:`Engine`: ``step`` (decode), ``admitted``, ``move_slot``, ``grow_cache``."""
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
+        if (config.algorithm == "STANDALONE") != (draft is not None):
+            raise ValueError("STANDALONE speculation needs its draft model, NGRAM none")
+        self.config = config
+        self.draft = draft
+
+    # ------------------------------------------------------------------ engine hooks
+    def admitted(self, seqs: list["Sequence"]) -> None:
+        """A (re)admitted request starts with an empty draft cache (a retracted one keeps its counters)."""
+        for seq in seqs:
+            if seq.spec is None:
+                seq.spec = SpecState()
+            seq.spec.draft_computed = 0
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        if self.draft is not None:
+            self.draft.move_slot(src, dst, length)
+
+    def grow_cache(self, need: int) -> None:
+        if self.draft is not None:
+            self.draft.grow_cache(need)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, engine: "Engine", running: list["Sequence"]) -> int | None:
+        """Draft, verify and emit for ``running`` (no step in flight); None when no row has a draft
+        (the engine then runs an ordinary decode step, counted as a verify step with no drafts)."""
+        for seq in running:
+            if seq.spec is None:
+                seq.spec = SpecState()
+        ks = [self._budget(engine, seq) for seq in running]
+        settings = [[engine._row_sampling(seq, ahead=j) for j in range(k + 1)] for seq, k in zip(running, ks)]
+        draft_probs = None
+        if max(ks) == 0:
+            drafts = [[] for _ in running]
+        elif self.draft is None:
+            drafts = [ngram_propose(seq.spec, seq.fill_ids, self.config.ngram_max_match, k) if k else []
+                      for seq, k in zip(running, ks)]
+        else:
+            drafting = [i for i, k in enumerate(ks) if k]
+            tokens, probs = self.draft.propose([running[i] for i in drafting], [ks[i] for i in drafting],
+                                               [settings[i] for i in drafting], engine.generator, len(running))
+            drafts, draft_probs = [[] for _ in running], [None] * len(running)
+            for n, i in enumerate(drafting):
+                drafts[i], draft_probs[i] = tokens[n], probs[n]
+        if not any(drafts):
+            for seq in running:
+                seq.spec.count_step(0, 0)
+            return None
+        return self._verify(engine, running, drafts, draft_probs, settings)
+
+    def _budget(self, engine: "Engine", seq: "Sequence") -> int:
+        """Drafts this row may verify: the step emits up to k + 1 tokens, within max_new_tokens and the slot."""
+        room = min(seq.max_new_tokens - len(seq.output_ids), engine.runner.kv_cache.shape.slot_capacity - seq.num_computed)
+        return max(0, min(self.config.max_drafts, room - 1))
+
+    def _verify(self, engine: "Engine", running: list["Sequence"], drafts: list[list[int]],
+                draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]]) -> int:
+        runner = engine.runner
+        rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
+                for seq, d in zip(running, drafts)]
+        _, all_logits = runner.forward([seq.slot for seq in running], rows)
+        stats = engine.scheduler.stats
+        stats.decode_steps += 1
+        stats.spec_verify_forwards += 1
+        stats.decode_rows += len(running)
+        stats.decode_kv_tokens += sum(r.start + len(r.tokens) for r in rows)
+        stats.max_running_batch = max(stats.max_running_batch, len(running))
+        offsets, n = [], 0
+        for d in drafts:
+            offsets.append(n)
+            n += len(d) + 1
+        flat_settings = [settings[i][j] for i, d in enumerate(drafts) for j in range(len(d) + 1)]
+        logprobs, probs = sampling_distribution(torch.cat(all_logits), flat_settings)
+        q = None
+        if draft_probs is not None:  # rows without drafts have no q; point masses stand in (never read)
+            q = [p if p is not None else torch.zeros((0, probs.shape[1]), device=probs.device) for p in draft_probs]
+        want_kept = [bool(seq.request.return_top_p_token_ids) for seq in running]
+        result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
+        for i, seq in enumerate(running):  # every row's cache length first: a finishing row moves the last row
+            seq.spec.count_step(len(drafts[i]), result.accepted[i])
+            seq.num_computed += 1 + result.accepted[i]  # the last token and the accepted drafts are cached
+            if self.draft is not None:
+                self.draft.rewind(seq)
+        produced = 0
+        for i, seq in enumerate(running):
+            for j, (token, lp) in enumerate(zip(result.tokens[i], result.logprobs[i])):
+                if seq.finished is not None:
+                    break  # a stop inside the accepted run: the rest is dropped, as a plain decode never made it
+                if result.kept[i] is not None:
+                    seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
+                produced += engine._append([(seq, token, lp)])
+        stats.spec_proposed_drafts += sum(len(d) for d in drafts)
+        stats.spec_accepted_drafts += sum(result.accepted)
+        return produced

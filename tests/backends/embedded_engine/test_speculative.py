@@ -1,0 +1,299 @@
+"""Speculative decoding in the embedded engine (speculative.py): the flags, the acceptance rule's
+output distribution, and the engine with n-gram and draft-model drafters against the plain engine
+and HF (greedy tokens, sampled distributions, log-probs, stops inside accepted runs, counters)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from engine_test_utils import copy_with_weights, hf_logprobs, load_hf
+from slime.backends.embedded_engine.config import parse_args
+from slime.backends.embedded_engine.engine import Engine
+from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+from slime.backends.embedded_engine.model_runner import ModelRunner
+from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
+from slime.backends.embedded_engine.speculative import (DraftModel, SpeculativeConfig, SpeculativeDecoder,
+                                                        accept_drafts, ngram_propose, SpecState, spec_meta_info)
+
+pytestmark = pytest.mark.timeout(180)
+
+# mixed prompt lengths; repeated text so that prompt lookup has something to find
+DRAFT_NOISE = 0.01  # weight noise of the draft model: it agrees with the target on some tokens, not all
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir, tmp_path_factory):
+    """A draft model near the target (its weights perturbed): some drafts accepted, some rejected."""
+    gen = torch.Generator().manual_seed(3)
+    weights = {k: v + DRAFT_NOISE * torch.randn(v.shape, generator=gen) for k, v in load_hf(tiny_model_dir).state_dict().items()}
+    return str(copy_with_weights(tiny_model_dir, tmp_path_factory.mktemp("spec") / "draft", weights))
+
+
+def make_engine(model_dir, spec: str | None = None, draft_dir=None, num_draft_tokens: int = 4, slots: int = 8):
+    runner = ModelRunner(model_dir, device="cpu", num_slots=slots)
+    speculative = None
+    if spec == "NGRAM":
+        speculative = SpeculativeDecoder(SpeculativeConfig("NGRAM", num_draft_tokens))
+    elif spec == "STANDALONE":
+        draft = DraftModel(ModelRunner(draft_dir, device="cpu", num_slots=slots), runner, 256)
+        speculative = SpeculativeDecoder(SpeculativeConfig("STANDALONE", num_draft_tokens, draft_dir), draft)
+    engine = Engine(runner, speculative=speculative, seed=1)
+    engine.start()
+    return engine
+
+
+def generate(engine, prompts, params_list):
+    seqs, events = [], []
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        done = threading.Event()
+        request = GenerateRequest(rid=f"r{i}", input_ids=prompt, params=params)
+        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
+                    .result(10))
+        events.append(done)
+    for done in events:
+        assert done.wait(120)
+    return seqs
+
+
+def run(model_dir, prompts, params_list, spec=None, draft_dir=None, num_draft_tokens=4):
+    engine = make_engine(model_dir, spec, draft_dir, num_draft_tokens)
+    try:
+        seqs = generate(engine, prompts, params_list)
+        return seqs, dict(vars(engine.scheduler.stats))
+    finally:
+        engine.stop()
+
+
+def greedy(max_new_tokens, **kw):
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+# ---------------------------------------------------------------------- flags
+def test_flags_use_sglang_names_and_refuse_what_the_engine_does_not_run(tiny_model_dir):
+    args = parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "ngram"])
+    from slime.backends.embedded_engine.config import speculative_config
+
+    config = speculative_config(args)
+    assert (config.algorithm, config.num_draft_tokens, config.ngram_max_match) == ("NGRAM", 12, 18)  # SGLang's defaults
+    args = parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "STANDALONE",
+                       "--speculative-draft-model", tiny_model_dir, "--speculative-num-steps", "2"])
+    assert speculative_config(args).max_drafts == 2
+    refused = {("--speculative-algorithm", "EAGLE3"): "EAGLE3 needs",
+               ("--speculative-algorithm", "NEXTN"): "multi-token-prediction",
+               ("--speculative-algorithm", "STANDALONE"): "--speculative-draft-model-path",
+               ("--speculative-num-steps", "3"): "needs --speculative-algorithm"}
+    for (flag, value), message in refused.items():
+        with pytest.raises(SystemExit, match=message):
+            parse_args(["--model-path", tiny_model_dir, flag, value])
+    with pytest.raises(SystemExit, match="--speculative-eagle-topk 4"):
+        parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "4"])
+    with pytest.raises(SystemExit, match="--speculative-num-draft-tokens 5 must be --speculative-num-steps"):
+        parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3",
+                    "--speculative-num-draft-tokens", "5"])
+
+
+def test_server_builds_the_decoder_of_its_flags(tiny_model_dir):
+    from slime.backends.embedded_engine.__main__ import build_speculative
+
+    target = ModelRunner(tiny_model_dir, device="cpu", num_slots=4)
+    args = parse_args(["--model-path", tiny_model_dir, "--speculative-algorithm", "STANDALONE",
+                       "--speculative-draft-model-path", tiny_model_dir, "--max-running-requests", "4"])
+    decoder = build_speculative(args, target, 256)
+    assert decoder.config.max_drafts == 3 and decoder.draft.runner.kv_cache.shape.num_slots == 4
+    assert build_speculative(parse_args(["--model-path", tiny_model_dir]), target, 256) is None
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+    tokens = [1, 2, 3, 9, 9, 2, 3, 4, 5, 6, 7, 2, 3]  # suffix [2, 3]: at 1..2 (then 9) and 5..6 (then 4)
+    assert ngram_propose(SpecState(), tokens, max_match=4, k=3) == [4, 5, 6]  # the most recent of equal matches
+    tokens = [8, 2, 3, 1, 7, 2, 3, 5, 8, 2, 3]  # [8, 2, 3] occurs once, earlier: the longer match wins
+    assert ngram_propose(SpecState(), tokens, max_match=4, k=2) == [1, 7]
+    assert ngram_propose(SpecState(), tokens, max_match=1, k=2) == [5, 8]  # only the last token is matched
+    assert ngram_propose(SpecState(), [1, 2, 3], max_match=4, k=2) == []
+
+
+# ---------------------------------------------------------------------- the acceptance rule
+CHI2_LIMIT = {5: 25.7, 4: 23.5}  # chi-square quantile at p = 1e-4 for 5 and 4 degrees of freedom
+
+
+def chi2(counts: Counter, probs: torch.Tensor, n: int) -> float:
+    return sum((counts.get(v, 0) - n * float(p)) ** 2 / (n * float(p)) for v, p in enumerate(probs) if p > 0)
+
+
+def spec_outputs(p, q, rule, rows=20000, seed=0):
+    """``rows`` independent verify steps of two drafts (drawn from q, or a fixed n-gram proposal) against
+    target distributions p[0..2]; returns the emitted token lists."""
+    gen = torch.Generator().manual_seed(seed)
+    settings = [[RowSampling(temperature=1.0)] * 3 for _ in range(rows)]
+    if q is None:  # n-gram: the same deterministic proposal for every row
+        drafts = [[1, 2]] * rows
+        draft_probs = None
+    else:
+        drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen) for j in range(2)], 1).tolist()
+        draft_probs = [q] * rows
+    probs = p.repeat(rows, 1)
+    offsets = list(range(0, 3 * rows, 3))
+    return rule(probs, probs.log(), offsets, drafts, draft_probs, settings, gen).tokens
+
+
+def wrong_rule(probs, logprobs, offsets, drafts, draft_probs, settings, gen):
+    """A tempting mistake: on rejection, sample from p instead of the residual norm(max(p - q, 0))."""
+    out = accept_drafts(probs, logprobs, offsets, drafts, draft_probs, settings, gen)
+    for i, emitted in enumerate(out.tokens):
+        if out.accepted[i] < len(drafts[i]):
+            emitted[-1] = int(torch.multinomial(probs[offsets[i] + out.accepted[i]], 1, generator=gen))
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_emitted_tokens_follow_the_target_distribution(drafter):
+    p = torch.tensor([[0.30, 0.25, 0.05, 0.20, 0.10, 0.10],
+                      [0.05, 0.10, 0.40, 0.15, 0.20, 0.10],
+                      [0.50, 0.10, 0.10, 0.10, 0.10, 0.10]])
+    q = torch.tensor([[0.10, 0.50, 0.10, 0.10, 0.10, 0.10],
+                      [0.25, 0.05, 0.30, 0.05, 0.05, 0.30]]) if drafter == "draft_model" else None
+    for rule, should_pass in ((accept_drafts, True), (wrong_rule, False)):
+        emitted = spec_outputs(p, q, rule)
+        first = Counter(e[0] for e in emitted)
+        second = [e[1] for e in emitted if len(e) > 1]  # rows that accepted the first draft
+        stats = [chi2(first, p[0], len(emitted)), chi2(Counter(second), p[1], len(second))]
+        if should_pass:
+            assert max(stats) < CHI2_LIMIT[5], stats
+            assert 0.1 * len(emitted) < len(second) < 0.9 * len(emitted)  # both outcomes happen often
+        else:  # the test has the power to see a wrong rule
+            assert max(stats) > 10 * CHI2_LIMIT[5], stats
+
+
+def test_sampling_distribution_is_what_the_sampler_draws_from():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(2, 1)
+    rows = [RowSampling(temperature=0.7, top_k=4, top_p=0.9), RowSampling(temperature=0.0)]
+    _, probs = sampling_distribution(logits, rows)
+    assert torch.allclose(probs.sum(1), torch.ones(2))
+    assert probs[0, 4:].sum() == 0 and probs[1].tolist() == [1, 0, 0, 0, 0, 0]
+    from slime.backends.embedded_engine.sampler import sample
+
+    gen = torch.Generator().manual_seed(0)
+    draws = Counter(sample(logits[:1].repeat(20000, 1), rows[:1] * 20000, gen)[0])
+    assert chi2(draws, probs[0], 20000) < CHI2_LIMIT[5]
+
+
+# ---------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_model_dir):
+    seqs, _ = run(tiny_model_dir, PROMPTS, [greedy(10 + 3 * i) for i in range(5)])
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("spec", ["NGRAM", "STANDALONE"])
+def test_greedy_equals_plain_greedy_and_logprobs_are_the_targets(spec, tiny_model_dir, draft_dir, plain_greedy):
+    seqs, stats = run(tiny_model_dir, PROMPTS, [greedy(10 + 3 * i) for i in range(5)], spec, draft_dir)
+    assert [s.output_ids for s in seqs] == plain_greedy
+    model = load_hf(tiny_model_dir)
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_logprobs == pytest.approx(hf_logprobs(model, prompt, seq.output_ids, 0.0), abs=1e-4)
+    assert stats["spec_verify_forwards"] > 0
+    assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]  # accepted and rejected drafts both seen
+    assert stats["decode_steps"] < sum(len(s.output_ids) - 1 for s in seqs) / 5 + 5  # fewer target forwards
+
+
+def test_stop_tokens_inside_an_accepted_run(tiny_model_dir, plain_greedy):
+    """Each row stops at a token of its greedy output; with the draft equal to the target every draft is
+    accepted, so the stop token lies inside an accepted run and the tokens after it must be dropped."""
+    stops = [[out[3]] for out in plain_greedy]
+    params = [SamplingParams(max_new_tokens=10 + 3 * i, temperature=0.0, stop_token_ids=stops[i]) for i in range(5)]
+    plain, _ = run(tiny_model_dir, PROMPTS, params)
+    spec, stats = run(tiny_model_dir, PROMPTS, params, "STANDALONE", tiny_model_dir)
+    for p, s, stop in zip(plain, spec, stops):
+        assert s.output_ids == p.output_ids and s.output_ids[-1] == stop[0]
+        assert s.finish_reason == p.finish_reason == {"type": "stop", "matched": stop[0]}
+        assert s.output_logprobs == pytest.approx(p.output_logprobs, abs=1e-5)
+    assert stats["spec_accepted_drafts"] == stats["spec_proposed_drafts"] > 0
+
+
+def test_counters_when_every_draft_is_accepted(tiny_model_dir):
+    """Draft model = target, greedy: 13 tokens = 1 from prefill + 3 verify steps of 3 drafts + 1 bonus."""
+    seqs, _ = run(tiny_model_dir, PROMPTS[:1], [greedy(13)], "STANDALONE", tiny_model_dir)
+    meta = spec_meta_info(seqs[0])
+    assert meta["spec_verify_ct"] == 3 and meta["spec_num_proposed_drafts"] == meta["spec_num_correct_drafts"] == 9
+    assert meta["spec_accept_rate"] == 1.0 and meta["spec_accept_length"] == pytest.approx(13 / 3)
+    assert meta["spec_correct_drafts_histogram"] == [0, 0, 0, 3]
+    from slime.backends.embedded_engine.async_engine import AsyncEngine
+    from slime.utils.types import Sample
+
+    engine = make_engine(tiny_model_dir)  # the /generate meta_info carries them; slime's Sample reads them
+    try:
+        sent = AsyncEngine(engine).meta_info(seqs[0], latency=0.1)
+    finally:
+        engine.stop()
+    assert sent["spec_num_correct_drafts"] == 9 and sent["spec_verify_ct"] == 3
+    info = Sample.SpecInfo()
+    info.add(sent)
+    assert (info.spec_accept_rate, info.spec_accept_length) == (1.0, pytest.approx(13 / 3))
+
+
+def exact_sequence_probs(model, prompt, length, top_k):
+    """Target probability of every continuation of ``length`` tokens under top-k sampling at T=1."""
+    out = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, prob in out.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            _, probs = sampling_distribution(logits.unsqueeze(0), [RowSampling(temperature=1.0, top_k=top_k)])
+            for token in torch.nonzero(probs[0]).flatten().tolist():
+                grown[prefix + (token,)] = prob * float(probs[0, token])
+        out = grown
+    return out
+
+
+@pytest.mark.parametrize("spec", ["NGRAM", "STANDALONE"])
+def test_sampled_sequences_follow_the_target_distribution(spec, tiny_model_dir, draft_dir):
+    """400 samples of 4 tokens (top-k 2: 16 possible sequences, 2 verify positions per step): chi-square
+    against the exact probabilities of the target."""
+    prompt, n = [5, 6, 7, 5, 6, 7], 400
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    seqs, stats = run(tiny_model_dir, [prompt] * n, [params] * n, spec, draft_dir, num_draft_tokens=3)
+    assert stats["spec_verify_forwards"] > 0 and stats["spec_accepted_drafts"] > 0
+    exact = exact_sequence_probs(load_hf(tiny_model_dir), prompt, 4, top_k=2)
+    counts = Counter(tuple(s.output_ids) for s in seqs)
+    assert set(counts) <= set(exact)
+    cells, pooled_expected, pooled_count = 0, 0.0, 0
+    statistic = 0.0
+    for sequence, prob in exact.items():
+        if n * prob < 5:  # pool rare sequences into one cell
+            pooled_expected += n * prob
+            pooled_count += counts.get(sequence, 0)
+            continue
+        statistic += (counts.get(sequence, 0) - n * prob) ** 2 / (n * prob)
+        cells += 1
+    if pooled_expected > 0:
+        statistic += (pooled_count - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    dof = cells - 1
+    # chi-square quantile at p = 1e-4 by the Wilson-Hilferty approximation
+    limit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3
+    assert statistic < limit, (statistic, limit, dof)
+
+
+def test_sampled_logprobs_are_the_targets(tiny_model_dir, draft_dir):
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True)
+    seqs, stats = run(tiny_model_dir, PROMPTS, [params] * 5, "STANDALONE", draft_dir)
+    assert stats["spec_accepted_drafts"] > 0
+    model = load_hf(tiny_model_dir)
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_logprobs == pytest.approx(hf_logprobs(model, prompt, seq.output_ids, 0.8), abs=1e-4)
+
+
+def test_seeded_request_is_reproducible_whatever_its_batch(tiny_model_dir, draft_dir):
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, sampling_seed=7)
+    alone, _ = run(tiny_model_dir, PROMPTS[:1], [seeded], "STANDALONE", draft_dir)
+    others = [SamplingParams(max_new_tokens=8 + i, temperature=1.0, ignore_eos=True) for i in range(4)]
+    batched, stats = run(tiny_model_dir, PROMPTS, [seeded] + others, "STANDALONE", draft_dir)
+    assert batched[0].output_ids == alone[0].output_ids
+    assert stats["spec_accepted_drafts"] > 0
