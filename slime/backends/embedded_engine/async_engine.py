@@ -149,7 +149,7 @@ class AsyncEngine:
                 "completion_tokens": len(output_ids)}
         if not waiting_abort:
             meta.update({"prompt_tokens": len(req.input_ids), "num_retractions": seq.num_retractions,
-                         "reasoning_tokens": 0, "cached_tokens": 0})
+                         "reasoning_tokens": 0, "cached_tokens": seq.cached_tokens})
         if req.return_logprob:
             decode = self.engine.tokenizer.decode if req.return_text_in_logprobs else None
             meta["input_token_logprobs"] = [

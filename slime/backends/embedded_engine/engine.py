@@ -278,7 +278,7 @@ class Engine:
             for seq in followers.get(id(leader), ()):
                 srcs.append(leader.slot)
                 dsts.append(seq.slot)
-                seq.num_computed = leader.num_computed
+                seq.num_computed = seq.cached_tokens = leader.num_computed
                 copies.append((seq, logits))
         if copies:
             self.runner.kv_cache.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))

@@ -40,6 +40,7 @@ class Sequence:
     slot: int | None = None
     num_computed: int = 0  # tokens of fill_ids whose keys/values are in the cache
     num_retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys/values were copied from another request's prefill
     created: float = field(default_factory=time.monotonic)
     admitted: float | None = None  # time.monotonic() of the first admission (end of queueing)
     first_token: float | None = None  # first sampled token (end of prefill)

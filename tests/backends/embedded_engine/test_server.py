@@ -86,6 +86,7 @@ def test_a_group_of_one_prompt_shares_its_prefill(http, hf_model):
     after = http.get("/get_server_info").json()["batch_stats"]
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt)  # one prefill for six requests
     assert after["prefill_shared_rows"] - before["prefill_shared_rows"] == n - 1
+    assert sorted(out["meta_info"]["cached_tokens"] for out in outs) == [0] + [len(prompt)] * (n - 1)
     assert len({tuple(out["output_ids"]) for out in outs}) > 1  # independent samples, not copies
     for out in outs:
         got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
