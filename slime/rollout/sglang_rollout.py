@@ -718,12 +718,18 @@ async def _eval_one_dataset(args, config) -> tuple[str, dict]:
             sample.generate_function_path = config.custom_generate_function_path
             samples.append(sample)
     tasks = []
-    for sample in samples:
-        params = sampling_params
-        if getattr(args, "sglang_enable_deterministic_inference", False):
-            params = {**sampling_params, "sampling_seed": args.rollout_seed + sample.index % n}
-        coro = generate_and_rm(args, sample, params, evaluation=True)
-        tasks.append(asyncio.create_task(coro, name=f"eval[{config.name}][{sample.index}]"))
+    for start in range(0, len(samples), n):
+        prompt_samples = samples[start: start + n]
+        if batchable_group(args, prompt_samples, evaluation=True):  # a prompt's n samples in one request
+            coro = _generate_and_rm_batched(args, prompt_samples, sampling_params, evaluation=True)
+            tasks.append(asyncio.create_task(coro, name=f"eval[{config.name}][{prompt_samples[0].index}:{n}]"))
+            continue
+        for sample in prompt_samples:
+            params = sampling_params
+            if getattr(args, "sglang_enable_deterministic_inference", False):
+                params = {**sampling_params, "sampling_seed": args.rollout_seed + sample.index % n}
+            coro = generate_and_rm(args, sample, params, evaluation=True)
+            tasks.append(asyncio.create_task(coro, name=f"eval[{config.name}][{sample.index}]"))
     results = sorted(_leaves(await _gather_tasks(tasks)), key=lambda s: (s.index is None, s.index))
     key = getattr(args, "eval_reward_key", None)
     return config.name, {

@@ -407,6 +407,7 @@ def test_eval_rollout_several_datasets(tiny_model_dir, tmp_path, engine):
     assert [s.index for s in first["samples"]] == list(range(6))
     assert all(first["truncated"])  # eval max response len 2 < 3 scripted tokens
     assert engine.requests[-1]["sampling_params"]["max_new_tokens"] == 2
+    assert len(engine.batches) == 3 and len(engine.requests) == 9  # each prompt's 3 samples in one request
     metrics = compute_eval_metrics(args, out.data)
     assert metrics["eval/first-truncated_ratio"] == 1.0 and "eval/second-pass@2" in metrics
 
