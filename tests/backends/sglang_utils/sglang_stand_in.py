@@ -4,7 +4,7 @@ Run as a process: ``python -m tests.backends.sglang_utils.sglang_stand_in --port
 It "generates" deterministic tokens (``prompt[-1] + 1, + 2, ...``, 4 by default, then a stop token),
 reports the doc's meta_info keys (spec-decoding counters under SGLang's current names), blocks
 ``/generate`` while paused, answers ``/health_generate`` 503 while paused and idle, refuses
-``/flush_cache`` while busy, and joins a real torch.distributed (gloo) weight-update group: the
+``/flush_cache`` while busy, serves batches (``input_ids`` a list of lists: a list of answers), and joins a real torch.distributed (gloo) weight-update group: the
 weights it receives are kept and their checksums served at ``GET /stand_in/weights``. Errors:
 an unknown ``sampling_params`` key -> 500 plain text; a prompt longer than ``--context-length`` ->
 400 ``{"error": {"message"}}``; a request missing ``names`` -> 400 ``{"object": "error", ...}``.
@@ -49,12 +49,21 @@ class StandInSGLang:
         prompt = body.get("input_ids")
         if not prompt:
             return web.json_response({"error": {"message": "input_ids cannot be empty."}}, status=400)
-        if len(prompt) >= self.context_length:
-            return web.json_response({"error": {"message": f"The input ({len(prompt)} tokens) is longer than the "
-                                                           f"model's context length ({self.context_length} tokens)."}},
-                                     status=400)
+        prompts = prompt if isinstance(prompt[0], list) else [prompt]  # a list of lists is a batch
+        for one in prompts:
+            if len(one) >= self.context_length:
+                return web.json_response({"error": {"message": f"The input ({len(one)} tokens) is longer than the "
+                                                               f"model's context length ({self.context_length} "
+                                                               f"tokens)."}}, status=400)
         await self.paused.wait()  # requests block (no error) while paused
-        rid = body.get("rid") or uuid.uuid4().hex
+        if prompts is prompt:  # a batch: each prompt its own request (string rid expanded to rid_i), answers in order
+            rid = body.get("rid")
+            rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(len(prompts))]
+            outputs = await asyncio.gather(*(self._generate_one(body, params, one, r) for one, r in zip(prompts, rids)))
+            return web.json_response(outputs)
+        return web.json_response(await self._generate_one(body, params, prompt, body.get("rid") or uuid.uuid4().hex))
+
+    async def _generate_one(self, body: dict, params: dict, prompt: list[int], rid: str) -> dict:
         abort = asyncio.Event()
         self.running[rid] = abort
         start = time.time()
@@ -87,7 +96,7 @@ class StandInSGLang:
         if logprobs is not None:
             meta.update(input_token_logprobs=[], output_token_logprobs=logprobs, output_token_logprobs_length=len(output))
         text = "".join(chr(ord("a") + t % 26) for t in output)
-        return web.json_response({"text": text, "output_ids": output, "meta_info": meta})
+        return {"text": text, "output_ids": output, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.json()
