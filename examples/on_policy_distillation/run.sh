@@ -3,7 +3,7 @@
 # a second embedded engine scores every sampled token, and the student is trained on the per-token reverse KL
 # to the teacher alone (--use-opd --opd-type sglang; no task reward). Greedy accuracy of the student is
 # evaluated before and during training, and the teacher's on the same problems.
-#   bash examples/on_policy_distillation/run.sh     (outputs under outputs/opd; OUT=dir, OPD_STEPS=n, OPD_LR=x)
+#   bash examples/on_policy_distillation/run.sh     (outputs under outputs/opd; OUT=dir, OPD_STEPS=n, OPD_LR=x, OPD_SAMPLES=n)
 #   SKIP_MODELS=1 reruns steps 2-4 with the student and teacher of an earlier run in the same OUT.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -55,8 +55,8 @@ $py train.py --train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-deca
   --use-opd --opd-type sglang --opd-kl-coef 1.0 --rm-url "$teacher/generate" \
   --custom-rm-path slime.rollout.on_policy_distillation.reward_func \
   --custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards \
-  --rollout-batch-size 16 --n-samples-per-prompt 4 --rollout-max-response-len 6 --rollout-temperature 1.0 \
-  --num-rollout "${OPD_STEPS:-40}" --num-steps-per-rollout 1 --lr "${OPD_LR:-1e-3}" --eps-clip 0.2 \
+  --rollout-batch-size 16 --n-samples-per-prompt "${OPD_SAMPLES:-16}" --rollout-max-response-len 6 --rollout-temperature 1.0 \
+  --num-rollout "${OPD_STEPS:-30}" --num-steps-per-rollout 1 --lr "${OPD_LR:-2e-4}" --eps-clip 0.2 \
   --eval-config "$out/eval.yaml" --eval-interval 10 --eval-temperature 0.01 --n-samples-per-eval-prompt 1 \
   --run-dir "$out/runs/opd"
 
