@@ -42,7 +42,7 @@ def test_teacher_log_probs_from_a_second_engine_reach_the_train_data(tiny_model_
     sft = tmp_path / "sft.jsonl"
     sft.write_text("\n".join(json.dumps({"messages": m}) for m in models.conversations(3)) + "\n")
     student_dir, teacher_dir = str(tmp_path / "student"), str(tmp_path / "teacher")
-    report = models.build(tiny_model_dir, student_dir, teacher_dir, sft, max_operand=3, teacher_steps=10, student_steps=2)
+    report = models.build(tiny_model_dir, student_dir, teacher_dir, sft, max_operand=3, teacher_steps=20, student_steps=2)
     assert report["teacher"]["loss_last"] < report["teacher"]["loss_first"]
     assert open(f"{student_dir}/tokenizer.json").read() == open(f"{teacher_dir}/tokenizer.json").read()
     prompts = tmp_path / "prompts.jsonl"
