@@ -2,8 +2,10 @@
 # The multi-agent example on the CPU: a solver and a critic (one tiny model, two roles) per prompt.
 # Builds the tiny model and the arithmetic data with warm-start conversations for both roles, SFTs
 # both formats, then GRPO where each slot is a solver turn and a critic turn trained together
-# (sibling samples of one rollout), each role normalised against its own role. Ends with per-role scores.
-#   bash examples/multi_agent/run.sh          (outputs under outputs/multi-agent; OUT=dir, GRPO_STEPS=n)
+# (sibling samples of one rollout): the solver rewarded for a right answer, the critic for a true verdict,
+# balanced over right and wrong solver answers, each role normalised against its own role. Ends with
+# per-role scores.
+#   bash examples/multi_agent/run.sh   (outputs under outputs/multi-agent; OUT=dir, SFT_STEPS=n, GRPO_STEPS=n, GRPO_PROMPTS=n)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -25,7 +27,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-120}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-300}" --lr 3e-3 \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO, solver and critic per slot"
@@ -33,8 +35,8 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label --rollout-shuffle \
   --custom-generate-function-path examples.multi_agent.generate.generate \
   --custom-reward-post-process-path examples.multi_agent.reward.post_process \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0 \
-  --num-rollout "${GRPO_STEPS:-20}" --num-steps-per-rollout 1 --lr 5e-4 --eps-clip 0.2 \
+  --rollout-batch-size "${GRPO_PROMPTS:-16}" --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0 \
+  --num-rollout "${GRPO_STEPS:-40}" --num-steps-per-rollout 1 --lr 5e-4 --eps-clip 0.2 \
   --eval-prompt-data train_prompts "$out/data/train.jsonl" heldout "$out/data/eval.jsonl" \
   --eval-interval 10 --eval-temperature 0.01 --n-samples-per-eval-prompt 1 \
   --save-debug-rollout-data "$out/dumps/rollout_{rollout_id}.pt" --run-dir "$out/runs/grpo"

@@ -35,6 +35,8 @@ def step_scores(samples: list[dict]) -> dict:
                     "critic_verdict_rate": round(fmean(v in ("yes", "no") for v, _ in verdicts), 3),
                     "critic_yes_to_wrong": round(fmean(v == "yes" for v in wrong), 3) if wrong else None,
                     "critic_yes_to_right": f"{sum(v == 'yes' for v in right)}/{len(right)}"})
+        if right and wrong:
+            out["critic_balanced_acc"] = round((fmean(v == "yes" for v in right) + fmean(v == "no" for v in wrong)) / 2, 3)
     return out
 
 
@@ -53,7 +55,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     summary = summarise(parser.parse_args(argv).out)
-    keys = ["solver_acc", "critic_acc", "critic_verdict_rate", "critic_yes_to_wrong", "critic_yes_to_right"]
+    keys = ["solver_acc", "critic_acc", "critic_balanced_acc", "critic_verdict_rate", "critic_yes_to_wrong",
+            "critic_yes_to_right"]
     print("| step | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for step, scores in summary["steps"].items():
         print(f"| {step} | " + " | ".join(str(scores.get(k)) for k in keys) + " |")

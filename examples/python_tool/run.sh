@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The Python-tool example end to end on CPU (ReTool style): a tiny Qwen3 model, products of two
-# two-digit numbers it can only get right by running code, an SFT warm start on a demonstrator that
-# writes print(a*b) only some of the time (and otherwise guesses), then GRPO where every rollout slot is
+# The Python-tool example end to end on CPU (ReTool style): a tiny Qwen3 model, questions about a list x
+# that only the sandbox holds (so only running code answers them), an SFT warm start on a demonstrator that
+# runs the question's snippet only some of the time (and otherwise guesses), then GRPO where every rollout slot is
 # an agent episode through slime's OpenAI adapter whose python calls run in the sandbox (a child process
 # with CPU, memory, wall-time and file limits, no network, no new processes). Greedy eval on 64 held-out problems.
 #   bash examples/python_tool/run.sh        (outputs under outputs/python-tool; OUT=dir to change)
@@ -17,10 +17,10 @@ common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-sty
         --adam-beta2 0.99)
 rm -rf "$out" && mkdir -p "$out"
 
-echo "== 1/4 tiny model (one-line tool list in its template) and the multiplication task"
+echo "== 1/4 tiny model (one-line tool list in its template) and the list task"
 $py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
 $py -m examples.tool_use.template "$out/model"
-$py -m examples.python_tool.task --out "$out/data" --seed 0 --num-train 256 --num-eval 64 --num-sft 2048 \
+$py -m examples.python_tool.task --out "$out/data" --seed 0 --num-train 256 --num-eval 64 --num-sft 4096 \
   --sft-tool-fraction "${SFT_TOOL_FRACTION:-0.3}"
 
 echo "== 2/4 SFT warm start: code calls (<tool_call> format) and guesses, mixed"
@@ -37,7 +37,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-generate-function-path examples.python_tool.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 32 \
+  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 48 \
   --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
   --num-steps-per-rollout 1 --lr "${GRPO_LR:-3e-4}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 5 --eval-temperature 0.01 \

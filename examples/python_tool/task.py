@@ -1,14 +1,26 @@
-"""The Python-tool task: products of two two-digit numbers, easy with code and hard without.
+"""The Python-tool task: questions about a list that only the sandbox holds.
 
-Each prompt is "What is 37*58?" with one tool, ``python(code)``, which runs the code in the sandbox
-(:mod:`examples.python_tool.sandbox`) and answers with what it printed. The label is the product:
-right one time in ~8000 by guessing, so a correct episode is two model turns — a ``python`` call
-that prints the product, then that number as the final reply. Files (slime's prompt format):
+Each problem has its own list ``x`` of 2–9 digits, kept in the row's ``metadata`` and defined in the
+sandbox before the model's code runs (a notebook with the data loaded: ``examples.python_tool.generate``
+runs ``x = [...]`` then the snippet). The prompt never shows ``x``, so the answer cannot be worked out
+or memorised — a guess is right about one time in ten — while one short call computes it. Each
+question has its snippet:
 
-* ``train.jsonl`` / ``eval.jsonl``: ``{"messages": [user], "tools": [python], "label": "2146"}``;
-  the eval problems are distinct from the train ones;
+=====================================  ======================  =====================
+question                               code                    answer
+=====================================  ======================  =====================
+``x is in python. How long is x?``     ``print(len(x))``       2–9
+``x is in python. What is x[-1]?``     ``print(x[-1])``        0–9
+``x is in python. Sum of x mod 10?``   ``print(sum(x)%10)``    0–9
+=====================================  ======================  =====================
+
+A correct episode is two model turns: a ``python`` call with the question's snippet, then the
+number it printed as the final reply. Files (slime's prompt format):
+
+* ``train.jsonl`` / ``eval.jsonl``: ``{"messages": [user], "tools": [python], "label": "7",
+  "metadata": {"x": [3, 1, 4]}}``; the eval lists are drawn apart from the train ones;
 * ``sft.jsonl``: a careless demonstrator for the warm start: on ``--sft-tool-fraction`` of its
-  problems it writes ``print(a*b)`` and reports the output; on the others it answers ``GUESS``
+  problems it runs the question's snippet and reports the output; on the others it answers ``GUESS``
   without running anything. The warm start so teaches both the call format and answering straight
   away, and leaves which one pays off to the reward.
 
@@ -22,56 +34,71 @@ import json
 import random
 from pathlib import Path
 
-GUESS = "1000"
+GUESS = "5"
+PREAMBLE = "x is in python. "
+QUESTIONS = {  # question -> (the snippet that answers it, the answer computed here)
+    "How long is x?": ("print(len(x))", lambda x: len(x)),
+    "What is x[-1]?": ("print(x[-1])", lambda x: x[-1]),
+    "Sum of x mod 10?": ("print(sum(x)%10)", lambda x: sum(x) % 10),
+}
 TOOL = {"type": "function", "function": {
-    "name": "python", "description": "Runs Python code in a sandbox and returns what it printed",
+    "name": "python", "description": "Runs Python code in a sandbox where the list x is defined; returns what it printed",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 TOOLS = [TOOL]
 
 
-def question(a: int, b: int) -> str:
-    return f"What is {a}*{b}?"
+def prelude(x: list[int]) -> str:
+    """The code the sandbox runs before the model's: the problem's data."""
+    return f"x = {list(x)!r}\n"
 
 
-def tool_transcript(a: int, b: int) -> list[dict]:
-    """The conversation of an agent that computes the product with the tool."""
+def make_problem(rng: random.Random) -> tuple[str, list[int]]:
+    question = rng.choice(sorted(QUESTIONS))
+    return question, [rng.randrange(10) for _ in range(rng.randrange(2, 10))]
+
+
+def answer(question: str, x: list[int]) -> str:
+    return str(QUESTIONS[question][1](x))
+
+
+def tool_transcript(question: str, x: list[int]) -> list[dict]:
+    """The conversation of an agent that runs the question's snippet."""
+    code, result = QUESTIONS[question][0], answer(question, x)
     return [
-        {"role": "user", "content": question(a, b)},
+        {"role": "user", "content": PREAMBLE + question},
         {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": f"print({a}*{b})"}}}]},
-        {"role": "tool", "content": str(a * b)},
-        {"role": "assistant", "content": str(a * b)},
+         "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": result},
     ]
 
 
-def _pairs(rng: random.Random, count: int, exclude: set) -> list[tuple[int, int]]:
-    pairs = []
-    while len(pairs) < count:
-        pair = (rng.randrange(10, 100), rng.randrange(10, 100))
-        if pair not in exclude:
-            exclude.add(pair)
-            pairs.append(pair)
-    return pairs
-
-
-def build(out_dir: str | Path, seed: int = 0, num_train: int = 256, num_eval: int = 64, num_sft: int = 2048,
+def build(out_dir: str | Path, seed: int = 0, num_train: int = 256, num_eval: int = 64, num_sft: int = 4096,
           sft_tool_fraction: float = 0.3) -> dict[str, str]:
     """Write ``train.jsonl``, ``eval.jsonl`` and ``sft.jsonl`` under ``out_dir``; return their paths."""
     if not 0.0 <= sft_tool_fraction <= 1.0:
         raise ValueError(f"--sft-tool-fraction must be within [0, 1], got {sft_tool_fraction}")
     rng = random.Random(seed)
     used: set = set()
-    splits = {name: [{"messages": [{"role": "user", "content": question(a, b)}], "tools": TOOLS, "label": str(a * b)}
-                     for a, b in _pairs(rng, count, used)]
-              for name, count in (("train", num_train), ("eval", num_eval))}
+    splits = {}
+    for name, count in (("train", num_train), ("eval", num_eval)):
+        rows = []
+        while len(rows) < count:
+            question, x = make_problem(rng)
+            if (question, tuple(x)) in used:
+                continue
+            used.add((question, tuple(x)))
+            rows.append({"messages": [{"role": "user", "content": PREAMBLE + question}], "tools": TOOLS,
+                         "label": answer(question, x), "metadata": {"x": x}})
+        splits[name] = rows
     num_tool = round(sft_tool_fraction * num_sft)
     uses_tool = [True] * num_tool + [False] * (num_sft - num_tool)
     rng.shuffle(uses_tool)
     splits["sft"] = []
     for tool in uses_tool:
-        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-        messages = tool_transcript(a, b) if tool else [{"role": "user", "content": question(a, b)},
-                                                        {"role": "assistant", "content": GUESS}]
+        question, x = make_problem(rng)
+        messages = tool_transcript(question, x) if tool else [{"role": "user", "content": PREAMBLE + question},
+                                                               {"role": "assistant", "content": GUESS}]
         splits["sft"].append({"messages": messages, "tools": TOOLS})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-train", type=int, default=256)
     parser.add_argument("--num-eval", type=int, default=64)
-    parser.add_argument("--num-sft", type=int, default=2048)
-    parser.add_argument("--sft-tool-fraction", type=float, default=0.3)
+    parser.add_argument("--num-sft", type=int, default=4096)
+    parser.add_argument("--sft-tool-fraction", type=float, default=0.3,
+                        help="share of SFT transcripts that run the code (the others answer GUESS without running anything)")
     args = parser.parse_args(argv)
     print(json.dumps(build(args.out, args.seed, args.num_train, args.num_eval, args.num_sft, args.sft_tool_fraction)))
 

@@ -15,7 +15,7 @@ import pytest
 
 from examples.multi_agent.data import build
 from examples.multi_agent.generate import critic_messages, critic_reward
-from examples.multi_agent.reward import post_process
+from examples.multi_agent.reward import balanced_critic_rewards, post_process
 from slime.backends.embedded_engine.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
@@ -45,6 +45,32 @@ def test_each_role_is_normalised_against_its_own_role():
     raw, normalised = post_process(args, samples)
     assert raw == [1.0, 0.0, 0.0, 1.0]
     assert normalised == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-3)
+
+
+def _critic_turns(verdict_right: list[bool], solver_right: list[bool]) -> list[Sample]:
+    return [Sample(group_index=0, rollout_id=slot, reward=float(v), metadata={"agent": "critic", "solver_correct": c})
+            for slot, (v, c) in enumerate(zip(verdict_right, solver_right))]
+
+
+def test_the_critic_reward_is_balanced_over_right_and_wrong_answers():
+    """One right solver answer among four: a critic that always says no is right 3 times in 4 but earns
+    what a coin earns (0.5), as does always yes; only telling them apart earns 1."""
+    solver_right = [True, False, False, False]
+    mean = lambda verdicts: sum(balanced_critic_rewards(t := _critic_turns(verdicts, solver_right),
+                                                        [s.reward for s in t])) / 4
+    assert mean([False, True, True, True]) == pytest.approx(0.5)  # always "no"
+    assert mean([True, False, False, False]) == pytest.approx(0.5)  # always "yes"
+    assert mean([True, True, True, True]) == pytest.approx(1.0)
+    assert mean([False, False, False, False]) == 0.0
+    # all answers wrong: nothing to balance, the raw rewards stay
+    same = _critic_turns([True, False], [False, False])
+    assert balanced_critic_rewards(same, [1.0, 0.0]) == [1.0, 0.0]
+    # through the post-process: the always-no critic's miss on the right answer is its worst turn
+    args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--rollout-batch-size", "1",
+                       "--n-samples-per-prompt", "4", "--num-rollout", "1", "--debug-rollout-only"])
+    raw, normalised = post_process(args, _critic_turns([False, True, True, True], solver_right))
+    assert raw == [0.0, 1.0, 1.0, 1.0]  # logged: plain accuracy
+    assert normalised[0] == pytest.approx(-1.5, abs=1e-3) and normalised[1:] == pytest.approx([0.5] * 3, abs=1e-3)
 
 
 def test_data_has_both_roles(tmp_path):

@@ -4,6 +4,9 @@ per-token log-probs reach the training data, and the OPD advantage trains the re
 * The teacher's log-probs of the student's responses (through ``--custom-rm-path reward_func`` and
   ``--custom-reward-post-process-path post_process_rewards``) equal the teacher model's own
   log-softmax computed here with transformers, and differ from the student's.
+* The example's models (``examples/on_policy_distillation/models.py``: the student and a teacher
+  with its own initial weights and training, one tokenizer) are what the engines serve, and its
+  ``teacher-score`` reads the teacher's greedy answers through the engine.
 * The policy loss with OPD advantages has the gradient of a reverse-KL surrogate written here
   (REINFORCE: λ · sg(log π − log π_teacher) · log π, plus the task term), checked with autograd.
 """
@@ -34,17 +37,22 @@ def _hf_log_probs(model, tokens):
 
 
 def test_teacher_log_probs_from_a_second_engine_reach_the_train_data(tiny_model_dir, tmp_path):
-    from slime.utils.tiny_model import build_tiny_model
+    from examples.on_policy_distillation import models, summary
 
-    teacher_dir = str(build_tiny_model(tmp_path / "teacher", size="tiny", seed=7))  # same tokenizer, other weights
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps({"messages": m}) for m in models.conversations(3)) + "\n")
+    student_dir, teacher_dir = str(tmp_path / "student"), str(tmp_path / "teacher")
+    report = models.build(tiny_model_dir, student_dir, teacher_dir, sft, max_operand=3, teacher_steps=20, student_steps=2)
+    assert report["teacher"]["loss_last"] < report["teacher"]["loss_first"]
+    assert open(f"{student_dir}/tokenizer.json").read() == open(f"{teacher_dir}/tokenizer.json").read()
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "label": str(2 * i)} for i in range(4)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as student, \
+    with running_engine(student_dir, extra_args=["--context-length", "256"]) as student, \
             running_engine(teacher_dir, extra_args=["--context-length", "256"]) as teacher, \
             running_router("round_robin", worker_urls=[student.url]) as router:
         args = parse_args([
-            "--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", tiny_model_dir,
+            "--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", student_dir,
             "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
             "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
@@ -55,6 +63,14 @@ def test_teacher_log_probs_from_a_second_engine_reach_the_train_data(tiny_model_
         ])  # fmt: skip
         args.rollout_engine_urls = [student.url]
         output = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        # teacher-score: labelled with the teacher's own greedy answers it scores 1, with others 0
+        own = tmp_path / "own.jsonl"
+        own.write_text("\n".join(json.dumps({**r, "label": _greedy_answer(teacher_dir, r["prompt"])}) for r in rows))
+        other = tmp_path / "other.jsonl"
+        other.write_text("\n".join(json.dumps({**r, "label": "no such answer"}) for r in rows))
+        assert summary.teacher_score(teacher.url, teacher_dir, {"own": str(own), "other": str(other)},
+                                     temperature=0.0) == \
+            {"own": 1.0, "other": 0.0}
     samples = [s for group in output.samples for s in group]
     assert len(samples) == 4 and all(s.status != Sample.Status.FAILED for s in samples)
     data = convert_samples_to_train_data(args, samples)
@@ -69,6 +85,21 @@ def test_teacher_log_probs_from_a_second_engine_reach_the_train_data(tiny_model_
         torch.testing.assert_close(torch.tensor(teacher_lp, dtype=torch.float32), expected, atol=2e-4, rtol=1e-4)
         student_lp = torch.tensor(sample.rollout_log_probs)
         assert (student_lp - expected).abs().max() > 0.05  # the teacher is another model
+
+
+def _greedy_answer(model_dir, messages):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.tiny_cpu.reward import extract_answer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return extract_answer(tokenizer.decode(out[0, len(ids):]))
 
 
 def test_post_process_rewards_errors_name_the_cause():
