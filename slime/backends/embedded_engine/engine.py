@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, runner: ModelRunner, chunked_prefill_size: int = 2048, weight_version: str = "default",
-                 seed: int = 0, speculative: "SpeculativeDecoder | None" = None):
+                 seed: int = 0, speculative: "SpeculativeDecoder | None" = None, num_threads: int | None = None):
         self.runner = runner
+        self.num_threads = num_threads  # torch intra-op threads of the engine thread (None: leave as is)
         self.speculative = speculative  # draft + verify decode steps (speculative.py), None: one token a step
         self.tokenizer = runner.tokenizer
         shape = runner.kv_cache.shape
@@ -102,6 +103,8 @@ class Engine:
         return future
 
     def _loop(self) -> None:
+        if self.num_threads:  # OpenMP settings are per thread: the engine thread's own
+            torch.set_num_threads(self.num_threads)
         hold = 0.0  # > 0: nothing runs and the waiting requests are being gathered for one prefill
         while not self._stop.is_set():
             idle = self.paused or not self.scheduler.has_work()
