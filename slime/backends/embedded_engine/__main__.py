@@ -27,11 +27,13 @@ def build_server(args: ServerArgs):
     from slime.backends.update_weight.wire_format import use_file_system_sharing
 
     use_file_system_sharing()
-    # The engine thread does the compute. Measured on 2 CPU cores: with the main thread (model load,
+    # On CPU the engine thread does the compute. Measured on 2 cores: with the main thread (model load,
     # HTTP) holding an OpenMP team of its own, the engine thread's 2-thread decode step took 24-37 ms
     # against 17 ms when the main thread stays single-threaded and the engine thread takes the threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads = None
+    if args.device == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
     torch.manual_seed(args.random_seed)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was given but torch sees no CUDA device")
