@@ -4,7 +4,7 @@
         --output-dir /tmp/rollout_profile
     python tools/profile_rollout.py --router-url http://127.0.0.1:3000 --action stop   # without --num-steps
 
-The engines are listed through the router (``GET /workers``, SGLANG_PROTOCOL.md §11.3; the router
+The engines are listed through the router (``GET /workers``, docs/SGLANG_PROTOCOL.md §11.3; the router
 does not forward profiling calls) or given with ``--engine-urls``. Each engine writes its own
 Chrome-trace files (``engine<i>-<profile_id>-TP-0[-STAGE].trace.json``) into ``--output-dir`` on its
 own machine; open them in chrome://tracing or https://ui.perfetto.dev. SGLang engines and the

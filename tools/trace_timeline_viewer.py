@@ -7,7 +7,7 @@ Writes ``3.trace_timeline_cache.json`` (the timeline data) and ``3.trace_timelin
 self-contained page: no CDN, works offline) next to the dump, then serves the page on 127.0.0.1
 (``--port``, default a free port; ``--host`` to change the address) until Ctrl-C. Click a bar for the
 span's attributes; engine requests show their queue/prefill/decode phases in lanes of their own when
-the engine reports them. Dumps come from ``--save-debug-rollout-data`` (INTERFACES §7.5).
+the engine reports them. Dumps come from ``--save-debug-rollout-data`` (docs/INTERFACES.md §7.5).
 """
 
 from __future__ import annotations

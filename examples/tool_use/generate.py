@@ -117,7 +117,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
 
 
 def _dropped(sample: Sample, reason: str) -> Sample:
-    """The placeholder of a failed episode (INTERFACES §6.6): aborted, removed, reward 0."""
+    """The placeholder of a failed episode (docs/INTERFACES.md §6.6): aborted, removed, reward 0."""
     sample.status = Sample.Status.ABORTED
     sample.remove_sample = True
     sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]

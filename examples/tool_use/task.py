@@ -5,7 +5,7 @@ Each prompt is one user message ("What is the temperature outside?") and one too
 at random), kept in the row's ``metadata`` where only the tool can read it, so the answer cannot be
 memorised or guessed better than one time in ten: a correct episode is two model turns, a
 ``get_temperature`` call, then the tool's reading as the final reply. Files (slime's prompt
-format, INTERFACES §7.1):
+format, docs/INTERFACES.md §7.1):
 
 * ``train.jsonl`` / ``eval.jsonl``: ``{"messages": [user], "tools": [get_temperature], "label": "7",
   "metadata": {"temperature": "7"}}``; the eval readings are drawn apart from the train ones;

@@ -1,4 +1,4 @@
-"""slime.agent: adapters that record agent sessions as exact-token training samples (INTERFACES §6).
+"""slime.agent: adapters that record agent sessions as exact-token training samples (docs/INTERFACES.md §6).
 
 ``slime.agent.adapters`` (OpenAIAdapter, AnthropicAdapter), ``slime.agent.trajectory``
 (TrajectoryManager, TurnRecord), ``slime.agent.parsing`` (parse_model_output) and

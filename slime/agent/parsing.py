@@ -1,4 +1,4 @@
-"""Split one decoded model turn into reasoning, visible text and tool calls (INTERFACES §6.4 step 7).
+"""Split one decoded model turn into reasoning, visible text and tool calls (docs/INTERFACES.md §6.4 step 7).
 
 ``parse_model_output(raw, *, tools_schema, tool_parser_name, reasoning_parser_name)`` is what both
 adapters call on the decoded output ids (special tokens kept, trailing stop token removed):

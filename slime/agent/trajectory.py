@@ -1,4 +1,4 @@
-"""Turn an agent session's model turns into trainable samples (INTERFACES §6.6).
+"""Turn an agent session's model turns into trainable samples (docs/INTERFACES.md §6.6).
 
 Each recorded turn carries the exact prompt ids sent to the engine and the ids and log-probs it
 sampled. The manager keeps one message tree per session: a turn's prompt messages are matched from

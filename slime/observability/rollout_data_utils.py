@@ -1,4 +1,4 @@
-"""Rollout debug dumps (INTERFACES §7.5): save every rollout step's samples, replay them later.
+"""Rollout debug dumps (docs/INTERFACES.md §7.5): save every rollout step's samples, replay them later.
 
 ``torch.save({"rollout_id": id, "samples": [Sample.to_dict(), ...]})`` at
 ``template.format(rollout_id=id)`` (``eval_<id>`` for evaluation).

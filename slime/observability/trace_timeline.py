@@ -1,6 +1,6 @@
 """Rollout dump -> timeline: the data model behind ``tools/trace_timeline_viewer.py``.
 
-Reads a ``--save-debug-rollout-data`` dump (INTERFACES §7.5), pairs each sample's ``span_start`` /
+Reads a ``--save-debug-rollout-data`` dump (docs/INTERFACES.md §7.5), pairs each sample's ``span_start`` /
 ``span_end`` records into bars and keeps instant events as markers. Each sample is one row; inside a
 row a span sits in a lane: the depth of its nesting, except engine phases, which get named lanes
 (``prefill``, ``decode``, ``queue``) so the prefill/decode split of every request lines up across rows.

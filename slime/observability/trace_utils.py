@@ -1,4 +1,4 @@
-"""Per-sample traces: spans and events recorded on ``Sample.trace`` (INTERFACES §3.6, §1.5).
+"""Per-sample traces: spans and events recorded on ``Sample.trace`` (docs/INTERFACES.md §3.6, §1.5).
 
 A trace is a plain dict carried by the sample itself, so it survives deep copies, Ray transfers,
 partial-rollout recycling and the rollout debug dump without any collector process::

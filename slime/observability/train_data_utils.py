@@ -1,4 +1,4 @@
-"""Train debug dump (INTERFACES §7.6, format version 2): what each sample looked like to the trainer.
+"""Train debug dump (docs/INTERFACES.md §7.6, format version 2): what each sample looked like to the trainer.
 
 Every data-parallel rank sends its per-sample fields (tokens, masks, rewards, log-probs, advantages, ...)
 to rank 0, which writes one file per rollout step at ``template.format(rollout_id=..., rank=0)``,

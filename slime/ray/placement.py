@@ -29,7 +29,7 @@ def init_ray(args) -> None:
     """Start (or attach to) Ray. Respects RAY_ADDRESS; otherwise starts a local instance."""
     if ray.is_initialized():
         return
-    # plugins named by dotted path may live in the job's working directory (INTERFACES §2.0)
+    # plugins named by dotted path may live in the job's working directory (docs/INTERFACES.md §2.0)
     python_path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PYTHONPATH": python_path}
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):

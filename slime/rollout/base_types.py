@@ -1,4 +1,4 @@
-"""Containers returned by rollout functions (INTERFACES §2.1)."""
+"""Containers returned by rollout functions (docs/INTERFACES.md §2.1)."""
 
 from __future__ import annotations
 

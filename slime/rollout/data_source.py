@@ -1,4 +1,4 @@
-"""Where prompt groups come from (INTERFACES §2.16).
+"""Where prompt groups come from (docs/INTERFACES.md §2.16).
 
 ``RolloutDataSource`` hands out the dataset sequentially, ``n_samples_per_prompt`` deep copies per
 prompt, wrapping into a new (reshuffled) epoch at the end. ``RolloutDataSourceWithBuffer`` (the

@@ -1,6 +1,6 @@
 """Engine-side control used by the default rollout: which engines exist, aborting them, waiting for idle.
 
-The router does not forward ``/abort_request`` or ``/v1/loads`` (SGLANG_PROTOCOL §11.4), so these
+The router does not forward ``/abort_request`` or ``/v1/loads`` (docs/SGLANG_PROTOCOL.md §11.4), so these
 go to every engine directly. Engine URLs come from ``args.rollout_engine_urls`` (set by the rollout
 manager); without it they are read from the router's ``GET /workers``.
 """

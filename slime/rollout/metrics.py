@@ -1,4 +1,4 @@
-"""Rollout-manager-side metrics of a rollout step and of an evaluation (INTERFACES §5.9).
+"""Rollout-manager-side metrics of a rollout step and of an evaluation (docs/INTERFACES.md §5.9).
 
 ``compute_rollout_metrics(args, samples, rollout_time)`` takes the flattened samples of one step:
 
@@ -17,7 +17,7 @@
   ``perf/longest_sample_tokens_per_sec``, ``perf/longest_effective_sample_tokens_per_sec``
   (the longest sample's tokens over the step time), ``perf/non_generation_time/{mean,max}``
 
-Optional groups (INTERFACES §5.9):
+Optional groups (docs/INTERFACES.md §5.9):
 
 * ``--log-multi-turn``: ``multi_turn/raw_response_length/response_length_{mean,max,min,clip_ratio}``
   (all response tokens, tool observations included; clip ratio = share of samples that hit

@@ -1,4 +1,4 @@
-"""Per-sample post-generation hooks (``--rollout-sample-hook-path``, INTERFACES §2.18).
+"""Per-sample post-generation hooks (``--rollout-sample-hook-path``, docs/INTERFACES.md §2.18).
 
 Each hook ``hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None`` (sync or
 async) runs, in the order given, on every ``Sample`` leaf of a generate result, after generation

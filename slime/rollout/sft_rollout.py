@@ -1,4 +1,4 @@
-"""SFT "rollout": no generation, chat conversations turned into tokens and loss masks (INTERFACES §3.1).
+"""SFT "rollout": no generation, chat conversations turned into tokens and loss masks (docs/INTERFACES.md §3.1).
 
 Each prompt group (size 1) holds a chat-message list; the loss-mask generator of ``--loss-mask-type``
 renders it with the tokenizer's template, and the response region runs from the first trainable

@@ -1,6 +1,6 @@
 """slime's command line: ``parse_args()`` builds the one ``args`` namespace every component and hook sees.
 
-Pipeline (INTERFACES §4.1):
+Pipeline (docs/INTERFACES.md §4.1):
 1. pre-parse the mode flags (``--train-backend``, ``--debug-*``, ``--load-debug-rollout-data``);
 2. SGLang-side flags: slime's own (§4.3.16), every SGLang ``ServerArgs`` flag as ``--sglang-<flag>``
    when SGLang is importable (otherwise unknown ``--sglang-*`` values are kept verbatim for
@@ -113,7 +113,7 @@ def _fail_unknown(parser: argparse.ArgumentParser, leftover: list[str]) -> None:
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Apply INTERFACES §4.4 in order: raise naming the flags involved; fill documented derived
+    """Apply docs/INTERFACES.md §4.4 in order: raise naming the flags involved; fill documented derived
     values; never override a value the user set explicitly."""
     from slime.utils.eval_config import resolve_eval_datasets
 
@@ -591,7 +591,7 @@ def _validate_backends(args) -> None:
         )
     if (not args.debug_rollout_only and args.train_backend == "megatron" and args.num_layers is not None
             and _is_hf_dir(args.hf_checkpoint)):
-        # a model preset was given: its shape must be the checkpoint's (INTERFACES §4.2)
+        # a model preset was given: its shape must be the checkpoint's (docs/INTERFACES.md §4.2)
         from slime.backends.megatron_utils.model_config import hf_validate_args
 
         hf_validate_args(args)

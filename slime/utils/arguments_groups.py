@@ -1,4 +1,4 @@
-"""Flag definitions, one function per group of INTERFACES §4.3 (defaults and help next to each flag).
+"""Flag definitions, one function per group of docs/INTERFACES.md §4.3 (defaults and help next to each flag).
 
 ``add_slime_arguments`` holds slime's own flags; ``add_training_arguments`` the training flags that
 Megatron's parser names (parallelism, optimizer, checkpoint, model shape), defined here so the same

@@ -1,6 +1,6 @@
 """Prompt datasets: reading ``.jsonl`` / ``.parquet`` files and turning rows into :class:`Sample` s.
 
-Format (INTERFACES §7.1): one object per row; ``path@[start:end]`` slices the row stream (either
+Format (docs/INTERFACES.md §7.1): one object per row; ``path@[start:end]`` slices the row stream (either
 bound optional, negative bounds allowed). Row → Sample: prompt from ``--input-key`` (string, or a
 chat-message list), label from ``--label-key``, metadata from ``--metadata-key`` (dict or JSON
 string), tools from ``--tool-key`` (list or JSON string, stored as ``metadata["tools"]``),

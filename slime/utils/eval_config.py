@@ -1,4 +1,4 @@
-"""Evaluation datasets: ``--eval-prompt-data name path ...`` or ``--eval-config`` (INTERFACES §7.2–§7.4).
+"""Evaluation datasets: ``--eval-prompt-data name path ...`` or ``--eval-config`` (docs/INTERFACES.md §7.2–§7.4).
 
 Every dataset becomes an :class:`EvalDatasetConfig` whose unset fields fall back to the ``defaults``
 mapping of the config file, then to the ``--eval-*`` flags, then to the ``--rollout-*`` / data flags.

@@ -1,4 +1,4 @@
-"""``--sglang-*`` and ``--router-*`` pass-through (INTERFACES §4.2).
+"""``--sglang-*`` and ``--router-*`` pass-through (docs/INTERFACES.md §4.2).
 
 When SGLang is importable, every ``ServerArgs`` CLI flag is re-registered with a ``--sglang-`` prefix
 (types, choices, nargs and defaults from SGLang's own parser), except the flags slime sets itself.

@@ -1,4 +1,4 @@
-"""Pure RL algorithm math for slime: rewards, KL, advantages, losses, reducers (INTERFACES §5).
+"""Pure RL algorithm math for slime: rewards, KL, advantages, losses, reducers (docs/INTERFACES.md §5).
 
 Every function takes tensors and numbers and returns tensors (and, for losses, a metrics dict).
 Nothing here imports torch.distributed, Ray, Megatron or HTTP code: the trainer backends do the
@@ -10,7 +10,7 @@ Conventions
   all samples concatenated in sample order (length Σ_i response_length_i). Per-sample quantities
   are lists of 1-D tensors of length response_length_i.
 * ``m`` is the loss mask (1 = trained token). ``D_i`` is ``rollout_mask_sums[i]``: the loss-mask
-  total of all samples sharing sample i's rollout in the optimizer step (INTERFACES §1.8.6, §5.8).
+  total of all samples sharing sample i's rollout in the optimizer step (docs/INTERFACES.md §1.8.6, §5.8).
 
 Registries (name -> function; an unknown name raises with the valid names):
 ``KL_ESTIMATORS``, ``ADVANTAGE_ESTIMATORS``, ``REWARD_POST_PROCESSORS``, ``POLICY_LOSS_MODES``,
@@ -76,7 +76,7 @@ def lookup(registry: dict, name: str, what: str):
 
 
 # ----------------------------------------------------------------------------------------------
-# KL estimators (INTERFACES §5.2) — Schulman, "Approximating KL Divergence" (2020).
+# KL estimators (docs/INTERFACES.md §5.2) — Schulman, "Approximating KL Divergence" (2020).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -109,7 +109,7 @@ def compute_approx_kl(
     kl_loss_type: str,
     importance_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimate between π (``log_probs``) and π_base (INTERFACES §5.2).
+    """Per-token KL estimate between π (``log_probs``) and π_base (docs/INTERFACES.md §5.2).
 
     d = log π − log π_base (float32); k1 = d, k2 = d²/2, k3 = exp(−d) − 1 + d, low_var_kl = k3
     clamped to [−10, 10]. With ``importance_ratio`` (``--use-unbiased-kl``: π_θ/π_old) the estimate
@@ -126,7 +126,7 @@ def compute_approx_kl(
 
 
 # ----------------------------------------------------------------------------------------------
-# Reward post-processing (INTERFACES §5.1, §1.8 item 9)
+# Reward post-processing (docs/INTERFACES.md §5.1, §1.8 item 9)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -142,7 +142,7 @@ def group_normalize_rewards(
     r_i = (raw_i − mean_{g(i)}) / (std_{g(i)} + eps)   (std: unbiased, N−1; omitted when
     ``std_normalization`` is False).
 
-    Rollout-aware (INTERFACES §1.8 item 9): when ``rollout_ids`` is given, each group's statistics are taken
+    Rollout-aware (docs/INTERFACES.md §1.8 item 9): when ``rollout_ids`` is given, each group's statistics are taken
     over *one reward per rollout* (the mean of its segments' raw rewards), so a rollout that fanned
     out into K segments counts once, and every segment i gets (raw_i − mean_g) / (std_g + eps).
     A group with a single rollout has no spread: its normalised rewards are raw − mean (= 0 when
@@ -171,7 +171,7 @@ def group_normalize_rewards(
 
 
 def positional_groups(num_samples: int, group_size: int, expected_total: int) -> list[int]:
-    """Group ids of the default INTERFACES §5.1 rule: rows of ``group_size`` consecutive samples when
+    """Group ids of the default docs/INTERFACES.md §5.1 rule: rows of ``group_size`` consecutive samples when
     ``num_samples == expected_total``, otherwise one group holding everything."""
     if num_samples == expected_total and group_size > 0:
         return [i // group_size for i in range(num_samples)]
@@ -266,7 +266,7 @@ def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Advantage estimators (INTERFACES §5.3)
+# Advantage estimators (docs/INTERFACES.md §5.3)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -398,7 +398,7 @@ def compute_advantages_and_returns(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Dispatch to the ``--advantage-estimator`` by name; returns (advantages, returns) per sample.
 
-    ``rewards`` are the post-processed rewards (INTERFACES §5.1), ``raw_rewards`` the raw ones (PPO uses raw).
+    ``rewards`` are the post-processed rewards (docs/INTERFACES.md §5.1), ``raw_rewards`` the raw ones (PPO uses raw).
     """
     fn = lookup(ADVANTAGE_ESTIMATORS, estimator, "--advantage-estimator")
     return fn(
@@ -408,7 +408,7 @@ def compute_advantages_and_returns(
 
 
 # ----------------------------------------------------------------------------------------------
-# Whitening and OPD (INTERFACES §5.3 post-steps)
+# Whitening and OPD (docs/INTERFACES.md §5.3 post-steps)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -472,7 +472,7 @@ def compute_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# Policy-loss pieces (INTERFACES §5.4)
+# Policy-loss pieces (docs/INTERFACES.md §5.4)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -601,7 +601,7 @@ def compute_value_loss(
 
 
 # ----------------------------------------------------------------------------------------------
-# Reducers (INTERFACES §5.8)
+# Reducers (docs/INTERFACES.md §5.8)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -651,7 +651,7 @@ def make_sum_of_sample_mean(
 
 
 # ----------------------------------------------------------------------------------------------
-# Loss functions per micro-batch (INTERFACES §5.4–5.6). Inputs: ``batch`` of per-sample lists for the
+# Loss functions per micro-batch (docs/INTERFACES.md §5.4–5.6). Inputs: ``batch`` of per-sample lists for the
 # micro-batch plus the current flat log-probs / entropy / values. Output: (loss, metrics) where
 # metrics are *sums* S(·) to be added over micro-batches and DP ranks and divided by the step
 # normaliser. ``reducer`` is the default S, ``pg_reducer`` the custom one if configured.
@@ -683,12 +683,12 @@ def policy_loss_function(
     pg_reducer_factory: Callable[[list[torch.Tensor]], Callable] | None = None,
     tis_function: Callable | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Policy loss of INTERFACES §5.4 for one micro-batch; returns (loss, metrics) with every metric already
+    """Policy loss of docs/INTERFACES.md §5.4 for one micro-batch; returns (loss, metrics) with every metric already
     reduced by S (sums over the micro-batch's samples). Keys: loss, pg_loss, entropy_loss,
     pg_clipfrac, ppo_kl, and when applicable kl_loss, opsm_clipfrac, ois, tis*,
     train_rollout_logprob_abs_diff.
 
-    ``pg_reducer_factory(masks)`` builds the custom pg-loss reducer (INTERFACES §2.12) from the loss masks in
+    ``pg_reducer_factory(masks)`` builds the custom pg-loss reducer (docs/INTERFACES.md §2.12) from the loss masks in
     force. When the TIS function rejects tokens (returns modified masks), those masks are in force
     for every loss term and training metric — pg_loss (default or custom reducer), pg_clipfrac,
     ppo_kl, entropy_loss, kl_loss, opd_reverse_kl — with the original per-rollout denominators;
@@ -785,7 +785,7 @@ def _reducer_with_masks(batch: dict, masks: list[torch.Tensor], args):
 def value_loss_function(
     args, batch: dict, values: torch.Tensor, reducer: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Critic loss of INTERFACES §5.5: S(max((V_clip − G)², (V − G)²)); metrics value_loss, value_clipfrac."""
+    """Critic loss of docs/INTERFACES.md §5.5: S(max((V_clip − G)², (V − G)²)); metrics value_loss, value_clipfrac."""
     device = values.device
     old_values = _flat(batch["values"], device)
     returns = _flat(batch["returns"], device)
@@ -797,7 +797,7 @@ def value_loss_function(
 def sft_loss_function(
     args, batch: dict, log_probs: torch.Tensor, reducer: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SFT (INTERFACES §5.6): loss = −S(log π_θ) over loss-masked response tokens."""
+    """SFT (docs/INTERFACES.md §5.6): loss = −S(log π_θ) over loss-masked response tokens."""
     loss = -reducer(log_probs)
     return loss, {"loss": loss.detach()}
 

@@ -1,5 +1,5 @@
 """Old home of the trace helpers (seed docs, slime ≤ v0.3.1): the same module as
-:mod:`slime.observability.trace_utils` (INTERFACES §0 row 4), so either import path sees one state."""
+:mod:`slime.observability.trace_utils` (docs/INTERFACES.md §0 row 4), so either import path sees one state."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Samples → training data (INTERFACES §7.7, §2.13, §2.14) and its split across data-parallel ranks.
+"""Samples → training data (docs/INTERFACES.md §7.7, §2.13, §2.14) and its split across data-parallel ranks.
 
 ``convert_samples_to_train_data(args, samples)`` runs in the rollout manager on the flattened
 ``list[Sample]`` and returns the whole-batch dict. ``split_train_data_by_dp(args, data, dp_size)``

@@ -82,7 +82,7 @@ class Sample:
         def add(self, meta_info: dict) -> None:
             # SGLang >= 0.5.15 names the counters spec_num_correct_drafts / spec_num_proposed_drafts (aliases
             # spec_accepted_drafts / spec_proposed_drafts); older and patched builds spec_accept_token_num /
-            # spec_draft_token_num (SGLANG_PROTOCOL §2.4, §13)
+            # spec_draft_token_num (docs/SGLANG_PROTOCOL.md §2.4, §13)
             self.spec_accept_token_num += int(_first_of(meta_info, "spec_accept_token_num", "spec_num_correct_drafts",
                                                         "spec_accepted_drafts"))
             self.spec_draft_token_num += int(_first_of(meta_info, "spec_draft_token_num", "spec_num_proposed_drafts",
@@ -376,7 +376,7 @@ class ParamInfo:
 
 
 RolloutBatch = dict[str, Union[list, list[int], list[float], list[str]]]
-"""Training data: per-sample lists of tensors or scalars, keyed by field name (INTERFACES §7.7)."""
+"""Training data: per-sample lists of tensors or scalars, keyed by field name (docs/INTERFACES.md §7.7)."""
 
 
 class MultimodalType(NamedTuple):

@@ -3,7 +3,7 @@
 What a user of the adapters relies on: tool calls round-trip through each API's own shapes; a
 session's samples hold exactly the rendered prompts and the sampled ids; loss masks cover exactly
 the model's tokens; log-probs are the engine's, one per trained token; turns merge (or not) as
-INTERFACES §6.6 says; a malformed tool call is answered; strict mode refuses unknown sessions.
+docs/INTERFACES.md §6.6 says; a malformed tool call is answered; strict mode refuses unknown sessions.
 """
 
 from __future__ import annotations

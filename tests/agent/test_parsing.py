@@ -1,4 +1,4 @@
-"""parse_model_output: tool calls, reasoning and ill-formed arguments (INTERFACES §6.4 step 7)."""
+"""parse_model_output: tool calls, reasoning and ill-formed arguments (docs/INTERFACES.md §6.4 step 7)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""TrajectoryManager on hand-made turns: the CLEAN / REALIGN / FORK rules of INTERFACES §6.6."""
+"""TrajectoryManager on hand-made turns: the CLEAN / REALIGN / FORK rules of docs/INTERFACES.md §6.6."""
 
 import pytest
 

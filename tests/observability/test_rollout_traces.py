@@ -1,4 +1,4 @@
-"""Traces recorded by the default rollout (INTERFACES §3.6), against the scripted stand-in engine:
+"""Traces recorded by the default rollout (docs/INTERFACES.md §3.6), against the scripted stand-in engine:
 span tree per sample, engine attributes, rewards, filters, fan-out, partial-rollout attempts, and
 the rollout debug dump carrying them."""
 

@@ -1,4 +1,4 @@
-"""Trace helpers (INTERFACES §3.6): what a user reads back from ``Sample.trace``."""
+"""Trace helpers (docs/INTERFACES.md §3.6): what a user reads back from ``Sample.trace``."""
 
 import asyncio
 import copy

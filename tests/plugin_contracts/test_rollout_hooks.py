@@ -1,4 +1,4 @@
-"""Contract tests for every rollout-side hook (INTERFACES §2.2–2.8, 2.15–2.18).
+"""Contract tests for every rollout-side hook (docs/INTERFACES.md §2.2–2.8, 2.15–2.18).
 
 Each test builds ``args`` with ``parse_args`` exactly as a user's command line would (the hook's
 flag pointing at a sample plugin in ``tests/plugin_contracts/sample_plugins``), loads the hook with

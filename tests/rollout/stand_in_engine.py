@@ -61,7 +61,7 @@ class StandInEngine:
     async def _generate(self, request: web.Request) -> web.Response:
         payload = await request.json()
         ids = payload.get("input_ids")
-        if ids and isinstance(ids[0], list):  # a batch (SGLANG_PROTOCOL §2.1): every prompt scripted on its own
+        if ids and isinstance(ids[0], list):  # a batch (docs/SGLANG_PROTOCOL.md §2.1): every prompt scripted on its own
             self.batches.append(payload)
             parts = [{**payload, "input_ids": prompt} for prompt in ids]
             answers = await asyncio.gather(*(self._one(part, dict(request.headers)) for part in parts))

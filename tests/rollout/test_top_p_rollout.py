@@ -2,7 +2,7 @@
 engine for its kept nucleus, the samples carry it (fields 17-18), the train data carries it, and
 the FSDP trainer renormalises its log-probs over it.
 
-What must match what (SGLANG_PROTOCOL §2.4): the engine's ``output_token_logprobs`` are the
+What must match what (docs/SGLANG_PROTOCOL.md §2.4): the engine's ``output_token_logprobs`` are the
 full-vocabulary log-softmax at the sampled token, *before* top-p renormalisation; the trainer's
 log-probs are renormalised over the nucleus S. So, against an independent HF forward:
 

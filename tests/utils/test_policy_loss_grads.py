@@ -1,6 +1,6 @@
 """The policy loss at the loss boundary: gradients of CISPO, GSPO, dual clip and TIS against autograd of a
-reference written here token by token (INTERFACES §5.4), and TIS rejection (modified masks) applied to
-every trained term and metric (INTERFACES §2.11, §2.12)."""
+reference written here token by token (docs/INTERFACES.md §5.4), and TIS rejection (modified masks) applied to
+every trained term and metric (docs/INTERFACES.md §2.11, §2.12)."""
 
 import math
 
@@ -43,7 +43,7 @@ def _tokens(batch):
 
 
 def _reference_loss(batch, new, mode: str, eps_low=0.2, eps_high=0.28, dual_c=None, tis=None):
-    """Σ_i Σ_t ℓ_t · m_t / D_i, every token's ℓ computed on its own from the INTERFACES §5.4 formulas."""
+    """Σ_i Σ_t ℓ_t · m_t / D_i, every token's ℓ computed on its own from the docs/INTERFACES.md §5.4 formulas."""
     tokens = _tokens(batch)
     seq_kl = {}
     if mode == "gspo":

@@ -135,7 +135,7 @@ def test_split_balance_and_dynamic_batches():
 
 def test_dynamic_batches_hold_max_tokens_per_gpu_times_cp():
     """Under context parallelism each GPU holds 1/CP of a micro-batch: the budget per micro-batch is
-    --max-tokens-per-gpu × --context-parallel-size (INTERFACES §7.7)."""
+    --max-tokens-per-gpu × --context-parallel-size (docs/INTERFACES.md §7.7)."""
     lengths = [16, 2, 2, 12]
     budgets = {}
     for cp in (1, 2):

@@ -175,7 +175,7 @@ class BaseAdapter:
                  fork_threshold_tokens: int | None = None, debug_callback=None,
                  chat_template_kwargs: dict | None = None, strict: bool = False, model_name: str = "slime-actor",
                  **unknown):
-        if unknown:  # forward compatibility with newer callers (INTERFACES §6.8); said out loud
+        if unknown:  # forward compatibility with newer callers (docs/INTERFACES.md §6.8); said out loud
             logger.warning("%s ignores unknown constructor arguments %s", type(self).__name__, sorted(unknown))
         if not sglang_url:
             raise ValueError("sglang_url is required, e.g. http://127.0.0.1:30000 (the router or an engine)")

@@ -206,7 +206,7 @@ generate.abort_mode = "request"  # a rollout abort cancels the episode (its sess
 
 
 def failed_placeholder(sample: Sample, reason: str) -> Sample:
-    """A failed episode's slot (INTERFACES §6.6): aborted, removed from training, reward 0, flagged."""
+    """A failed episode's slot (docs/INTERFACES.md §6.6): aborted, removed from training, reward 0, flagged."""
     sample.status = Sample.Status.ABORTED
     sample.remove_sample = True
     sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]

@@ -372,7 +372,7 @@ class Engine:
         settings = settings or [self._row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
         replay = [i for i, seq in enumerate(seqs) if seq.request.return_top_p_token_ids]
-        if replay:  # top-p replay: the kept set of each position (SGLANG_PROTOCOL §2.4)
+        if replay:  # top-p replay: the kept set of each position (docs/SGLANG_PROTOCOL.md §2.4)
             kept = kept_token_ids(logits[replay], [settings[i] for i in replay])
             for i, ids in zip(replay, kept):
                 seqs[i].text_cache.setdefault("top_p_token_ids", []).append(ids)

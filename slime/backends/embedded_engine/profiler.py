@@ -1,4 +1,4 @@
-"""``/start_profile`` and ``/stop_profile`` of the embedded engine (SGLANG_PROTOCOL.md §4.6), on torch.profiler.
+"""``/start_profile`` and ``/stop_profile`` of the embedded engine (docs/SGLANG_PROTOCOL.md §4.6), on torch.profiler.
 
 The profiler lives on the engine thread (it starts, counts steps and exports between engine steps).
 One engine step = admit + prefill + one batched decode (see :mod:`engine`). With ``num_steps`` the

@@ -1,4 +1,4 @@
-"""HTTP surface of the embedded engine: SGLang's native endpoints (SGLANG_PROTOCOL.md §1–§6, §8).
+"""HTTP surface of the embedded engine: SGLang's native endpoints (docs/SGLANG_PROTOCOL.md §1–§6, §8).
 
 Status codes and body shapes follow SGLang: native errors ``400 {"error": {"message"}}``, request
 validation errors ``400 {"object": "error", ...}``, unknown sampling keys 500, control endpoints

@@ -139,7 +139,7 @@ class SpecState:
 
 
 def spec_meta_info(seq: "Sequence") -> dict:
-    """SGLang's per-request speculative counters (final ``meta_info``; SGLANG_PROTOCOL.md §2.4)."""
+    """SGLang's per-request speculative counters (final ``meta_info``; docs/SGLANG_PROTOCOL.md §2.4)."""
     state = seq.spec
     if state is None or not state.verify_ct:
         return {}

@@ -1,4 +1,4 @@
-"""Loss-side built-ins under the module path users name on the command line (INTERFACES §3.5).
+"""Loss-side built-ins under the module path users name on the command line (docs/INTERFACES.md §3.5).
 
 ``--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function`` and the default
 ``vanilla_tis_function`` live in :mod:`slime.utils.ppo_utils`; this module re-exports them and

@@ -12,7 +12,7 @@ The caller's ``loss_fn(inputs, logits)`` runs on the last stage only, on the res
 those rows) of one micro-batch, and returns ``(loss, payload)``; the
 gradient accumulated over a training pass is exactly that of Σ loss. (The schedule divides what it
 is handed by the number of micro-batches and multiplies it by the context-parallel size, Megatron's
-own loss averaging; :func:`forward_backward` undoes both, so the scaling of INTERFACES §5.8 stays
+own loss averaging; :func:`forward_backward` undoes both, so the scaling of docs/INTERFACES.md §5.8 stays
 in one place, the trainer's loss.) The payloads (log-probs, metric sums: CPU tensors) are returned
 in micro-batch order on the last stage, an empty list elsewhere; :func:`broadcast_from_last_stage`
 hands them to every stage.

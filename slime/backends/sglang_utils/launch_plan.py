@@ -2,7 +2,7 @@
 
 Pure functions of the flags, the engine layout (``sglang_config.ModelConfig``), where each rollout GPU
 is (``device_map[i] = (node_ip, local_gpu_id)``) and a port allocator, so layouts can be checked
-without a cluster. Rules (SGLANG_PROTOCOL §9-10, INTERFACES §4.2):
+without a cluster. Rules (docs/SGLANG_PROTOCOL.md §9-10, docs/INTERFACES.md §4.2):
 
 * Engines take consecutive rollout GPUs, models and groups in file order; a ``placeholder`` group
   takes its GPUs and starts nothing.
@@ -67,7 +67,7 @@ class EnginePlan:
         return len(self.processes)
 
     def registration(self) -> dict:
-        """The router's ``POST /workers`` body for this engine (SGLANG_PROTOCOL §11.3)."""
+        """The router's ``POST /workers`` body for this engine (docs/SGLANG_PROTOCOL.md §11.3)."""
         body = {"url": self.url, "worker_type": self.worker_type}
         if self.bootstrap_port is not None:
             body["bootstrap_port"] = self.bootstrap_port

@@ -4,7 +4,7 @@ existing router (``--sglang-router-ip/port``).
 A regular model's router starts with ``--worker-urls``; a prefill/decode model's with
 ``--pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...``. Registration with a
 running router is ``POST /workers`` with ``{"url", "worker_type", ["bootstrap_port"]}``
-(SGLANG_PROTOCOL §11.3); a worker already registered is not an error.
+(docs/SGLANG_PROTOCOL.md §11.3); a worker already registered is not an error.
 """
 
 from __future__ import annotations

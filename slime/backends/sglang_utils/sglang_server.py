@@ -1,7 +1,7 @@
 """One SGLang server process (``python -m sglang.launch_server ...``) from its launch plan.
 
 Only node rank 0 of an engine serves HTTP; it is ready when ``/health_generate`` answers 200
-(SGLANG_PROTOCOL §4.1, §9). The process sees every GPU of its node (``--base-gpu-id`` picks its
+(docs/SGLANG_PROTOCOL.md §4.1, §9). The process sees every GPU of its node (``--base-gpu-id`` picks its
 own), and runs without ``PYTORCH_CUDA_ALLOC_CONF``: SGLang's memory saver does not support
 expandable segments.
 """

@@ -4,7 +4,7 @@ The rollout manager builds one :class:`TrainBatch` per shard
 (:func:`slime.utils.train_data.split_train_data_by_dp`); every rank of a data-parallel replica
 trains on the same one. User hooks that are documented to receive the ``rollout_data`` dict
 (``--rollout-data-postprocess-path``, ``--custom-advantage-function-path``, the train debug dump)
-get :meth:`TrainBatch.as_rollout_data` — the INTERFACES §7.7 keys plus the computed columns — and
+get :meth:`TrainBatch.as_rollout_data` — the docs/INTERFACES.md §7.7 keys plus the computed columns — and
 what they change is read back with :meth:`TrainBatch.with_rollout_data`.
 
 Notation: n = samples in the shard; R_i = response length of sample i; L_i its total length.
@@ -60,7 +60,7 @@ class TrainBatch:
     tokens: list[torch.Tensor]  # int64 [L_i]: prompt + response
     response_lengths: list[int]  # R_i
     loss_masks: list[torch.Tensor]  # int32 [R_i], 1 = trained token
-    rewards: list[float]  # post-processed rewards (INTERFACES §5.1)
+    rewards: list[float]  # post-processed rewards (docs/INTERFACES.md §5.1)
     rollout_mask_sums: torch.Tensor  # float32 [n]: D_i, the loss-mask total of sample i's rollout in its step
     schedule: StepSchedule
     partition: list[int]  # global positions of the shard's samples in the rollout step
@@ -88,7 +88,7 @@ class TrainBatch:
     ref_log_probs: list[torch.Tensor] | None = None
     entropy: list[torch.Tensor] | None = None  # --use-rollout-entropy
     values: list[torch.Tensor] | None = None  # critic's V_old
-    kl: list[torch.Tensor] | None = None  # shaping KL (INTERFACES §5.2)
+    kl: list[torch.Tensor] | None = None  # shaping KL (docs/INTERFACES.md §5.2)
     advantages: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
     opd_reverse_kl: list[torch.Tensor] | None = None
@@ -107,7 +107,7 @@ class TrainBatch:
         return dataclasses.replace(self, **columns)
 
     def as_rollout_data(self) -> dict[str, Any]:
-        """The documented ``rollout_data`` dict (INTERFACES §2.9, §7.7): the shard's keys, the schedule
+        """The documented ``rollout_data`` dict (docs/INTERFACES.md §2.9, §7.7): the shard's keys, the schedule
         keys, ``total_lengths_local`` and the computed columns present. Lists are shared with the
         record, so editing an element in place is seen by it too."""
         data: dict[str, Any] = {}
@@ -141,7 +141,7 @@ class TrainBatch:
 
     @classmethod
     def from_rollout_data(cls, data: dict[str, Any]) -> "TrainBatch":
-        """A record from a ``rollout_data`` dict with the INTERFACES §7.7 keys (e.g. built by hand in a test)."""
+        """A record from a ``rollout_data`` dict with the docs/INTERFACES.md §7.7 keys (e.g. built by hand in a test)."""
         known = {f.name for f in dataclasses.fields(cls)} - {"schedule", "extra"}
         fields = {k: v for k, v in data.items() if k in known}
         schedule = StepSchedule(**{k: data[k] for k in _SCHEDULE_KEYS})

@@ -20,7 +20,7 @@ _FIELDS = ("loss_masks", "advantages", "returns", "values", "log_probs", "ref_lo
 
 
 def micro_batch_fields(data, micro_batch: list[int]) -> dict:
-    """The INTERFACES §2.10 ``batch`` dict of one micro-batch of a :class:`~slime.backends.training.batch.TrainBatch`:
+    """The docs/INTERFACES.md §2.10 ``batch`` dict of one micro-batch of a :class:`~slime.backends.training.batch.TrainBatch`:
     per-sample lists of its columns."""
     batch = {}
     for key in _FIELDS:
@@ -60,7 +60,7 @@ class LossDispatch:
         return ModelOutput("log_probs", entropy=self.loss_type == "policy_loss", entropy_grad=entropy_grad)
 
     def __call__(self, data, micro_batch: list[int], outputs: ModelOutputs) -> tuple[torch.Tensor, dict]:
-        """(loss, metrics) of one micro-batch; metrics are S-reduced sums (INTERFACES §5.8) on the device."""
+        """(loss, metrics) of one micro-batch; metrics are S-reduced sums (docs/INTERFACES.md §5.8) on the device."""
         args = self.args
         batch = micro_batch_fields(data, micro_batch)
         reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],

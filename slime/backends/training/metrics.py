@@ -20,7 +20,7 @@ PLAIN_MEAN_KEYS = ("rewards", "response_lengths", "total_lengths", "truncated", 
 
 
 def reduce_sums(sums: dict[str, torch.Tensor], normaliser: float, layout: DataLayout) -> dict[str, float]:
-    """Σ over all ranks of each metric sum ÷ ``normaliser`` (INTERFACES §5.8), each replica's copies counted once.
+    """Σ over all ranks of each metric sum ÷ ``normaliser`` (docs/INTERFACES.md §5.8), each replica's copies counted once.
 
     Every rank must reduce the same keys in the same order; a rank that computed no loss in this step
     (no samples, or not the last pipeline stage) has none, so the key set is agreed first."""
@@ -44,7 +44,7 @@ def _per_sample_means(column) -> list[float]:
 
 def rollout_metrics(batch, layout: DataLayout, device, correct_entropy: bool = False) -> dict[str, float]:
     """Of a :class:`~slime.backends.training.batch.TrainBatch`: ``rollout/<key>``: token-weighted per-rollout means for log-prob-like keys (Σ_i Σ_t x·m / D_i over
-    all samples ÷ number of rollouts), plain sample means for the rest (INTERFACES §5.9). With ``correct_entropy``
+    all samples ÷ number of rollouts), plain sample means for the rest (docs/INTERFACES.md §5.9). With ``correct_entropy``
     (``--log-correct-samples``) also ``rollout/correct_entropy``: the mean entropy over the trained
     tokens of correct samples (raw reward exactly 1), 0 when the step has none."""
     keys, values = [], []

@@ -12,7 +12,7 @@ Rollout step, actor (``train``):
      OPD, whitening over the data-parallel ranks;
   3. ``--rollout-data-postprocess-path`` hook ``(args, rollout_id, rollout_data)``;
   4. one optimizer step per ``global_batch_sizes`` entry: the before-train-step hook, forward and
-     backward of each micro-batch with the loss scaled so that the step objective is exactly INTERFACES §5.8
+     backward of each micro-batch with the loss scaled so that the step objective is exactly docs/INTERFACES.md §5.8
      (per-rollout: Σ S / B; per-token: Σ S / tokens) whatever the micro-batch split and layout,
      then the backend's optimizer step.
 
@@ -86,10 +86,10 @@ class TrainWorker:
         return self.backend.forward_only(which, batch, output)
 
     def skips_old_log_prob_pass(self, batch: TrainBatch) -> bool:
-        """INTERFACES §5: with exactly one optimizer step in this rollout step and nothing else needing π_old
+        """docs/INTERFACES.md §5: with exactly one optimizer step in this rollout step and nothing else needing π_old
         from a separate pass, the loss uses log π_old = stopgrad(log π_θ) (ratio ≡ 1, the same
         loss and gradients) and the forward-only π_old pass is skipped. Custom advantage and
-        rollout-data hooks may read ``log_probs``, and the train debug dump (INTERFACES §7.6) records them, so
+        rollout-data hooks may read ``log_probs``, and the train debug dump (docs/INTERFACES.md §7.6) records them, so
         they keep the pass."""
         args = self.args
         return (
@@ -111,7 +111,7 @@ class TrainWorker:
         )
 
     def compute_log_probs(self, batch: TrainBatch, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
-        """π_old log-probs (not with ``skip_old``), reference log-probs and the shaping KL (INTERFACES §5.2)
+        """π_old log-probs (not with ``skip_old``), reference log-probs and the shaping KL (docs/INTERFACES.md §5.2)
         for this shard's samples, as columns (``log_probs``, ``ref_log_probs``, ``entropy``, ``kl``)."""
         with self.profiler.phase("train_log_probs"):
             return self._compute_log_probs(batch, skip_old)
@@ -150,7 +150,7 @@ class TrainWorker:
         args = self.args
         masks = [m.float() for m in batch.loss_masks]
         if getattr(args, "custom_advantage_function_path", None):
-            view = batch.as_rollout_data()  # INTERFACES §2.21: the hook sets rollout_data["advantages"] / ["returns"]
+            view = batch.as_rollout_data()  # docs/INTERFACES.md §2.21: the hook sets rollout_data["advantages"] / ["returns"]
             load_function(args.custom_advantage_function_path)(args, view)
             batch = batch.with_rollout_data(view)
         else:
@@ -194,7 +194,7 @@ class TrainWorker:
                 raise ValueError("critic.train with --kl-coef != 0 needs the kl column from actor.compute_log_probs")
             batch = self._compute_advantages(batch)
         if self.role == "actor" and getattr(args, "rollout_data_postprocess_path", None):
-            view = batch.as_rollout_data()  # INTERFACES §2.9: mutated in place by the hook
+            view = batch.as_rollout_data()  # docs/INTERFACES.md §2.9: mutated in place by the hook
             load_function(args.rollout_data_postprocess_path)(args, rollout_id, view)
             batch = batch.with_rollout_data(view)
         return batch
@@ -236,7 +236,7 @@ class TrainWorker:
         return metrics
 
     def step_normaliser(self, batch: TrainBatch, step_id: int) -> float:
-        """B (rollouts in the step) or, per-token mode, the step's total loss-token count (INTERFACES §5.8)."""
+        """B (rollouts in the step) or, per-token mode, the step's total loss-token count (docs/INTERFACES.md §5.8)."""
         if self.args.calculate_per_token_loss:
             return float(batch.schedule.step_loss_token_counts[step_id])
         return float(batch.schedule.global_batch_sizes[step_id])
@@ -274,7 +274,7 @@ class TrainWorker:
 
     def _train_steps(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         args, backend = self.args, self.backend
-        tag = "" if self.role == "actor" else "critic-"  # INTERFACES §5.5: critic metrics carry the role tag
+        tag = "" if self.role == "actor" else "critic-"  # docs/INTERFACES.md §5.5: critic metrics carry the role tag
         hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
         hook = load_function(hook) if hook else None
         start_time, tokens_done, flops_done = time.perf_counter(), 0, 0.0

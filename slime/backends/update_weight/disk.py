@@ -146,7 +146,7 @@ class DiskWeightUpdater:
 
 
 def run_post_write_hook(args, version_dir: str | None, engine_urls: list[str], failure: str | None = None) -> None:
-    """``--custom-update-weight-post-write-path`` on every training rank (INTERFACES §2.20).
+    """``--custom-update-weight-post-write-path`` on every training rank (docs/INTERFACES.md §2.20).
 
     Trainer rank 0 writes the version and calls this with its directory; the other ranks call it with
     ``None`` once they have produced their share of the buckets (``TrainRayActor.update_weights``) and

@@ -1,1 +1,1 @@
-"""Dynamic-sampling filters (INTERFACES §2.5)."""
+"""Dynamic-sampling filters (docs/INTERFACES.md §2.5)."""

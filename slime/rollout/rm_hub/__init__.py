@@ -1,4 +1,4 @@
-"""Reward models: rule-based scorers by ``--rm-type`` and the custom/remote entry points (INTERFACES §3.3).
+"""Reward models: rule-based scorers by ``--rm-type`` and the custom/remote entry points (docs/INTERFACES.md §3.3).
 
 Dispatch for one sample: ``sample.custom_rm_path`` → ``--custom-rm-path`` → ``metadata["rm_type"]``
 → ``--rm-type``. A ``boxed_`` prefix first replaces the response with the content of its last

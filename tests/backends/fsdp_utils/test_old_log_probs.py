@@ -1,4 +1,4 @@
-"""Where π_old comes from (INTERFACES §5 opening): ``--keep-old-actor`` (the actor before the last
+"""Where π_old comes from (docs/INTERFACES.md §5 opening): ``--keep-old-actor`` (the actor before the last
 update, kept in host memory) and the skip-recompute shortcut (one optimizer step, nothing else
 needing the pass: log π_old = stopgrad(log π_θ), one forward saved)."""
 

@@ -3,7 +3,7 @@
 ``slime.rollout.sft_rollout`` (chat transcripts → tokens and loss masks) → train data → the FSDP2
 worker with ``--loss-type sft_loss`` is run for a few rollout steps next to a hand-written loop on
 the same samples in the same order: one unpacked forward per sample, ``log_softmax`` of the HF
-model's logits, the loss of INTERFACES §5.6/§5.8 (per-token: Σ m·log p / Σ m over the step;
+model's logits, the loss of docs/INTERFACES.md §5.6/§5.8 (per-token: Σ m·log p / Σ m over the step;
 per-sample: the mean over samples of each sample's masked mean), ``clip_grad_norm_``, ``torch.optim.AdamW``
 (biases and norm weights without weight decay) and the lr asked for, step by step. Loss, gradient
 norm and lr must agree at every optimizer step and the weights at the end.

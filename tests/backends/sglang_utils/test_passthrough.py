@@ -62,7 +62,7 @@ def test_types_defaults_and_list_values_come_from_serverargs(real):
                                           "context-length": 8192, "tool-call-parser": "qwen25", "no-dllm-fdfo": True,
                                           "dp-size": 2, "enable-dp-attention": True}
     assert args["sglang_dp_size"] == args["sglang_data_parallel_size"] == 2  # alias kept in sync
-    assert args["sglang_tp_size"] == 8  # = --rollout-num-gpus-per-engine / pp size (INTERFACES §4.2)
+    assert args["sglang_tp_size"] == 8  # = --rollout-num-gpus-per-engine / pp size (docs/INTERFACES.md §4.2)
     # slime-owned fields are not pass-through flags
     assert not any(k in args for k in ("sglang_port", "sglang_model_path", "sglang_base_gpu_id",
                                        "sglang_nnodes", "sglang_enable_memory_saver"))

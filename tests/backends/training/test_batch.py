@@ -1,4 +1,4 @@
-"""The typed train-data record and the documented ``rollout_data`` dict user hooks receive (INTERFACES §2.9,
+"""The typed train-data record and the documented ``rollout_data`` dict user hooks receive (docs/INTERFACES.md §2.9,
 §2.21, §7.7): the dict view carries the documented keys, and what a hook changes is what the trainer
 uses."""
 
@@ -11,7 +11,7 @@ import torch
 from slime.backends.training.worker import TrainWorker
 from tests.backends.fsdp_utils.fsdp_test_utils import make_args, make_samples, rank_data
 
-# INTERFACES §7.7 per-rank keys the default conversion produces, the schedule, the trainer's local lengths
+# docs/INTERFACES.md §7.7 per-rank keys the default conversion produces, the schedule, the trainer's local lengths
 DOCUMENTED_KEYS = {
     "partition", "tokens", "response_lengths", "rewards", "truncated", "loss_masks", "sample_indices", "rollout_ids",
     "rollout_mask_sums", "rollout_log_probs", "prompt", "raw_reward", "total_lengths", "global_batch_sizes",
