@@ -50,7 +50,9 @@ def _blocks(n: int) -> int:
 
 
 def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor, not the Python number: PyTorch's CUDA kernels multiply by the reciprocal
+    # of a scalar divisor (off by an ulp), and the Triton quantizer divides with correct rounding
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                              max_length_q: int | None = None, max_length_k: int | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
-    """``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``, causal per sample."""
+    """``query/key [1, H|Hkv, T, D]``, ``value [1, Hkv, T, Dv]`` -> ``[1, T, H, Dv]``, causal per sample."""
     if cu_seq_lens_q is None or query.shape[0] != 1:
         raise ValueError("slime_varlen attention needs a packed batch [1, T] and cu_seq_lens_q/k "
                          "(a packed batch of one row, as both trainer backends build)")
@@ -63,8 +63,24 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu_k = cu if cu_seq_lens_k is None else cu_seq_lens_k.to(torch.int32)
     max_q = int(max_length_q)
     max_k = int(max_length_k if max_length_k is not None else max_length_q)
-    out = varlen_attn(q, k, v, cu, cu_k, max_q, max_k, scale=scaling, **extra)
-    return out.unsqueeze(0), None
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v, value_dim = _same_head_size(q, k, v)
+    out = varlen_attn(q, k, v, cu, cu_k, max_q, max_k, scale=scale, **extra)
+    return out[..., :value_dim].unsqueeze(0), None
+
+
+def _same_head_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The flash kernel wants one head size for queries, keys and values; multi-latent attention
+    (DeepSeek-V3: 192 for q/k, 128 for v) has two. Zero columns change nothing: padded value columns
+    give zero output columns (cut off after), padded query/key columns add nothing to the scores
+    (the scale is taken from the unpadded size). Returns ``(q, k, v, value head size)``."""
+    qk_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim < qk_dim:
+        v = torch.nn.functional.pad(v, (0, qk_dim - value_dim))
+    elif value_dim > qk_dim:
+        q = torch.nn.functional.pad(q, (0, value_dim - qk_dim))
+        k = torch.nn.functional.pad(k, (0, value_dim - qk_dim))
+    return q, k, v, value_dim
 
 
 def _no_mask(*args, **kwargs):

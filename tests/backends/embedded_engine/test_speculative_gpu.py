@@ -79,6 +79,11 @@ def test_speculative_engine_matches_hf_on_cuda(tiny_model_dir, spec, temperature
         assert len(out["output_ids"]) == n
         check_against_hf(model, prompt, out, temperature)
         assert out["meta_info"]["spec_verify_ct"] >= 1
-    assert stats["spec_verify_forwards"] > 0 and stats["spec_accepted_drafts"] > 0
+    assert stats["spec_verify_forwards"] > 0 and stats["spec_proposed_drafts"] > 0
+    if temperature == 0.0 or "STANDALONE" in spec:
+        # Sampling at temperature 1, a prompt-lookup draft is accepted with the target's probability of
+        # that token, which the tiny random model's spread-out distributions keep small: the H200 run
+        # accepted none in 134 verify forwards, so only greedy (or a draft equal to the target) must accept.
+        assert stats["spec_accepted_drafts"] > 0
     if "STANDALONE" in spec and temperature == 0.0:
         assert stats["spec_accepted_drafts"] == stats["spec_proposed_drafts"]
