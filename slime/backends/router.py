@@ -26,6 +26,7 @@ from slime.utils.process import ServerProcess, find_free_port
 
 class RouterProcess(ServerProcess):
     health_path = "/liveness"
+    SHUTDOWN_GRACE_SECS = 1  # unless --router-shutdown-grace-period-secs (see command())
 
     def __init__(self, policy: str = "cache_aware", worker_urls: list[str] | None = None, port: int | None = None,
                  host: str = "127.0.0.1", extra_args: list[str] | None = None, env: dict | None = None):
@@ -46,6 +47,10 @@ class RouterProcess(ServerProcess):
             cmd += ["--prometheus-host", self.host]
         if not any(a.startswith("--prometheus-port") for a in self.extra_args):
             cmd += ["--prometheus-port", str(find_free_port(self.host))]
+        # slime stops its router when the run ends (nothing in flight) or kills it to restart it; with
+        # smg's 180 s grace period a SIGTERM'd idle router still takes ~5 s to exit, with 1 s ~0.5 s
+        if not any(a.startswith("--shutdown-grace-period-secs") for a in self.extra_args):
+            cmd += ["--shutdown-grace-period-secs", str(self.SHUTDOWN_GRACE_SECS)]
         return cmd + self.extra_args
 
     def wait_healthy(self, timeout: float = 60.0) -> None:

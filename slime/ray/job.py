@@ -72,6 +72,12 @@ class Job:
         _raise_on_sigterm()  # after ray.init, which installs a handler of its own
         self.placements = placements = create_placement_groups(args)
         self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"])
+        if not args.debug_rollout_only:
+            # the trainer processes start and import the training stack while the engines start;
+            # they are initialised (devices, models) once the rollout side is up and offloaded
+            self.actor = TrainGroup(args, placements["actor"], role="actor")
+            if args.use_critic:
+                self.critic = TrainGroup(args, placements["critic"], role="critic")
         runtime = ray.get(self.rollout_manager.get_runtime_args.remote())
         for key, value in runtime.items():
             setattr(args, key, value)
@@ -79,10 +85,8 @@ class Job:
             ray.get(self.rollout_manager.offload.remote())
         start_rollout_id = None
         if not args.debug_rollout_only:
-            self.actor = TrainGroup(args, placements["actor"], role="actor")
             start_rollout_id = self.actor.init()
             if args.use_critic:
-                self.critic = TrainGroup(args, placements["critic"], role="critic")
                 self.critic.init()
                 if self.critic.dp_size != self.actor.dp_size:
                     raise ValueError(f"the critic has {self.critic.dp_size} data-parallel shards and the actor "

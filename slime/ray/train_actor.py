@@ -32,6 +32,15 @@ class TrainRayActor:
         self.worker = None
         self.weight_updater = None
 
+    def preload(self, train_backend: str) -> None:
+        """Import the training stack (torch, the worker, the backend and what it imports: transformers
+        or Megatron-Core) — seconds of a rank's start that need nothing else, so the job calls this
+        while the engines are still starting. Touches no device."""
+        from slime.backends.training.backend import backend_class
+        from slime.backends.training.worker import TrainWorker  # noqa: F401
+
+        backend_class(train_backend)
+
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
@@ -91,7 +100,8 @@ class TrainRayActor:
         self.worker.save(rollout_id)
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save()
+        if self.worker is not None:  # a rank the job never initialised (it failed before) has nothing in flight
+            self.worker.wait_for_save()
 
     def save_hf(self, path: str) -> None:
         self.worker.save_hf(path)

@@ -32,6 +32,9 @@ class TrainGroup:
             if strategy is not None:
                 options["scheduling_strategy"] = strategy
             self.actors.append(TrainRayActor.options(**options).remote(world_size, rank, None, None))
+        # the ranks import the training stack now (the job creates the group before it waits for the
+        # engines); init() waits for it, and a failed import is raised there
+        self._preloaded = [actor.preload.remote(args.train_backend) for actor in self.actors]
 
     @property
     def world_size(self) -> int:
@@ -44,6 +47,7 @@ class TrainGroup:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the {self.role} ranks could not be scheduled within 600 s: not enough free "
                                f"CPUs/GPUs in the placement group (see `ray status`)") from None
+        ray.get(self._preloaded)
         results = ray.get([a.init.remote(self.args, self.role, addr, port) for a in self.actors])
         self.layouts = [DataLayout(**layout) for _, layout in results]
         sizes = {layout.dp_size for layout in self.layouts}

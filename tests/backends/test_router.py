@@ -41,3 +41,15 @@ def test_router_register_and_remove_worker(engine):
         assert len(_generate(router.url)["output_ids"]) == 4
         router.remove_worker(engine.url)
         assert router.list_workers() == []
+
+
+def test_router_command_shortens_smgs_shutdown_grace_unless_given():
+    """slime stops its own router when a run ends (nothing in flight): smg's 180 s grace period kept an
+    idle router ~5 s in SIGTERM, 1 s ~0.5 s. A user's --router-shutdown-grace-period-secs wins."""
+    from slime.backends.router import RouterProcess
+
+    default = RouterProcess(policy="round_robin").command()
+    assert default[default.index("--shutdown-grace-period-secs") + 1] == "1"
+    given = RouterProcess(policy="round_robin", extra_args=["--shutdown-grace-period-secs", "30"]).command()
+    assert given.count("--shutdown-grace-period-secs") == 1
+    assert given[given.index("--shutdown-grace-period-secs") + 1] == "30"
