@@ -22,5 +22,6 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py \
     tests/backends/embedded_engine/test_fp8.py::test_triton_gemm_interpreted_equals_reference \
     tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
-    tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put
+    tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \
+    tests/backends/embedded_engine/test_fused_projections.py::test_packed_silu_gate_interpreted_equals_torch
 fi

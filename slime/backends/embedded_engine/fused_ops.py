@@ -14,7 +14,8 @@ is. Every kernel follows the Hugging Face formula, with fp32 arithmetic in regis
 * RMSNorm: ``w * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(x.dtype)`` (the cast before the weight, as
   HF does it);
 * rotary: ``x * cos + rotate_half(x) * sin``, rounded once instead of after each op;
-* SiLU gate: ``silu(g) * u``.
+* SiLU gate: ``silu(g) * u`` (reading ``g`` and ``u`` from the one ``[gate | up]`` output where
+  ``fused_projections.py`` has fused the two projections).
 
 Results equal HF's to rounding (tests compare them in fp32 and bf16).
 """
@@ -63,6 +64,16 @@ if triton is not None:
         tl.store(out_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
+    def _silu_mul_packed_kernel(gu_ptr, out_ptr, stride_gu, width, BLOCK: tl.constexpr):
+        # row of [gate | up] (2 * width) -> row of silu(gate) * up (width)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq,
                      sx_b, sx_h, sx_s, scs_b, scs_s, so_b, so_h, so_s, HALF: tl.constexpr):
         # one program per (batch, head, position); x [B, H, S, 2*HALF] (last dim contiguous),
@@ -105,6 +116,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2·I]`` holding ``[gate | up]`` (the fused gate/up projection's output) -> ``silu(gate) * up``
+    ``[..., I]``, read in place (no split copies)."""
+    shape = gate_up.shape
+    width = shape[-1] // 2
+    rows = gate_up.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, rows.stride(0), width, BLOCK=block,
+                                                                        num_warps=4)
+    return out.view(*shape[:-1], width)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [B, H, S, D]`` (any strides, last dim contiguous), ``cos/sin [B, S, D]`` -> rotated, ``[B, H, S, D]``."""
     batch, heads, seq, dim = x.shape
@@ -139,6 +165,10 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:  # gate/up fused (fused_projections.py)
+    return self.down_proj(silu_mul_packed(self.gate_up_proj(x)))
+
+
 def install(model: torch.nn.Module) -> dict:
     """Swap the fused kernels into ``model`` (CUDA + Triton only); return how many of each were installed."""
     import importlib
@@ -153,8 +183,13 @@ def install(model: torch.nn.Module) -> dict:
             module.forward = types.MethodType(_rmsnorm_forward, module)
             counts["rmsnorm"] += 1
         elif name in MLP_CLASSES and getattr(getattr(module, "config", None), "hidden_act", None) in ("silu", "swish") \
-                and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            module.forward = types.MethodType(_mlp_forward, module)
+                and hasattr(module, "down_proj"):
+            if hasattr(module, "gate_up_proj"):
+                module.forward = types.MethodType(_packed_mlp_forward, module)
+            elif hasattr(module, "gate_proj") and hasattr(module, "up_proj"):
+                module.forward = types.MethodType(_mlp_forward, module)
+            else:
+                continue
             counts["mlp"] += 1
     family = type(model).__module__.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # transformers.models.<family>.modeling_x
     if family in ROPE_MODULES:

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from slime.backends.embedded_engine import attention
+from slime.backends.embedded_engine import attention, fused_projections
 from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotCacheView, SlotKVCache
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.weights_on_device = True
         self.attention_backend = self._resolve_attention_backend(attention_backend)
+        # q/k/v and gate/up as one GEMM each (exact: the same dot products); FP8 keeps them separate,
+        # its quantizer and weight-name mapping work per HF linear
+        self.fused_projections = fused_projections.install(self.model) if quantization is None else {}
         self.fused_ops = {}
         if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
             from slime.backends.embedded_engine import fused_ops
@@ -327,9 +330,7 @@ class ModelRunner:
                 self.fp8.load(name, tensor)
                 count += 1
                 continue
-            target = params.get(name)
-            if target is None:
-                target = _fused_expert_slice(params, name)
+            target = self._named_tensor(params, name)
             if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of {type(self.model).__name__} "
                                f"(e.g. {sorted(params)[:3]} ...); send HF parameter names")
@@ -357,11 +358,19 @@ class ModelRunner:
             return self.fp8.dequantized(name)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        tensor = self._named_tensor(params, name)
+        if tensor is None:
+            raise KeyError(f"no parameter named {name!r}")
+        return tensor
+
+    def _named_tensor(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+        """The tensor an HF name denotes: a parameter/buffer, or a view of the fused expert or fused
+        projection parameter that holds it (``fused_projections.py``)."""
         tensor = params.get(name)
         if tensor is None:
             tensor = _fused_expert_slice(params, name)
-        if tensor is None:
-            raise KeyError(f"no parameter named {name!r}")
+        if tensor is None and any(self.fused_projections.values()):
+            tensor = fused_projections.projection_slice(self.model, name)
         return tensor
 
     def weight_bytes(self) -> int:
