@@ -292,8 +292,11 @@ class ModelRunner:
         :meth:`DecodeGraphs.run_next`): the engine launches it before reading the previous step's results."""
         return self.graphs.run_next(tokens, positions)
 
-    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
-        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable)."""
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable). The fp32 logits
+        ``[B, vocab]`` go to ``out`` when given (a CUDA graph's output buffer: the model-dtype logits
+        are cast in that one copy, not copied twice)."""
         batch = input_ids.shape[0]
         key_pos = torch.arange(kv_length, device=self.device).view(1, 1, 1, -1)
         mask = torch.zeros((batch, 1, 1, kv_length), dtype=self.dtype, device=self.device)
@@ -303,9 +306,9 @@ class ModelRunner:
         extra = {self._cache_kwarg: view}
         if self.attention_backend == "triton":  # per-row lengths for the flash-decoding kernel
             extra["slot_lengths"] = positions.view(-1) + 1
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **extra)
-        return out.logits[:, -1].float()
+        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                            logits_to_keep=1, **extra).logits[:, -1]
+        return logits.float() if out is None else out.copy_(logits)
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;
@@ -528,7 +531,7 @@ class DecodeGraphs:
             self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[:padded].copy_(runner.decode_forward(ids, pos, length))
+            runner.decode_forward(ids, pos, length, out=self.logits[:padded])
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
         return graph, self.logits[:padded]

@@ -5,8 +5,6 @@ unfused model's for every family it knows, and the Hugging Face names keep reach
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -120,17 +118,6 @@ def test_fp8_keeps_the_projections_separate(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, num_slots=2, slot_capacity=64, quantization="fp8")
     assert runner.fused_projections == {}
     assert hasattr(runner.model.model.layers[0].self_attn, "q_proj")
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
-                    reason="runs the Triton kernel on the CPU: needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("shape", [(3, 1, 2 * 48), (5, 2 * 1500)])
-def test_packed_silu_gate_interpreted_equals_torch(shape):
-    from slime.backends.embedded_engine.fused_ops import silu_mul_packed
-
-    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_mul_packed(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
