@@ -63,6 +63,8 @@ class ModelRunner:
         # q/k/v and gate/up as one GEMM each (exact: the same dot products); FP8 keeps them separate,
         # its quantizer and weight-name mapping work per HF linear
         self.fused_projections = fused_projections.install(self.model) if quantization is None else {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}
         if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
             from slime.backends.embedded_engine import fused_ops
