@@ -107,7 +107,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, modeling.eager_attention_forward)
     window = {"config": getattr(self.config, "sliding_window", None),
               "module": getattr(self, "sliding_window", None)}.get(sliding_window)
-    out, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+    dropout = self.attention_dropout if self.training else 0.0
+    out, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
                              sliding_window=window, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 

@@ -155,7 +155,7 @@ def test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits(family):
     import types
 
     from slime.backends.embedded_engine import fused_ops, fused_projections
-    from tests.backends.embedded_engine.test_fused_projections import _models
+    from test_fused_projections import _models
 
     reference, patched = _models(family)
     fused_projections.install(patched)

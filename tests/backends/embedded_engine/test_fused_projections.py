@@ -83,7 +83,7 @@ def test_runner_updates_by_hf_name_reach_the_fused_weights_after_a_move(tiny_mod
     name, and the logits equal HF's (unfused) with the same weights, also after the parameters have
     been rebound by ``model.to()`` (what release/resume of the memory saver does on CUDA)."""
     from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
-    from tests.backends.embedded_engine.engine_test_utils import load_hf
+    from engine_test_utils import load_hf
 
     runner = ModelRunner(tiny_model_dir, num_slots=2, slot_capacity=64)
     hf = load_hf(tiny_model_dir)
@@ -125,7 +125,7 @@ def test_cuda_runner_update_after_release_and_resume_equals_hf(tiny_model_dir):
     """On CUDA (fused projections + fused kernels + graphs): release and resume the weights, update
     ``q_proj.weight`` by name, and the graph-replayed decode equals HF fp32 with the same weights."""
     from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
-    from tests.backends.embedded_engine.engine_test_utils import load_hf
+    from engine_test_utils import load_hf
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
