@@ -21,5 +21,9 @@ if [ -d .venv/sglang-args/triton ]; then
   PYTHONPATH="$interp_dir" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -ra --timeout=900 -p no:cacheprovider \
     tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py \
     tests/backends/embedded_engine/test_fp8.py::test_triton_gemm_interpreted_equals_reference \
-    tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias
+    tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
+    tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \
+    tests/backends/embedded_engine/test_fused_ops.py::test_packed_silu_gate_interpreted_equals_torch \
+    tests/backends/embedded_engine/test_fused_ops.py::test_add_rms_norm_interpreted_matches_hf \
+    tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits
 fi

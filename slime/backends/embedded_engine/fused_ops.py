@@ -14,7 +14,10 @@ is. Every kernel follows the Hugging Face formula, with fp32 arithmetic in regis
 * RMSNorm: ``w * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(x.dtype)`` (the cast before the weight, as
   HF does it);
 * rotary: ``x * cos + rotate_half(x) * sin``, rounded once instead of after each op;
-* SiLU gate: ``silu(g) * u``.
+* residual add + RMSNorm (after the attention of each decoder layer): ``h = x + residual`` rounded
+  to the activations' dtype, then the RMSNorm above of ``h``; both returned;
+* SiLU gate: ``silu(g) * u`` (reading ``g`` and ``u`` from the one ``[gate | up]`` output where
+  ``fused_projections.py`` has fused the two projections).
 
 Results equal HF's to rounding (tests compare them in fp32 and bf16).
 """
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 RMSNORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
                    "Qwen3MoeRMSNorm"}
 MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen2MoeMLP", "Qwen3MLP", "Qwen3MoeMLP"}
+DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer",
+                         "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"}
 ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
@@ -55,12 +60,40 @@ if triton is not None:
             out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
+    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n_cols, eps,
+                            BLOCK: tl.constexpr):
+        # sum = x + residual, rounded to the activations' dtype as HF's add does; out = rmsnorm(sum)
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        total = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, total, mask=inside)
+        h = total.to(tl.float32)
+        variance = tl.sum(h * h, axis=0) / n_cols
+        normed = (h * tl.math.rsqrt(variance + eps)).to(sum_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(
+            out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _silu_mul_packed_kernel(gu_ptr, out_ptr, stride_gu, width, BLOCK: tl.constexpr):
+        # row of [gate | up] (2 * width) -> row of silu(gate) * up (width)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq,
@@ -97,12 +130,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``rmsnorm(h) * weight`` in one kernel; returns ``(normed, h)``, each as
+    HF's ``residual + x`` followed by its RMSNorm module rounds them."""
+    shape = x.shape
+    rows, res = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    total = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype), device=x.device)
+    _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0), shape[-1], eps,
+                                          BLOCK=triton.next_power_of_2(shape[-1]),
+                                          num_warps=4 if shape[-1] <= 2048 else 8)
+    return out.view(shape), total.view(shape)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
     return out
+
+
+def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2·I]`` holding ``[gate | up]`` (the fused gate/up projection's output) -> ``silu(gate) * up``
+    ``[..., I]``, read in place (no split copies)."""
+    shape = gate_up.shape
+    width = shape[-1] // 2
+    rows = gate_up.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, rows.stride(0), width, BLOCK=block,
+                                                                        num_warps=4)
+    return out.view(*shape[:-1], width)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,22 +205,45 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:  # gate/up fused (fused_projections.py)
+    return self.down_proj(silu_mul_packed(self.gate_up_proj(x)))
+
+
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
+    residual) with the first residual add and the post-attention RMSNorm as one kernel."""
+    residual = hidden_states
+    attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    norm = self.post_attention_layernorm
+    normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
+    return residual + self.mlp(normed)
+
+
 def install(model: torch.nn.Module) -> dict:
     """Swap the fused kernels into ``model`` (CUDA + Triton only); return how many of each were installed."""
     import importlib
     import types
 
-    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0}
+    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0, "add_rmsnorm": 0}
     if triton is None or next(model.parameters()).device.type != "cuda":
         return counts
     for module in model.modules():
         name = type(module).__name__
+        if name in DECODER_LAYER_CLASSES and type(getattr(module, "post_attention_layernorm", None)).__name__ \
+                in RMSNORM_CLASSES and all(hasattr(module, a) for a in ("self_attn", "input_layernorm", "mlp")):
+            module.forward = types.MethodType(_decoder_layer_forward, module)
+            counts["add_rmsnorm"] += 1
         if name in RMSNORM_CLASSES and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rmsnorm_forward, module)
             counts["rmsnorm"] += 1
         elif name in MLP_CLASSES and getattr(getattr(module, "config", None), "hidden_act", None) in ("silu", "swish") \
-                and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            module.forward = types.MethodType(_mlp_forward, module)
+                and hasattr(module, "down_proj"):
+            if hasattr(module, "gate_up_proj"):
+                module.forward = types.MethodType(_packed_mlp_forward, module)
+            elif hasattr(module, "gate_proj") and hasattr(module, "up_proj"):
+                module.forward = types.MethodType(_mlp_forward, module)
+            else:
+                continue
             counts["mlp"] += 1
     family = type(model).__module__.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # transformers.models.<family>.modeling_x
     if family in ROPE_MODULES:

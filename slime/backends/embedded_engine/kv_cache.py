@@ -24,6 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the decode writes are two index_puts
+    triton = None
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -134,13 +140,53 @@ class SlotCacheView:
         return 0
 
 
+if triton is not None:
+
+    @triton.jit
+    def _decode_write_kernel(key_ptr, value_ptr, keys_ptr, values_ptr, slots_ptr, positions_ptr,
+                             sk_b, sk_h, sv_b, sv_h, sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos,
+                             key_dim, value_dim, KEY_BLOCK: tl.constexpr, VALUE_BLOCK: tl.constexpr):
+        # program (row, head): key [row, head, :] -> keys[slot, head, position, :], and the value likewise
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        position = tl.load(positions_ptr + row).to(tl.int64)
+        offs_k = tl.arange(0, KEY_BLOCK)
+        key = tl.load(key_ptr + row * sk_b + head * sk_h + offs_k, mask=offs_k < key_dim)
+        tl.store(keys_ptr + slot * sks_slot + head * sks_h + position * sks_pos + offs_k,
+                 key.to(keys_ptr.dtype.element_ty), mask=offs_k < key_dim)
+        offs_v = tl.arange(0, VALUE_BLOCK)
+        value = tl.load(value_ptr + row * sv_b + head * sv_h + offs_v, mask=offs_v < value_dim)
+        tl.store(values_ptr + slot * svs_slot + head * svs_h + position * svs_pos + offs_v,
+                 value.to(values_ptr.dtype.element_ty), mask=offs_v < value_dim)
+
+
+def write_decode_kv(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    slots: torch.Tensor, positions: torch.Tensor) -> None:
+    """One Triton launch: ``key [B, heads, Dk]`` / ``value [B, heads, Dv]`` (last dim contiguous) into
+    ``keys[slots[i], :, positions[i]]`` / ``values[...]`` of the cache buffers, cast to their dtype.
+    Equals ``keys[slots, :, positions] = key`` (the torch path, two ``index_put`` kernels)."""
+    batch, heads, key_dim = key.shape
+    value_dim = value.shape[-1]
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    _decode_write_kernel[(batch, heads)](
+        key, value, keys, values, slots, positions, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        key_dim, value_dim, KEY_BLOCK=triton.next_power_of_2(key_dim), VALUE_BLOCK=triton.next_power_of_2(value_dim),
+        num_warps=1)
+
+
 class DecodeCacheView:
     """One decode step over the running batch in slots ``0 .. B-1``: row i writes its new key/value at
     ``positions[i]`` and reads the first ``kv_length`` positions of its slot.
 
     Unlike :class:`SlotCacheView` there is no boolean indexing (which waits for the device to count
-    the selected elements): the writes are an ``index_put`` with fixed-size index tensors, so the
-    whole step runs without a host sync and can be captured in a CUDA graph.
+    the selected elements): the writes use fixed-size index tensors, so the whole step runs without a
+    host sync and can be captured in a CUDA graph. On CUDA with Triton they are one kernel per layer
+    (:func:`write_decode_kv`, keys and values together); elsewhere two ``index_put``.
     """
 
     def __init__(self, cache: SlotKVCache, rows: torch.Tensor, positions: torch.Tensor, kv_length: int):
@@ -154,8 +200,11 @@ class DecodeCacheView:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         # [B, heads, 1, dim] -> [B, heads, dim] written at (slot, :, position)
-        keys[self.rows, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
-        values[self.rows, :, self.positions] = value_states[:, :, 0].to(values.dtype)
+        if triton is not None and keys.is_cuda:
+            write_decode_kv(keys, values, key_states[:, :, 0], value_states[:, :, 0], self.rows, self.positions)
+        else:
+            keys[self.rows, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
+            values[self.rows, :, self.positions] = value_states[:, :, 0].to(values.dtype)
         return keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
 
     def get_seq_length(self, *args, **kwargs) -> int:

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from slime.backends.embedded_engine import attention
+from slime.backends.embedded_engine import attention, fused_projections
 from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotCacheView, SlotKVCache
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.weights_on_device = True
         self.attention_backend = self._resolve_attention_backend(attention_backend)
+        # q/k/v and gate/up as one GEMM each (exact: the same dot products); FP8 keeps them separate,
+        # its quantizer and weight-name mapping work per HF linear
+        self.fused_projections = fused_projections.install(self.model) if quantization is None else {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}
         if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
             from slime.backends.embedded_engine import fused_ops
@@ -289,8 +294,11 @@ class ModelRunner:
         :meth:`DecodeGraphs.run_next`): the engine launches it before reading the previous step's results."""
         return self.graphs.run_next(tokens, positions)
 
-    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
-        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable)."""
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable). The fp32 logits
+        ``[B, vocab]`` go to ``out`` when given (a CUDA graph's output buffer: the model-dtype logits
+        are cast in that one copy, not copied twice)."""
         batch = input_ids.shape[0]
         key_pos = torch.arange(kv_length, device=self.device).view(1, 1, 1, -1)
         mask = torch.zeros((batch, 1, 1, kv_length), dtype=self.dtype, device=self.device)
@@ -300,9 +308,9 @@ class ModelRunner:
         extra = {self._cache_kwarg: view}
         if self.attention_backend == "triton":  # per-row lengths for the flash-decoding kernel
             extra["slot_lengths"] = positions.view(-1) + 1
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **extra)
-        return out.logits[:, -1].float()
+        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                            logits_to_keep=1, **extra).logits[:, -1]
+        return logits.float() if out is None else out.copy_(logits)
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;
@@ -327,9 +335,7 @@ class ModelRunner:
                 self.fp8.load(name, tensor)
                 count += 1
                 continue
-            target = params.get(name)
-            if target is None:
-                target = _fused_expert_slice(params, name)
+            target = self._named_tensor(params, name)
             if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of {type(self.model).__name__} "
                                f"(e.g. {sorted(params)[:3]} ...); send HF parameter names")
@@ -357,11 +363,19 @@ class ModelRunner:
             return self.fp8.dequantized(name)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        tensor = self._named_tensor(params, name)
+        if tensor is None:
+            raise KeyError(f"no parameter named {name!r}")
+        return tensor
+
+    def _named_tensor(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+        """The tensor an HF name denotes: a parameter/buffer, or a view of the fused expert or fused
+        projection parameter that holds it (``fused_projections.py``)."""
         tensor = params.get(name)
         if tensor is None:
             tensor = _fused_expert_slice(params, name)
-        if tensor is None:
-            raise KeyError(f"no parameter named {name!r}")
+        if tensor is None and any(self.fused_projections.values()):
+            tensor = fused_projections.projection_slice(self.model, name)
         return tensor
 
     def weight_bytes(self) -> int:
@@ -519,7 +533,7 @@ class DecodeGraphs:
             self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[:padded].copy_(runner.decode_forward(ids, pos, length))
+            runner.decode_forward(ids, pos, length, out=self.logits[:padded])
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
         return graph, self.logits[:padded]

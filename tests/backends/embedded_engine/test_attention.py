@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from slime.backends.embedded_engine.attention import decode_attention
 from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotKVCache
+
+needs_interpreter = pytest.mark.skipif(  # scripts/test.sh runs these again with TRITON_INTERPRET=1
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1 and an importable triton")
 
 
 def reference(query, key, value, positions, scale):
@@ -53,6 +60,50 @@ def test_decode_cache_view_writes_each_row_at_its_position():
     assert keys.shape == (3, 2, 10, 4) and values.shape == (3, 2, 10, 4)
     assert cache.keys[0].abs().sum() == 0  # other layers untouched
     assert cache.keys[1][3].abs().sum() == 0  # the slot outside the batch untouched
+
+
+def _kv_write_case(device, key_dim, value_dim, cache_dtype, dtype, batch=5, heads=3):
+    """Random step keys/values in HF's [B, heads, 1, dim] layout (strided: a transposed projection
+    output) and two caches to write them into, a row's position anywhere in its slot."""
+    gen = torch.Generator().manual_seed(key_dim + value_dim)
+    shape = CacheShape(1, heads, key_dim, num_slots=batch + 2, slot_capacity=37, value_dim=value_dim)
+    caches = [SlotKVCache(shape, cache_dtype, torch.device(device)) for _ in range(2)]
+    key = torch.randn(batch, 1, heads, key_dim, generator=gen).transpose(1, 2).to(device, dtype)
+    value = torch.randn(batch, 1, heads, value_dim, generator=gen).transpose(1, 2).to(device, dtype)
+    rows = torch.tensor([0, 2, 1, 4, 3][:batch], device=device)
+    positions = torch.tensor([0, 36, 5, 17, 36][:batch], device=device)
+    return caches, key, value, rows, positions
+
+
+@needs_interpreter
+@pytest.mark.parametrize("key_dim,value_dim,cache_dtype,dtype", [
+    (16, 16, torch.float32, torch.float32), (64, 64, torch.bfloat16, torch.bfloat16),
+    (48, 24, torch.float32, torch.bfloat16)])  # MLA-like: different, non-power-of-two widths; an upcast
+def test_triton_decode_kv_write_interpreted_equals_index_put(key_dim, value_dim, cache_dtype, dtype):
+    from slime.backends.embedded_engine.kv_cache import write_decode_kv
+
+    (fused, reference), key, value, rows, positions = _kv_write_case("cpu", key_dim, value_dim, cache_dtype, dtype)
+    write_decode_kv(fused.keys[0], fused.values[0], key[:, :, 0], value[:, :, 0], rows, positions)
+    reference.keys[0][rows, :, positions] = key[:, :, 0].to(cache_dtype)
+    reference.values[0][rows, :, positions] = value[:, :, 0].to(cache_dtype)
+    assert torch.equal(fused.keys[0], reference.keys[0]) and torch.equal(fused.values[0], reference.values[0])
+    assert fused.keys[0].abs().sum() > 0 and fused.values[0].abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_decode_cache_view_triton_write_equals_index_put_on_cuda():
+    """On CUDA :class:`DecodeCacheView` writes with the Triton kernel; the result equals the CPU path's."""
+    from slime.backends.embedded_engine import triton_attention
+
+    if not (torch.cuda.is_available() and triton_attention.available(torch.device("cuda"))):
+        pytest.skip("needs CUDA and triton")
+    (cuda_cache, _), key, value, rows, positions = _kv_write_case("cuda", 128, 128, torch.bfloat16, torch.bfloat16,
+                                                                  batch=5, heads=8)
+    (cpu_cache, _), *_ = _kv_write_case("cpu", 128, 128, torch.bfloat16, torch.bfloat16, batch=5, heads=8)
+    DecodeCacheView(cuda_cache, rows, positions, kv_length=37).update(key, value, layer_idx=0)
+    DecodeCacheView(cpu_cache, rows.cpu(), positions.cpu(), kv_length=37).update(key.cpu(), value.cpu(), layer_idx=0)
+    assert torch.equal(cuda_cache.keys[0].cpu(), cpu_cache.keys[0])
+    assert torch.equal(cuda_cache.values[0].cpu(), cpu_cache.values[0])
 
 
 @pytest.mark.gpu

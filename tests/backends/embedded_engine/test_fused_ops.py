@@ -1,15 +1,21 @@
-"""The engine's fused Triton kernels (RMSNorm, rotary embedding, SiLU gate) against the Hugging Face
-modules they replace, on CUDA (skipped elsewhere)."""
+"""The engine's fused Triton kernels (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU gate)
+against the Hugging Face modules they replace: on CUDA (``gpu``), and some on the CPU under Triton's
+interpreter (``bash scripts/test.sh`` runs them with ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1 and an importable triton")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def needs_triton():
     from slime.backends.embedded_engine import triton_attention
 
@@ -17,10 +23,14 @@ def needs_triton():
         pytest.skip("needs CUDA and triton")
 
 
+
+
 def tolerance(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(128, 1, 1024), (3, 1, 16, 128), (2, 300, 2048)])
 def test_rms_norm_matches_hf(dtype, shape):
@@ -34,6 +44,8 @@ def test_rms_norm_matches_hf(dtype, shape):
     torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm(x), **tolerance(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,seq", [(128, 1), (2, 37)])
 def test_rotary_matches_hf(dtype, batch, seq):
@@ -52,6 +64,8 @@ def test_rotary_matches_hf(dtype, batch, seq):
         torch.testing.assert_close(g, w, **tolerance(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_gate_matches_torch(dtype):
     from slime.backends.embedded_engine.fused_ops import silu_mul
@@ -61,6 +75,8 @@ def test_silu_gate_matches_torch(dtype):
     torch.testing.assert_close(silu_mul(gate, up), torch.nn.functional.silu(gate) * up, **tolerance(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_triton")
 def test_install_patches_a_qwen3_model_and_keeps_its_outputs(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3 import modeling_qwen3
@@ -78,5 +94,73 @@ def test_install_patches_a_qwen3_model_and_keeps_its_outputs(tiny_model_dir):
     finally:  # install() patches the module function for the whole process (the engine owns its process)
         modeling_qwen3.apply_rotary_pos_emb = original_rope
     layers = model.config.num_hidden_layers
-    assert counts == {"rmsnorm": 4 * layers + 1, "mlp": layers, "rope": 1}
+    assert counts == {"rmsnorm": 4 * layers + 1, "mlp": layers, "rope": 1, "add_rmsnorm": layers}
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def _add_rms_norm_reference(x, residual, weight, eps):
+    """HF: ``h = residual + x`` in the activations' dtype, then the family's RMSNorm module."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(x.shape[-1], eps=eps).to(x.device, weight.dtype)
+    norm.weight.data.copy_(weight)
+    total = residual + x
+    return norm(total), total
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(4, 1, 64), (2, 3, 96)])
+def test_add_rms_norm_interpreted_matches_hf(shape):
+    from slime.backends.embedded_engine.fused_ops import add_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 4
+    weight = torch.randn(shape[-1], generator=gen)
+    normed, total = add_rms_norm(x, residual, weight, 1e-6)
+    want_normed, want_total = _add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want_normed, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(3, 1, 2 * 48), (5, 2 * 1500)])
+def test_packed_silu_gate_interpreted_equals_torch(shape):
+    from slime.backends.embedded_engine.fused_ops import silu_mul_packed
+
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul_packed(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_hf_on_cuda(dtype):
+    from slime.backends.embedded_engine.fused_ops import add_rms_norm
+
+    x = torch.randn(128, 1, 1024, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x) * 4
+    weight = torch.randn(1024, device="cuda", dtype=dtype)
+    normed, total = add_rms_norm(x, residual, weight, 1e-6)
+    want_normed, want_total = _add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)  # the same rounded add
+    torch.testing.assert_close(normed, want_normed, **tolerance(dtype))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3"])
+def test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits(family):
+    """The decoder-layer forward that :func:`install` swaps in on CUDA, bound on the CPU (its Triton
+    kernel interpreted), on fused and unfused projections alike: the logits do not change."""
+    import types
+
+    from slime.backends.embedded_engine import fused_ops, fused_projections
+    from test_fused_projections import _models
+
+    reference, patched = _models(family)
+    fused_projections.install(patched)
+    for layer in patched.model.layers:
+        layer.forward = types.MethodType(fused_ops._decoder_layer_forward, layer)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)

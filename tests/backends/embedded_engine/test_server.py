@@ -227,6 +227,8 @@ def test_info_endpoints(http, server):
     assert http.get("/model_info").json() == info
     server_info = http.get("/server_info").json()
     assert server_info["tp_size"] == 1 and server_info["context_length"] == CONTEXT
+    state = server_info["internal_states"][0]
+    assert state["fused_projections"]["qkv"] == state["fused_projections"]["gate_up"] > 0  # every layer of Qwen3
     assert http.get("/version").json()["version"]
     assert "sglang:" in http.get("/metrics").text
     assert http.get("/get_load").json()[0]["num_reqs"] == 0

@@ -1,0 +1,146 @@
+"""One decode step of the embedded engine under the torch profiler: its time, HBM fraction and kernels.
+
+    python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --out     # H200
+    python bench/decode_step.py --model qwen3-0.6b --batch 16 --position 383 --out
+    python bench/decode_step.py --model tiny --device cpu --steps 3                      # smoke run
+
+Builds a checkpoint of ``--model`` (``bench/engine_decode.py``'s ``build_checkpoint``: random bf16
+weights with the public architecture's shapes) or loads ``--model-path``, puts ``--batch`` rows in
+the KV cache with every row at ``--position`` (its new token at that position, so each row reads
+``position + 1`` cached tokens) and runs the model runner's decode step, as the engine does (on CUDA
+a replayed CUDA graph of the KV-length bucket). No HTTP, scheduler or sampling: only the forward.
+
+Metrics:
+
+* ``step_ms``: mean time of ``--steps`` back-to-back steps (CUDA events around them).
+* ``step_bytes = weight_bytes + kv_bytes_per_token × batch × (position + 1)`` and
+  ``hbm_fraction = step_bytes / step_seconds / 4.8e12`` (H200 HBM3e spec), as
+  ``bench/engine_decode.py``'s ``roofline_fraction`` counts them (activations not counted).
+* From ``--profile-steps`` profiled steps: ``kernels_per_step``, ``kernels_per_layer``,
+  ``kernel_us_per_step`` (the sum of the kernels' device time) and ``top_kernels``: the ``--top``
+  kernels by device time per step, each ``{"name", "us", "count"}`` (per step, names as the profiler
+  reports them, cut at 90 characters: ``_split_kernel``, ``_decode_write_kernel``, cuBLAS GEMMs ...).
+* ``fused``: what the runner fused (``fused_projections``: q/k/v and gate/up GEMMs per layer;
+  ``fused_ops``: the Triton norms, rotary and SiLU gate), so runs before and after a change say
+  what they ran.
+
+On CPU the same step runs eagerly and the table lists CPU operators by self time (a smoke test of
+the tool; CPU timings on a shared machine mean little). ``--out`` writes
+``bench/results/decode_step-<machine>-<YYYYMMDD>.json`` (or the given ``.json`` path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import write_result  # noqa: E402
+from bench.engine_decode import ARCHITECTURES, H200_HBM_BYTES_PER_S, build_checkpoint  # noqa: E402
+
+
+def timed_steps(step, device: torch.device, steps: int) -> float:
+    """Mean seconds per call of ``step`` over ``steps`` calls in a row."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def kernel_table(step, device: torch.device, steps: int) -> list[dict]:
+    """Per-step device time and count of every kernel (CPU: every operator's self time) of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    rows = []
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": event.key[:90], "us": us / steps, "count": event.count / steps})
+    return sorted(rows, key=lambda row: -row["us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=["tiny", "small", *ARCHITECTURES],
+                        help="checkpoint to build in a temporary directory (ignored with --model-path)")
+    parser.add_argument("--model-path", default=None, help="an existing HF directory instead of --model")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--batch", type=int, default=128, help="rows in the decode step")
+    parser.add_argument("--position", type=int, default=511, help="every row's position (it reads position + 1 tokens)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
+    parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
+    parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
+                        help="write the result JSON (default folder bench/results, or a .json path)")
+    args = parser.parse_args()
+    if args.batch < 1 or args.position < 0 or args.steps < 1 or args.profile_steps < 1:
+        parser.error(f"--batch {args.batch}, --steps {args.steps} and --profile-steps {args.profile_steps} must be "
+                     f">= 1 and --position {args.position} >= 0")
+
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+
+    path = args.model_path or build_checkpoint(args.model, tempfile.mkdtemp(prefix="decode_step_"))
+    runner = ModelRunner(path, device=args.device, dtype=args.dtype, num_slots=args.batch,
+                         slot_capacity=args.position + 1)
+    runner.grow_cache(args.position + 1)
+    if runner.kv_cache.shape.num_slots < args.batch:
+        raise SystemExit(f"--batch {args.batch} x --position {args.position}: the device holds only "
+                         f"{runner.kv_cache.shape.num_slots} slots of {runner.kv_cache.shape.slot_capacity} tokens")
+    tokens, positions = [5] * args.batch, [args.position] * args.batch
+
+    def step():
+        runner.decode(tokens, positions)
+
+    for _ in range(3):  # capture the graph, warm the allocator
+        step()
+    device = runner.device
+    seconds = timed_steps(step, device, args.steps)
+    table = kernel_table(step, device, args.profile_steps)
+
+    layers = getattr(runner.config, "text_config", runner.config).num_hidden_layers
+    weight_bytes = runner.weight_bytes()
+    kv_bytes_per_token = runner.kv_cache.shape.bytes_per_token(runner.dtype)
+    step_bytes = weight_bytes + kv_bytes_per_token * args.batch * (args.position + 1)
+    kernels = sum(row["count"] for row in table)
+    metrics = {"step_ms": seconds * 1e3, "step_bytes": step_bytes, "weight_bytes": weight_bytes,
+               "kv_bytes_per_token": kv_bytes_per_token, "kernels_per_step": kernels,
+               "kernels_per_layer": kernels / layers, "kernel_us_per_step": sum(row["us"] for row in table),
+               "cuda_graph": runner.graphs.captures > 0,
+               "top_kernels": [{**row, "us": round(row["us"], 1)} for row in table[:args.top]]}
+    if device.type == "cuda":
+        metrics["hbm_fraction"] = step_bytes / seconds / H200_HBM_BYTES_PER_S
+    config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
+              "batch": args.batch, "position": args.position, "steps": args.steps,
+              "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
+              # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
+              "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
+                        "fused_ops": getattr(runner, "fused_ops", {})},
+              "hbm_peak_bytes_per_s": H200_HBM_BYTES_PER_S}
+    write_result("decode_step", config, metrics, args.out)
+
+
+if __name__ == "__main__":
+    main()
