@@ -376,10 +376,10 @@ class RolloutManager:
         ray.get(self.engines[index][0].kill_for_test.remote())
 
     def _post_engines(self, path: str, payload: dict | None = None) -> None:
-        import httpx
+        from slime.utils.http_utils import sync_client
 
         for url in self.engine_urls:
-            httpx.post(url + path, json=payload or {}, timeout=300).raise_for_status()
+            sync_client().post(url + path, json=payload or {}, timeout=300).raise_for_status()
 
     def offload(self) -> None:
         self._post_engines("/release_memory_occupation", {})
@@ -491,9 +491,9 @@ class RolloutManager:
 
 
 def _served_weight_version(url: str) -> str | None:
-    import httpx
+    from slime.utils.http_utils import sync_client
 
-    return httpx.get(f"{url}/get_weight_version", timeout=30).json().get("weight_version")
+    return sync_client().get(f"{url}/get_weight_version", timeout=30).json().get("weight_version")
 
 
 def _node_address() -> str:

@@ -87,10 +87,12 @@ def engine_counters(engine_urls: list[str]) -> dict[str, float] | None:
     engines; None when an engine does not report them (SGLang) or cannot be reached."""
     import httpx
 
+    from slime.utils.http_utils import sync_client
+
     totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
     try:
         for url in engine_urls:
-            stats = httpx.get(f"{url.rstrip('/')}/get_server_info", timeout=10).json().get("batch_stats")
+            stats = sync_client().get(f"{url.rstrip('/')}/get_server_info", timeout=10).json().get("batch_stats")
             if not isinstance(stats, dict) or any(key not in stats for key in ENGINE_COUNTERS):
                 return None
             for key in ENGINE_COUNTERS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -22,6 +23,8 @@ _DEFAULT_TIMEOUT_S = 14400.0  # generation requests may legitimately run for hou
 _pool_size = 1024
 _timeout_s = _DEFAULT_TIMEOUT_S
 _clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = weakref.WeakKeyDictionary()
+_sync_client: httpx.Client | None = None
+_sync_lock = threading.Lock()
 
 
 class HTTPRequestError(RuntimeError):
@@ -54,6 +57,17 @@ def get_client() -> httpx.AsyncClient:
         client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(_timeout_s))
         _clients[loop] = client
     return client
+
+
+def sync_client() -> httpx.Client:
+    """The process's blocking client for short admin calls to the engines (step counters, memory
+    release/resume, weight versions). ``httpx.get``/``httpx.post`` build a client per call, ~20 ms of
+    Python each (its SSL context) — the loop paid that several times a step. Pass ``timeout`` per call."""
+    global _sync_client
+    with _sync_lock:
+        if _sync_client is None or _sync_client.is_closed:
+            _sync_client = httpx.Client(timeout=httpx.Timeout(60.0))
+        return _sync_client
 
 
 async def close_client() -> None:
