@@ -20,17 +20,17 @@ Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``, ``fp8_us`` (the planned t
 ``fp8_tiles``), ``speedup`` (bf16 / fp8), ``bf16_tb_s`` / ``fp8_tb_s`` (bytes moved at least: weight +
 scales + activations in + output out, per second, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s,
 the H200's HBM3e spec), ``fp8_max_rel_err`` (against ``fp8.reference_matmul(quantize_inputs=True)``:
-a sanity check that the timed kernel computes the right thing). Per ``<model>/layer/M<rows>``: the
-seven linears of a layer summed (``bf16_us``, ``fp8_us``, ``speedup``). With ``--sweep``, also
-``fp8_sweep_best_us`` / ``fp8_sweep_best_tiles`` / ``planned_over_best`` over every candidate tile
-(``block_n`` 32..256 x ``split_k`` 1..8 x 4/8 warps, the planned ``block_m``): what ``plan_tiles``
-should pick.
+a sanity check that the timed kernel computes the right thing), ``fp8_model_us`` (what
+``fp8_triton.estimated_cycles``, the cost model ``plan_tiles`` picks by, predicted). Per
+``<model>/layer/M<rows>``: the seven linears of a layer summed (``bf16_us``, ``fp8_us``, ``speedup``).
+With ``--sweep``, also ``fp8_sweep_best_us`` / ``fp8_sweep_best_tiles`` / ``planned_over_best`` /
+``fp8_sweep_best_model_us`` over every launch ``plan_tiles`` chooses from
+(``fp8_triton.candidate_tiles``): whether the model ranks them as the GPU does.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
 import statistics
@@ -49,6 +49,7 @@ H200_HBM_BYTES_PER_S = 4.8e12
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_hidden_layers=2)
 COLD_WEIGHT_BYTES = 256 * 2**20
+CLOCK_HZ = 1.98e9  # the clock fp8_triton.estimated_cycles assumes
 MAX_COPIES = 64
 
 
@@ -90,16 +91,6 @@ def time_us(calls, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def sweep_candidates(planned, in_features: int) -> list:
-    """Every column tile, split (each with at least one K step) and warp count at the planned row tile."""
-    from slime.backends.embedded_engine.fp8_triton import Tiles
-
-    k_steps = math.ceil(in_features / fp8.BLOCK)
-    return [Tiles(planned.block_m, block_n, split, num_warps)
-            for block_n, split, num_warps in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (4, 8))
-            if split <= k_steps]
-
-
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
     from slime.backends.embedded_engine import fp8_triton
 
@@ -119,6 +110,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         fp8_bytes = values.numel() + scales.numel() * 4 + moved_in_out
         bf16_us = time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device, args.repeats)
         planned = fp8_triton.plan_tiles(rows, out_features, in_features, device)
+        sms = fp8_triton._sm_count(device)
 
         def fp8_calls(tiles):
             return [lambda v=v, s=s: fp8_triton.w8a8_block_matmul(x, v, s, torch.bfloat16, tiles=tiles)
@@ -129,6 +121,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32)
         result = {
             "bf16_us": bf16_us, "fp8_us": fp8_us, "speedup": bf16_us / fp8_us, "fp8_tiles": str(planned),
+            "fp8_model_us": fp8_triton.estimated_cycles(planned, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6,
             "bf16_tb_s": bf16_bytes / bf16_us / 1e6, "fp8_tb_s": fp8_bytes / fp8_us / 1e6,
             "fp8_max_rel_err": float((out - reference).abs().max() / reference.abs().max()),
         }
@@ -136,14 +129,16 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         if args.sweep:
             timed = []
-            for tiles in sweep_candidates(planned, in_features):
+            for tiles in fp8_triton.candidate_tiles(rows, in_features):
                 try:
                     timed.append((time_us(fp8_calls(tiles), device, args.repeats), tiles))
                 except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
                     print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             best_us, best = min(timed, key=lambda item: item[0])
             result.update({"fp8_sweep_best_us": best_us, "fp8_sweep_best_tiles": str(best),
-                           "planned_over_best": fp8_us / best_us})
+                           "planned_over_best": fp8_us / best_us,
+                           "fp8_sweep_best_model_us": fp8_triton.estimated_cycles(
+                               best, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6})
         results[rows] = result
         print(f"[{out_features}x{in_features} M={rows}] bf16 {bf16_us:.1f} us, fp8 {fp8_us:.1f} us "
               f"({result['speedup']:.2f}x, {planned})", file=sys.stderr)

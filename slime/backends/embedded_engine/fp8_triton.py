@@ -14,8 +14,8 @@ launch per linear layer.
       acc += (e4m3(A_tile / s_a) @ B_tileᵀ  in fp32) * s_a[m] * s_b[n // 128]
 
   With ``SPLIT_K == 1`` it writes ``acc`` in the output dtype. With ``SPLIT_K > 1`` (decode-sized M,
-  where a few wide tiles would leave most SMs idle) each program writes its fp32 partial to a
-  workspace and bumps a per-tile counter; the program that arrives last sums the partials in split
+  where a few wide tiles would leave most SMs idle; :func:`plan_tiles` chooses) each program writes
+  its fp32 partial to a workspace and bumps a per-tile counter; the program that arrives last sums the partials in split
   order (deterministic: the same bits whichever program is last), writes the output and resets the
   counter to 0, so the counters never need clearing (one launch, capturable in a CUDA graph).
   Ragged edges (M, N, K not multiples of the tiles) are masked loads of zeros, which add nothing.
@@ -95,7 +95,7 @@ if triton is not None:
         inverse = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         q = x * inverse[:, None]
         q = tl.fma(tl.fma(-q, scale[:, None], x), inverse[:, None], q)
-        q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
+        # no clamp to +-448: |x| <= amax, so |q| exceeds 448 by at most an fp32 ulp, which rounds to 448
         if EMULATE_E4M3_CAST:
             q = _round_to_e4m3_grid(q)
         return q.to(tl.float8e4nv), scale
@@ -125,8 +125,12 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
             b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
-            b_scale = tl.load(b_s_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kb, mask=in_n, other=0.0)
-            acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
+            if BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
+                scale = a_scale * tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
+                acc = tl.fma(tl.dot(a_q, b), scale[:, None], acc)
+            else:
+                b_scale = tl.load(b_s_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kb, mask=in_n, other=0.0)
+                acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
         out_mask = in_m[:, None] & in_n[None, :]
         if SPLIT_K == 1:
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
@@ -139,7 +143,7 @@ if triton is not None:
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for split in range(SPLIT_K):
+                for split in tl.static_range(SPLIT_K):  # unrolled: all partial loads in flight at once
                     total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], total.to(c_ptr.dtype.element_ty),
@@ -160,7 +164,7 @@ def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
 class Tiles:
     """One launch configuration of :func:`w8a8_block_matmul`."""
 
-    block_m: int  # rows per program (16..128; one row tile up to 128 rows: decode reads each weight byte once)
+    block_m: int  # rows per program (16..128; >= 64 for Hopper's fp8 wgmma, smaller ones use mma.sync)
     block_n: int  # output columns per program (16..256; weight scales are read per column, so any width)
     split_k: int = 1  # programs sharing one output tile, each over a contiguous slice of the K steps
     num_warps: int = 4
@@ -178,35 +182,66 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-MAX_REDUCTION_BYTES = 128 * 1024  # fp32 partials the last program of a split-K tile sums
+# A cycle model of one launch on an H100/H200-class GPU, for choosing tiles. The ALU constants come from
+# the kernel's sm_90 SASS (compiled here without a GPU): one K step of a 128 x 128 tile with 8 warps is
+# ~1000 instructions a thread, ~2000 SM cycles, mostly quantizing the 128 x 128 A tile (bf16 unpack,
+# amax, the corrected division, the e4m3 cast: ~12 instructions per A element) - and every column tile
+# does it again for the same rows. Not timed: ``bench/fp8_gemm.py --sweep`` measures every candidate.
+QUANT_INSTRUCTIONS_PER_A_ELEMENT = 12
+STEP_OVERHEAD_CYCLES = 150  # loop, addresses, barriers, dot issue
+HBM_BYTES_PER_CYCLE = 4.8e12 / 1.98e9  # the whole GPU (H200 HBM3e spec at the boost clock)
+SM_BYTES_PER_CYCLE = 64  # what one SM can pull from L2/HBM
+L2_LATENCY_CYCLES = 800
+LAUNCH_CYCLES = 2000
+
+
+def estimated_cycles(tiles: Tiles, rows: int, out_features: int, in_features: int, sms: int) -> float:
+    """Estimated GPU cycles of one launch with ``tiles``: the ALU work (serialized per SM) or the bytes
+    (the GPU's bandwidth, or one SM's when there are few programs), whichever is longer, plus the
+    split-K reduction by one program per tile (see the constants above)."""
+    steps = triton.cdiv(triton.cdiv(in_features, BLOCK), tiles.split_k)
+    programs = _programs(tiles, rows, out_features)
+    waves = triton.cdiv(programs, sms)
+    alu = (tiles.block_m * BLOCK * QUANT_INSTRUCTIONS_PER_A_ELEMENT + tiles.block_m * tiles.block_n) / 128
+    step_bytes = tiles.block_n * BLOCK  # the weight tile of one K step (the A tile comes from L2)
+    memory = max(programs * steps * step_bytes / HBM_BYTES_PER_CYCLE, steps * step_bytes / SM_BYTES_PER_CYCLE)
+    cycles = LAUNCH_CYCLES + max(waves * steps * alu, memory) + waves * steps * STEP_OVERHEAD_CYCLES
+    if tiles.split_k > 1:  # the last program of a tile reads every split's fp32 partial tile
+        cycles += tiles.split_k * tiles.block_m * tiles.block_n * 4 / SM_BYTES_PER_CYCLE + L2_LATENCY_CYCLES
+    return cycles
+
+
+def _programs(tiles: Tiles, rows: int, out_features: int) -> int:
+    return triton.cdiv(rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n) * tiles.split_k
+
+
+def candidate_tiles(rows: int, in_features: int) -> list[Tiles]:
+    """The launches :func:`plan_tiles` chooses from: up to 64 rows one row tile (a decode step reads
+    each weight byte once), more rows in tiles of 64 or 128; 32..256 columns (not 256 with 128 rows:
+    the accumulator spills); K split 1..8 ways with at least two K steps a split; 8 warps from
+    64 x 128 up (with 4 the fp32 A tile and the accumulator run out of registers)."""
+    row_tiles = (max(16, triton.next_power_of_2(rows)),) if rows <= 64 else (64, 128)
+    k_steps = triton.cdiv(in_features, BLOCK)
+    return [Tiles(block_m, block_n, split, num_warps=8 if block_m >= 128 or block_m * block_n >= 64 * 128 else 4)
+            for block_m in row_tiles
+            for block_n in (32, 64, 128, 256) if not (block_m >= 128 and block_n > 128)
+            for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split]
 
 
 def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
-    """The launch for an ``[rows, in_features] x [out_features, in_features]ᵀ`` GEMM.
-
-    Up to 128 rows are one row tile (a decode step is a weight read, each byte read once). Start from
-    128-column tiles and, while the grid has fewer programs than ~7/8 of the SMs, either split K or
-    halve the column tile. Splitting costs ``M·N·4`` bytes of partials per split, and the last program
-    of a tile reads all of its tile's partials alone (kept to ``MAX_REDUCTION_BYTES``); narrowing
-    costs ALU, since every column tile re-quantizes its A rows (~8 operations per A element, i.e.
-    ~``8·BLOCK_M / BLOCK_N`` per weight byte, against ~7 an H200 can do per HBM byte). So rows > 32
-    split first, few rows narrow first; each split keeps at least two K steps. These are estimates,
-    not measurements: ``bench/fp8_gemm.py --sweep`` times every candidate per Qwen3 shape."""
+    """The launch for an ``[rows, in_features] x [out_features, in_features]ᵀ`` GEMM. Decode shapes
+    give few 128-wide tiles, so the SMs are filled (>= 7/8 of them get a program, where any candidate
+    can) by splitting K (fp32 partials, summed by one program per tile) or by narrower column tiles
+    (each re-quantizes the same A rows: ALU grows as 1 / BLOCK_N); among the launches that fill the
+    GPU, the one with the fewest :func:`estimated_cycles`."""
     sms = _sm_count(device)
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    row_tiles = triton.cdiv(rows, block_m)
-    k_steps = triton.cdiv(in_features, BLOCK)
-    block_n, split = 128, 1
-    target = sms - sms // 8
-    while row_tiles * triton.cdiv(out_features, block_n) * split < target:
-        can_split = k_steps // (2 * split) >= 2 and 2 * split * block_m * block_n * 4 <= MAX_REDUCTION_BYTES
-        if can_split and (block_m > 32 or block_n <= 32):
-            split *= 2
-        elif block_n > 32:
-            block_n //= 2
-        else:
-            break
-    return Tiles(block_m, block_n, split, num_warps=8 if block_m * block_n >= 128 * 128 else 4)
+    candidates = candidate_tiles(rows, in_features)
+    enough = min(sms - sms // 8, max(_programs(tiles, rows, out_features) for tiles in candidates))
+    whole = [tiles for tiles in candidates if tiles.split_k == 1 and _programs(tiles, rows, out_features) >= enough]
+    if rows > 512 and whole:  # prefill with tiles enough: splitting would only add partials to write and read
+        candidates = whole
+    return min((tiles for tiles in candidates if _programs(tiles, rows, out_features) >= enough),
+               key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms))
 
 
 class _SplitCounters:

@@ -223,21 +223,91 @@ def test_e4m3_grid_rounding_equals_torch_cast():
 @needs_interpreter
 def test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes(monkeypatch):
     """With an H200's 132 SMs every Qwen3 0.6B/1.7B/4B linear at decode batch sizes gets >= 7/8 of an SM
-    count of programs, one row tile (each weight byte read once) and >= 2 K steps per split."""
+    count of programs; up to 64 rows are one row tile (each weight byte read once); each split keeps
+    >= 2 K steps; prefill (2048 rows) has tiles enough and does not split."""
     from slime.backends.embedded_engine import fp8_triton
 
     monkeypatch.setattr(fp8_triton, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
     for hidden, intermediate, q_out, kv_out in [(1024, 3072, 2048, 1024), (2048, 6144, 2048, 1024),
                                                 (2560, 9728, 4096, 1024)]:
         shapes = [(q_out, hidden), (kv_out, hidden), (hidden, q_out), (intermediate, hidden), (hidden, intermediate)]
-        for rows in (1, 16, 64, 128):
-            for out_features, in_features in shapes:
-                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, torch.device("cpu"))
-                programs = -(-out_features // tiles.block_n) * tiles.split_k
-                assert tiles.block_m >= rows and programs >= 116, (rows, out_features, in_features, tiles)
-                assert tiles.split_k == 1 or in_features // 128 >= 2 * tiles.split_k
-        prefill = fp8_triton.plan_tiles(2048, intermediate, hidden, torch.device("cpu"))
-        assert prefill.block_m == 128 and prefill.split_k == 1
+        for out_features, in_features in shapes:
+            for rows in (1, 16, 64, 128):
+                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu)
+                programs = -(-rows // tiles.block_m) * -(-out_features // tiles.block_n) * tiles.split_k
+                assert programs >= 116, (rows, out_features, in_features, tiles)
+                assert rows > 64 or tiles.block_m >= rows, tiles
+                assert tiles.split_k == 1 or in_features // 128 >= 2 * tiles.split_k, tiles
+            assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu).split_k == 1
+
+
+_SM90_COMPILE = """
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fp8_triton
+
+kernel = fp8_triton._fp8_gemm_kernel
+names = list(kernel.arg_names)
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "EMULATE_E4M3_CAST"]
+types = dict(a_ptr="*bf16", b_ptr="*fp8e4nv", b_s_ptr="*fp32", c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32",
+             fp8_max="fp32")
+signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+aligned = ["a_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am", "stride_bn",
+           "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+report = []
+for block_m, block_n, split_k, num_warps in json.loads(sys.argv[1]):
+    values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
+                  EMULATE_E4M3_CAST=False)
+    compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=3))
+    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    ptx = compiled.asm["ptx"]
+    report.append(dict(tiles=[block_m, block_n, split_k, num_warps],
+                       fp8_wgmma=bool(re.search(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
+                       mma_sync="mma.sync.aligned" in ptx,
+                       gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in ptx,
+                       registers=int(re.search(r"REG:(\\d+)", usage).group(1)),
+                       stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
+print(json.dumps(report))
+"""
+
+
+@needs_interpreter
+def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
+    """The compiled kernel (not the interpreter) for sm_90, without a GPU: Triton's own ptxas builds
+    the planned launches of the Qwen3 shapes (one of each kind: few rows, split K, 256 columns, a
+    128-row prefill tile), each with tensor-core instructions, the GPU's own fp32 -> e4m3 cast and no
+    register spills."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    tiles = [(16, 32, 4, 4), (64, 128, 4, 8), (64, 256, 1, 8), (128, 128, 1, 8)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(report)
+    assert [entry["tiles"] for entry in report] == [list(t) for t in tiles]
+    for entry in report:
+        assert entry["gpu_e4m3_cast"] and entry["stack"] == 0, entry
+        # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
+        assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
 
 
 @needs_interpreter
@@ -431,7 +501,7 @@ def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
     reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
     tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     print(rows, out_features, in_features, fp8_triton.plan_tiles(rows, out_features, in_features, x.device))
-    for tiles in (None, _tiles(16, 32, 4), _tiles(128, 256, 1, 8)):
+    for tiles in (None, _tiles(16, 32, 4), _tiles(64, 256, 2, 8), _tiles(128, 128, 1, 8)):
         torch.testing.assert_close(fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles),
                                    reference, **tolerance)
     out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16)
