@@ -204,7 +204,9 @@ def estimated_cycles(tiles: Tiles, rows: int, out_features: int, in_features: in
     waves = triton.cdiv(programs, sms)
     alu = (tiles.block_m * BLOCK * QUANT_INSTRUCTIONS_PER_A_ELEMENT + tiles.block_m * tiles.block_n) / 128
     step_bytes = tiles.block_n * BLOCK  # the weight tile of one K step (the A tile comes from L2)
-    memory = max(programs * steps * step_bytes / HBM_BYTES_PER_CYCLE, steps * step_bytes / SM_BYTES_PER_CYCLE)
+    # HBM reads the weight once (row tiles of one column tile run side by side, and every Qwen3 linear's
+    # fp8 weight fits the 50 MB L2); each SM still pulls its tiles at its own rate
+    memory = max(out_features * in_features / HBM_BYTES_PER_CYCLE, waves * steps * step_bytes / SM_BYTES_PER_CYCLE)
     cycles = LAUNCH_CYCLES + max(waves * steps * alu, memory) + waves * steps * STEP_OVERHEAD_CYCLES
     if tiles.split_k > 1:  # the last program of a tile reads every split's fp32 partial tile
         cycles += tiles.split_k * tiles.block_m * tiles.block_n * 4 / SM_BYTES_PER_CYCLE + L2_LATENCY_CYCLES
@@ -218,14 +220,14 @@ def _programs(tiles: Tiles, rows: int, out_features: int) -> int:
 def candidate_tiles(rows: int, in_features: int) -> list[Tiles]:
     """The launches :func:`plan_tiles` chooses from: up to 64 rows one row tile (a decode step reads
     each weight byte once), more rows in tiles of 64 or 128; 32..256 columns (not 256 with 128 rows:
-    the accumulator spills); K split 1..8 ways with at least two K steps a split; 8 warps from
+    the accumulator spills); K split 1, 2, 3, 4, 6 or 8 ways with at least two K steps a split; 8 warps from
     64 x 128 up (with 4 the fp32 A tile and the accumulator run out of registers)."""
     row_tiles = (max(16, triton.next_power_of_2(rows)),) if rows <= 64 else (64, 128)
     k_steps = triton.cdiv(in_features, BLOCK)
     return [Tiles(block_m, block_n, split, num_warps=8 if block_m >= 128 or block_m * block_n >= 64 * 128 else 4)
             for block_m in row_tiles
             for block_n in (32, 64, 128, 256) if not (block_m >= 128 and block_n > 128)
-            for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split]
+            for split in (1, 2, 3, 4, 6, 8) if split == 1 or k_steps >= 2 * split]
 
 
 def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
