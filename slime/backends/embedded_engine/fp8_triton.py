@@ -236,7 +236,11 @@ def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.dev
     can) by splitting K (fp32 partials, summed by one program per tile) or by narrower column tiles
     (each re-quantizes the same A rows: ALU grows as 1 / BLOCK_N); among the launches that fill the
     GPU, the one with the fewest :func:`estimated_cycles`."""
-    sms = _sm_count(device)
+    return _planned_tiles(rows, out_features, in_features, _sm_count(device))
+
+
+@functools.lru_cache(maxsize=4096)  # on the hot path of every eager forward: plan each shape once
+def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
     candidates = candidate_tiles(rows, in_features)
     enough = min(sms - sms // 8, max(_programs(tiles, rows, out_features) for tiles in candidates))
     whole = [tiles for tiles in candidates if tiles.split_k == 1 and _programs(tiles, rows, out_features) >= enough]
