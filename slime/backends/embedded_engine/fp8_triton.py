@@ -262,8 +262,8 @@ class _SplitCounters:
         counters = self.by_device.get(device)
         if counters is None or counters.numel() < tiles:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("fp8 GEMM: split-K counters first needed during CUDA graph capture; run the "
-                                   "same shapes once eagerly (the capture warm-up does) before capturing")
+                raise RuntimeError("fp8 GEMM: the split-K counters are first needed during CUDA graph capture; "
+                                   "run any FP8 GEMM on this device eagerly before capturing")
             counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
             self.by_device[device] = counters
         return counters
@@ -287,11 +287,13 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
         return out
     tiles = tiles or plan_tiles(rows, out_features, cols, x.device)
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
+    # fetched on every call, so the first (eager) GEMM on a device allocates them: a CUDA graph captured
+    # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
+    counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
     if tiles.split_k > 1:
         partials = torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
-        counters = _split_counters.get(x.device, grid[0] * grid[1])
     else:
-        partials = counters = out  # not read: the SPLIT_K == 1 kernel has no reduction
+        partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
     _fp8_gemm_kernel[grid](x, weight, weight_scales, out, partials, counters, rows, out_features, cols,
                            x.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0), FP8_MAX,
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
