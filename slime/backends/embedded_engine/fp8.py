@@ -17,9 +17,9 @@ LoRA projections, MLP gate/up/down, shared experts) and the routed experts of tr
 absorbed MLA decode, ``kv_b_proj`` (read as a matrix by that path) stay in the model dtype. The KV
 cache is untouched.
 
-GEMM backends (``--fp8-gemm-backend``): ``triton`` (CUDA, the default there) quantizes the
-activations per token and 128-channel group (``1 x 128`` blocks, the same formula) and multiplies
-e4m3 by e4m3 in ``fp8_triton.py``; ``dequant`` (the default on CPU, a reference everywhere)
+GEMM backends (``--fp8-gemm-backend``): ``triton`` (CUDA, the default there) is one kernel per
+linear (``fp8_triton.py``) that quantizes the activations per token and 128-channel group (``1 x 128``
+blocks, the same formula) in registers and multiplies e4m3 by e4m3; ``dequant`` (the default on CPU, a reference everywhere)
 dequantizes the weight to the model dtype and runs an ordinary matmul on unquantized activations.
 
 Weight updates arrive under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
@@ -85,7 +85,7 @@ def dequantize_weight(values: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 @torch.no_grad()
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``): one scale per token and
-    128-channel group (the reference of the Triton activation quantizer)."""
+    128-channel group (the reference of the quantization inside the Triton GEMM)."""
     rows, cols = x.shape
     kb = _blocks(cols)
     padded = torch.zeros((rows, kb * BLOCK), dtype=torch.float32, device=x.device)

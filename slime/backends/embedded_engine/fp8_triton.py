@@ -1,31 +1,50 @@
-"""Triton kernels of the FP8 GEMM (``--fp8-gemm-backend triton``): ``C = A @ Bᵀ`` with block scales.
+"""Triton kernel of the FP8 GEMM (``--fp8-gemm-backend triton``): ``C = A @ Bᵀ`` with block scales, one
+launch per linear layer.
 
-* ``A [M, K]`` (activations) is quantized per token and 128-channel group by ``_act_quant_kernel``:
-  program ``(m, g)`` reads ``x[m, 128g : 128(g+1)]``, ``s = amax / 448`` (1 for an all-zero group),
-  writes ``e4m3(x / s)`` and ``s`` to ``a_scales [M, ceil(K/128)]``.
+* ``A [M, K]`` (activations, any float dtype) is quantized *inside* the GEMM, per token and 128-channel
+  group, exactly as ``fp8.quantize_activation`` does: ``s = amax / 448`` (1 for an all-zero group),
+  ``e4m3(x / s)``. The K step of the kernel is 128 = one group, so each step loads the A tile in its
+  own dtype, takes the row amax, quantizes in registers and feeds the e4m3 tile to the dot: no
+  separate quantization kernel, no e4m3 copy of the activations in memory.
 * ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
   ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
-* ``_gemm_kernel``: program ``(pid_m, pid_n)`` owns ``BLOCK_M`` rows and ``BLOCK_N`` (128, 64 or 32)
-  output columns — inside one row of weight blocks, so one weight scale per K step — and walks K in
-  steps of 128::
+* ``_fp8_gemm_kernel``: program ``(pid_m, pid_n, pid_k)`` owns ``BLOCK_M`` rows, ``BLOCK_N`` output
+  columns and the ``pid_k``-th of ``SPLIT_K`` slices of the K steps::
 
-      acc += (A_tile @ B_tileᵀ  in fp32, from e4m3 operands) * a_scale[m, k] * b_scale[n, k]
+      acc += (e4m3(A_tile / s_a) @ B_tileᵀ  in fp32) * s_a[m] * s_b[n // 128]
 
-  then writes ``acc`` in the output dtype. Ragged edges (M, N, K not multiples of the tiles) are
-  masked loads of zeros, which add nothing.
+  With ``SPLIT_K == 1`` it writes ``acc`` in the output dtype. With ``SPLIT_K > 1`` (decode-sized M,
+  where a few wide tiles would leave most SMs idle; :func:`plan_tiles` chooses) each program writes
+  its fp32 partial to a workspace and bumps a per-tile counter; the program that arrives last sums the partials in split
+  order (deterministic: the same bits whichever program is last), writes the output and resets the
+  counter to 0, so the counters never need clearing (one launch, capturable in a CUDA graph).
+  Ragged edges (M, N, K not multiples of the tiles) are masked loads of zeros, which add nothing.
+
+The division ``x / s`` must round exactly like the reference's (``e4m3`` of a value one fp32 ulp off
+can differ), but a correctly rounded fp32 division per element is a multi-instruction sequence around
+the slow reciprocal unit, and it runs on every A element in every column-tile program. So each row's
+``1 / s`` is computed once (correctly rounded) and each quotient is ``q = x · (1/s)`` plus one fma
+correction step, ``q + fma(-q, s, x) · (1/s)`` (Markstein's correction; the residual ``x - q·s`` is exact
+in an fma). Checked against ``x / s`` on 40 M random pairs over amax in [2⁻⁸⁰, 2⁶⁰]: 0 differences
+(the uncorrected product differs in 0.7 %). It can be off by an ulp only where the residual underflows
+(groups with amax below ~2⁻⁸⁰ ≈ 1e-24, far below any bf16 activation).
 
 Launch on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set
-before import; slow, for tests on tiny shapes). No host syncs: capturable in a CUDA graph.
+before import; slow, for tests on tiny shapes). The interpreter's fp32 -> e4m3 cast rounds wrongly
+(124.3 -> 64, ties away from zero), so under it the kernel first rounds the fp32 values onto the e4m3
+grid with fp32 bit arithmetic (``_round_to_e4m3_grid``, which numpy evaluates exactly) and the cast
+only re-encodes exact values; compiled kernels use the GPU's own cast. No host syncs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
 import torch
 
-from slime.backends.embedded_engine.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
+from slime.backends.embedded_engine.fp8 import BLOCK, FP8_MAX
 
 try:
     import triton
@@ -49,61 +68,107 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, fp8_max,
-                          GROUP: tl.constexpr):
-        row = tl.program_id(0)
-        group = tl.program_id(1)
-        offs = group * GROUP + tl.arange(0, GROUP)
-        inside = offs < cols
-        x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        # correctly rounded divisions (plain `/` on fp32 is approximate on CUDA), so the scales and values
-        # are bit-identical to fp8.quantize_activation's
-        scale = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, tl.broadcast_to(scale, [GROUP])), -fp8_max), fp8_max)
-        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=inside)
-        tl.store(s_ptr + row * stride_s + group, scale)
+    def _round_to_e4m3_grid(v):
+        """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32.
+        Normal e4m3 (|v| >= 2^-6) keeps 3 of fp32's 23 mantissa bits (round the other 20 away in the
+        integer bits); subnormal e4m3 is a multiple of 2^-9, which adding and removing 2^14 rounds to
+        (fp32's spacing at 2^14 is 2^-9)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000
+        normal = bits.to(tl.float32, bitcast=True)
+        magnitude = tl.abs(v)
+        subnormal = (magnitude + 16384.0) - 16384.0
+        subnormal = tl.where(v < 0, -subnormal, subnormal)
+        return tl.where(magnitude < 0.015625, subnormal, normal)
 
     @triton.jit
-    def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K,
-                     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    def _round_to_e4m3_grid_kernel(x_ptr, y_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        tl.store(y_ptr + offs, _round_to_e4m3_grid(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+    @triton.jit
+    def _quantize_rows(x, fp8_max, EMULATE_E4M3_CAST: tl.constexpr):
+        """``x [BLOCK_M, 128]`` fp32 -> (e4m3 values, fp32 scales ``[BLOCK_M]``), the numbers of
+        ``fp8.quantize_activation`` (division as explained in the module docstring)."""
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
+        inverse = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        q = x * inverse[:, None]
+        q = tl.fma(tl.fma(-q, scale[:, None], x), inverse[:, None], q)
+        # no clamp to +-448: |x| <= amax, so |q| exceeds 448 by at most an fp32 ulp, which rounds to 448
+        if EMULATE_E4M3_CAST:
+            q = _round_to_e4m3_grid(q)
+        return q.to(tl.float8e4nv), scale
+
+    @triton.jit
+    def _fp8_gemm_kernel(a_ptr, b_ptr, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
+                         stride_am, stride_bn, stride_bsn, stride_cm, fp8_max,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         in_m = offs_m < M
         in_n = offs_n < N
+        k_steps = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_steps, SPLIT_K)
+        first = pid_k * per_split
+        last = tl.minimum(first + per_split, k_steps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in range(first, last):
             k = kb * BLOCK_K + offs_k
             in_k = k < K
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
+                        other=0.0).to(tl.float32)
+            a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
             b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
-            a_scale = tl.load(a_s_ptr + offs_m * stride_asm + kb, mask=in_m, other=0.0)
-            b_scale = tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
-            acc += tl.dot(a, b) * a_scale[:, None] * b_scale
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=in_m[:, None] & in_n[None, :])
+            if BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
+                scale = a_scale * tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
+                acc = tl.fma(tl.dot(a_q, b), scale[:, None], acc)
+            else:
+                b_scale = tl.load(b_s_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kb, mask=in_n, other=0.0)
+                acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
+        out_mask = in_m[:, None] & in_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # partial_ptr: fp32 [SPLIT_K, M, N]; counter_ptr: one int32 per (row tile, column tile), 0 on entry
+            tile = pid_m * tl.num_programs(1) + pid_n
+            tile_offsets = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is written before this program signals it (release)
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):  # unrolled: all partial loads in flight at once
+                    total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], total.to(c_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0)
 
 
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``); ``fp8.quantize_activation`` is the reference."""
-    rows, cols = x.shape
-    groups = triton.cdiv(cols, BLOCK)
-    # Triton's interpreter rounds fp32 -> e4m3 wrongly (124.3 -> 64, ties away from even), so under it the
-    # kernel writes the scaled fp32 values and torch casts them; compiled kernels cast on the GPU.
-    interpreted = _interpreting()
-    values = torch.empty((rows, cols), dtype=torch.float32 if interpreted else FP8_DTYPE, device=x.device)
-    scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
-    if rows:
-        _act_quant_kernel[(rows, groups)](x, values, scales, cols, x.stride(0), values.stride(0), scales.stride(0),
-                                          FP8_MAX, GROUP=BLOCK, num_warps=1)
-    return (values.to(FP8_DTYPE) if interpreted else values), scales
+def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` (|x| <= 448) rounded onto the e4m3 grid by the kernel's interpreter-side rounding
+    (what its test compares with torch's cast)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _round_to_e4m3_grid_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK_SIZE=1024)
+    return out
 
 
-MIN_PROGRAMS_PER_SM = 2
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One launch configuration of :func:`w8a8_block_matmul`."""
+
+    block_m: int  # rows per program (16..128; >= 64 for Hopper's fp8 wgmma, smaller ones use mma.sync)
+    block_n: int  # output columns per program (16..256; weight scales are read per column, so any width)
+    split_k: int = 1  # programs sharing one output tile, each over a contiguous slice of the K steps
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def _sm_count(device: torch.device) -> int:
@@ -117,39 +182,121 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_tiles(rows: int, out_features: int, device: torch.device) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)``: one row tile up to 128 rows, so a decode step reads every weight byte
-    once; columns in tiles of 128, 64 or 32 (each inside one 128-row block of weight scales), the
-    widest that still gives every SM two programs (a decode-sized GEMM is a weight read, and a few
-    wide tiles would leave most of the GPU idle)."""
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    row_tiles = triton.cdiv(rows, block_m)
-    for block_n in (128, 64):
-        if row_tiles * triton.cdiv(out_features, block_n) >= MIN_PROGRAMS_PER_SM * _sm_count(device):
-            return block_m, block_n
-    return block_m, 32
+# A cycle model of one launch on an H100/H200-class GPU, for choosing tiles. The ALU constants come from
+# the kernel's sm_90 SASS (compiled here without a GPU): one K step of a 128 x 128 tile with 8 warps is
+# ~1000 instructions a thread, ~2000 SM cycles, mostly quantizing the 128 x 128 A tile (bf16 unpack,
+# amax, the corrected division, the e4m3 cast: ~12 instructions per A element) - and every column tile
+# does it again for the same rows. Not timed: ``bench/fp8_gemm.py --sweep`` measures every candidate.
+QUANT_INSTRUCTIONS_PER_A_ELEMENT = 12
+STEP_OVERHEAD_CYCLES = 150  # loop, addresses, barriers, dot issue
+HBM_BYTES_PER_CYCLE = 4.8e12 / 1.98e9  # the whole GPU (H200 HBM3e spec at the boost clock)
+SM_BYTES_PER_CYCLE = 64  # what one SM can pull from L2/HBM
+L2_LATENCY_CYCLES = 800
+LAUNCH_CYCLES = 2000
+
+
+def estimated_cycles(tiles: Tiles, rows: int, out_features: int, in_features: int, sms: int) -> float:
+    """Estimated GPU cycles of one launch with ``tiles``: the ALU work (serialized per SM) or the bytes
+    (the GPU's bandwidth, or one SM's when there are few programs), whichever is longer, plus the
+    split-K reduction by one program per tile (see the constants above)."""
+    steps = triton.cdiv(triton.cdiv(in_features, BLOCK), tiles.split_k)
+    programs = _programs(tiles, rows, out_features)
+    waves = triton.cdiv(programs, sms)
+    alu = (tiles.block_m * BLOCK * QUANT_INSTRUCTIONS_PER_A_ELEMENT + tiles.block_m * tiles.block_n) / 128
+    step_bytes = tiles.block_n * BLOCK  # the weight tile of one K step (the A tile comes from L2)
+    # HBM reads the weight once (row tiles of one column tile run side by side, and every Qwen3 linear's
+    # fp8 weight fits the 50 MB L2); each SM still pulls its tiles at its own rate
+    memory = max(out_features * in_features / HBM_BYTES_PER_CYCLE, waves * steps * step_bytes / SM_BYTES_PER_CYCLE)
+    cycles = LAUNCH_CYCLES + max(waves * steps * alu, memory) + waves * steps * STEP_OVERHEAD_CYCLES
+    if tiles.split_k > 1:  # the last program of a tile reads every split's fp32 partial tile
+        cycles += tiles.split_k * tiles.block_m * tiles.block_n * 4 / SM_BYTES_PER_CYCLE + L2_LATENCY_CYCLES
+    return cycles
+
+
+def _programs(tiles: Tiles, rows: int, out_features: int) -> int:
+    return triton.cdiv(rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n) * tiles.split_k
+
+
+def candidate_tiles(rows: int, in_features: int) -> list[Tiles]:
+    """The launches :func:`plan_tiles` chooses from: up to 64 rows one row tile (a decode step reads
+    each weight byte once), more rows in tiles of 64 or 128; 32..256 columns (not 256 with 128 rows:
+    the accumulator spills); K split 1, 2, 3, 4, 6 or 8 ways with at least two K steps a split; 8 warps from
+    64 x 128 up (with 4 the fp32 A tile and the accumulator run out of registers)."""
+    row_tiles = (max(16, triton.next_power_of_2(rows)),) if rows <= 64 else (64, 128)
+    k_steps = triton.cdiv(in_features, BLOCK)
+    return [Tiles(block_m, block_n, split, num_warps=8 if block_m >= 128 or block_m * block_n >= 64 * 128 else 4)
+            for block_m in row_tiles
+            for block_n in (32, 64, 128, 256) if not (block_m >= 128 and block_n > 128)
+            for split in (1, 2, 3, 4, 6, 8) if split == 1 or k_steps >= 2 * split]
+
+
+def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
+    """The launch for an ``[rows, in_features] x [out_features, in_features]ᵀ`` GEMM. Decode shapes
+    give few 128-wide tiles, so the SMs are filled (>= 7/8 of them get a program, where any candidate
+    can) by splitting K (fp32 partials, summed by one program per tile) or by narrower column tiles
+    (each re-quantizes the same A rows: ALU grows as 1 / BLOCK_N); among the launches that fill the
+    GPU, the one with the fewest :func:`estimated_cycles`."""
+    return _planned_tiles(rows, out_features, in_features, _sm_count(device))
+
+
+@functools.lru_cache(maxsize=4096)  # on the hot path of every eager forward: plan each shape once
+def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
+    candidates = candidate_tiles(rows, in_features)
+    enough = min(sms - sms // 8, max(_programs(tiles, rows, out_features) for tiles in candidates))
+    whole = [tiles for tiles in candidates if tiles.split_k == 1 and _programs(tiles, rows, out_features) >= enough]
+    if rows > 512 and whole:  # prefill with tiles enough: splitting would only add partials to write and read
+        candidates = whole
+    return min((tiles for tiles in candidates if _programs(tiles, rows, out_features) >= enough),
+               key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms))
+
+
+class _SplitCounters:
+    """Per-device int32 arrival counters of split-K tiles. The kernel leaves them at 0, so they are
+    allocated (zeroed) once and reused by every GEMM on the device; the engine runs one GEMM at a time
+    per device (one stream), which is what makes sharing them safe."""
+
+    def __init__(self):
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, tiles: int) -> torch.Tensor:
+        counters = self.by_device.get(device)
+        if counters is None or counters.numel() < tiles:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fp8 GEMM: the split-K counters are first needed during CUDA graph capture; "
+                                   "run any FP8 GEMM on this device eagerly before capturing")
+            counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+            self.by_device[device] = counters
+        return counters
+
+
+_split_counters = _SplitCounters()
 
 
 def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
-                      out_dtype: torch.dtype, block_n: int | None = None) -> torch.Tensor:
-    """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``.
-    ``block_n`` (32, 64 or 128) overrides the planned column tile (tests)."""
+                      out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype; quantized per token and 128 channels inside the kernel) times the
+    block-quantized ``weight [N, K]`` transposed -> ``[M, N]`` in ``out_dtype``. ``tiles`` overrides
+    :func:`plan_tiles` (tests, ``bench/fp8_gemm.py --sweep``)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     out_features = weight.shape[0]
     if weight.shape[1] != cols:
         raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {weight.shape[1]}")
-    a, a_scales = quantize_activation(x)
     out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, planned_n = plan_tiles(rows, out_features, x.device)
-    block_n = block_n or planned_n
-    if BLOCK % block_n:
-        raise ValueError(f"fp8 GEMM: a column tile of {block_n} does not divide the {BLOCK}-row scale blocks")
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
-    _gemm_kernel[grid](a, a_scales, weight, weight_scales, out, rows, out_features, cols,
-                       a.stride(0), a_scales.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0),
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
-                       num_warps=8 if block_m * block_n >= 128 * 64 else 4, num_stages=3)
+    tiles = tiles or plan_tiles(rows, out_features, cols, x.device)
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
+    # fetched on every call, so the first (eager) GEMM on a device allocates them: a CUDA graph captured
+    # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
+    counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
+    if tiles.split_k > 1:
+        partials = torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
+    else:
+        partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
+    _fp8_gemm_kernel[grid](x, weight, weight_scales, out, partials, counters, rows, out_features, cols,
+                           x.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0), FP8_MAX,
+                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
+                           SPLIT_K=tiles.split_k, EMULATE_E4M3_CAST=_interpreting(),
+                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

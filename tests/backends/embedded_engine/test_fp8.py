@@ -98,25 +98,216 @@ def test_unknown_quantization_and_backend_are_refused(tiny_model_dir):
     assert parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8"]).quantization == "fp8"
 
 
-# ---------------------------------------------------------------------------------- the Triton kernels
+# ---------------------------------------------------------------------------------- the Triton kernel
+# Under the interpreter these check the fused kernel's arithmetic: the in-kernel activation amax and
+# scale, the division (reciprocal + fma correction) against the reference's correctly rounded one,
+# masking of ragged edges, the per-column weight scales, the dot and the split-K reduction. They cannot
+# check the GPU's own fp32 -> e4m3 cast (the interpreter's is wrong, so the kernel rounds onto the e4m3
+# grid itself there; the ``gpu`` test below compares the compiled kernel) nor speed (bench/fp8_gemm.py).
+def _tiles(*args):
+    from slime.backends.embedded_engine.fp8_triton import Tiles
+
+    return Tiles(*args)
+
+
 @needs_interpreter
-@pytest.mark.parametrize("rows,out_features,in_features,block_n", [(1, 200, 300, None), (5, 128, 128, 64),
-                                                                   (40, 64, 384, 32), (130, 40, 256, 32)])
-def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_features, block_n):
+@pytest.mark.parametrize("rows,out_features,in_features,tiles", [
+    (1, 200, 300, None), (5, 128, 128, (16, 64)), (40, 64, 384, (64, 32)), (130, 40, 256, (128, 256)),
+    (5, 200, 300, (16, 64, 2)),  # split K, ragged N and K
+    (40, 96, 640, (64, 32, 3)),  # 5 K steps over 3 splits: 2 + 2 + 1
+    (3, 64, 256, (16, 32, 4)),  # more splits than K steps: two programs of the tile have no K step
+])
+def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_features, tiles):
     from slime.backends.embedded_engine import fp8_triton
 
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
     values, scales = fp8.quantize_weight(weight)
-    q, s = fp8_triton.quantize_activation(x)
-    ref_q, ref_s = fp8.quantize_activation(x)
-    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
-    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, block_n=block_n)
-    torch.testing.assert_close(out, fp8.reference_matmul(x, values, scales, quantize_inputs=True),
-                               rtol=1e-5, atol=1e-5)
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles and _tiles(*tiles))
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    # the same quantized operands, summed in another order: fp32 rounding apart (one activation
+    # element an e4m3 step off moves an output by ~1e-3 of its scale)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     exact = x @ weight.T  # both operands rounded to e4m3: a few percent of the output's norm
     assert float((out - exact).norm() / exact.norm()) < 0.06
+    if tiles and len(tiles) > 2:  # the last program of each tile reset its counter: the next GEMM starts at 0
+        assert not fp8_triton._split_counters.by_device[x.device].any()
+        assert torch.equal(fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=_tiles(*tiles)), out)
+
+
+def _e4m3_midpoints() -> torch.Tensor:
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    return (grid[:-1] + grid[1:]) / 2
+
+
+def _e4m3_ties() -> torch.Tensor:
+    """Every e4m3 value, the midpoints between neighbours (ties, subnormal ones included) and the
+    fp32 numbers just either side of each midpoint, positive and negative."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mid = _e4m3_midpoints()
+    near = torch.cat([grid, mid, torch.nextafter(mid, torch.zeros_like(mid)), torch.nextafter(mid, mid + 1)])
+    return torch.cat([near, -near])
+
+
+@needs_interpreter
+def test_triton_gemm_interpreted_rounds_ties_like_the_gpu_cast():
+    """Activations sitting on e4m3 rounding boundaries (ties to even, carries into the exponent such as
+    124.3 -> 128): each group's amax is 448, so its scale is exactly 1 and the in-kernel rounding of
+    these values decides the output."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    rows, cols = 8, 128 * 4
+    generator = torch.Generator().manual_seed(0)
+    pool = _e4m3_ties().repeat(5)
+    x = pool[torch.randperm(len(pool), generator=generator)[: rows * cols]].reshape(rows, cols)
+    x[:, ::128] = 448.0  # amax 448 -> scale 1 in every group
+    x[0, 5] = 124.3
+    weight = torch.randn(64, cols, generator=generator) / cols**0.5
+    w_values, w_scales = fp8.quantize_weight(weight)
+    out = fp8_triton.w8a8_block_matmul(x, w_values, w_scales, torch.float32, tiles=_tiles(16, 32, 2))
+    reference = fp8.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    torch.testing.assert_close(out, reference, **tolerance)
+    # the check has teeth: rounding the ties away from zero instead moves the outputs well past it
+    ties = torch.isin(x.abs(), _e4m3_midpoints())
+    away = torch.where(ties, torch.nextafter(x, 2 * x), x)
+    assert not torch.allclose(fp8.reference_matmul(away, w_values, w_scales, quantize_inputs=True), reference, **tolerance)
+
+
+@needs_interpreter
+def test_triton_gemm_interpreted_divides_like_the_reference_next_to_ties():
+    """``x / s`` for values within two fp32 ulps of ``(e4m3 midpoint) · s`` at 64 random scales: there
+    the e4m3 result hangs on the last bit of the quotient (``x · (1/s)`` without the kernel's fma
+    correction rounds ~4 % of these differently)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(3)
+    rows, groups = 64, 5
+    amax = torch.rand(rows, generator=generator) * 3 + 0.1
+    scale = amax / torch.full_like(amax, 448.0)
+    near = [_e4m3_midpoints()[None, :] * scale[:, None]]
+    for towards in (1e9, 0.0, 1e9, 0.0):  # +1, -1, +2, -2 ulps
+        start = near[0] if len(near) < 3 else near[-2]
+        near.append(torch.nextafter(start, torch.full_like(start, towards)))
+    near = torch.cat(near, dim=1)  # [rows, 630]
+    x = torch.empty(rows, groups, 128)
+    x[:, :, 0] = amax[:, None]  # every group's amax, so its scale is `scale`
+    x[:, :, 1:] = near[:, torch.randperm(groups * 127, generator=generator) % near.shape[1]].view(rows, groups, 127)
+    x = x.view(rows, groups * 128)
+    weight = torch.randn(96, groups * 128, generator=generator) / 25
+    w_values, w_scales = fp8.quantize_weight(weight)
+    out = fp8_triton.w8a8_block_matmul(x, w_values, w_scales, torch.float32, tiles=_tiles(64, 32, 2))
+    reference = fp8.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    torch.testing.assert_close(out, reference, **tolerance)
+    # the check has teeth: multiplying by the rounded reciprocal alone lands elsewhere
+    inverse = (1 / scale)[:, None, None]
+    naive = (x.view(rows, groups, 128) * inverse).to(torch.float8_e4m3fn).float() * scale[:, None, None]
+    naive_out = naive.view(rows, -1) @ fp8.dequantize_weight(w_values, w_scales).T
+    assert not torch.allclose(naive_out, reference, **tolerance)
+
+
+@needs_interpreter
+def test_e4m3_grid_rounding_equals_torch_cast():
+    """The interpreter-side rounding (``_round_to_e4m3_grid``) against torch's fp32 -> e4m3 cast on
+    every tie, its neighbours and random values over the whole e4m3 range."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(2)
+    random = (torch.rand(20000, generator=generator) * 2 - 1) * torch.logspace(-12, 0, 20000) * 448
+    x = torch.cat([_e4m3_ties(), random])
+    assert torch.equal(fp8_triton.round_to_e4m3_grid(x), x.to(torch.float8_e4m3fn).float())
+
+
+@needs_interpreter
+def test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes(monkeypatch):
+    """With an H200's 132 SMs every Qwen3 0.6B/1.7B/4B linear at decode batch sizes gets >= 7/8 of an SM
+    count of programs; up to 64 rows are one row tile (each weight byte read once); each split keeps
+    >= 2 K steps; prefill (2048 rows) has tiles enough and does not split."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    for hidden, intermediate, q_out, kv_out in [(1024, 3072, 2048, 1024), (2048, 6144, 2048, 1024),
+                                                (2560, 9728, 4096, 1024)]:
+        shapes = [(q_out, hidden), (kv_out, hidden), (hidden, q_out), (intermediate, hidden), (hidden, intermediate)]
+        for out_features, in_features in shapes:
+            for rows in (1, 16, 64, 128):
+                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu)
+                programs = -(-rows // tiles.block_m) * -(-out_features // tiles.block_n) * tiles.split_k
+                assert programs >= 116, (rows, out_features, in_features, tiles)
+                assert rows > 64 or tiles.block_m >= rows, tiles
+                assert tiles.split_k == 1 or in_features // 128 >= 2 * tiles.split_k, tiles
+            assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu).split_k == 1
+
+
+_SM90_COMPILE = """
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fp8_triton
+
+kernel = fp8_triton._fp8_gemm_kernel
+names = list(kernel.arg_names)
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "EMULATE_E4M3_CAST"]
+types = dict(a_ptr="*bf16", b_ptr="*fp8e4nv", b_s_ptr="*fp32", c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32",
+             fp8_max="fp32")
+signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+aligned = ["a_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am", "stride_bn",
+           "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+report = []
+for block_m, block_n, split_k, num_warps in json.loads(sys.argv[1]):
+    values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
+                  EMULATE_E4M3_CAST=False)
+    compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=3))
+    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    ptx = compiled.asm["ptx"]
+    report.append(dict(tiles=[block_m, block_n, split_k, num_warps],
+                       fp8_wgmma=bool(re.search(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
+                       mma_sync="mma.sync.aligned" in ptx,
+                       gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in ptx,
+                       registers=int(re.search(r"REG:(\\d+)", usage).group(1)),
+                       stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
+print(json.dumps(report))
+"""
+
+
+@needs_interpreter
+def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
+    """The compiled kernel (not the interpreter) for sm_90, without a GPU: Triton's own ptxas builds
+    the planned launches of the Qwen3 shapes (one of each kind: few rows, split K, 256 columns, a
+    128-row prefill tile), each with tensor-core instructions, the GPU's own fp32 -> e4m3 cast and no
+    register spills."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    tiles = [(16, 32, 4, 4), (64, 128, 4, 8), (64, 256, 1, 8), (128, 128, 1, 8)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(report)
+    assert [entry["tiles"] for entry in report] == [list(t) for t in tiles]
+    for entry in report:
+        assert entry["gpu_e4m3_cast"] and entry["stack"] == 0, entry
+        # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
+        assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
 
 
 @needs_interpreter
@@ -297,22 +488,48 @@ def _greedy(http, prompt, n=16):
 # ---------------------------------------------------------------------------------- CUDA (skipped without it)
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 200, 300), (128, 1024, 1024), (77, 3072, 1024),
-                                                           (128, 1024, 3072), (300, 64, 384)])
+                                                           (128, 1024, 3072), (300, 64, 384), (2048, 3072, 1024)])
 def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
+    """The compiled kernel (the GPU's own e4m3 cast, the planned tiles, split K where planned) against
+    the torch reference: fp32 output equal up to summation order, bf16 up to its rounding."""
     from slime.backends.embedded_engine import fp8_triton
 
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
     values, scales = fp8.quantize_weight(weight)
-    q, s = fp8_triton.quantize_activation(x)
-    ref_q, ref_s = fp8.quantize_activation(x)
-    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)  # the GPU's own fp32 -> e4m3 cast
-    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16)
     reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    print(rows, out_features, in_features, fp8_triton.plan_tiles(rows, out_features, in_features, x.device))
+    for tiles in (None, _tiles(16, 32, 4), _tiles(64, 256, 2, 8), _tiles(128, 128, 1, 8)):
+        torch.testing.assert_close(fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles),
+                                   reference, **tolerance)
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16)
     assert float((out.float() - reference).norm() / reference.norm()) < 4e-3  # the bf16 output rounding
     exact = x.float() @ weight.T
     assert float((out.float() - exact).norm() / exact.norm()) < 0.06
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
+    """A split-K launch captured in a CUDA graph: its counters reset themselves, so every replay (new
+    inputs, same buffers) reduces correctly."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(1024, 2048, generator=generator) / 45).cuda()
+    values, scales = fp8.quantize_weight(weight)
+    x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
+    tiles = _tiles(64, 64, 4)
+    fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles)  # compile, counters: not in capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles)
+    for seed in range(3):
+        x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+        graph.replay()
+        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
 @pytest.mark.gpu
