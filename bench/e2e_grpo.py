@@ -25,7 +25,16 @@ Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
 ``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
 time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``, ``engine_decode_steps``,
-``engine_prefill_forwards``); and ``speedup_vs_trl`` = TRL step time / slime step time. ``--out`` writes ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
+``engine_prefill_forwards``); and ``speedup_vs_trl`` = TRL step time / slime step time.
+
+``engine_alone/`` is the reference for slime's rollout: the embedded engine by itself (its own
+process, the same device, the same launch flags as the loop's engine) given each step's requests as
+slime's default rollout sends them (one batched ``/generate`` per prompt group, the same sampling
+parameters), straight from an HTTP client — no router, rollout code, rewards or trainer.
+``rollout_time`` is a step's wall time from the first request to the last answer, and
+``slime/rollout_over_engine_alone`` = slime's rollout time / that (issue 18 asks for <= 1.2).
+``--side both`` runs all three; ``--side engine`` only the reference. ``--out`` writes
+``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
 """
 
 from __future__ import annotations
@@ -193,6 +202,60 @@ def run_trl(args, model_dir: str, data: dict, root: str) -> dict:
     return metrics
 
 
+# ---------------------------------------------------------------- the engine alone on the same requests
+
+
+def run_engine_alone(args, model_dir: str, data: dict) -> dict:
+    """Each step's prompt groups sent straight to one embedded engine, as slime's default rollout sends
+    them; steady wall time per step and the mean response length."""
+    import asyncio
+
+    import httpx
+    import torch
+    from transformers import AutoTokenizer
+
+    from slime.backends.embedded_engine.launch import running_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in open(data["train"])]
+    samples = args.prompts * args.n_samples
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # the loop's engine flags (slime.ray.engine_actor.embedded_engine_argv with the bench's arguments)
+    extra = ["--device", device, "--max-running-requests", str(max(64, samples))]
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": args.max_new_tokens}
+
+    def prompt_ids(row) -> list[int]:
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # a BatchEncoding in transformers 5
+
+    async def one_step(client, url: str, prompts: list[list[int]]) -> tuple[float, list[int]]:
+        async def group(ids):
+            body = {"input_ids": [ids] * args.n_samples, "sampling_params": params, "return_logprob": True}
+            response = await client.post(url + "/generate", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"the engine refused a group: {response.status_code} {response.text[:300]}")
+            return response.json()
+
+        start = time.perf_counter()
+        outs = await asyncio.gather(*[group(ids) for ids in prompts])
+        return time.perf_counter() - start, [len(o["output_ids"]) for out in outs for o in out]
+
+    async def all_steps(url: str) -> tuple[list[float], list[int]]:
+        limits = httpx.Limits(max_connections=samples, max_keepalive_connections=samples)
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+            times, lengths = [], []
+            for step in range(args.steps):
+                prompts = [prompt_ids(rows[(step * args.prompts + i) % len(rows)]) for i in range(args.prompts)]
+                seconds, step_lengths = await one_step(client, url, prompts)
+                times.append(seconds)
+                lengths += step_lengths
+            return times, lengths
+
+    with running_engine(model_dir, timeout=900, extra_args=extra) as engine:
+        times, lengths = asyncio.run(all_steps(engine.url))
+    return {"rollout_time": mean(steady(times, args.warmup)), "response_len_mean": mean(lengths), "steps": len(times)}
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -207,7 +270,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady figures")
-    parser.add_argument("--side", choices=("both", "slime", "trl"), default="both")
+    parser.add_argument("--side", choices=("both", "slime", "trl", "engine"), default="both",
+                        help="both: slime, TRL and the engine alone (the rollout's reference)")
     parser.add_argument("--colocate", action="store_true", help="slime's --colocate (the README's one-GPU mode)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime's micro-batch token budget (README flags)")
     parser.add_argument("--trl-grad-accum", type=int, default=1)
@@ -225,12 +289,16 @@ def main() -> None:
         model_dir = build_checkpoint(args.model, os.path.join(root, "model"))
         data = build_task_data(os.path.join(root, "data"), num_train=max(256, args.prompts * args.steps), num_eval=8, num_sft=8)
         metrics: dict[str, float] = {}
-        sides = ("slime", "trl") if args.side == "both" else (args.side,)
+        sides = ("slime", "trl", "engine") if args.side == "both" else (args.side,)
         for side in sides:
+            if side == "engine":
+                metrics.update({f"engine_alone/{key}": value for key, value in run_engine_alone(args, model_dir, data).items()})
+                continue
             side_metrics = (run_slime if side == "slime" else run_trl)(args, model_dir, data, root)
             metrics.update({f"{side}/{key}": value for key, value in side_metrics.items()})
         if args.side == "both":
             metrics["speedup_vs_trl"] = metrics["trl/step_time"] / metrics["slime/step_time"]
+            metrics["slime/rollout_over_engine_alone"] = metrics["slime/rollout_time"] / metrics["engine_alone/rollout_time"]
     config = {"model": args.model, "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
               "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
