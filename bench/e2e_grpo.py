@@ -32,7 +32,8 @@ process, the same device, the same launch flags as the loop's engine) given each
 slime's default rollout sends them (one batched ``/generate`` per prompt group, the same sampling
 parameters), straight from an HTTP client — no router, rollout code, rewards or trainer.
 ``rollout_time`` is a step's wall time from the first request to the last answer, and
-``slime/rollout_over_engine_alone`` = slime's rollout time / that (issue 18 asks for <= 1.2).
+``slime/rollout_over_engine_alone`` = slime's rollout time / that (issue 18 asks for <= 1.2), with the
+engine's own account of those steps (``engine_busy_fraction``, ``engine_decode_time``, ... as for slime).
 ``--side both`` runs all three; ``--side engine`` only the reference. ``--out`` writes
 ``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
 """
@@ -215,6 +216,7 @@ def run_engine_alone(args, model_dir: str, data: dict) -> dict:
     from transformers import AutoTokenizer
 
     from slime.backends.embedded_engine.launch import running_engine
+    from slime.rollout.engine_control import engine_counters, engine_time_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in open(data["train"])]
@@ -240,20 +242,28 @@ def run_engine_alone(args, model_dir: str, data: dict) -> dict:
         outs = await asyncio.gather(*[group(ids) for ids in prompts])
         return time.perf_counter() - start, [len(o["output_ids"]) for out in outs for o in out]
 
-    async def all_steps(url: str) -> tuple[list[float], list[int]]:
+    async def all_steps(url: str) -> tuple[list[float], list[int], list[dict]]:
         limits = httpx.Limits(max_connections=samples, max_keepalive_connections=samples)
         async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-            times, lengths = [], []
+            times, lengths, accounts = [], [], []
             for step in range(args.steps):
                 prompts = [prompt_ids(rows[(step * args.prompts + i) % len(rows)]) for i in range(args.prompts)]
+                before = engine_counters([url])
                 seconds, step_lengths = await one_step(client, url, prompts)
+                accounts.append(engine_time_metrics(before, engine_counters([url]), seconds, 1))
                 times.append(seconds)
                 lengths += step_lengths
-            return times, lengths
+            return times, lengths, accounts
 
     with running_engine(model_dir, timeout=900, extra_args=extra) as engine:
-        times, lengths = asyncio.run(all_steps(engine.url))
-    return {"rollout_time": mean(steady(times, args.warmup)), "response_len_mean": mean(lengths), "steps": len(times)}
+        times, lengths, accounts = asyncio.run(all_steps(engine.url))
+    metrics = {"rollout_time": mean(steady(times, args.warmup)), "response_len_mean": mean(lengths), "steps": len(times)}
+    for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time", "engine_decode_steps",
+                "engine_prefill_forwards"):  # the engine's own account, as the loop reports it
+        values = [account[f"perf/{key}"] for account in accounts if f"perf/{key}" in account]
+        if len(values) > args.warmup:
+            metrics[key] = mean(steady(values, args.warmup))
+    return metrics
 
 
 # ---------------------------------------------------------------- driver
