@@ -15,6 +15,20 @@ TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 
 
+def start_cuda_engine(model_dir, *extra, env=None):
+    """An embedded engine on CUDA with ``extra`` flags, started and healthy (stopped if it is not)."""
+    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+
+    proc = EmbeddedEngineProcess(model_dir, extra_args=["--device", "cuda", *extra], env=env)
+    proc.start()
+    try:
+        proc.wait_healthy(timeout=300)
+    except Exception:
+        proc.stop()
+        raise
+    return proc
+
+
 def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 import torch
 
-from engine_test_utils import perturbed_state_dict
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess, find_free_port
+from engine_test_utils import perturbed_state_dict, start_cuda_engine
+from slime.backends.embedded_engine.launch import find_free_port
 from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 
 # NVLink multicast stays off on the lent machines, also in the engine processes we start.
@@ -39,27 +39,16 @@ CONTEXT = 2048
 BIG_CACHE = ["--context-length", str(CONTEXT), "--max-running-requests", "512"]
 
 
-def start_engine(model_dir, *extra, env=None) -> EmbeddedEngineProcess:
-    proc = EmbeddedEngineProcess(model_dir, extra_args=["--device", "cuda", *extra], env=env)
-    proc.start()
-    try:
-        proc.wait_healthy(timeout=300)
-    except Exception:
-        proc.stop()
-        raise
-    return proc
-
-
 @pytest.fixture(scope="module")
 def fp32_engine(tiny_model_dir):
-    proc = start_engine(tiny_model_dir, "--dtype", "float32", *BIG_CACHE)
+    proc = start_cuda_engine(tiny_model_dir, "--dtype", "float32", *BIG_CACHE)
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_model_dir):
-    proc = start_engine(tiny_model_dir, "--context-length", "512", "--max-running-requests", "16")  # --dtype auto
+    proc = start_cuda_engine(tiny_model_dir, "--context-length", "512", "--max-running-requests", "16")  # --dtype auto
     yield proc
     proc.stop()
 
@@ -219,7 +208,7 @@ def test_update_weights_from_distributed_nccl(tiny_model_dir, flattened):
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
-    engine = start_engine(tiny_model_dir, "--dtype", "float32", "--context-length", "512",
+    engine = start_cuda_engine(tiny_model_dir, "--dtype", "float32", "--context-length", "512",
                           "--max-running-requests", "16", env={"CUDA_VISIBLE_DEVICES": _second_gpu()})
     group = None
     try:

@@ -11,22 +11,14 @@ import httpx
 import pytest
 import torch
 
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+from engine_test_utils import start_cuda_engine
 
 TOL = 1e-3  # fp32: engine and HF differ by ~1e-6; a genuine near-tie may break either way
 
 
 def engine(model_dir, *spec):
-    proc = EmbeddedEngineProcess(model_dir, extra_args=["--device", "cuda", "--dtype", "float32",
-                                                        "--context-length", "1024", "--max-running-requests", "32",
-                                                        *spec])
-    proc.start()
-    try:
-        proc.wait_healthy(timeout=300)
-    except Exception:
-        proc.stop()
-        raise
-    return proc
+    return start_cuda_engine(model_dir, "--dtype", "float32", "--context-length", "1024",
+                             "--max-running-requests", "32", *spec)
 
 
 @torch.no_grad()
