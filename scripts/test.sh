@@ -29,6 +29,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_planned_tiles_compile_for_h200_without_spilling \
     tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \
+    tests/backends/embedded_engine/test_attention.py::test_triton_decode_attention_interpreted_matches_reference \
     tests/backends/embedded_engine/test_fused_ops.py::test_packed_silu_gate_interpreted_equals_torch \
     tests/backends/embedded_engine/test_fused_ops.py::test_add_rms_norm_interpreted_matches_hf \
     tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits

@@ -131,3 +131,25 @@ def test_triton_decode_attention_matches_reference(dtype, batch, heads, kv_heads
     expected = reference(query.float(), key.float(), value.float(), positions.tolist(), 0.088)[:, 0]
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dim", [32, 128, 256])  # 128-position steps up to 128-wide heads, 64 above
+def test_triton_decode_attention_interpreted_matches_reference(dim):
+    """The flash-decoding kernel on the CPU (interpreter): rows of one batch at different lengths
+    (one key, one position past a step, several splits), each attending to its own length only."""
+    from slime.backends.embedded_engine import triton_attention
+
+    gen = torch.Generator().manual_seed(dim)
+    batch, heads, kv_heads, capacity = 3, 4, 2, 400
+    keys = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
+    values = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
+    positions = torch.tensor([0, 128, 300])  # lengths 1, one past a 128-step, several steps
+    length = int(positions.max()) + 1
+    splits, _ = triton_attention.plan_splits(batch, kv_heads, length, triton_attention.block_n(dim))
+    assert splits > 1  # the merge of partial softmaxes is exercised
+    query = torch.randn(batch, heads, dim, generator=gen)
+    out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5)
+    key, value = keys[:batch, :, :length], values[:batch, :, :length]
+    expected = reference(query[:, :, None], key, value, positions.tolist(), dim ** -0.5)[:, 0]
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
