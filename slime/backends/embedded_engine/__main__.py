@@ -68,7 +68,8 @@ def build_server(args: ServerArgs):
 
 def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
     """The speculative decoder of ``--speculative-algorithm`` (None when off); STANDALONE loads its draft
-    model here, with as many slots as the target and the target's device, dtype and attention backend."""
+    model here, with as many slots as the target and the target's device, dtype and attention backend;
+    NEXTN builds the model's MTP layer from its checkpoint (``mtp.py``)."""
     from slime.backends.embedded_engine.config import speculative_config
     from slime.backends.embedded_engine.model_runner import ModelRunner
     from slime.backends.embedded_engine.speculative import DraftModel, SpeculativeDecoder
@@ -77,7 +78,14 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
     if config is None:
         return None
     draft = None
-    if config.draft_model_path:
+    if config.algorithm == "NEXTN":
+        from slime.backends.embedded_engine.mtp import NextNDrafter
+
+        try:
+            draft = NextNDrafter(runner, prefill_tokens)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    elif config.draft_model_path:
         draft_runner = ModelRunner(config.draft_model_path, device=args.device, dtype=args.dtype,
                                    num_slots=runner.max_slots, slot_capacity=runner.context_length,
                                    cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,

@@ -95,14 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "
-                           "text's suffix) or STANDALONE (a small draft model); drafts are verified in one forward "
-                           "with exact rejection sampling. EAGLE/EAGLE3/NEXTN/DFLASH are refused")
+                           "text's suffix), STANDALONE (a small draft model) or NEXTN (alias EAGLE, as in SGLang: the "
+                           "model's own multi-token-prediction layer, DeepSeek-V3 family); drafts are verified in one "
+                           "forward with exact rejection sampling. EAGLE3/DFLASH/... are refused")
     spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None,
                       help="STANDALONE: local HF checkpoint of the draft model (the target's tokenizer)")
     spec.add_argument("--speculative-num-steps", type=int, default=None,
-                      help="draft tokens proposed per step (= --speculative-num-draft-tokens - 1)")
+                      help="draft tokens proposed per step (= --speculative-num-draft-tokens - 1); NEXTN chains its "
+                           "MTP layer this many times")
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                      help="tokens verified per step: the last token + the drafts (default 12 NGRAM, 4 STANDALONE)")
+                      help="tokens verified per step: the last token + the drafts (default 12 NGRAM, 4 STANDALONE "
+                           "and NEXTN)")
     spec.add_argument("--speculative-eagle-topk", type=int, default=None,
                       help="drafts per step form one chain: only 1 is accepted")
     spec.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18,
@@ -162,4 +165,4 @@ def speculative_config(args: ServerArgs):
 
     return resolve_config(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                           args.speculative_num_draft_tokens, args.speculative_eagle_topk,
-                          args.speculative_ngram_max_trie_depth)
+                          args.speculative_ngram_max_trie_depth, args.model_path)

@@ -238,7 +238,11 @@ class Engine:
                 tokens = seq.fill_ids[seq.num_computed: seq.num_computed + chunk]
                 rows.append(ForwardRow(tokens, seq.num_computed, want_all_logits=self._wants_input_logprobs(seq)))
             slots = [seq.slot for seq in pending]
-            last_logits, all_logits = self.runner.forward(slots, rows)
+            if self.speculative is not None and self.speculative.needs_hidden:  # NEXTN: the MTP layer's input
+                last_logits, all_logits, hidden = self.runner.forward_with_hidden(slots, rows)
+                self.speculative.record_hidden(pending, hidden)
+            else:
+                last_logits, all_logits = self.runner.forward(slots, rows)
             self.scheduler.stats.prefill_forwards += 1
             self.scheduler.stats.prefill_tokens += sum(len(row.tokens) for row in rows)
             done = []
@@ -282,6 +286,8 @@ class Engine:
                 srcs.append(leader.slot)
                 dsts.append(seq.slot)
                 seq.num_computed = seq.cached_tokens = leader.num_computed
+                if self.speculative is not None:
+                    self.speculative.share_prefill(leader, seq)
                 copies.append((seq, logits))
         if copies:
             self.runner.kv_cache.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))

@@ -87,6 +87,10 @@ class ModelRunner:
                     self.kv_cache.nbytes() / 2**20, self.context_length, self.kv_token_budget or "unbounded")
         self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
                                    max_batch=min(cuda_graph_max_bs or num_slots, num_slots))
+        #: the model's own multi-token-prediction layer when it drafts (``--speculative-algorithm NEXTN``,
+        #: ``mtp.MTPLayer``): its weights are the model's ``model.layers.{num_hidden_layers}.*`` and
+        #: every weight update by those names reaches it
+        self.mtp = None
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
@@ -241,6 +245,34 @@ class ModelRunner:
     def forward(self, slots: list[int], rows: list[ForwardRow]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Run the model on ``rows`` (row i lives in cache slot ``slots[i]``); return fp32 last-token logits
         ``[rows, vocab]`` and, per row that asked for it, fp32 logits of all its new tokens ``[n_i, vocab]``."""
+        input_ids, positions, mask, view = self.row_inputs(slots, rows, self.kv_cache)
+        q_len = input_ids.shape[1]
+        want_all = any(r.want_all_logits for r in rows)
+        with self._prefill_attention():
+            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                             logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
+        logits = out.logits.float()
+        all_logits = [logits[i, q_len - len(r.tokens):] if r.want_all_logits else None for i, r in enumerate(rows)]
+        return logits[:, -1], all_logits
+
+    def forward_with_hidden(self, slots: list[int], rows: list[ForwardRow]
+                            ) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
+        """:meth:`forward`, plus each row's final hidden states ``[n_i, hidden]`` (after the model's final
+        norm, what its head reads: the input of a multi-token-prediction layer, as in SGLang)."""
+        captured = []
+        handle = self.model.get_decoder().norm.register_forward_hook(lambda module, args, out: captured.append(out))
+        try:
+            last, all_logits = self.forward(slots, rows)
+        finally:
+            handle.remove()
+        hidden = captured[-1]
+        q_len = hidden.shape[1]
+        return last, all_logits, [hidden[i, q_len - len(r.tokens):] for i, r in enumerate(rows)]
+
+    def row_inputs(self, slots: list[int], rows: list[ForwardRow], cache: SlotKVCache
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SlotCacheView]:
+        """Device inputs of a forward over ``rows`` (left-padded to a common length) in ``cache``'s slots
+        ``slots``: token ids and positions ``[rows, q]``, the additive mask and the cache view."""
         q_len = max(len(r.tokens) for r in rows)
         pads = [q_len - len(r.tokens) for r in rows]
         # Built as Python lists and converted once: per-row tensor ops dominate small decode steps.
@@ -259,14 +291,8 @@ class ModelRunner:
             t.to(self.device, non_blocking=True)
             for t in (input_ids, positions, valid, token_index, write_slots, write_positions))
         mask = self._attention_mask(positions, valid, kv_length)
-        view = SlotCacheView(self.kv_cache, slots, token_index, write_slots, write_positions, kv_length)
-        want_all = any(r.want_all_logits for r in rows)
-        with self._prefill_attention():
-            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
-        logits = out.logits.float()
-        all_logits = [logits[i, q_len - len(r.tokens):] if r.want_all_logits else None for i, r in enumerate(rows)]
-        return logits[:, -1], all_logits
+        view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length)
+        return input_ids, positions, mask, view
 
     def _prefill_attention(self):
         """SDPA kernels for prefill on CUDA: flash or memory-efficient, not cuDNN, which builds a plan
@@ -331,6 +357,9 @@ class ModelRunner:
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         count = 0
         for name, tensor in named_tensors:
+            if self.mtp is not None and self.mtp.owns(name):  # model.layers.{L >= num_hidden_layers}.*
+                count += self.mtp.load(name, tensor)
+                continue
             if self.fp8 is not None and self.fp8.owns(name):  # quantized into its FP8 blocks
                 self.fp8.load(name, tensor)
                 count += 1
@@ -353,12 +382,16 @@ class ModelRunner:
         if type(fresh) is not type(self.model):
             raise ValueError(f"{model_path} holds a {type(fresh).__name__}, the server runs {type(self.model).__name__}")
         count = self.load_named_tensors(fresh.state_dict().items())
+        if self.mtp is not None:  # transformers drops the MTP layers' weights: read them from the files
+            count += self.mtp.load_checkpoint(model_path)
         self.model_path = model_path
         return count
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
         experts read their slice of the fused expert parameters; FP8 weights read dequantized."""
+        if self.mtp is not None and self.mtp.owns(name):
+            return self.mtp.get(name)
         if self.fp8 is not None and self.fp8.owns(name):
             return self.fp8.dequantized(name)
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -381,6 +414,8 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of the served weights: the parameters (a tied embedding once) plus FP8 values and scales."""
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.mtp is not None:
+            total += sum(p.numel() * p.element_size() for p in self.mtp.parameters())
         if self.fp8 is not None:
             modules = [*self.fp8.linears.values(), *self.fp8.experts.values()]
             total += sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
@@ -391,6 +426,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.weights_on_device:
             self.graphs.clear()  # they point at the parameters' device memory
             self.model.to("cpu")
+            if self.mtp is not None:
+                self.mtp.to("cpu")
             torch.cuda.empty_cache()
         self.weights_on_device = False
 
@@ -398,6 +435,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()
             self.model.to(self.device)
+            if self.mtp is not None:
+                self.mtp.to(self.device)
         self.weights_on_device = True
 
 

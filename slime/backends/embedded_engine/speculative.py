@@ -1,6 +1,6 @@
 """Speculative decoding for the embedded engine: draft k tokens cheaply, verify them in one forward.
 
-A decode step with speculation (``--speculative-algorithm NGRAM`` or ``STANDALONE``):
+A decode step with speculation (``--speculative-algorithm NGRAM``, ``STANDALONE`` or ``NEXTN``):
 
 1. **Draft.** Every running row proposes up to ``k = --speculative-num-draft-tokens - 1`` tokens
    ``x_1..x_k`` (fewer near its ``max_new_tokens``):
@@ -11,6 +11,9 @@ A decode step with speculation (``--speculative-algorithm NGRAM`` or ``STANDALON
      :class:`ModelRunner` and slot cache samples ``x_j ~ q_j``, ``q_j`` processed exactly like the
      target's (temperature, top-k, top-p, min-p, banned stop ids). Its cache catches up lazily: a row
      first feeds the draft what it has not seen (the prompt, then the tokens accepted since).
+   * ``NEXTN`` (SGLang's ``EAGLE`` with the model's own MTP layer, :mod:`mtp`): the model's
+     multi-token-prediction block, fed the target's hidden states of the verified positions and its
+     own output when chained, samples ``x_j ~ q_j`` the same way, in its own one-layer slot cache.
 2. **Verify.** One batched forward of the target over ``[last token, x_1..x_k]`` per row gives
    ``p_1..p_{k+1}`` (the rows' drafts may differ in length; they are left-padded).
 3. **Accept** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
@@ -46,19 +49,20 @@ if TYPE_CHECKING:
     from slime.backends.embedded_engine.scheduler import Sequence
 
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
+#: SGLang routes NEXTN to EAGLE, whose draft for a DeepSeek-V3-family model with no
+#: --speculative-draft-model-path is the model's own MTP layer: both spellings run NEXTN here
+ALIASES = {"EAGLE": "NEXTN"}
 #: SGLang's algorithms the embedded engine does not run, and why
 UNSUPPORTED_ALGORITHMS = {
-    "EAGLE": "EAGLE needs an EAGLE draft head trained on the target's hidden states",
     "EAGLE3": "EAGLE3 needs an EAGLE3 draft head trained on the target's hidden states",
-    "NEXTN": "NEXTN needs the model's own multi-token-prediction (MTP) layers",
-    "FROZEN_KV_MTP": "FROZEN_KV_MTP needs the model's own multi-token-prediction (MTP) layers",
+    "FROZEN_KV_MTP": "FROZEN_KV_MTP needs a frozen-KV MTP assistant draft",
     "DFLASH": "DFLASH needs a DFlash block-diffusion draft",
     "DSPARK": "DSPARK needs a DSpark draft",
     "UNO": "UNO needs an UNO draft LoRA",
 }
-#: SGLang's defaults: NGRAM verifies 12 tokens (11 drafts), STANDALONE drafts 3 steps (4 tokens)
-DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4}
+#: SGLang's defaults: NGRAM verifies 12 tokens (11 drafts), STANDALONE and NEXTN (DeepSeek-V3) draft 3 steps
+DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4, "NEXTN": 4}
 #: seeded requests: the draws of drafts and of acceptance tests come from their own streams (integers:
 #: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
 DRAFT_STREAM, ACCEPT_STREAM = 1, 2
@@ -67,7 +71,7 @@ NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per prop
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    algorithm: str  # NGRAM or STANDALONE
+    algorithm: str  # NGRAM, STANDALONE or NEXTN
     num_draft_tokens: int  # verified tokens per step: the last token + num_draft_tokens - 1 drafts
     draft_model_path: str | None = None
     ngram_max_match: int = 18  # --speculative-ngram-max-trie-depth
@@ -78,20 +82,21 @@ class SpeculativeConfig:
 
 
 def resolve_config(algorithm: str | None, draft_model_path: str | None, num_steps: int | None,
-                   num_draft_tokens: int | None, eagle_topk: int | None, ngram_max_trie_depth: int
-                   ) -> SpeculativeConfig | None:
+                   num_draft_tokens: int | None, eagle_topk: int | None, ngram_max_trie_depth: int,
+                   model_path: str | None = None) -> SpeculativeConfig | None:
     """The engine's speculative settings from SGLang's flags (None: speculation off); raises with the
     flag names for values the engine does not implement."""
     if algorithm is None:
         for flag, value in (("--speculative-draft-model-path", draft_model_path), ("--speculative-num-steps", num_steps),
                             ("--speculative-num-draft-tokens", num_draft_tokens)):
             if value is not None:
-                raise ValueError(f"{flag} {value} needs --speculative-algorithm (NGRAM or STANDALONE)")
+                raise ValueError(f"{flag} {value} needs --speculative-algorithm (NGRAM, STANDALONE or NEXTN)")
         return None
-    name = algorithm.upper()
+    name = ALIASES.get(algorithm.upper(), algorithm.upper())
     if name in UNSUPPORTED_ALGORITHMS:
         raise ValueError(f"--speculative-algorithm {algorithm}: {UNSUPPORTED_ALGORITHMS[name]}, which the embedded "
-                         f"engine does not run; use NGRAM (prompt lookup) or STANDALONE (a small draft model)")
+                         f"engine does not run; use NGRAM (prompt lookup), STANDALONE (a small draft model) or "
+                         f"NEXTN (the model's own MTP layer)")
     if name not in ALGORITHMS:
         raise ValueError(f"--speculative-algorithm {algorithm!r} is unknown; the embedded engine runs {ALGORITHMS}")
     if eagle_topk not in (None, 1):
@@ -103,6 +108,10 @@ def resolve_config(algorithm: str | None, draft_model_path: str | None, num_step
     if name == "NGRAM" and draft_model_path:
         raise ValueError("--speculative-draft-model-path is for --speculative-algorithm STANDALONE; "
                          "NGRAM drafts from the prompt and output")
+    if name == "NEXTN" and draft_model_path and draft_model_path != model_path:
+        raise ValueError(f"--speculative-algorithm {algorithm} --speculative-draft-model-path {draft_model_path}: the "
+                         "embedded engine drafts NEXTN/EAGLE with the MTP layer of --model-path itself (a separate "
+                         "EAGLE draft head is not implemented); drop the draft path")
     if num_steps is not None and num_steps < 1:
         raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
     if num_draft_tokens is not None and num_draft_tokens < 2:
@@ -125,9 +134,18 @@ class SpecState:
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the verifier accepted
     histogram: list[int] = field(default_factory=list)  # histogram[a]: verify steps that accepted a drafts
-    draft_computed: int = 0  # STANDALONE: positions of this request in the draft model's slot cache
+    draft_computed: int = 0  # STANDALONE / NEXTN: positions of this request in the draft's slot cache
+    # NEXTN: the target's final hidden states of positions draft_computed .. num_computed - 1 ([n, H]; None:
+    # none), which the MTP layer has not consumed; its own last output and where its next chained step goes
+    hidden: torch.Tensor | None = None
+    chain_hidden: torch.Tensor | None = None
+    chain_position: int = 0
     ngram_index: dict[int, list[int]] = field(default_factory=dict)  # NGRAM: token -> positions
     ngram_indexed: int = 0  # tokens of prompt + output in ngram_index
+
+    def add_hidden(self, hidden: torch.Tensor) -> None:
+        """NEXTN: the target's hidden states of the next computed positions."""
+        self.hidden = hidden.clone() if self.hidden is None else torch.cat((self.hidden, hidden))
 
     def count_step(self, proposed: int, accepted: int) -> None:
         self.verify_ct += 1
@@ -172,31 +190,29 @@ def ngram_propose(state: SpecState, tokens: list[int], max_match: int, k: int) -
     return tokens[best + 1: best + 1 + k] if best >= 0 else []
 
 
-class DraftModel:
-    """STANDALONE drafter: a small model in its own slot cache, kept in the target's slot layout."""
+class ChainDrafter:
+    """A drafter that samples its drafts one after the other from a model with a slot cache: it feeds
+    each row what its cache lacks (:meth:`_catch_up`, giving draft 1), then its drafts one by one
+    (:meth:`_feed`). :class:`DraftModel` (STANDALONE) and ``mtp.NextNDrafter`` (NEXTN)."""
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner, prefill_tokens: int):
-        if runner.vocab_size != target.vocab_size:
-            raise ValueError(f"--speculative-draft-model-path {runner.model_path}: its vocabulary has {runner.vocab_size} "
-                             f"ids, the target's {target.vocab_size}; the draft must share the target's tokenizer")
-        if runner.context_length < target.context_length:
-            raise ValueError(f"--speculative-draft-model-path {runner.model_path} holds {runner.context_length} "
-                             f"positions, the target {target.context_length}; lower --context-length")
-        self.runner = runner
-        self.prefill_tokens = prefill_tokens
+    #: whether the engine must hand it the target's hidden states (``record_hidden``)
+    needs_hidden = False
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        self.runner.kv_cache.move_slot(src, dst, length)
+    def num_slots(self) -> int:
+        raise NotImplementedError
 
-    def grow_cache(self, need: int) -> None:
-        self.runner.grow_cache(need)
+    def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
                 generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Sample ``ks[i]`` draft tokens for each row of ``seqs`` (some of a running batch of
         ``batch_size``); returns the tokens and each row's ``q`` ([k_i, vocab])."""
-        if self.runner.kv_cache.shape.num_slots <= max(seq.slot for seq in seqs):
-            raise RuntimeError(f"the draft model's KV cache has {self.runner.kv_cache.shape.num_slots} slots, fewer than "
+        if self.num_slots() <= max(seq.slot for seq in seqs):
+            raise RuntimeError(f"the draft's KV cache has {self.num_slots()} slots, fewer than "
                                "the target's running batch; lower --max-running-requests")
         logits = self._catch_up(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -216,6 +232,29 @@ class DraftModel:
             logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next], batch_size)
             live = [live[n] for n in live_next]
         return drafts, [torch.stack(p) for p in probs]
+
+
+class DraftModel(ChainDrafter):
+    """STANDALONE drafter: a small model in its own slot cache, kept in the target's slot layout."""
+
+    def __init__(self, runner: ModelRunner, target: ModelRunner, prefill_tokens: int):
+        if runner.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {runner.model_path}: its vocabulary has {runner.vocab_size} "
+                             f"ids, the target's {target.vocab_size}; the draft must share the target's tokenizer")
+        if runner.context_length < target.context_length:
+            raise ValueError(f"--speculative-draft-model-path {runner.model_path} holds {runner.context_length} "
+                             f"positions, the target {target.context_length}; lower --context-length")
+        self.runner = runner
+        self.prefill_tokens = prefill_tokens
+
+    def num_slots(self) -> int:
+        return self.runner.kv_cache.shape.num_slots
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.runner.kv_cache.move_slot(src, dst, length)
+
+    def grow_cache(self, need: int) -> None:
+        self.runner.grow_cache(need)
 
     def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
         """Feed every row what the draft cache lacks of prompt + output; last-position logits [rows, vocab]."""
@@ -340,14 +379,32 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
 
 
 class SpeculativeDecoder:
-    """The engine's speculative step: propose (n-gram or draft model), verify in one target forward,
-    accept, emit. Hooks in :class:`Engine`: ``step`` (decode), ``admitted``, ``move_slot``, ``grow_cache``."""
+    """The engine's speculative step: propose (n-gram, draft model or MTP layer), verify in one target
+    forward, accept, emit. Hooks in :class:`Engine`: ``step`` (decode), ``admitted``, ``move_slot``,
+    ``grow_cache``, and where the drafter reads the target's hidden states (``needs_hidden``, NEXTN)
+    ``record_hidden`` after each prefill forward and ``share_prefill`` for requests sharing one."""
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
-        if (config.algorithm == "STANDALONE") != (draft is not None):
-            raise ValueError("STANDALONE speculation needs its draft model, NGRAM none")
+    def __init__(self, config: SpeculativeConfig, draft: ChainDrafter | None = None):
+        if (config.algorithm != "NGRAM") != (draft is not None):
+            raise ValueError(f"{config.algorithm} speculation needs its drafter (STANDALONE: a draft model, NEXTN: "
+                             "the MTP layer), NGRAM none")
         self.config = config
         self.draft = draft
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.draft is not None and self.draft.needs_hidden
+
+    def record_hidden(self, seqs: list["Sequence"], hidden: list[torch.Tensor]) -> None:
+        """The target's final hidden states of each row's positions just computed (before ``num_computed``
+        moves past them)."""
+        for seq, h in zip(seqs, hidden):
+            seq.spec.add_hidden(h)
+
+    def share_prefill(self, leader: "Sequence", follower: "Sequence") -> None:
+        """``follower`` took ``leader``'s prefilled cache: it takes the hidden states of those positions too."""
+        if self.needs_hidden:
+            follower.spec.hidden = leader.spec.hidden
 
     # ------------------------------------------------------------------ engine hooks
     def admitted(self, seqs: list["Sequence"]) -> None:
@@ -356,6 +413,7 @@ class SpeculativeDecoder:
             if seq.spec is None:
                 seq.spec = SpecState()
             seq.spec.draft_computed = 0
+            seq.spec.hidden = seq.spec.chain_hidden = None
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         if self.draft is not None:
@@ -387,7 +445,7 @@ class SpeculativeDecoder:
             drafts, draft_probs = [[] for _ in running], [None] * len(running)
             for n, i in enumerate(drafting):
                 drafts[i], draft_probs[i] = tokens[n], probs[n]
-        if not any(drafts):
+        if not any(drafts) and not self.needs_hidden:  # NEXTN verifies anyway: the MTP layer needs every hidden state
             for seq in running:
                 seq.spec.count_step(0, 0)
             return None
@@ -403,7 +461,10 @@ class SpeculativeDecoder:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
                 for seq, d in zip(running, drafts)]
-        _, all_logits = runner.forward([seq.slot for seq in running], rows)
+        if self.needs_hidden:
+            _, all_logits, hidden = runner.forward_with_hidden([seq.slot for seq in running], rows)
+        else:
+            _, all_logits = runner.forward([seq.slot for seq in running], rows)
         stats = engine.scheduler.stats
         stats.decode_steps += 1
         stats.spec_verify_forwards += 1
@@ -423,6 +484,8 @@ class SpeculativeDecoder:
         result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
         for i, seq in enumerate(running):  # every row's cache length first: a finishing row moves the last row
             seq.spec.count_step(len(drafts[i]), result.accepted[i])
+            if self.needs_hidden:  # the positions now verified: the last token and the accepted drafts
+                seq.spec.add_hidden(hidden[i][: 1 + result.accepted[i]])
             seq.num_computed += 1 + result.accepted[i]  # the last token and the accepted drafts are cached
             if self.draft is not None:
                 self.draft.rewind(seq)

@@ -85,7 +85,7 @@ def test_flags_use_sglang_names_and_refuse_what_the_engine_does_not_run(tiny_mod
                        "--speculative-draft-model", tiny_model_dir, "--speculative-num-steps", "2"])
     assert speculative_config(args).max_drafts == 2
     refused = {("--speculative-algorithm", "EAGLE3"): "EAGLE3 needs",
-               ("--speculative-algorithm", "NEXTN"): "multi-token-prediction",
+               ("--speculative-algorithm", "DFLASH"): "DFlash block-diffusion draft",
                ("--speculative-algorithm", "STANDALONE"): "--speculative-draft-model-path",
                ("--speculative-num-steps", "3"): "needs --speculative-algorithm"}
     for (flag, value), message in refused.items():

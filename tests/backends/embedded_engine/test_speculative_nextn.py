@@ -1,0 +1,306 @@
+"""NEXTN speculative decoding (mtp.py): the model's own multi-token-prediction layer drafts, on a tiny
+DeepSeek-V3 checkpoint with one MTP layer written into its safetensors by the test.
+
+Two targets: the random tiny DeepSeek-V3 with a random MTP layer (the MTP layer's attention matters:
+its drafts are checked against a from-scratch run of the layer over the whole text), and a "Markov"
+target whose attention and MLP outputs are zeroed, so that its next token depends on the current
+token only: there an MTP layer that forwards the embedding half of its input (``eh_proj = [I, 0]``,
+its own attention and MLP zeroed) predicts the target's next-next token exactly, and one that forwards
+the hidden half (``[0, I]``) is off by one token, which the acceptance counters must show."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from engine_test_utils import hf_logprobs, load_hf
+from slime.backends.embedded_engine.config import parse_args
+from slime.backends.embedded_engine.engine import Engine
+from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+from slime.backends.embedded_engine.kv_cache import SlotKVCache
+from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+from slime.backends.embedded_engine.mtp import NextNDrafter, add_mtp_layer
+from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder, spec_meta_info
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
+ZEROED = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # attention and MLP outputs
+
+
+def markov_checkpoint(base: str, out, mtp: str, noise: float = 0.0) -> str:
+    """``base`` with every layer's attention and MLP output zeroed, plus an MTP layer: ``exact``
+    (``eh_proj = [I, 0]``), ``wrong`` (``[0, I]``) or ``exact`` + ``noise`` on ``eh_proj``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    weights = load_file(f"{out}/model.safetensors")
+    save_file({k: torch.zeros_like(v) if k.endswith(ZEROED) else v for k, v in weights.items()},
+              f"{out}/model.safetensors", metadata={"format": "pt"})
+
+    def edit(layer):
+        size = layer.eh_proj.weight.shape[0]
+        eye, zero = torch.eye(size), torch.zeros(size, size)
+        layer.eh_proj.weight.copy_(torch.cat([zero, eye] if mtp == "wrong" else [eye, zero], dim=1))
+        layer.eh_proj.weight.add_(noise * torch.randn(layer.eh_proj.weight.shape, generator=torch.Generator().manual_seed(5)))
+        for name, tensor in layer.state_dict().items():
+            if name.endswith(ZEROED):
+                tensor.zero_()
+
+    add_mtp_layer(str(out), seed=1, edit=edit)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_deepseek_v3_dir, tmp_path_factory):
+    """The tiny DeepSeek-V3 with a random MTP layer (weights large enough that its attention matters)."""
+    out = tmp_path_factory.mktemp("nextn") / "random"
+    shutil.copytree(tiny_deepseek_v3_dir, out)
+    add_mtp_layer(str(out), seed=1, std=0.1)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def markov_dirs(tiny_deepseek_v3_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("markov")
+    return {name: markov_checkpoint(tiny_deepseek_v3_dir, root / name, mtp, noise)
+            for name, mtp, noise in (("exact", "exact", 0.0), ("wrong", "wrong", 0.0), ("noisy", "exact", 0.03))}
+
+
+def make_engine(model_dir, nextn: bool, steps: int = 3, slots: int = 8):
+    runner = ModelRunner(model_dir, device="cpu", num_slots=slots)
+    speculative = None
+    if nextn:
+        speculative = SpeculativeDecoder(SpeculativeConfig("NEXTN", steps + 1), NextNDrafter(runner, 256))
+    engine = Engine(runner, speculative=speculative, seed=1)
+    engine.start()
+    return engine
+
+
+def generate(engine, prompts, params_list):
+    seqs, events = [], []
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        done = threading.Event()
+        request = GenerateRequest(rid=f"r{i}", input_ids=prompt, params=params)
+        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
+                    .result(10))
+        events.append(done)
+    for done in events:
+        assert done.wait(120)
+    return seqs
+
+
+def run(model_dir, prompts, params_list, nextn=True, steps=3):
+    engine = make_engine(model_dir, nextn, steps)
+    try:
+        return generate(engine, prompts, params_list), dict(vars(engine.scheduler.stats))
+    finally:
+        engine.stop()
+
+
+def greedy(n):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def accept_rate(stats):
+    return stats["spec_accepted_drafts"] / stats["spec_proposed_drafts"]
+
+
+# ---------------------------------------------------------------------- flags and start-up errors
+def test_flags_accept_nextn_and_eagle_and_refuse_models_without_mtp_layers(tiny_deepseek_v3_dir, mtp_dir,
+                                                                            tiny_model_dir):
+    from slime.backends.embedded_engine.__main__ import build_speculative
+    from slime.backends.embedded_engine.config import speculative_config
+
+    for name in ("NEXTN", "nextn", "EAGLE"):  # SGLang routes NEXTN to EAGLE: both draft with the MTP layer
+        config = speculative_config(parse_args(["--model-path", mtp_dir, "--speculative-algorithm", name]))
+        assert (config.algorithm, config.max_drafts) == ("NEXTN", 3)  # SGLang's DeepSeek default: 3 steps
+    args = parse_args(["--model-path", mtp_dir, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+                       "--speculative-draft-model-path", mtp_dir, "--max-running-requests", "4"])
+    runner = ModelRunner(mtp_dir, device="cpu", num_slots=4)
+    decoder = build_speculative(args, runner, 256)
+    assert decoder.config.max_drafts == 2 and runner.mtp is decoder.draft.layer
+    assert decoder.draft.kv_cache.shape.num_layers == 1 and decoder.draft.kv_cache.shape.num_slots == 4
+    with pytest.raises(SystemExit, match="--speculative-draft-model-path .* drop the draft path"):
+        parse_args(["--model-path", mtp_dir, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+                    tiny_model_dir])
+    with pytest.raises(SystemExit, match="EAGLE3 needs"):
+        parse_args(["--model-path", mtp_dir, "--speculative-algorithm", "EAGLE3"])
+    # Qwen3 has no MTP layers; the stock tiny DeepSeek-V3 says it has one but its files hold none
+    for model_dir, message in ((tiny_model_dir, "num_nextn_predict_layers = None"),
+                               (tiny_deepseek_v3_dir, "no tensor of its safetensors files .* model.layers.4")):
+        args = parse_args(["--model-path", model_dir, "--speculative-algorithm", "NEXTN"])
+        with pytest.raises(SystemExit, match=f"--speculative-algorithm NEXTN.*{message}"):
+            build_speculative(args, ModelRunner(model_dir, device="cpu", num_slots=2), 256)
+
+
+# ---------------------------------------------------------------------- the drafts are the MTP layer's
+def reference_logits(drafter, hidden, tokens, drafts):
+    """The MTP layer run from scratch over the whole text, in a fresh cache, for each chained draft:
+    positions p = 0..n-2 take (h_p, t_{p+1}); chained step j appends (its previous output, draft j)."""
+    runner = drafter.runner
+    cache = SlotKVCache(dataclasses.replace(drafter.kv_cache.shape, num_slots=1), runner.dtype, runner.device)
+    states, fed, out = hidden[: len(tokens) - 1], list(tokens[1:]), []
+    with torch.inference_mode():
+        for j in range(len(drafts)):
+            ids, positions, mask, view = runner.row_inputs([0], [ForwardRow(fed, 0)], cache)
+            embeds = runner.model.get_input_embeddings()(ids)
+            last = drafter.layer(embeds, states[None], runner.model.get_decoder().rotary_emb(embeds, positions),
+                                 mask, view)[0, -1:]
+            out.append(runner.model.get_output_embeddings()(last)[0].float())
+            states, fed = torch.cat((states, last)), fed + [drafts[j]]
+    return torch.stack(out)
+
+
+def test_drafts_are_the_mtp_layers_over_the_whole_text(mtp_dir):
+    """Every proposal of a sampled run (rows finishing at different steps, drafts accepted and rejected)
+    equals the MTP layer run from scratch over the text so far: its cache holds exactly the target's
+    hidden states of the verified positions, whatever was accepted, rejected or moved."""
+    engine = make_engine(mtp_dir, True, steps=3)
+    drafter, proposals = engine.speculative.draft, []
+    propose = drafter.propose
+
+    def recording(seqs, ks, settings, generator, batch_size):
+        drafts, probs = propose(seqs, ks, settings, generator, batch_size)
+        proposals.extend((list(seq.fill_ids), d, q) for seq, d, q in zip(seqs, drafts, probs))
+        return drafts, probs
+
+    drafter.propose = recording
+    try:
+        params = [SamplingParams(max_new_tokens=8 + 4 * i, temperature=1.0, ignore_eos=True) for i in range(4)]
+        seqs, stats = generate(engine, PROMPTS, params), dict(vars(engine.scheduler.stats))
+    finally:
+        engine.stop()
+    assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
+    model = load_hf(mtp_dir)
+    with torch.no_grad():
+        finals = {tuple(s.prompt_ids + s.output_ids): model.model(torch.tensor([s.prompt_ids + s.output_ids]))
+                  .last_hidden_state[0] for s in seqs}
+    checked = 0
+    for tokens, drafts, q in proposals:
+        full = next(k for k in finals if list(k[: len(tokens)]) == tokens)
+        expected = torch.softmax(reference_logits(drafter, finals[full], tokens, drafts), dim=-1)  # T = 1
+        assert torch.allclose(q, expected, atol=1e-5), (tokens, (q - expected).abs().max())
+        checked += 1
+    assert checked >= 8
+
+
+# ---------------------------------------------------------------------- output = the target's
+@pytest.mark.parametrize("target", ["random", "noisy"])
+def test_greedy_equals_plain_greedy_and_logprobs_are_the_targets(target, mtp_dir, markov_dirs):
+    model_dir = mtp_dir if target == "random" else markov_dirs["noisy"]
+    params = [greedy(10 + 3 * i) for i in range(4)]
+    plain, _ = run(model_dir, PROMPTS, params, nextn=False)
+    spec, stats = run(model_dir, PROMPTS, params)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    model = load_hf(model_dir)
+    for prompt, seq in zip(PROMPTS, spec):
+        assert seq.output_logprobs == pytest.approx(hf_logprobs(model, prompt, seq.output_ids, 0.0), abs=1e-4)
+    assert stats["spec_verify_forwards"] > 0 and stats["spec_proposed_drafts"] > 0
+    if target == "noisy":  # accepted and rejected drafts both seen, so fewer target forwards
+        assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
+        assert stats["decode_steps"] < sum(len(s.output_ids) - 1 for s in spec)
+
+
+def test_acceptance_tells_an_exact_mtp_layer_from_a_wrong_one(markov_dirs):
+    """The exact MTP layer's drafts are the target's own next tokens: all accepted, greedy or sampled
+    (q = p); the off-by-one layer's are mostly rejected; the per-request counters say the same."""
+    exact, stats = run(markov_dirs["exact"], PROMPTS[:2], [greedy(13)] * 2)
+    assert accept_rate(stats) == 1.0
+    meta = spec_meta_info(exact[0])  # 13 tokens: 1 from prefill + 3 verify steps of 3 drafts + 1 bonus
+    assert meta["spec_verify_ct"] == 3 and meta["spec_accept_rate"] == 1.0
+    assert meta["spec_accept_length"] == pytest.approx(13 / 3) and meta["spec_correct_drafts_histogram"] == [0, 0, 0, 3]
+    sampled = [SamplingParams(max_new_tokens=13, temperature=1.0, ignore_eos=True)] * 4
+    _, stats = run(markov_dirs["exact"], PROMPTS, sampled)
+    assert accept_rate(stats) > 0.95, stats
+    _, stats = run(markov_dirs["wrong"], PROMPTS, [greedy(13)] * 4)
+    assert accept_rate(stats) < 0.3, stats
+
+
+def exact_sequence_probs(model, prompt, length, top_k):
+    from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
+
+    out = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, prob in out.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            _, probs = sampling_distribution(logits.unsqueeze(0), [RowSampling(temperature=1.0, top_k=top_k)])
+            for token in torch.nonzero(probs[0]).flatten().tolist():
+                grown[prefix + (token,)] = prob * float(probs[0, token])
+        out = grown
+    return out
+
+
+@pytest.mark.parametrize("target", ["random", "noisy"])
+def test_sampled_sequences_follow_the_target_distribution(target, mtp_dir, markov_dirs):
+    """400 samples of 4 tokens (top-k 2: 16 possible sequences, 2 drafts per step): chi-square against
+    the exact probabilities of the target (the STANDALONE/NGRAM test's pattern)."""
+    model_dir = mtp_dir if target == "random" else markov_dirs["noisy"]
+    prompt, n = [5, 6, 7, 5, 6, 7], 400
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    seqs, stats = run(model_dir, [prompt] * n, [params] * n, steps=2)
+    assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
+    exact = exact_sequence_probs(load_hf(model_dir), prompt, 4, top_k=2)
+    counts = Counter(tuple(s.output_ids) for s in seqs)
+    assert set(counts) <= set(exact)
+    cells, statistic, pooled_expected, pooled_count = 0, 0.0, 0.0, 0
+    for sequence, prob in exact.items():
+        if n * prob < 5:  # pool rare sequences into one cell
+            pooled_expected += n * prob
+            pooled_count += counts.get(sequence, 0)
+            continue
+        statistic += (counts.get(sequence, 0) - n * prob) ** 2 / (n * prob)
+        cells += 1
+    if pooled_expected > 0:
+        statistic += (pooled_count - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    dof = cells - 1
+    limit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # p = 1e-4 (Wilson-Hilferty)
+    assert statistic < limit, (statistic, limit, dof)
+
+
+# ---------------------------------------------------------------------- weight updates reach the MTP layer
+def test_weight_updates_reach_the_mtp_layer(markov_dirs):
+    """On the engine thread, through the runner methods the update routes call: a tensor update of
+    ``model.layers.4.eh_proj.weight`` (a checkpoint name, through the wire format of
+    /update_weights_from_tensor) turns the off-by-one MTP layer exact (every draft accepted); a disk
+    update (/update_weights_from_disk) from the off-by-one checkpoint makes it wrong again;
+    get_weight (/get_weights_by_name) reads the layer by that name."""
+    from safetensors.torch import load_file
+
+    from slime.backends.update_weight import wire_format
+
+    exact = load_file(f"{markov_dirs['exact']}/model.safetensors")["model.layers.4.eh_proj.weight"]
+    engine = make_engine(markov_dirs["wrong"], True)
+    runner = engine.runner
+
+    def rate():
+        before = dict(vars(engine.scheduler.stats))
+        generate(engine, PROMPTS[:2], [greedy(13)] * 2)
+        after = vars(engine.scheduler.stats)
+        return (after["spec_accepted_drafts"] - before["spec_accepted_drafts"]) / \
+            (after["spec_proposed_drafts"] - before["spec_proposed_drafts"])
+
+    try:
+        assert rate() < 0.5
+        wire_format.use_file_system_sharing()
+        payload = wire_format.serialize_for_engine([("model.layers.4.eh_proj.weight", exact.clone().share_memory_())])
+        named = wire_format.deserialize_named_tensors(payload, None)
+        assert engine.call(lambda: runner.load_named_tensors(named)).result(30) == 1
+        assert torch.equal(runner.get_weight("model.layers.4.eh_proj.weight"), exact)
+        assert rate() == 1.0
+        loaded = engine.call(lambda: runner.load_from_disk(markov_dirs["wrong"])).result(60)
+        assert loaded >= len([k for k in load_file(f"{markov_dirs['wrong']}/model.safetensors") if ".layers.4." in k])
+        assert rate() < 0.5
+        with pytest.raises(KeyError, match="model.layers.4.mlp.nonsense.weight"):
+            runner.load_named_tensors([("model.layers.4.mlp.nonsense.weight", exact)])
+    finally:
+        engine.stop()
