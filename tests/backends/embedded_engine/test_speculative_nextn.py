@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_test_utils import hf_logprobs, load_hf
+from engine_test_utils import hf_logprobs, load_hf, markov_checkpoint
 from slime.backends.embedded_engine.config import parse_args
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
@@ -31,32 +31,6 @@ from slime.backends.embedded_engine.speculative import SpeculativeConfig, Specul
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
-ZEROED = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # attention and MLP outputs
-
-
-def markov_checkpoint(base: str, out, mtp: str, noise: float = 0.0) -> str:
-    """``base`` with every layer's attention and MLP output zeroed, plus an MTP layer: ``exact``
-    (``eh_proj = [I, 0]``), ``wrong`` (``[0, I]``) or ``exact`` + ``noise`` on ``eh_proj``."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(base, out)
-    weights = load_file(f"{out}/model.safetensors")
-    save_file({k: torch.zeros_like(v) if k.endswith(ZEROED) else v for k, v in weights.items()},
-              f"{out}/model.safetensors", metadata={"format": "pt"})
-
-    def edit(layer):
-        size = layer.eh_proj.weight.shape[0]
-        eye, zero = torch.eye(size), torch.zeros(size, size)
-        layer.eh_proj.weight.copy_(torch.cat([zero, eye] if mtp == "wrong" else [eye, zero], dim=1))
-        layer.eh_proj.weight.add_(noise * torch.randn(layer.eh_proj.weight.shape, generator=torch.Generator().manual_seed(5)))
-        for name, tensor in layer.state_dict().items():
-            if name.endswith(ZEROED):
-                tensor.zero_()
-
-    add_mtp_layer(str(out), seed=1, edit=edit)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def mtp_dir(tiny_deepseek_v3_dir, tmp_path_factory):
     """The tiny DeepSeek-V3 with a random MTP layer (weights large enough that its attention matters)."""
