@@ -1,8 +1,12 @@
 """Speculative decoding in the embedded engine: output tokens/s with and without it, and acceptance.
 
     python bench/spec_decode.py --model tiny --num-requests 8 --max-new-tokens 64                 # CPU check
+    python bench/spec_decode.py --model tiny-deepseek-v3 --engines off,nextn --mtp exact \\
+        --num-requests 8 --max-new-tokens 64                                                     # CPU, NEXTN
     python bench/spec_decode.py --model qwen3-0.6b --num-requests 32 --prompt-len 256 \\
         --max-new-tokens 256 --out                                                               # H200
+    python bench/spec_decode.py --model deepseek-v3-1b --engines off,nextn --mtp exact \\
+        --num-requests 32 --prompt-len 256 --max-new-tokens 256 --out                            # H200, NEXTN
 
 Engines (one server each, started in turn on the same checkpoint, same flags otherwise):
 
@@ -10,6 +14,14 @@ Engines (one server each, started in turn on the same checkpoint, same flags oth
 * ``ngram``: ``--speculative-algorithm NGRAM --speculative-num-draft-tokens K+1`` (``--ngram-drafts K``);
 * ``standalone``: ``--speculative-algorithm STANDALONE`` with a draft made of the target's first
   ``--draft-layers`` decoder layers (its embeddings, final norm and head), ``--draft-steps`` drafts.
+* ``nextn``: ``--speculative-algorithm NEXTN --speculative-num-steps --nextn-steps``, the model's own
+  MTP layer (DeepSeek-V3 architectures: ``--model deepseek-v3-1b``, or a ``--model-path`` checkpoint
+  that carries its MTP layer). With ``--model``, one is written into the checkpoint before any engine
+  runs: ``--mtp random`` (random weights: drafts are nearly all rejected, the overhead case) or
+  ``--mtp exact`` (``mtp.make_markov_checkpoint``: every layer's attention and MLP output zeroed, so
+  the target's next token depends on the current one only, and an MTP layer that predicts it exactly:
+  every engine then serves that target, whose forwards cost what the random one's do, and NEXTN
+  accepts nearly every draft: the upper bound of its speed-up at ``--nextn-steps`` drafts).
 
 Workloads (``--model`` builds random weights, so there is no text to copy; the two stand in for it):
 
@@ -125,7 +137,7 @@ def measure(model_path: str, engine_args: list[str], prompts, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "small", *ARCHITECTURES])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "small", "tiny-deepseek-v3", *ARCHITECTURES])
     parser.add_argument("--model-path", default=None, help="an existing HF directory instead of --model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=32)
@@ -134,6 +146,9 @@ def main() -> None:
     parser.add_argument("--ngram-drafts", type=int, default=4, help="NGRAM drafts per step")
     parser.add_argument("--draft-layers", type=int, default=2, help="STANDALONE draft: the target's first N layers")
     parser.add_argument("--draft-steps", type=int, default=3, help="STANDALONE drafts per step")
+    parser.add_argument("--nextn-steps", type=int, default=3, help="NEXTN drafts per step (MTP layer chained)")
+    parser.add_argument("--mtp", default="random", choices=["random", "exact"],
+                        help="with --model and the nextn engine: the MTP layer written into the checkpoint")
     parser.add_argument("--engines", default="off,ngram,standalone")
     parser.add_argument("--engine-args", default="", help="extra flags for every engine")
     parser.add_argument("--repeats", type=int, default=2)
@@ -145,19 +160,34 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench-spec-")
     try:
-        model_path = args.model_path or build_checkpoint(args.model, tmp + "/target")
+        wanted = args.engines.split(",")
+        if args.model_path:
+            model_path = args.model_path
+        elif args.model == "tiny-deepseek-v3":  # the tests' DeepSeek-V3 (MLA + MoE, ~1.4M parameters): a CPU check
+            from slime.utils.tiny_model import build_tiny_model
+
+            model_path = str(build_tiny_model(tmp + "/target", arch="deepseek_v3"))
+        else:
+            model_path = build_checkpoint(args.model, tmp + "/target")
+        if "nextn" in wanted and not args.model_path:
+            from slime.backends.embedded_engine.mtp import add_mtp_layer, make_markov_checkpoint
+
+            if "deepseek" not in args.model:
+                raise SystemExit(f"--engines nextn needs a DeepSeek-V3 architecture (--model deepseek-v3-1b), "
+                                 f"not --model {args.model}")
+            make_markov_checkpoint(model_path, "exact") if args.mtp == "exact" else add_mtp_layer(model_path, seed=1)
         vocab = min(AutoConfig.from_pretrained(model_path).vocab_size, len(AutoTokenizer.from_pretrained(model_path)))
         prompts, _ = make_workload(args.num_requests, vocab, args.seed, args.prompt_len, args.max_new_tokens)
         engines = {"off": [],
                    "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.ngram_drafts + 1)]}
-        wanted = args.engines.split(",")
+        engines["nextn"] = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.nextn_steps)]
         if "standalone" in wanted:
             draft = build_layer_draft(model_path, args.draft_layers, tmp + "/draft")
             engines["standalone"] = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
                                      "--speculative-num-steps", str(args.draft_steps)]
         unknown = set(wanted) - set(engines)
         if unknown:
-            raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone")
+            raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone, nextn")
         results = {name: measure(model_path, engines[name], prompts, args) for name in wanted}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -168,6 +198,7 @@ def main() -> None:
     config = {"model": args.model_path or args.model, "device": args.device, "num_requests": args.num_requests,
               "prompt_len": args.prompt_len or "8-64", "max_new_tokens": args.max_new_tokens,
               "ngram_drafts": args.ngram_drafts, "draft_layers": args.draft_layers, "draft_steps": args.draft_steps,
+              "nextn_steps": args.nextn_steps, "mtp": args.mtp if "nextn" in args.engines.split(",") else None,
               "workloads": WORKLOADS, "engine_args": args.engine_args, "repeats": args.repeats,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     write_result("spec_decode", config, results, args.out)

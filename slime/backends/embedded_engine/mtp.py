@@ -342,3 +342,39 @@ def add_mtp_layer(model_dir: str, seed: int = 0, std: float = 0.02,
               metadata={"format": "pt"})
     config.save_pretrained(model_dir)
     return tensors
+
+
+#: the weights whose zeroing makes a layer pass its input through (attention and MLP outputs)
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def make_markov_checkpoint(model_dir: str, mtp: str = "exact", noise: float = 0.0, seed: int = 1) -> str:
+    """Turn the DeepSeek-V3 checkpoint ``model_dir`` (in place) into a "Markov" model with an MTP layer
+    of known quality, for tests and benchmarks: every layer's attention and MLP output is zeroed, so
+    its next token depends on the current token only (the compute is unchanged: the GEMMs still run);
+    the MTP layer's own attention and MLP outputs are zeroed too and ``eh_proj`` is ``[I, 0]``
+    (``exact``: it forwards the next token's embedding and so predicts the target's next-next token
+    exactly) or ``[0, I]`` (``wrong``: it forwards the current hidden state, one token behind), plus
+    ``noise`` (Gaussian, on ``eh_proj``)."""
+    from safetensors.torch import load_file, save_file
+
+    if mtp not in ("exact", "wrong"):
+        raise ValueError(f"mtp must be 'exact' or 'wrong', got {mtp!r}")
+    weights = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: torch.zeros_like(v) if k.endswith(OUTPUT_PROJECTIONS) else v for k, v in tensors.items()},
+              str(weights), metadata={"format": "pt"})
+
+    def edit(layer: MTPLayer) -> None:
+        size = layer.eh_proj.weight.shape[0]
+        eye, zero = torch.eye(size), torch.zeros(size, size)
+        layer.eh_proj.weight.copy_(torch.cat([zero, eye] if mtp == "wrong" else [eye, zero], dim=1))
+        if noise:
+            layer.eh_proj.weight.add_(noise * torch.randn(layer.eh_proj.weight.shape,
+                                                          generator=torch.Generator().manual_seed(seed + 4)))
+        for name, tensor in layer.state_dict().items():
+            if name.endswith(OUTPUT_PROJECTIONS):
+                tensor.zero_()
+
+    add_mtp_layer(model_dir, seed=seed, edit=edit)
+    return model_dir

@@ -94,32 +94,10 @@ def dumps(obj) -> str:
     return json.dumps(obj)
 
 
-ZEROED = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # attention and MLP outputs
-
-
 def markov_checkpoint(base: str, out, mtp: str, noise: float = 0.0) -> str:
-    """A "Markov" DeepSeek-V3 for NEXTN tests: ``base`` with every layer's attention and MLP output
-    zeroed (its next token then depends on the current token only), plus an MTP layer whose own
-    attention and MLP outputs are zeroed too: ``exact`` (``eh_proj = [I, 0]`` forwards the next token's
-    embedding, so the layer predicts the target's next-next token exactly), ``wrong`` (``[0, I]``
-    forwards the current position's hidden state: off by one token) or ``exact`` + ``noise`` on ``eh_proj``."""
-    from safetensors.torch import load_file, save_file
-
-    from slime.backends.embedded_engine.mtp import add_mtp_layer
+    """A copy of the DeepSeek-V3 checkpoint ``base`` made a "Markov" model with an ``exact`` or ``wrong``
+    MTP layer (``mtp.make_markov_checkpoint``: the exact layer predicts the target's next-next token)."""
+    from slime.backends.embedded_engine.mtp import make_markov_checkpoint
 
     shutil.copytree(base, out)
-    weights = load_file(f"{out}/model.safetensors")
-    save_file({k: torch.zeros_like(v) if k.endswith(ZEROED) else v for k, v in weights.items()},
-              f"{out}/model.safetensors", metadata={"format": "pt"})
-
-    def edit(layer):
-        size = layer.eh_proj.weight.shape[0]
-        eye, zero = torch.eye(size), torch.zeros(size, size)
-        layer.eh_proj.weight.copy_(torch.cat([zero, eye] if mtp == "wrong" else [eye, zero], dim=1))
-        layer.eh_proj.weight.add_(noise * torch.randn(layer.eh_proj.weight.shape, generator=torch.Generator().manual_seed(5)))
-        for name, tensor in layer.state_dict().items():
-            if name.endswith(ZEROED):
-                tensor.zero_()
-
-    add_mtp_layer(str(out), seed=1, edit=edit)
-    return str(out)
+    return make_markov_checkpoint(str(out), mtp, noise)
