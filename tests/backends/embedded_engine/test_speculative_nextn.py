@@ -31,13 +31,16 @@ from slime.backends.embedded_engine.speculative import SpeculativeConfig, Specul
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
-@pytest.fixture(scope="module")
-def mtp_dir(tiny_deepseek_v3_dir, tmp_path_factory):
-    """The tiny DeepSeek-V3 with a random MTP layer (weights large enough that its attention matters)."""
-    out = tmp_path_factory.mktemp("nextn") / "random"
-    shutil.copytree(tiny_deepseek_v3_dir, out)
+def with_random_mtp(base: str, out) -> str:
+    """A copy of ``base`` with a random MTP layer (weights large enough that its attention matters)."""
+    shutil.copytree(base, out)
     add_mtp_layer(str(out), seed=1, std=0.1)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_deepseek_v3_dir, tmp_path_factory):
+    return with_random_mtp(tiny_deepseek_v3_dir, tmp_path_factory.mktemp("nextn") / "random")
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +135,14 @@ def reference_logits(drafter, hidden, tokens, drafts):
     return torch.stack(out)
 
 
-def test_drafts_are_the_mtp_layers_over_the_whole_text(mtp_dir):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_drafts_are_the_mtp_layers_over_the_whole_text(arch, mtp_dir, request, tmp_path):
     """Every proposal of a sampled run (rows finishing at different steps, drafts accepted and rejected)
     equals the MTP layer run from scratch over the text so far: its cache holds exactly the target's
-    hidden states of the verified positions, whatever was accepted, rejected or moved."""
+    hidden states of the verified positions, whatever was accepted, rejected or moved. GLM-4.5 has the
+    same MTP layout (SGLang's glm4_moe_nextn) and is served the same way."""
+    if arch == "glm4_moe":
+        mtp_dir = with_random_mtp(request.getfixturevalue("tiny_glm4_moe_dir"), tmp_path / "glm")
     engine = make_engine(mtp_dir, True, steps=3)
     drafter, proposals = engine.speculative.draft, []
     propose = drafter.propose
@@ -213,11 +220,10 @@ def exact_sequence_probs(model, prompt, length, top_k):
     return out
 
 
-@pytest.mark.parametrize("target", ["random", "noisy"])
-def test_sampled_sequences_follow_the_target_distribution(target, mtp_dir, markov_dirs):
+def test_sampled_sequences_follow_the_target_distribution(mtp_dir):
     """400 samples of 4 tokens (top-k 2: 16 possible sequences, 2 drafts per step): chi-square against
     the exact probabilities of the target (the STANDALONE/NGRAM test's pattern)."""
-    model_dir = mtp_dir if target == "random" else markov_dirs["noisy"]
+    model_dir = mtp_dir
     prompt, n = [5, 6, 7, 5, 6, 7], 400
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
     seqs, stats = run(model_dir, [prompt] * n, [params] * n, steps=2)
