@@ -381,9 +381,15 @@ class ModelRunner:
         fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         if type(fresh) is not type(self.model):
             raise ValueError(f"{model_path} holds a {type(fresh).__name__}, the server runs {type(self.model).__name__}")
+        # transformers drops the MTP layer's weights: read them from the files (checked before anything loads).
+        # A checkpoint without them (e.g. saved by transformers from the trainer, which does not train them)
+        # leaves the MTP layer as it is: its drafts may go stale, the output stays the model's.
+        mtp_tensors = self.mtp.read_checkpoint(model_path) if self.mtp is not None else None
+        if self.mtp is not None and mtp_tensors is None:
+            logger.warning("%s holds no MTP-layer tensors (%s*): the NEXTN draft layer keeps its weights",
+                           model_path, self.mtp.prefix)
         count = self.load_named_tensors(fresh.state_dict().items())
-        if self.mtp is not None:  # transformers drops the MTP layers' weights: read them from the files
-            count += self.mtp.load_checkpoint(model_path)
+        count += self.load_named_tensors((mtp_tensors or {}).items())
         self.model_path = model_path
         return count
 

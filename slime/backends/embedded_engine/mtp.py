@@ -147,32 +147,42 @@ class MTPLayer(torch.nn.Module):
                            "shared_head.head are the model's model.embed_tokens and lm_head)")
         return found[1]
 
-    def load_checkpoint(self, model_path: str) -> int:
-        """Read this block's tensors from the checkpoint's safetensors files; every parameter must be there."""
+    def read_checkpoint(self, model_path: str) -> dict[str, torch.Tensor] | None:
+        """This block's tensors in the checkpoint's safetensors files (checkpoint names), checked to cover
+        every parameter; None when the files hold none of them."""
         from safetensors import safe_open
 
         files = checkpoint_files(model_path)
-        loaded, filled = 0, set()
+        tensors, filled = {}, set()
         for file in files:
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
                     local = self.local_name(name)
                     if local is None:
                         continue
-                    loaded += self.load(name, f.get_tensor(name))
-                    filled.add(self._target(local)[0])
-        if not loaded:
-            raise ValueError(f"--speculative-algorithm NEXTN: {model_path}/config.json has num_nextn_predict_layers = "
-                             f"{self.num_nextn}, but no tensor of its safetensors files "
-                             f"({', '.join(f.name for f in files)}) is named {self.prefix}*: the checkpoint carries no "
-                             "MTP weights; use NGRAM or STANDALONE")
-        expected = set(dict(self.named_parameters())) | {n for n, _ in self.named_buffers()
-                                                         if n in self.state_dict()}
+                    found = self._target(local)
+                    if found is None:
+                        raise KeyError(f"{model_path}: tensor {name!r} is not one of the MTP layer's")
+                    tensors[name] = f.get_tensor(name)
+                    filled.add(found[0])
+        if not tensors:
+            return None
+        expected = set(self.state_dict())
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"--speculative-algorithm NEXTN: {model_path} lacks MTP tensors for {missing[:4]} "
                              f"({len(missing)} of the layer's {len(expected)}; names under {self.prefix})")
-        return loaded
+        return tensors
+
+    def load_checkpoint(self, model_path: str) -> int:
+        """At start: the block's weights from the checkpoint, which must carry all of them."""
+        tensors = self.read_checkpoint(model_path)
+        if tensors is None:
+            raise ValueError(f"--speculative-algorithm NEXTN: {model_path}/config.json has num_nextn_predict_layers = "
+                             f"{self.num_nextn}, but no tensor of its safetensors files "
+                             f"({', '.join(f.name for f in checkpoint_files(model_path))}) is named {self.prefix}*: "
+                             "the checkpoint carries no MTP weights; use NGRAM or STANDALONE")
+        return sum(self.load(name, tensor) for name, tensor in tensors.items())
 
 
 def checkpoint_files(model_path: str) -> list[Path]:

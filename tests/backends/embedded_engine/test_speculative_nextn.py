@@ -248,11 +248,12 @@ def test_sampled_sequences_follow_the_target_distribution(mtp_dir):
 
 
 # ---------------------------------------------------------------------- weight updates reach the MTP layer
-def test_weight_updates_reach_the_mtp_layer(markov_dirs):
+def test_weight_updates_reach_the_mtp_layer(markov_dirs, tmp_path):
     """On the engine thread, through the runner methods the update routes call: a tensor update of
     ``model.layers.4.eh_proj.weight`` (a checkpoint name, through the wire format of
     /update_weights_from_tensor) turns the off-by-one MTP layer exact (every draft accepted); a disk
-    update (/update_weights_from_disk) from the off-by-one checkpoint makes it wrong again;
+    update (/update_weights_from_disk) from a checkpoint transformers saved (no MTP tensors, as the
+    trainer's would be) keeps it; one from the off-by-one checkpoint makes it wrong again;
     get_weight (/get_weights_by_name) reads the layer by that name."""
     from safetensors.torch import load_file
 
@@ -276,6 +277,10 @@ def test_weight_updates_reach_the_mtp_layer(markov_dirs):
         named = wire_format.deserialize_named_tensors(payload, None)
         assert engine.call(lambda: runner.load_named_tensors(named)).result(30) == 1
         assert torch.equal(runner.get_weight("model.layers.4.eh_proj.weight"), exact)
+        assert rate() == 1.0
+        load_hf(markov_dirs["exact"]).save_pretrained(tmp_path / "saved")  # transformers drops model.layers.4.*
+        assert not [k for k in load_file(f"{tmp_path}/saved/model.safetensors") if ".layers.4." in k]
+        engine.call(lambda: runner.load_from_disk(str(tmp_path / "saved"))).result(60)
         assert rate() == 1.0
         loaded = engine.call(lambda: runner.load_from_disk(markov_dirs["wrong"])).result(60)
         assert loaded >= len([k for k in load_file(f"{markov_dirs['wrong']}/model.safetensors") if ".layers.4." in k])
