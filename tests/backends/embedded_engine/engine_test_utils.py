@@ -101,3 +101,81 @@ def markov_checkpoint(base: str, out, mtp: str, noise: float = 0.0) -> str:
 
     shutil.copytree(base, out)
     return make_markov_checkpoint(str(out), mtp, noise)
+
+
+def generate_in_engine(engine, prompts, params_list):
+    """Submit one request per prompt to a started ``Engine`` (on its thread) and wait for all; the
+    finished ``Sequence`` objects."""
+    import threading
+
+    from slime.backends.embedded_engine.io_struct import GenerateRequest
+
+    seqs, events = [], []
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        done = threading.Event()
+        request = GenerateRequest(rid=f"r{i}", input_ids=prompt, params=params)
+        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
+                    .result(10))
+        events.append(done)
+    for done in events:
+        assert done.wait(120)
+    return seqs
+
+
+def exact_sequence_probs(model, prompt, length, top_k):
+    """Target probability of every continuation of ``length`` tokens under top-k sampling at T=1."""
+    from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
+
+    out = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, prob in out.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            _, probs = sampling_distribution(logits.unsqueeze(0), [RowSampling(temperature=1.0, top_k=top_k)])
+            for token in torch.nonzero(probs[0]).flatten().tolist():
+                grown[prefix + (token,)] = prob * float(probs[0, token])
+        out = grown
+    return out
+
+
+def assert_sequences_follow(exact: dict, counts, n: int) -> None:
+    """Chi-square of the sampled sequence ``counts`` (of ``n``) against their ``exact`` probabilities
+    (rare sequences pooled into one cell), at p = 1e-4 by the Wilson-Hilferty approximation."""
+    import math
+
+    assert set(counts) <= set(exact)
+    cells, statistic, pooled_expected, pooled_count = 0, 0.0, 0.0, 0
+    for sequence, prob in exact.items():
+        if n * prob < 5:
+            pooled_expected += n * prob
+            pooled_count += counts.get(sequence, 0)
+            continue
+        statistic += (counts.get(sequence, 0) - n * prob) ** 2 / (n * prob)
+        cells += 1
+    if pooled_expected > 0:
+        statistic += (pooled_count - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    dof = cells - 1
+    limit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3
+    assert statistic < limit, (statistic, limit, dof)
+
+
+def generate_concurrently(url: str, prompts, lengths, temperature: float) -> tuple[list[dict], dict]:
+    """One /generate per prompt, all at once (``return_logprob``, ``ignore_eos``); the responses and the
+    server's ``batch_stats`` after them."""
+    import concurrent.futures
+
+    import httpx
+
+    with httpx.Client(timeout=300) as client:
+        def one(prompt, n):
+            body = {"input_ids": prompt, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": n, "temperature": temperature, "ignore_eos": True}}
+            response = client.post(url + "/generate", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(one, prompts, lengths))
+        return outs, client.get(url + "/get_server_info").json()["batch_stats"]

@@ -4,17 +4,16 @@ and HF (greedy tokens, sampled distributions, log-probs, stops inside accepted r
 
 from __future__ import annotations
 
-import math
-import threading
 from collections import Counter
 
 import pytest
 import torch
 
-from engine_test_utils import copy_with_weights, hf_logprobs, load_hf
+from engine_test_utils import (assert_sequences_follow, copy_with_weights, exact_sequence_probs, generate_in_engine,
+                               hf_logprobs, load_hf)
 from slime.backends.embedded_engine.config import parse_args
 from slime.backends.embedded_engine.engine import Engine
-from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+from slime.backends.embedded_engine.io_struct import SamplingParams
 from slime.backends.embedded_engine.model_runner import ModelRunner
 from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
 from slime.backends.embedded_engine.speculative import (DraftModel, SpeculativeConfig, SpeculativeDecoder,
@@ -48,23 +47,10 @@ def make_engine(model_dir, spec: str | None = None, draft_dir=None, num_draft_to
     return engine
 
 
-def generate(engine, prompts, params_list):
-    seqs, events = [], []
-    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-        done = threading.Event()
-        request = GenerateRequest(rid=f"r{i}", input_ids=prompt, params=params)
-        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
-                    .result(10))
-        events.append(done)
-    for done in events:
-        assert done.wait(120)
-    return seqs
-
-
 def run(model_dir, prompts, params_list, spec=None, draft_dir=None, num_draft_tokens=4):
     engine = make_engine(model_dir, spec, draft_dir, num_draft_tokens)
     try:
-        seqs = generate(engine, prompts, params_list)
+        seqs = generate_in_engine(engine, prompts, params_list)
         return seqs, dict(vars(engine.scheduler.stats))
     finally:
         engine.stop()
@@ -237,21 +223,6 @@ def test_counters_when_every_draft_is_accepted(tiny_model_dir):
     assert (info.spec_accept_rate, info.spec_accept_length) == (1.0, pytest.approx(13 / 3))
 
 
-def exact_sequence_probs(model, prompt, length, top_k):
-    """Target probability of every continuation of ``length`` tokens under top-k sampling at T=1."""
-    out = {(): 1.0}
-    for _ in range(length):
-        grown = {}
-        for prefix, prob in out.items():
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
-            _, probs = sampling_distribution(logits.unsqueeze(0), [RowSampling(temperature=1.0, top_k=top_k)])
-            for token in torch.nonzero(probs[0]).flatten().tolist():
-                grown[prefix + (token,)] = prob * float(probs[0, token])
-        out = grown
-    return out
-
-
 @pytest.mark.parametrize("spec", ["NGRAM", "STANDALONE"])
 def test_sampled_sequences_follow_the_target_distribution(spec, tiny_model_dir, draft_dir):
     """400 samples of 4 tokens (top-k 2: 16 possible sequences, 2 verify positions per step): chi-square
@@ -261,24 +232,7 @@ def test_sampled_sequences_follow_the_target_distribution(spec, tiny_model_dir, 
     seqs, stats = run(tiny_model_dir, [prompt] * n, [params] * n, spec, draft_dir, num_draft_tokens=3)
     assert stats["spec_verify_forwards"] > 0 and stats["spec_accepted_drafts"] > 0
     exact = exact_sequence_probs(load_hf(tiny_model_dir), prompt, 4, top_k=2)
-    counts = Counter(tuple(s.output_ids) for s in seqs)
-    assert set(counts) <= set(exact)
-    cells, pooled_expected, pooled_count = 0, 0.0, 0
-    statistic = 0.0
-    for sequence, prob in exact.items():
-        if n * prob < 5:  # pool rare sequences into one cell
-            pooled_expected += n * prob
-            pooled_count += counts.get(sequence, 0)
-            continue
-        statistic += (counts.get(sequence, 0) - n * prob) ** 2 / (n * prob)
-        cells += 1
-    if pooled_expected > 0:
-        statistic += (pooled_count - pooled_expected) ** 2 / pooled_expected
-        cells += 1
-    dof = cells - 1
-    # chi-square quantile at p = 1e-4 by the Wilson-Hilferty approximation
-    limit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3
-    assert statistic < limit, (statistic, limit, dof)
+    assert_sequences_follow(exact, Counter(tuple(s.output_ids) for s in seqs), n)
 
 
 def test_sampled_logprobs_are_the_targets(tiny_model_dir, draft_dir):

@@ -8,11 +8,10 @@ checked token by token against HF on the same GPU, as test_gpu.py does.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
-from engine_test_utils import start_cuda_engine
+from engine_test_utils import generate_concurrently, start_cuda_engine
 
 TOL = 1e-3  # fp32: engine and HF differ by ~1e-6; a genuine near-tie may break either way
 
@@ -53,19 +52,7 @@ def test_speculative_engine_matches_hf_on_cuda(tiny_model_dir, spec, temperature
     lengths = [40 + 7 * i for i in range(len(prompts))]  # rows finish at different steps
     proc = engine(tiny_model_dir, *spec)
     try:
-        with httpx.Client(timeout=300) as client:
-            import concurrent.futures
-
-            def one(prompt, n):
-                body = {"input_ids": prompt, "return_logprob": True,
-                        "sampling_params": {"max_new_tokens": n, "temperature": temperature, "ignore_eos": True}}
-                response = client.post(proc.url + "/generate", json=body)
-                assert response.status_code == 200, response.text
-                return response.json()
-
-            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-                outs = list(pool.map(one, prompts, lengths))
-            stats = client.get(proc.url + "/get_server_info").json()["batch_stats"]
+        outs, stats = generate_concurrently(proc.url, prompts, lengths, temperature)
     finally:
         proc.stop()
     for prompt, n, out in zip(prompts, lengths, outs):
@@ -109,19 +96,7 @@ def test_nextn_engine_matches_hf_on_cuda(tiny_deepseek_v3_dir, tmp_path, mtp, te
     lengths = [40 + 7 * i for i in range(len(prompts))]
     proc = engine(model_dir, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
     try:
-        with httpx.Client(timeout=300) as client:
-            import concurrent.futures
-
-            def one(prompt, n):
-                body = {"input_ids": prompt, "return_logprob": True,
-                        "sampling_params": {"max_new_tokens": n, "temperature": temperature, "ignore_eos": True}}
-                response = client.post(proc.url + "/generate", json=body)
-                assert response.status_code == 200, response.text
-                return response.json()
-
-            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-                outs = list(pool.map(one, prompts, lengths))
-            stats = client.get(proc.url + "/get_server_info").json()["batch_stats"]
+        outs, stats = generate_concurrently(proc.url, prompts, lengths, temperature)
     finally:
         proc.stop()
     for prompt, n, out in zip(prompts, lengths, outs):

@@ -11,18 +11,17 @@ the hidden half (``[0, I]``) is off by one token, which the acceptance counters 
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
-import threading
 from collections import Counter
 
 import pytest
 import torch
 
-from engine_test_utils import hf_logprobs, load_hf, markov_checkpoint
+from engine_test_utils import (assert_sequences_follow, exact_sequence_probs, generate_in_engine, hf_logprobs, load_hf,
+                               markov_checkpoint)
 from slime.backends.embedded_engine.config import parse_args
 from slime.backends.embedded_engine.engine import Engine
-from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+from slime.backends.embedded_engine.io_struct import SamplingParams
 from slime.backends.embedded_engine.kv_cache import SlotKVCache
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 from slime.backends.embedded_engine.mtp import NextNDrafter, add_mtp_layer
@@ -60,23 +59,10 @@ def make_engine(model_dir, nextn: bool, steps: int = 3, slots: int = 8):
     return engine
 
 
-def generate(engine, prompts, params_list):
-    seqs, events = [], []
-    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-        done = threading.Event()
-        request = GenerateRequest(rid=f"r{i}", input_ids=prompt, params=params)
-        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
-                    .result(10))
-        events.append(done)
-    for done in events:
-        assert done.wait(120)
-    return seqs
-
-
 def run(model_dir, prompts, params_list, nextn=True, steps=3):
     engine = make_engine(model_dir, nextn, steps)
     try:
-        return generate(engine, prompts, params_list), dict(vars(engine.scheduler.stats))
+        return generate_in_engine(engine, prompts, params_list), dict(vars(engine.scheduler.stats))
     finally:
         engine.stop()
 
@@ -155,7 +141,7 @@ def test_drafts_are_the_mtp_layers_over_the_whole_text(arch, mtp_dir, request, t
     drafter.propose = recording
     try:
         params = [SamplingParams(max_new_tokens=8 + 4 * i, temperature=1.0, ignore_eos=True) for i in range(4)]
-        seqs, stats = generate(engine, PROMPTS, params), dict(vars(engine.scheduler.stats))
+        seqs, stats = generate_in_engine(engine, PROMPTS, params), dict(vars(engine.scheduler.stats))
     finally:
         engine.stop()
     assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
@@ -204,22 +190,6 @@ def test_acceptance_tells_an_exact_mtp_layer_from_a_wrong_one(markov_dirs):
     assert accept_rate(stats) < 0.3, stats
 
 
-def exact_sequence_probs(model, prompt, length, top_k):
-    from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
-
-    out = {(): 1.0}
-    for _ in range(length):
-        grown = {}
-        for prefix, prob in out.items():
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
-            _, probs = sampling_distribution(logits.unsqueeze(0), [RowSampling(temperature=1.0, top_k=top_k)])
-            for token in torch.nonzero(probs[0]).flatten().tolist():
-                grown[prefix + (token,)] = prob * float(probs[0, token])
-        out = grown
-    return out
-
-
 def test_sampled_sequences_follow_the_target_distribution(mtp_dir):
     """400 samples of 4 tokens (top-k 2: 16 possible sequences, 2 drafts per step): chi-square against
     the exact probabilities of the target (the STANDALONE/NGRAM test's pattern)."""
@@ -229,22 +199,7 @@ def test_sampled_sequences_follow_the_target_distribution(mtp_dir):
     seqs, stats = run(model_dir, [prompt] * n, [params] * n, steps=2)
     assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
     exact = exact_sequence_probs(load_hf(model_dir), prompt, 4, top_k=2)
-    counts = Counter(tuple(s.output_ids) for s in seqs)
-    assert set(counts) <= set(exact)
-    cells, statistic, pooled_expected, pooled_count = 0, 0.0, 0.0, 0
-    for sequence, prob in exact.items():
-        if n * prob < 5:  # pool rare sequences into one cell
-            pooled_expected += n * prob
-            pooled_count += counts.get(sequence, 0)
-            continue
-        statistic += (counts.get(sequence, 0) - n * prob) ** 2 / (n * prob)
-        cells += 1
-    if pooled_expected > 0:
-        statistic += (pooled_count - pooled_expected) ** 2 / pooled_expected
-        cells += 1
-    dof = cells - 1
-    limit = dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # p = 1e-4 (Wilson-Hilferty)
-    assert statistic < limit, (statistic, limit, dof)
+    assert_sequences_follow(exact, Counter(tuple(s.output_ids) for s in seqs), n)
 
 
 # ---------------------------------------------------------------------- weight updates reach the MTP layer
@@ -265,7 +220,7 @@ def test_weight_updates_reach_the_mtp_layer(markov_dirs, tmp_path):
 
     def rate():
         before = dict(vars(engine.scheduler.stats))
-        generate(engine, PROMPTS[:2], [greedy(13)] * 2)
+        generate_in_engine(engine, PROMPTS[:2], [greedy(13)] * 2)
         after = vars(engine.scheduler.stats)
         return (after["spec_accepted_drafts"] - before["spec_accepted_drafts"]) / \
             (after["spec_proposed_drafts"] - before["spec_proposed_drafts"])
