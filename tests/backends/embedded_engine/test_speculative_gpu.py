@@ -35,6 +35,27 @@ def check_against_hf(model, prompt, out, temperature):
     assert [e[0] for e in out["meta_info"]["output_token_logprobs"]] == pytest.approx(expected, abs=TOL)
 
 
+def random_prompts(n: int = 19) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(5, 500, (int(k),), generator=gen).tolist() for k in torch.randint(1, 90, (n,), generator=gen)]
+
+
+def run_and_check(model, proc, prompts, temperature) -> dict:
+    """All ``prompts`` at once (rows finishing at different steps), each checked against HF; the
+    server's batch stats, which must show verify steps with drafts."""
+    lengths = [40 + 7 * i for i in range(len(prompts))]
+    try:
+        outs, stats = generate_concurrently(proc.url, prompts, lengths, temperature)
+    finally:
+        proc.stop()
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert len(out["output_ids"]) == n
+        check_against_hf(model, prompt, out, temperature)
+        assert out["meta_info"]["spec_verify_ct"] >= 1
+    assert stats["spec_verify_forwards"] > 0 and stats["spec_proposed_drafts"] > 0
+    return stats
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"],
                                   ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3"]],
@@ -46,20 +67,8 @@ def test_speculative_engine_matches_hf_on_cuda(tiny_model_dir, spec, temperature
     if "STANDALONE" in spec:
         spec = spec + ["--speculative-draft-model-path", tiny_model_dir]  # the draft is the target: all accepted
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 500, (int(n),), generator=gen).tolist() for n in torch.randint(1, 90, (19,), generator=gen)]
-    prompts = [p + p for p in prompts]  # repeated text: prompt lookup has matches
-    lengths = [40 + 7 * i for i in range(len(prompts))]  # rows finish at different steps
-    proc = engine(tiny_model_dir, *spec)
-    try:
-        outs, stats = generate_concurrently(proc.url, prompts, lengths, temperature)
-    finally:
-        proc.stop()
-    for prompt, n, out in zip(prompts, lengths, outs):
-        assert len(out["output_ids"]) == n
-        check_against_hf(model, prompt, out, temperature)
-        assert out["meta_info"]["spec_verify_ct"] >= 1
-    assert stats["spec_verify_forwards"] > 0 and stats["spec_proposed_drafts"] > 0
+    prompts = [p + p for p in random_prompts()]  # repeated text: prompt lookup has matches
+    stats = run_and_check(model, engine(tiny_model_dir, *spec), prompts, temperature)
     if temperature == 0.0 or "STANDALONE" in spec:
         # Sampling at temperature 1, a prompt-lookup draft is accepted with the target's probability of
         # that token, which the tiny random model's spread-out distributions keep small: the H200 run
@@ -91,19 +100,8 @@ def test_nextn_engine_matches_hf_on_cuda(tiny_deepseek_v3_dir, tmp_path, mtp, te
         shutil.copytree(tiny_deepseek_v3_dir, model_dir)
         add_mtp_layer(model_dir, seed=1, std=0.1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 500, (int(n),), generator=gen).tolist() for n in torch.randint(1, 90, (19,), generator=gen)]
-    lengths = [40 + 7 * i for i in range(len(prompts))]
     proc = engine(model_dir, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
-    try:
-        outs, stats = generate_concurrently(proc.url, prompts, lengths, temperature)
-    finally:
-        proc.stop()
-    for prompt, n, out in zip(prompts, lengths, outs):
-        assert len(out["output_ids"]) == n
-        check_against_hf(model, prompt, out, temperature)
-        assert out["meta_info"]["spec_verify_ct"] >= 1
-    assert stats["spec_verify_forwards"] > 0 and stats["spec_proposed_drafts"] > 0
+    stats = run_and_check(model, proc, random_prompts(), temperature)
     if mtp == "exact":
         rate = stats["spec_accepted_drafts"] / stats["spec_proposed_drafts"]
         assert rate > 0.99 if temperature == 0.0 else rate > 0.95, stats  # fp32 near-ties aside: all
