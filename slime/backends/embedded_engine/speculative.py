@@ -201,6 +201,18 @@ class ChainDrafter:
     def num_slots(self) -> int:
         raise NotImplementedError
 
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Mirror the target's batch compaction in the drafter's cache."""
+        raise NotImplementedError
+
+    def grow_cache(self, need: int) -> None:
+        """Follow the target's cache growth (nothing running)."""
+        raise NotImplementedError
+
+    def rewind(self, seq: "Sequence") -> None:
+        """After a verify step: what of the drafter's cache stays valid."""
+        raise NotImplementedError
+
     def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
         raise NotImplementedError
 
