@@ -32,5 +32,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_attention_interpreted_matches_reference \
     tests/backends/embedded_engine/test_fused_ops.py::test_packed_silu_gate_interpreted_equals_torch \
     tests/backends/embedded_engine/test_fused_ops.py::test_add_rms_norm_interpreted_matches_hf \
-    tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits
+    tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits \
+    tests/backends/embedded_engine/test_fused_ops.py::test_qk_norm_rope_interpreted_matches_hf \
+    tests/backends/embedded_engine/test_fused_ops.py::test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits
 fi
