@@ -160,8 +160,13 @@ def test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits(family):
 
     reference, patched = _models(family)
     fused_projections.install(patched)
+    packed = 0
     for layer in patched.model.layers:
         layer.forward = types.MethodType(fused_ops._decoder_layer_forward, layer)
+        if hasattr(layer.mlp, "gate_up_proj"):  # as install() binds it: the MLP's residual add goes into its GEMM
+            layer.mlp.forward = types.MethodType(fused_ops._packed_mlp_forward, layer.mlp)
+            packed += 1
+    assert packed == {"llama": 2, "qwen2_moe": 0, "qwen3": 2}[family]
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
