@@ -43,6 +43,7 @@ MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen2MoeMLP", "Qwen3MLP", 
 DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer",
                          "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"}
 ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection's GEMM (bench A/B switch)
 
 
 if triton is not None:
@@ -298,7 +299,8 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
     mlp = self.mlp
     down = getattr(mlp, "down_proj", None)
-    if getattr(mlp.forward, "__func__", None) is _packed_mlp_forward and type(down) is torch.nn.Linear \
+    if MLP_RESIDUAL_IN_GEMM and getattr(mlp.forward, "__func__", None) is _packed_mlp_forward \
+            and type(down) is torch.nn.Linear \
             and down.bias is None and down.weight.dtype == residual.dtype:
         # the second residual add inside the down projection's GEMM (accumulating into the sum the
         # add+RMSNorm kernel just wrote, cuBLAS beta = 1): one kernel less a layer
