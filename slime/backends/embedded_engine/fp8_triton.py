@@ -1,11 +1,14 @@
-"""Triton kernel of the FP8 GEMM (``--fp8-gemm-backend triton``): ``C = A @ Bᵀ`` with block scales, one
-launch per linear layer.
+"""Triton kernels of the FP8 GEMM (``--fp8-gemm-backend triton``, and the quantizer of ``cublas``):
+``C = A @ Bᵀ`` with block scales.
 
-* ``A [M, K]`` (activations, any float dtype) is quantized *inside* the GEMM, per token and 128-channel
-  group, exactly as ``fp8.quantize_activation`` does: ``s = amax / 448`` (1 for an all-zero group),
-  ``e4m3(x / s)``. The K step of the kernel is 128 = one group, so each step loads the A tile in its
-  own dtype, takes the row amax, quantizes in registers and feeds the e4m3 tile to the dot: no
-  separate quantization kernel, no e4m3 copy of the activations in memory.
+* ``A [M, K]`` (activations, any float dtype) is quantized per token and 128-channel group, exactly as
+  ``fp8.quantize_activation`` does: ``s = amax / 448`` (1 for an all-zero group), ``e4m3(x / s)``.
+  Fused (``A_QUANTIZED`` off; the path for few tokens): *inside* the GEMM — the K step of the kernel is
+  128 = one group, so each step loads the A tile in its own dtype, takes the row amax, quantizes in
+  registers and feeds the e4m3 tile to the dot; one launch, no e4m3 copy of the activations, but every
+  column-tile program re-quantizes the same rows. Two-kernel (``A_QUANTIZED`` on): ``_quantize_activation_kernel``
+  writes e4m3 A and its scales once (scales group-major, ``[ceil(K/128), M]``, the layout cuBLASLt's
+  1 x 128 scaling also reads), then the GEMM loads them. Both quantize with ``_quantize_rows``.
 * ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
   ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
 * ``_fp8_gemm_kernel``: program ``(pid_m, pid_n, pid_k)`` owns ``BLOCK_M`` rows, ``BLOCK_N`` output
