@@ -380,6 +380,18 @@ def test_mma_tolerance_catches_wrong_scales_and_missing_splits():
             assert_within_mma_tolerance(mutant, reference, tolerance)
 
 
+def _ties_and_random_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Even rows: e4m3 ties and their fp32 neighbours, each 128-channel group led by 448 (so its scale is
+    exactly 1 and the cast's rounding decides every value); odd rows: random values over five decades."""
+    generator = torch.Generator().manual_seed(seed)
+    ties = _e4m3_ties()
+    x = ties[torch.randint(len(ties), (rows, cols), generator=generator)]
+    x[:, ::128] = 448.0
+    random = torch.randn(rows, cols, generator=generator) * torch.logspace(-3, 2, cols)
+    x[1::2] = random[1::2]
+    return x
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rows,cols,row_align", [(5, 300, 16), (16, 256, 16), (3, 128, 1), (17, 128, 16)])
 def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
@@ -388,9 +400,7 @@ def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
     (strides ``(1, rows')``), the layout cuBLASLt's 1 x 128 scaling reads."""
     from slime.backends.embedded_engine import fp8_triton
 
-    generator = torch.Generator().manual_seed(rows + cols)
-    pool = torch.cat([_e4m3_ties() / 448, torch.randn(2000, generator=generator)])
-    x = pool[torch.randint(len(pool), (rows, cols), generator=generator)] * torch.logspace(-3, 2, cols)
+    x = _ties_and_random_rows(rows, cols, seed=rows + cols)
     values, scales = fp8_triton.quantize_activation(x.to(torch.bfloat16).float(), row_align=row_align)
     padded = -(-rows // row_align) * row_align
     assert values.shape == (padded, cols) and values.dtype == torch.float8_e4m3fn
@@ -736,9 +746,7 @@ def test_gpu_activation_quantizer_is_bit_exact():
     neighbours included: no MMA in between, so no tolerance."""
     from slime.backends.embedded_engine import fp8_triton
 
-    generator = torch.Generator().manual_seed(0)
-    pool = torch.cat([_e4m3_ties() / 448, torch.randn(4000, generator=generator)])
-    x = (pool[torch.randint(len(pool), (77, 1024), generator=generator)] * torch.logspace(-3, 2, 1024)).cuda()
+    x = _ties_and_random_rows(77, 1024, seed=0).cuda()
     for source in (x, x.to(torch.bfloat16)):
         values, scales = fp8_triton.quantize_activation(source, row_align=16)
         expected_values, expected_scales = fp8.quantize_activation(source)
