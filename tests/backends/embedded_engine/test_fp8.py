@@ -234,13 +234,14 @@ def test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes(monkeypatch):
                                                 (2560, 9728, 4096, 1024)]:
         shapes = [(q_out, hidden), (kv_out, hidden), (hidden, q_out), (intermediate, hidden), (hidden, intermediate)]
         for out_features, in_features in shapes:
-            for rows in (1, 16, 64, 128):
-                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu)
+            for rows, a_quantized in [(rows, a_quantized) for rows in (1, 16, 64, 128) for a_quantized in (False, True)]:
+                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu, a_quantized=a_quantized)
                 programs = -(-rows // tiles.block_m) * -(-out_features // tiles.block_n) * tiles.split_k
                 assert programs >= 116, (rows, out_features, in_features, tiles)
                 assert rows > 64 or tiles.block_m >= rows, tiles
                 assert tiles.split_k == 1 or in_features // 128 >= 2 * tiles.split_k, tiles
-            assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu).split_k == 1
+            for a_quantized in (False, True):
+                assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu, a_quantized=a_quantized).split_k == 1
 
 
 _SM90_COMPILE = """
