@@ -278,6 +278,22 @@ for block_m, block_n, split_k, num_warps, a_quantized in json.loads(sys.argv[1])
                        gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in ptx,
                        registers=int(re.search(r"REG:(\\d+)", usage).group(1)),
                        stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
+quantizer = fp8_triton._quantize_activation_kernel
+q_names = list(quantizer.arg_names)
+q_types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32")
+q_signature = {name: "constexpr" if name in ("BLOCK_M", "EMULATE_E4M3_CAST") else q_types.get(name, "i32")
+               for name in q_names}
+q_attrs = {(q_names.index(name),): [["tt.divisibility", 16]] for name in ("x_ptr", "q_ptr", "s_ptr", "K", "stride_xm",
+                                                                          "stride_qm")}
+compiled = triton.compile(ASTSource(quantizer, q_signature, dict(BLOCK_M=fp8_triton.QUANTIZE_BLOCK_M,
+                                                                 EMULATE_E4M3_CAST=False), q_attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+path = os.path.join(sys.argv[2], "quantizer.cubin")
+with open(path, "wb") as f:
+    f.write(compiled.asm["cubin"])
+usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+report.append(dict(tiles="quantizer", gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"],
+                   stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
 print(json.dumps(report))
 """
 
@@ -306,6 +322,8 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(report)
+    quantizer = report.pop()  # the separate activation quantizer: the GPU's own cast, no spills
+    assert quantizer["tiles"] == "quantizer" and quantizer["gpu_e4m3_cast"] and quantizer["stack"] == 0, quantizer
     assert [entry["tiles"] for entry in report] == [list(t) for t in tiles]
     for entry in report:
         assert entry["stack"] == 0, entry
@@ -315,14 +333,20 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
 
 
 @needs_interpreter
-def test_triton_linear_interpreted_bf16_with_bias():
+@pytest.mark.parametrize("batch", [(3, 2), (3, 7)])  # 6 tokens: the fused kernel; 21: the two-kernel path
+def test_triton_linear_interpreted_bf16_with_bias(batch):
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(3, 2, 256, dtype=torch.bfloat16)
-    triton_out = fp8.Fp8Linear(linear, "triton")(x)
+    x = torch.randn(*batch, 256, dtype=torch.bfloat16)
+    assert fp8.gemm_path("triton", batch[0] * batch[1], 96, 256, x.device) == ("fused" if batch == (3, 2) else "two_kernel")
+    module = fp8.Fp8Linear(linear, "triton")
+    triton_out = module(x)
     dequant_out = fp8.Fp8Linear(linear, "dequant")(x)
-    assert triton_out.dtype == torch.bfloat16 and triton_out.shape == (3, 2, 96)
+    assert triton_out.dtype == torch.bfloat16 and triton_out.shape == (*batch, 96)
     assert float((triton_out.float() - dequant_out.float()).norm() / dequant_out.float().norm()) < 0.06
+    # the quantized-activation product itself, up to two bf16 roundings (the GEMM's output, then + bias)
+    reference = fp8.reference_matmul(x.reshape(-1, 256), module.weight_fp8, module.weight_scale_inv, True) + linear.bias
+    torch.testing.assert_close(triton_out.reshape(-1, 96).float(), reference, rtol=2**-6, atol=2**-6)
 
 
 # ---------------------------------------------------------------------------------- the separate quantizer, the
