@@ -141,14 +141,21 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if requested not in GEMM_BACKENDS:
         raise ValueError(f"--fp8-gemm-backend {requested!r} is not supported; choose one of {list(GEMM_BACKENDS)}")
     if requested == "auto":
-        return "auto" if fp8_triton.available(device) and device.type == "cuda" else "dequant"
+        if not (fp8_triton.available(device) and device.type == "cuda"):
+            return "dequant"
+        reason = fp8_cublas.unavailable_reason(device)  # eagerly, before any CUDA graph: checks cuBLASLt once
+        if reason is not None:
+            logger.info("--fp8-gemm-backend auto: above %d tokens the two-kernel Triton GEMM, not cuBLASLt: %s",
+                        FUSED_MAX_ROWS, reason)
+        return "auto"
     if requested == "triton" and not fp8_triton.available(device):
         raise ValueError("--fp8-gemm-backend triton needs --device cuda and the triton package (or, for tests on the "
                          "CPU, TRITON_INTERPRET=1); use --fp8-gemm-backend dequant")
-    if requested == "cublas" and not fp8_cublas.available(device):
-        raise ValueError("--fp8-gemm-backend cublas needs a Hopper (sm_90) GPU, a torch built with CUDA >= 12.9 "
-                         "(cuBLASLt's 1x128/128x128 block-scaled FP8 GEMM) and triton (the activation "
-                         "quantizer); use --fp8-gemm-backend triton")
+    if requested == "cublas":
+        reason = fp8_cublas.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"--fp8-gemm-backend cublas (cuBLASLt's 1x128/128x128 block-scaled FP8 GEMM) cannot run "
+                             f"here: {reason}; use --fp8-gemm-backend triton")
     return requested
 
 
@@ -177,8 +184,8 @@ def gemm_path(backend: str, rows: int, out_features: int, in_features: int, devi
     key = (out_features, in_features, str(device))
     if key not in _logged_fallbacks:
         _logged_fallbacks.add(key)
-        why = ("cuBLASLt's block-scaled FP8 GEMM does not run on this GPU/torch" if not fp8_cublas.available(device)
-               else "cuBLASLt's block-scaled FP8 GEMM takes N % 16 == 0 and K % 512 == 0")
+        why = ("cuBLASLt's block-scaled FP8 GEMM takes N % 16 == 0 and K % 512 == 0" if fp8_cublas.available(device)
+               else f"cuBLASLt's block-scaled FP8 GEMM is not used: {fp8_cublas.unavailable_reason(device)}")
         logger.info("fp8 GEMM [%d x %d] weight: %s; this shape uses the two-kernel Triton GEMM",
                     out_features, in_features, why)
     return "two_kernel"

@@ -20,7 +20,9 @@ contract, from PyTorch's ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` (``is_bloc
 So this path needs no copy of the weight. The activations are quantized first by the Triton
 quantizer (one launch; the rounding of ``fp8.quantize_activation``) with the tokens padded to a
 multiple of :data:`ROW_ALIGN`. Shapes it does not take (:func:`shape_supported`) fall back to the
-two-kernel Triton GEMM, said once per shape in the log (``fp8.gemm_path``). Two launches, no host
+two-kernel Triton GEMM, said once per shape in the log (``fp8.gemm_path``); so does everything under
+``auto`` on a GPU where the first, eager use finds that cuBLASLt refuses the recipe or computes
+something else than the reference (:func:`check_block_matmul`; a warning says which). Two launches, no host
 syncs: capturable in a CUDA graph. ``use_fast_accum`` stays off (cuBLASLt then promotes the
 accumulator out of the tensor cores' limited-precision sum).
 """
@@ -28,10 +30,13 @@ accumulator out of the tensor cores' limited-precision sum).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from slime.backends.embedded_engine.fp8 import BLOCK
+
+logger = logging.getLogger(__name__)
 
 # Tokens padded to a multiple of this before cuBLASLt (zero rows, scale 1; the output rows are sliced
 # away): a safety margin for cuBLASLt's FP8 alignment rules, which PyTorch does not check for M. It
@@ -55,18 +60,69 @@ def _cuda_version() -> tuple[int, int]:
         return 0, 0
 
 
-def available(device: torch.device | str) -> bool:
-    """Whether cuBLASLt's DeepSeek-style FP8 GEMM can run on ``device``: a Hopper (sm_90) GPU, a torch
-    built with CUDA >= 12.9 (its cuBLASLt has the block-scaled kernels) and with ``torch._scaled_mm``,
-    and triton for the activation quantizer."""
+_checked: dict[int, str | None] = {}  # CUDA device index -> None (the check GEMM came out right) or why not
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None where cuBLASLt's DeepSeek-style FP8 GEMM runs on ``device`` and computes the right numbers,
+    else why not. Needed: a Hopper (sm_90) GPU, a torch built with CUDA >= 12.9 (its cuBLASLt has the
+    block-scaled kernels) and with ``torch._scaled_mm``, triton (the activation quantizer); then, once
+    per GPU, :func:`check_block_matmul` must pass — the layout contract above was read from PyTorch's
+    source, so the first use on a GPU checks it against the reference rather than trusting it."""
     from slime.backends.embedded_engine import fp8_triton
 
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return False
-    if not fp8_triton.available(device) or _cuda_version() < (12, 9):
-        return False
-    return _device_supported(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "it needs a CUDA device"
+    if not hasattr(torch, "_scaled_mm") or _cuda_version() < (12, 9):
+        return f"it needs a torch built with CUDA >= 12.9 (this one: torch {torch.__version__}, CUDA {torch.version.cuda})"
+    if not fp8_triton.available(device):
+        return "it needs triton (the activation quantizer)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _device_supported(index):
+        return f"it runs on sm_90 (Hopper) only; this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(index)))}"
+    if index not in _checked:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8 GEMM: cuBLASLt's block-scaled GEMM is first needed during CUDA graph capture; "
+                               "call fp8_cublas.available(device) eagerly before capturing (resolve_backend does)")
+        _checked[index] = check_block_matmul(torch.device("cuda", index))
+        if _checked[index] is not None:
+            logger.warning("fp8 GEMM: not using cuBLASLt's block-scaled FP8 GEMM on cuda:%d: %s", index, _checked[index])
+    return _checked[index]
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether :func:`block_matmul` runs on ``device`` (:func:`unavailable_reason` says why not)."""
+    return unavailable_reason(device) is None
+
+
+def check_block_matmul(device: torch.device) -> str | None:
+    """One small GEMM (``[32 x 1024] x [384 x 1024]ᵀ``) on ``device`` through :func:`block_matmul` against
+    ``fp8.reference_matmul``, with magnitudes that differ per token, per 128-channel group and per row
+    of weight blocks (so a scale read from the wrong place, or a layout read transposed, shows): None
+    when every output is within the tensor cores' accumulation bound plus the bf16 output's rounding
+    (``2^-12 · (|x_q| @ |W|ᵀ) + 2^-8 · |reference|``), else what went wrong (the library's error, or
+    how far out the result is)."""
+    from slime.backends.embedded_engine import fp8
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 1024, generator=generator) * torch.logspace(-2, 2, 32)[:, None]
+    x = (x * torch.logspace(-1, 1, 8).repeat_interleave(128)[None, :]).to(device, torch.bfloat16)
+    weight = torch.randn(384, 1024, generator=generator) * torch.logspace(-1, 1, 3).repeat_interleave(128)[:, None]
+    weight = weight * torch.logspace(1, -1, 8).repeat_interleave(128)[None, :] / 32
+    values, scales = fp8.quantize_weight(weight.to(device))
+    try:
+        out = block_matmul(x, values, scales, torch.bfloat16).float()
+    except (RuntimeError, ValueError, TypeError) as error:  # NotImplementedError is a RuntimeError
+        return f"torch._scaled_mm refused the block-scaled GEMM: {type(error).__name__}: {str(error)[:400]}"
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    q, s = fp8.quantize_activation(x)
+    magnitude = (q.float() * s.repeat_interleave(BLOCK, dim=-1)).abs() @ fp8.dequantize_weight(values, scales).abs().T
+    excess = float(((out - reference).abs() / (magnitude * 2.0**-12 + reference.abs() * 2.0**-8 + 1e-12)).max())
+    if not excess <= 1:  # NaN included
+        return (f"its result differs from fp8.reference_matmul by {excess:.3g}x the accumulation bound (a layout "
+                "contract of torch._scaled_mm that this torch does not keep?)")
+    return None
 
 
 def shape_supported(out_features: int, in_features: int) -> bool:

@@ -521,6 +521,32 @@ def test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_sh
         "this shape uses the two-kernel Triton GEMM"]
 
 
+@needs_interpreter
+def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
+    """``fp8_cublas.check_block_matmul`` (run once per GPU before cuBLASLt is used): passes the strict
+    stand-in of ``torch._scaled_mm``; reports a library that refuses the recipe, and one that reads a
+    scale layout differently (activation scales taken token-major, or the weight scales untransposed)."""
+    from slime.backends.embedded_engine import fp8_cublas
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm([]))
+    assert fp8_cublas.check_block_matmul(cpu) is None
+
+    def refusing(*args, **kwargs):
+        raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    assert "refused the block-scaled GEMM: NotImplementedError: DeepSeek style" in fp8_cublas.check_block_matmul(cpu)
+    strict = _strict_scaled_mm([])
+    misreads = {"token-major activation scales": lambda a, b, scale_a, scale_b, **kw: strict(
+                    a, b, scale_a.contiguous().view(scale_a.shape[1], -1).t(), scale_b, **kw),
+                "untransposed weight scales": lambda a, b, scale_a, scale_b, **kw: strict(
+                    a, b, scale_a, scale_b.contiguous().view(scale_b.shape[1], -1).t(), **kw)}
+    for name, misread in misreads.items():
+        monkeypatch.setattr(torch, "_scaled_mm", misread)
+        assert "differs from fp8.reference_matmul" in fp8_cublas.check_block_matmul(cpu), name
+
+
 def test_gemm_dispatch_table(monkeypatch):
     """``GEMM_DISPATCH``: every backend's ranges end open; auto and triton take the fused kernel up to
     16 tokens; above, auto takes cuBLASLt where it runs and the shape qualifies (every Qwen3 linear
@@ -546,7 +572,7 @@ def test_gemm_dispatch_table(monkeypatch):
     monkeypatch.setattr(fp8_cublas, "available", lambda device: False)
     assert fp8.gemm_path("auto", 128, 2048, 1024, cuda) == "two_kernel"
     assert fp8.gemm_path("cublas", 1, 2048, 1024, cuda) == "two_kernel"
-    with pytest.raises(ValueError, match="--fp8-gemm-backend cublas needs a Hopper"):
+    with pytest.raises(ValueError, match=r"--fp8-gemm-backend cublas .* cannot run here: it needs a CUDA device"):
         fp8.resolve_backend("cublas", torch.device("cpu"))
 
 
