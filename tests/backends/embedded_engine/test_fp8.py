@@ -354,7 +354,7 @@ def test_triton_linear_interpreted_bf16_with_bias(batch):
 def mma_tolerance(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Per output element: ``2^-12 · (|x_q| @ |W_deq|ᵀ) + tiny``. Hopper's FP8 tensor cores (wgmma, and
     cuBLASLt's kernels on them) keep only ~14 bits of the running sum inside one K step (DeepSeek-V3
-    report, section 3.3.2), so the error of a GEMM on the same quantized operands scales with the sum
+    technical report), so the error of a GEMM on the same quantized operands scales with the sum
     of the magnitudes it adds, not with the result: measured on the H200 up to 6.1e-5 of that sum
     (wgmma tiles) and 3.6e-8 (mma.sync, 16-row tiles), with bit-exact quantized inputs. A wrong scale
     or a dropped split-K partial moves an output by a sizeable part of that sum (see
