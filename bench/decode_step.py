@@ -93,6 +93,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
+    parser.add_argument("--without", action="append", default=[], choices=["qk_norm_rope", "mlp_residual_gemm"],
+                        help="run without this fusion (repeatable), for an A/B of it in one visit")
+    parser.add_argument("--attention-block-n", type=int, default=None,
+                        help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
                         help="write the result JSON (default folder bench/results, or a .json path)")
     args = parser.parse_args()
@@ -106,6 +110,18 @@ def main() -> None:
     runner = ModelRunner(path, device=args.device, dtype=args.dtype, num_slots=args.batch,
                          slot_capacity=args.position + 1)
     runner.grow_cache(args.position + 1)
+    if "qk_norm_rope" in args.without:
+        for module in runner.model.modules():
+            if "fused_norm_rope" in vars(module):
+                del module.fused_norm_rope
+    if "mlp_residual_gemm" in args.without:
+        from slime.backends.embedded_engine import fused_ops
+
+        fused_ops.MLP_RESIDUAL_IN_GEMM = False
+    if args.attention_block_n is not None:
+        from slime.backends.embedded_engine import triton_attention
+
+        triton_attention.block_n = lambda dim: args.attention_block_n
     if runner.kv_cache.shape.num_slots < args.batch:
         raise SystemExit(f"--batch {args.batch} x --position {args.position}: the device holds only "
                          f"{runner.kv_cache.shape.num_slots} slots of {runner.kv_cache.shape.slot_capacity} tokens")
@@ -135,6 +151,7 @@ def main() -> None:
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
               "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
+              "without": args.without, "attention_block_n": args.attention_block_n,
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
                         "fused_ops": getattr(runner, "fused_ops", {})},

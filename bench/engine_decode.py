@@ -297,8 +297,8 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="extra engine flags, e.g. '--chunked-prefill-size 8192'")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="serve with block-wise FP8 linear layers (the engine's --quantization)")
-    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "triton", "dequant"],
-                        help="with --quantization fp8: the engine's GEMM (auto: triton on CUDA)")
+    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "triton", "cublas", "dequant"],
+                        help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, cublas above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each after a first, unmeasured burst of the same workload; the best is reported")
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")

@@ -1,6 +1,9 @@
-"""The FP8 GEMM alone: bf16 ``torch.nn.functional.linear`` vs the fused Triton FP8 kernel
-(``fp8_triton.w8a8_block_matmul``) on the decoder linear shapes of the Qwen3 architectures, per batch
-size. Prints JSON.
+"""The FP8 GEMM alone, one column per path: bf16 ``torch.nn.functional.linear`` (cuBLAS), the fused
+Triton FP8 kernel (activations quantized inside the GEMM), the two-kernel Triton path (a quantize
+kernel, then the GEMM on e4m3 A) and cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm`` after the
+same quantize kernel; where it runs: sm_90, torch with CUDA >= 12.9), on the decoder linear shapes of
+the Qwen3 architectures, per batch size. Prints JSON; one visit shows which path wins where, the data
+``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
 
     python bench/fp8_gemm.py --out                         # H200: qwen3-0.6b/1.7b/4b, M in 1,16,64,128,256,2048
     python bench/fp8_gemm.py --sweep --rows 1,16,64,128 --out bench/results/fp8_gemm-nvidia-h200-$(date +%Y%m%d)-sweep.json
@@ -14,18 +17,25 @@ Shapes (per decoder layer, ``bench/engine_decode.py``'s ``ARCHITECTURES``): ``q`
 Timing is what a decode step sees: each measurement replays a CUDA graph of ``copies`` calls, each on
 its own copy of the weight, with enough copies (>= 256 MiB of weights, at most 64) that the weights
 come from HBM, not from the 50 MiB L2; CUDA events around the replay, median of ``--repeats``, divided
-by ``copies``. (On the CPU: wall time of the calls, no graph; only a check that the script runs.)
+by ``copies``. The quantize kernel of the two-kernel and cuBLASLt paths is inside the timed call.
+(On the CPU: wall time of the calls, no graph; only a check that the script runs.)
 
-Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``, ``fp8_us`` (the planned tiles,
-``fp8_tiles``), ``speedup`` (bf16 / fp8), ``bf16_tb_s`` / ``fp8_tb_s`` (bytes moved at least: weight +
-scales + activations in + output out, per second, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s,
-the H200's HBM3e spec), ``fp8_max_rel_err`` (against ``fp8.reference_matmul(quantize_inputs=True)``:
-a sanity check that the timed kernel computes the right thing), ``fp8_model_us`` (what
-``fp8_triton.estimated_cycles``, the cost model ``plan_tiles`` picks by, predicted). Per
-``<model>/layer/M<rows>``: the seven linears of a layer summed (``bf16_us``, ``fp8_us``, ``speedup``).
-With ``--sweep``, also ``fp8_sweep_best_us`` / ``fp8_sweep_best_tiles`` / ``planned_over_best`` /
-``fp8_sweep_best_model_us`` over every launch ``plan_tiles`` chooses from
-(``fp8_triton.candidate_tiles``): whether the model ranks them as the GPU does.
+Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``; per FP8 path ``<path>_us`` (path in
+``fused``, ``two_kernel``, ``cublas``; ``cublas`` absent where it does not run), ``<path>_speedup``
+(bf16 / it) and ``<path>_max_rel_err`` (its bf16 output against ``fp8.reference_matmul(quantize_inputs=True)``,
+over the largest output: a sanity check that the timed path computes the right thing; the bf16
+rounding gives up to ~4e-3, a wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``auto_path`` (what
+``--fp8-gemm-backend auto`` runs there today) and ``auto_over_best`` (its time over the best's:
+> 1.05 means ``fp8.GEMM_DISPATCH`` should change there); ``fused_tiles`` / ``two_kernel_tiles`` (the
+planned Triton tiles) and ``fused_model_us`` / ``two_kernel_model_us`` (what
+``fp8_triton.estimated_cycles``, the cost model ``plan_tiles`` picks by, predicted); ``bf16_tb_s`` /
+``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
+bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, the H200's HBM3e
+spec). Per ``<model>/layer/M<rows>``: the seven linears of a layer summed, ``bf16_us`` and per path
+``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep``, also
+``fused_sweep_best_us`` / ``fused_sweep_best_tiles`` / ``planned_over_best`` / ``fused_sweep_best_model_us``
+over every launch ``plan_tiles`` chooses from (``fp8_triton.candidate_tiles``) for the fused kernel:
+whether the model ranks them as the GPU does.
 """
 
 from __future__ import annotations
@@ -91,6 +101,24 @@ def time_us(calls, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _paths(device: torch.device, out_features: int, in_features: int) -> list[str]:
+    from slime.backends.embedded_engine import fp8_cublas
+
+    paths = ["fused", "two_kernel"]
+    if fp8_cublas.available(device) and fp8_cublas.shape_supported(out_features, in_features):
+        paths.append("cublas")
+    return paths
+
+
+def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tiles=None):
+    from slime.backends.embedded_engine import fp8_cublas, fp8_triton
+
+    if path == "cublas":
+        return fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
+    return fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16, tiles=tiles,
+                                        quantize_first=path == "two_kernel")
+
+
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
     from slime.backends.embedded_engine import fp8_triton
 
@@ -102,46 +130,55 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         copies = 1
     bf16_weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     fp8_weights = [(values, scales)] + [(values.clone(), scales.clone()) for _ in range(copies - 1)]
+    sms = fp8_triton._sm_count(device)
+    paths = _paths(device, out_features, in_features)
     results = {}
     for rows in rows_list:
         x = torch.randn(rows, in_features, generator=generator).to(device, torch.bfloat16)
         moved_in_out = rows * in_features * 2 + rows * out_features * 2
         bf16_bytes = weight.numel() * 2 + moved_in_out
         fp8_bytes = values.numel() + scales.numel() * 4 + moved_in_out
-        bf16_us = time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device, args.repeats)
-        planned = fp8_triton.plan_tiles(rows, out_features, in_features, device)
-        sms = fp8_triton._sm_count(device)
-
-        def fp8_calls(tiles):
-            return [lambda v=v, s=s: fp8_triton.w8a8_block_matmul(x, v, s, torch.bfloat16, tiles=tiles)
-                    for v, s in fp8_weights]
-
-        fp8_us = time_us(fp8_calls(planned), device, args.repeats)
+        result = {"bf16_us": time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device,
+                                     args.repeats)}
         reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
-        out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32)
-        result = {
-            "bf16_us": bf16_us, "fp8_us": fp8_us, "speedup": bf16_us / fp8_us, "fp8_tiles": str(planned),
-            "fp8_model_us": fp8_triton.estimated_cycles(planned, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6,
-            "bf16_tb_s": bf16_bytes / bf16_us / 1e6, "fp8_tb_s": fp8_bytes / fp8_us / 1e6,
-            "fp8_max_rel_err": float((out - reference).abs().max() / reference.abs().max()),
-        }
+
+        def fp8_calls(path, tiles=None):
+            return [lambda v=v, s=s: _fp8_call(path, x, v, s, tiles) for v, s in fp8_weights]
+
+        for path in paths:
+            result[f"{path}_us"] = time_us(fp8_calls(path), device, args.repeats)
+            result[f"{path}_speedup"] = result["bf16_us"] / result[f"{path}_us"]
+            out = _fp8_call(path, x, values, scales).float()
+            result[f"{path}_max_rel_err"] = float((out - reference).abs().max() / reference.abs().max())
+        for path in ("fused", "two_kernel"):
+            planned = fp8_triton.plan_tiles(rows, out_features, in_features, device, a_quantized=path == "two_kernel")
+            result[f"{path}_tiles"] = str(planned)
+            result[f"{path}_model_us"] = fp8_triton.estimated_cycles(
+                planned, rows, out_features, in_features, sms, a_quantized=path == "two_kernel") / CLOCK_HZ * 1e6
+        best = min(paths, key=lambda path: result[f"{path}_us"])
+        auto = fp8.gemm_path("auto", rows, out_features, in_features, device)
+        result.update({"best_path": best, "auto_path": auto,
+                       "auto_over_best": result[f"{auto}_us"] / result[f"{best}_us"],
+                       "bf16_tb_s": bf16_bytes / result["bf16_us"] / 1e6,
+                       "fp8_tb_s": fp8_bytes / result[f"{best}_us"] / 1e6})
         result["bf16_hbm_fraction"] = result["bf16_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         if args.sweep:
             timed = []
             for tiles in fp8_triton.candidate_tiles(rows, in_features):
                 try:
-                    timed.append((time_us(fp8_calls(tiles), device, args.repeats), tiles))
+                    timed.append((time_us(fp8_calls("fused", tiles), device, args.repeats), tiles))
                 except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
                     print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-            best_us, best = min(timed, key=lambda item: item[0])
-            result.update({"fp8_sweep_best_us": best_us, "fp8_sweep_best_tiles": str(best),
-                           "planned_over_best": fp8_us / best_us,
-                           "fp8_sweep_best_model_us": fp8_triton.estimated_cycles(
-                               best, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6})
+            best_us, best_tiles = min(timed, key=lambda item: item[0])
+            result.update({"fused_sweep_best_us": best_us, "fused_sweep_best_tiles": str(best_tiles),
+                           "planned_over_best": result["fused_us"] / best_us,
+                           "fused_sweep_best_model_us": fp8_triton.estimated_cycles(
+                               best_tiles, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6})
         results[rows] = result
-        print(f"[{out_features}x{in_features} M={rows}] bf16 {bf16_us:.1f} us, fp8 {fp8_us:.1f} us "
-              f"({result['speedup']:.2f}x, {planned})", file=sys.stderr)
+        columns = ", ".join(f"{path} {result[f'{path}_us']:.1f} us ({result[f'{path}_speedup']:.2f}x)" for path in paths)
+        print(f"[{out_features}x{in_features} M={rows}] bf16 {result['bf16_us']:.1f} us, {columns}; best {best}, "
+              f"auto {auto}", file=sys.stderr)
     return results
 
 
@@ -168,17 +205,22 @@ def main(argv=None) -> dict:
         if model != "tiny" and model not in ARCHITECTURES:
             parser.error(f"--models: unknown {model!r}; choose from tiny, {', '.join(ARCHITECTURES)}")
         arch = TINY if model == "tiny" else ARCHITECTURES[model]
-        layer = {rows: {"bf16_us": 0.0, "fp8_us": 0.0} for rows in rows_list}
+        layer = {rows: {} for rows in rows_list}  # rows -> column -> [time of one layer's linears of each shape]
         for name, (out_features, in_features, count) in layer_shapes(arch).items():
             for rows, result in bench_shape(out_features, in_features, rows_list, device, args).items():
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
-                layer[rows]["bf16_us"] += count * result["bf16_us"]
-                layer[rows]["fp8_us"] += count * result["fp8_us"]
-        for rows, total in layer.items():
-            metrics[f"{model}/layer/M{rows}/bf16_us"] = total["bf16_us"]
-            metrics[f"{model}/layer/M{rows}/fp8_us"] = total["fp8_us"]
-            metrics[f"{model}/layer/M{rows}/speedup"] = total["bf16_us"] / total["fp8_us"]
+                result["auto_us"] = result[f"{result['auto_path']}_us"]
+                for column in ("bf16", "fused", "two_kernel", "cublas", "auto"):
+                    if f"{column}_us" in result:
+                        layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
+        for rows, columns in layer.items():
+            bf16_us = sum(columns["bf16"])
+            metrics[f"{model}/layer/M{rows}/bf16_us"] = bf16_us
+            for column, times in columns.items():
+                if column != "bf16" and len(times) == len(layer_shapes(arch)):  # timed on every shape of the layer
+                    metrics[f"{model}/layer/M{rows}/{column}_us"] = sum(times)
+                    metrics[f"{model}/layer/M{rows}/{column}_speedup"] = bf16_us / sum(times)
     config = {"models": args.models, "rows": rows_list, "device": args.device, "repeats": args.repeats,
               "sweep": args.sweep, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
               "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None}

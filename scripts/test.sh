@@ -28,9 +28,15 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes \
     tests/backends/embedded_engine/test_fp8.py::test_planned_tiles_compile_for_h200_without_spilling \
     tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
+    tests/backends/embedded_engine/test_fp8.py::test_activation_quantizer_interpreted_is_bit_exact \
+    tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/test_fp8.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \
+    tests/backends/embedded_engine/test_fp8.py::test_cublas_check_gemm_catches_a_refused_or_misread_recipe \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_attention_interpreted_matches_reference \
     tests/backends/embedded_engine/test_fused_ops.py::test_packed_silu_gate_interpreted_equals_torch \
     tests/backends/embedded_engine/test_fused_ops.py::test_add_rms_norm_interpreted_matches_hf \
-    tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits
+    tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits \
+    tests/backends/embedded_engine/test_fused_ops.py::test_qk_norm_rope_interpreted_matches_hf \
+    tests/backends/embedded_engine/test_fused_ops.py::test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits
 fi

@@ -89,9 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "embeddings, lm_head, norms and the KV cache stay in --dtype (SGLang's flag; fp8 is the "
                         "only value the embedded engine implements)")
     p.add_argument("--fp8-gemm-backend", default="auto",
-                   help="with --quantization fp8: triton (CUDA; the default there) quantizes activations per token "
-                        "and 128-channel group and multiplies e4m3 x e4m3; dequant (the default on CPU) dequantizes "
-                        "the weight to --dtype and runs an ordinary matmul; auto picks between them")
+                   help="with --quantization fp8: triton (CUDA) runs Triton kernels that quantize activations per "
+                        "token and 128-channel group and multiply e4m3 x e4m3 (one fused kernel up to 16 tokens, "
+                        "a quantize kernel + GEMM above); cublas (Hopper, torch built with CUDA >= 12.9) runs "
+                        "cuBLASLt's 1x128/128x128 block-scaled FP8 GEMM (torch._scaled_mm), shapes it refuses on "
+                        "the Triton GEMM; dequant (the default on CPU) dequantizes the weight to --dtype and runs "
+                        "an ordinary matmul; auto (the default) on CUDA: fused Triton up to 16 tokens, cublas "
+                        "above where it runs (an unmeasured default), else Triton")
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "
@@ -145,10 +149,11 @@ def validate_args(args: ServerArgs) -> None:
         raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
                          "implements fp8 (block-wise, quantized online); use --rollout-backend sglang for SGLang's "
                          "other methods")
-    if args.fp8_gemm_backend not in ("auto", "triton", "dequant"):
-        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, triton or dequant")
-    if args.fp8_gemm_backend == "triton" and args.device != "cuda":
-        raise SystemExit("--fp8-gemm-backend triton runs on --device cuda only; use dequant (the default) on CPU")
+    if args.fp8_gemm_backend not in ("auto", "triton", "cublas", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, triton, cublas or dequant")
+    if args.fp8_gemm_backend in ("triton", "cublas") and args.device != "cuda":
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} runs on --device cuda only; use dequant "
+                         "(the default) on CPU")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 < args.mem_fraction_static <= 1:

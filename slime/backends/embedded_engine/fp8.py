@@ -17,10 +17,21 @@ LoRA projections, MLP gate/up/down, shared experts) and the routed experts of tr
 absorbed MLA decode, ``kv_b_proj`` (read as a matrix by that path) stay in the model dtype. The KV
 cache is untouched.
 
-GEMM backends (``--fp8-gemm-backend``): ``triton`` (CUDA, the default there) is one kernel per
-linear (``fp8_triton.py``) that quantizes the activations per token and 128-channel group (``1 x 128``
-blocks, the same formula) in registers and multiplies e4m3 by e4m3; ``dequant`` (the default on CPU, a reference everywhere)
-dequantizes the weight to the model dtype and runs an ordinary matmul on unquantized activations.
+GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (token-count ranges -> path):
+
+* ``triton`` (CUDA): Triton kernels (``fp8_triton.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
+  kernel, which quantizes the activations per token and 128-channel group (``1 x 128`` blocks, the
+  same formula) in registers inside the GEMM and multiplies e4m3 by e4m3; above, the two-kernel path:
+  the activations quantized once by a separate kernel, then the GEMM on e4m3 A and its scales (the
+  fused kernel re-quantizes each A tile in every column-tile program, which is what made it 0.37-0.54x
+  of bf16 from 64 tokens up on the H200).
+* ``cublas`` (Hopper, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through ``torch._scaled_mm``
+  (``fp8_cublas.py``), after the same separate activation quantizer; weight shapes it does not take
+  fall back to the two-kernel Triton path (a log line once per shape).
+* ``auto`` (the default): on CUDA, the fused kernel up to :data:`FUSED_MAX_ROWS` tokens and cuBLASLt
+  above where it runs (else the two-kernel Triton path); ``dequant`` elsewhere.
+* ``dequant`` (the default on CPU, a reference everywhere): dequantizes the weight to the model dtype
+  and runs an ordinary matmul on unquantized activations.
 
 Weight updates arrive under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
 checkpoint-named experts ``...experts.3.gate_proj.weight`` or fused ``...experts.gate_up_proj``);
@@ -42,7 +53,22 @@ BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 QUANTIZATIONS = ("fp8",)
-GEMM_BACKENDS = ("auto", "triton", "dequant")
+GEMM_BACKENDS = ("auto", "triton", "cublas", "dequant")
+GEMM_PATHS = ("fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
+
+# Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
+# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261201-fused.json (fused Triton
+# only: 1.11x bf16 at M=1, 0.87x at 16, 0.54x at 64 and <= 0.44x above), so the fused kernel keeps
+# M <= 16. Above it the choice is an UNMEASURED default: cuBLASLt (a vendor kernel: compute-bound
+# parity with bf16 at worst), the two-kernel Triton path where cuBLASLt does not run. Update these
+# rows from the per-path columns of `python bench/fp8_gemm.py` (its `best_path` per shape and M).
+FUSED_MAX_ROWS = 16
+GEMM_DISPATCH = {
+    "auto": ((FUSED_MAX_ROWS, "fused"), (None, "cublas")),
+    "triton": ((FUSED_MAX_ROWS, "fused"), (None, "two_kernel")),
+    "cublas": ((None, "cublas"),),
+    "dequant": ((None, "dequant"),),
+}
 
 
 def _blocks(n: int) -> int:
@@ -107,30 +133,83 @@ def reference_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """``auto`` -> ``triton`` where its kernels run (CUDA with Triton), else ``dequant``."""
-    from slime.backends.embedded_engine import fp8_triton
+    """The backend an engine on ``device`` runs: ``auto`` stays ``auto`` on CUDA with Triton (its
+    :data:`GEMM_DISPATCH` row) and is ``dequant`` elsewhere; ``triton`` / ``cublas`` are refused where
+    they cannot run."""
+    from slime.backends.embedded_engine import fp8_cublas, fp8_triton
 
     if requested not in GEMM_BACKENDS:
         raise ValueError(f"--fp8-gemm-backend {requested!r} is not supported; choose one of {list(GEMM_BACKENDS)}")
     if requested == "auto":
-        return "triton" if fp8_triton.available(device) and device.type == "cuda" else "dequant"
+        if not (fp8_triton.available(device) and device.type == "cuda"):
+            return "dequant"
+        reason = fp8_cublas.unavailable_reason(device)  # eagerly, before any CUDA graph: checks cuBLASLt once
+        if reason is not None:
+            logger.info("--fp8-gemm-backend auto: above %d tokens the two-kernel Triton GEMM, not cuBLASLt: %s",
+                        FUSED_MAX_ROWS, reason)
+        return "auto"
     if requested == "triton" and not fp8_triton.available(device):
         raise ValueError("--fp8-gemm-backend triton needs --device cuda and the triton package (or, for tests on the "
                          "CPU, TRITON_INTERPRET=1); use --fp8-gemm-backend dequant")
+    if requested == "cublas":
+        reason = fp8_cublas.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"--fp8-gemm-backend cublas (cuBLASLt's 1x128/128x128 block-scaled FP8 GEMM) cannot run "
+                             f"here: {reason}; use --fp8-gemm-backend triton")
     return requested
+
+
+def dispatch_path(backend: str, rows: int) -> str:
+    """The :data:`GEMM_DISPATCH` path of ``backend`` for ``rows`` tokens (before shape fallbacks)."""
+    for max_rows, path in GEMM_DISPATCH[backend]:
+        if max_rows is None or rows <= max_rows:
+            return path
+    raise AssertionError(f"GEMM_DISPATCH[{backend!r}] has no open-ended last range")
+
+
+_logged_fallbacks: set[tuple[int, int, str]] = set()
+
+
+def gemm_path(backend: str, rows: int, out_features: int, in_features: int, device: torch.device) -> str:
+    """The path a ``[rows, in_features] x [out_features, in_features]ᵀ`` GEMM takes under ``backend``:
+    :func:`dispatch_path`, with ``cublas`` replaced by ``two_kernel`` where cuBLASLt does not run on
+    ``device`` or does not take the shape (logged once per shape)."""
+    path = dispatch_path(backend, rows)
+    if path != "cublas":
+        return path
+    from slime.backends.embedded_engine import fp8_cublas
+
+    if fp8_cublas.available(device) and fp8_cublas.shape_supported(out_features, in_features):
+        return path
+    key = (out_features, in_features, str(device))
+    if key not in _logged_fallbacks:
+        _logged_fallbacks.add(key)
+        why = ("cuBLASLt's block-scaled FP8 GEMM takes N % 16 == 0 and K % 512 == 0" if fp8_cublas.available(device)
+               else f"cuBLASLt's block-scaled FP8 GEMM is not used: {fp8_cublas.unavailable_reason(device)}")
+        logger.info("fp8 GEMM [%d x %d] weight: %s; this shape uses the two-kernel Triton GEMM",
+                    out_features, in_features, why)
+    return "two_kernel"
 
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                backend: str) -> torch.Tensor:
-    """``x [..., K] @ Wᵀ (+ bias)`` with ``W`` block-quantized, in ``x``'s dtype."""
-    if backend == "triton":
+    """``x [..., K] @ Wᵀ (+ bias)`` with ``W`` block-quantized, in ``x``'s dtype, on the path
+    :func:`gemm_path` picks for ``backend`` and this many tokens."""
+    if backend == "dequant":
+        return nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    path = gemm_path(backend, rows.shape[0], values.shape[0], values.shape[1], x.device)
+    if path == "cublas":
+        from slime.backends.embedded_engine import fp8_cublas
+
+        out = fp8_cublas.block_matmul(rows, values, scales, out_dtype=x.dtype)
+    else:
         from slime.backends.embedded_engine import fp8_triton
 
-        rows = x.reshape(-1, x.shape[-1])
-        out = fp8_triton.w8a8_block_matmul(rows, values, scales, out_dtype=x.dtype)
-        out = out.view(*x.shape[:-1], values.shape[0])
-        return out if bias is None else out + bias
-    return nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
+        out = fp8_triton.w8a8_block_matmul(rows, values, scales, out_dtype=x.dtype,
+                                           quantize_first=path == "two_kernel")
+    out = out.view(*x.shape[:-1], values.shape[0])
+    return out if bias is None else out + bias
 
 
 class Fp8Linear(nn.Module):

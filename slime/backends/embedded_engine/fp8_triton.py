@@ -1,11 +1,14 @@
-"""Triton kernel of the FP8 GEMM (``--fp8-gemm-backend triton``): ``C = A @ Bᵀ`` with block scales, one
-launch per linear layer.
+"""Triton kernels of the FP8 GEMM (``--fp8-gemm-backend triton``, and the quantizer of ``cublas``):
+``C = A @ Bᵀ`` with block scales.
 
-* ``A [M, K]`` (activations, any float dtype) is quantized *inside* the GEMM, per token and 128-channel
-  group, exactly as ``fp8.quantize_activation`` does: ``s = amax / 448`` (1 for an all-zero group),
-  ``e4m3(x / s)``. The K step of the kernel is 128 = one group, so each step loads the A tile in its
-  own dtype, takes the row amax, quantizes in registers and feeds the e4m3 tile to the dot: no
-  separate quantization kernel, no e4m3 copy of the activations in memory.
+* ``A [M, K]`` (activations, any float dtype) is quantized per token and 128-channel group, exactly as
+  ``fp8.quantize_activation`` does: ``s = amax / 448`` (1 for an all-zero group), ``e4m3(x / s)``.
+  Fused (``A_QUANTIZED`` off; the path for few tokens): *inside* the GEMM — the K step of the kernel is
+  128 = one group, so each step loads the A tile in its own dtype, takes the row amax, quantizes in
+  registers and feeds the e4m3 tile to the dot; one launch, no e4m3 copy of the activations, but every
+  column-tile program re-quantizes the same rows. Two-kernel (``A_QUANTIZED`` on): ``_quantize_activation_kernel``
+  writes e4m3 A and its scales once (scales group-major, ``[ceil(K/128), M]``, the layout cuBLASLt's
+  1 x 128 scaling also reads), then the GEMM loads them. Both quantize with ``_quantize_rows``.
 * ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
   ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
 * ``_fp8_gemm_kernel``: program ``(pid_m, pid_n, pid_k)`` owns ``BLOCK_M`` rows, ``BLOCK_N`` output
@@ -44,7 +47,7 @@ import os
 
 import torch
 
-from slime.backends.embedded_engine.fp8 import BLOCK, FP8_MAX
+from slime.backends.embedded_engine.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
 
 try:
     import triton
@@ -101,10 +104,28 @@ if triton is not None:
         return q.to(tl.float8e4nv), scale
 
     @triton.jit
-    def _fp8_gemm_kernel(a_ptr, b_ptr, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
-                         stride_am, stride_bn, stride_bsn, stride_cm, fp8_max,
+    def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk, fp8_max,
+                                    BLOCK_M: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+        """Program ``(pid_m, kb)``: rows ``[pid_m · BLOCK_M, +BLOCK_M)`` of channel group ``kb`` -> e4m3
+        ``q [M_OUT, K]`` and the group's scales at ``s_ptr + kb · stride_sk + row`` (the scales are stored
+        group-major, ``[ceil(K/128), M_OUT]``). Rows ``M .. M_OUT`` (padding) read as zeros: q 0, scale 1."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        kb = tl.program_id(1)
+        k = kb * 128 + tl.arange(0, 128)
+        in_k = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & in_k[None, :],
+                    other=0.0).to(tl.float32)
+        q, scale = _quantize_rows(x, fp8_max, EMULATE_E4M3_CAST)
+        out_rows = offs_m < M_OUT
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + k[None, :], q, mask=out_rows[:, None] & in_k[None, :])
+        tl.store(s_ptr + kb * stride_sk + offs_m, scale, mask=out_rows)
+
+    @triton.jit
+    def _fp8_gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
+                         stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+                         SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, A_QUANTIZED: tl.constexpr,
+                         EMULATE_E4M3_CAST: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -121,9 +142,14 @@ if triton is not None:
         for kb in range(first, last):
             k = kb * BLOCK_K + offs_k
             in_k = k < K
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
-                        other=0.0).to(tl.float32)
-            a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
+            if A_QUANTIZED:  # two-kernel path: e4m3 A and its group-major scales, from _quantize_activation_kernel
+                a_q = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
+                              other=0.0)
+                a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
+            else:  # fused path: quantize this A tile in registers (again in every column-tile program)
+                a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
+                            other=0.0).to(tl.float32)
+                a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
             b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
             if BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
                 scale = a_scale * tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
@@ -195,14 +221,18 @@ L2_LATENCY_CYCLES = 800
 LAUNCH_CYCLES = 2000
 
 
-def estimated_cycles(tiles: Tiles, rows: int, out_features: int, in_features: int, sms: int) -> float:
+def estimated_cycles(tiles: Tiles, rows: int, out_features: int, in_features: int, sms: int,
+                     a_quantized: bool = False) -> float:
     """Estimated GPU cycles of one launch with ``tiles``: the ALU work (serialized per SM) or the bytes
     (the GPU's bandwidth, or one SM's when there are few programs), whichever is longer, plus the
-    split-K reduction by one program per tile (see the constants above)."""
+    split-K reduction by one program per tile (see the constants above). ``a_quantized``: the
+    two-kernel GEMM, which loads e4m3 A (and its scales) instead of quantizing it (the separate
+    quantization kernel is not counted)."""
     steps = triton.cdiv(triton.cdiv(in_features, BLOCK), tiles.split_k)
     programs = _programs(tiles, rows, out_features)
     waves = triton.cdiv(programs, sms)
-    alu = (tiles.block_m * BLOCK * QUANT_INSTRUCTIONS_PER_A_ELEMENT + tiles.block_m * tiles.block_n) / 128
+    quant = 0 if a_quantized else tiles.block_m * BLOCK * QUANT_INSTRUCTIONS_PER_A_ELEMENT
+    alu = (quant + tiles.block_m * tiles.block_n) / 128
     step_bytes = tiles.block_n * BLOCK  # the weight tile of one K step (the A tile comes from L2)
     # HBM reads the weight once (row tiles of one column tile run side by side, and every Qwen3 linear's
     # fp8 weight fits the 50 MB L2); each SM still pulls its tiles at its own rate
@@ -230,24 +260,25 @@ def candidate_tiles(rows: int, in_features: int) -> list[Tiles]:
             for split in (1, 2, 3, 4, 6, 8) if split == 1 or k_steps >= 2 * split]
 
 
-def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
+def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device,
+               a_quantized: bool = False) -> Tiles:
     """The launch for an ``[rows, in_features] x [out_features, in_features]ᵀ`` GEMM. Decode shapes
     give few 128-wide tiles, so the SMs are filled (>= 7/8 of them get a program, where any candidate
     can) by splitting K (fp32 partials, summed by one program per tile) or by narrower column tiles
     (each re-quantizes the same A rows: ALU grows as 1 / BLOCK_N); among the launches that fill the
-    GPU, the one with the fewest :func:`estimated_cycles`."""
-    return _planned_tiles(rows, out_features, in_features, _sm_count(device))
+    GPU, the one with the fewest :func:`estimated_cycles` (``a_quantized``: of the two-kernel GEMM)."""
+    return _planned_tiles(rows, out_features, in_features, _sm_count(device), a_quantized)
 
 
 @functools.lru_cache(maxsize=4096)  # on the hot path of every eager forward: plan each shape once
-def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
+def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int, a_quantized: bool) -> Tiles:
     candidates = candidate_tiles(rows, in_features)
     enough = min(sms - sms // 8, max(_programs(tiles, rows, out_features) for tiles in candidates))
     whole = [tiles for tiles in candidates if tiles.split_k == 1 and _programs(tiles, rows, out_features) >= enough]
     if rows > 512 and whole:  # prefill with tiles enough: splitting would only add partials to write and read
         candidates = whole
     return min((tiles for tiles in candidates if _programs(tiles, rows, out_features) >= enough),
-               key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms))
+               key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms, a_quantized))
 
 
 class _SplitCounters:
@@ -272,11 +303,36 @@ class _SplitCounters:
 _split_counters = _SplitCounters()
 
 
+QUANTIZE_BLOCK_M = 16  # rows per program of the activation quantizer (one 128-channel group each)
+
+
+def quantize_activation(x: torch.Tensor, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (e4m3 ``[M', K]``, fp32 scales ``[M', ceil(K/128)]``) in one launch, with ``M'`` =
+    ``M`` rounded up to ``row_align`` (padding rows: values 0, scale 1). The numbers of
+    ``fp8.quantize_activation`` (the same ``_quantize_rows`` as the fused GEMM). The scales are stored
+    group-major — the returned ``[M', groups]`` tensor has strides ``(1, M')`` — which is the layout
+    cuBLASLt's 1 x 128 block scaling reads ("outer-dim-major") and what the two-kernel GEMM loads
+    per row tile. No host syncs."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    padded = -(-rows // row_align) * row_align
+    groups = triton.cdiv(cols, BLOCK)
+    values = torch.empty((padded, cols), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((groups, padded), dtype=torch.float32, device=x.device)
+    if padded:
+        _quantize_activation_kernel[(triton.cdiv(padded, QUANTIZE_BLOCK_M), groups)](
+            x, values, scales, rows, padded, cols, x.stride(0), values.stride(0), scales.stride(0), FP8_MAX,
+            BLOCK_M=QUANTIZE_BLOCK_M, EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
+    return values, scales.t()
+
+
 def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
-                      out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
-    """``x [M, K]`` (any float dtype; quantized per token and 128 channels inside the kernel) times the
-    block-quantized ``weight [N, K]`` transposed -> ``[M, N]`` in ``out_dtype``. ``tiles`` overrides
-    :func:`plan_tiles` (tests, ``bench/fp8_gemm.py --sweep``)."""
+                      out_dtype: torch.dtype, tiles: Tiles | None = None, quantize_first: bool = False) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``
+    in ``out_dtype``. The activations are quantized per token and 128 channels inside the GEMM (the
+    fused kernel) or, with ``quantize_first``, once by :func:`quantize_activation` before it (the
+    two-kernel path: each column tile then loads e4m3 A instead of re-quantizing it). ``tiles``
+    overrides :func:`plan_tiles` (tests, ``bench/fp8_gemm.py --sweep``)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     out_features = weight.shape[0]
@@ -285,7 +341,7 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    tiles = tiles or plan_tiles(rows, out_features, cols, x.device)
+    tiles = tiles or plan_tiles(rows, out_features, cols, x.device, a_quantized=quantize_first)
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
     # fetched on every call, so the first (eager) GEMM on a device allocates them: a CUDA graph captured
     # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
@@ -294,9 +350,14 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
         partials = torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
     else:
         partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
-    _fp8_gemm_kernel[grid](x, weight, weight_scales, out, partials, counters, rows, out_features, cols,
-                           x.stride(0), weight.stride(0), weight_scales.stride(0), out.stride(0), FP8_MAX,
-                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
-                           SPLIT_K=tiles.split_k, EMULATE_E4M3_CAST=_interpreting(),
+    if quantize_first:
+        a, a_scales = quantize_activation(x)
+        a_scale_stride = a_scales.stride(1)
+    else:
+        a, a_scales, a_scale_stride = x, x, 0  # a_scales not read by the fused kernel
+    _fp8_gemm_kernel[grid](a, a_scales, weight, weight_scales, out, partials, counters, rows, out_features, cols,
+                           a.stride(0), a_scale_stride, weight.stride(0), weight_scales.stride(0), out.stride(0),
+                           FP8_MAX, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
+                           SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, EMULATE_E4M3_CAST=_interpreting(),
                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

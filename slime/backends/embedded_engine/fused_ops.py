@@ -43,6 +43,7 @@ MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen2MoeMLP", "Qwen3MLP", 
 DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer",
                          "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"}
 ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection's GEMM (bench A/B switch)
 
 
 if triton is not None:
@@ -117,6 +118,42 @@ if triton is not None:
         tl.store(out_row + d, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty))
         tl.store(out_row + HALF + d, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, stride_t,
+                             scs_b, scs_s, q_heads, kv_heads, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+        # program (token t = b * seq + s, head h) of the fused q/k/v output [tokens, (Hq + 2 Hkv) * D]:
+        # h < Hq is a query head, else key head h - Hq (the keys follow the queries in the row);
+        # optional per-head RMSNorm (Qwen3's q_norm / k_norm), then the rotary embedding
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        b = t // seq
+        s = t % seq
+        d = tl.arange(0, HALF)
+        src = qkv_ptr + t * stride_t + h * (2 * HALF)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        if h < q_heads:
+            w_ptr = qw_ptr
+            out_row = q_ptr + (t * q_heads + h) * (2 * HALF)
+        else:
+            w_ptr = kw_ptr
+            out_row = k_ptr + (t * kv_heads + h - q_heads) * (2 * HALF)
+        if NORM:  # as the RMSNorm kernel: normalized, cast back to the activations' dtype, times the weight
+            inverse = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + d).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+            x1 = (w1 * (x1 * inverse).to(qkv_ptr.dtype.element_ty).to(tl.float32)).to(q_ptr.dtype.element_ty)
+            x2 = (w2 * (x2 * inverse).to(qkv_ptr.dtype.element_ty).to(tl.float32)).to(q_ptr.dtype.element_ty)
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+        cs_row = b * scs_b + s * scs_s
+        cos1 = tl.load(cos_ptr + cs_row + d).to(tl.float32)
+        cos2 = tl.load(cos_ptr + cs_row + HALF + d).to(tl.float32)
+        sin1 = tl.load(sin_ptr + cs_row + d).to(tl.float32)
+        sin2 = tl.load(sin_ptr + cs_row + HALF + d).to(tl.float32)
+        tl.store(out_row + d, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty))
+        tl.store(out_row + HALF + d, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty))
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     shape = x.shape
@@ -184,6 +221,50 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
+def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused q/k/v projection's output ``qkv [B, S, (Hq + 2·Hkv)·D]`` -> ``(query [B, Hq, S, D],
+    key [B, Hkv, S, D])``: each head RMSNorm-ed with ``q_weight`` / ``k_weight`` when given (Qwen3),
+    then rotated by ``cos/sin [B or 1, S, D]`` — one launch for what is otherwise two RMSNorm and two
+    rotary kernels. Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the
+    norm's sum of squares added in two halves). The outputs have HF's layout (a transpose of
+    ``[B, S, H, D]``)."""
+    batch, seq, width = qkv.shape
+    dim = width // (q_heads + 2 * kv_heads)
+    rows = qkv.reshape(batch * seq, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    norm = q_weight is not None
+    query = torch.empty((batch, seq, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    key = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_kernel[(batch * seq, q_heads + kv_heads)](
+        rows, q_weight if norm else rows, k_weight if norm else rows, cos, sin, query, key, seq, rows.stride(0),
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_heads, kv_heads, eps, HALF=dim // 2, NORM=norm,
+        num_warps=1)
+    return query.transpose(1, 2), key.transpose(1, 2)
+
+
+def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Bound on a fused-projection attention module by :func:`install`: its q/k RMSNorm (if any) and
+    rotary embedding as one kernel, or ``None`` where the kernel does not apply (the caller then runs
+    the modules)."""
+    dim, sizes = self.head_dim, self.qkv_proj.sizes
+    half = dim // 2
+    if qkv.dim() != 3 or cos.dim() != 3 or cos.shape[-1] != dim or dim % 2 or half & (half - 1) or \
+            cos.shape[0] not in (1, qkv.shape[0]):
+        return None
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    weights = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+    if q_norm is not None and (q_norm.weight.dtype != qkv.dtype or k_norm.weight.dtype != qkv.dtype
+                               or q_norm.variance_epsilon != k_norm.variance_epsilon):
+        return None
+    eps = q_norm.variance_epsilon if q_norm is not None else 0.0
+    return qk_norm_rope(qkv, sizes[0] // dim, sizes[1] // dim, cos, sin, *weights, eps=eps)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1, fallback=None):
     """Drop-in for the HF function of the same name, for the ``unsqueeze_dim=1`` layout with an even,
     power-of-two half head size; other calls go to ``fallback`` (the model family's own function,
@@ -216,7 +297,17 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     norm = self.post_attention_layernorm
     normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
-    return residual + self.mlp(normed)
+    mlp = self.mlp
+    down = getattr(mlp, "down_proj", None)
+    if MLP_RESIDUAL_IN_GEMM and getattr(mlp.forward, "__func__", None) is _packed_mlp_forward \
+            and type(down) is torch.nn.Linear \
+            and down.bias is None and down.weight.dtype == residual.dtype:
+        # the second residual add inside the down projection's GEMM (accumulating into the sum the
+        # add+RMSNorm kernel just wrote, cuBLAS beta = 1): one kernel less a layer
+        act = silu_mul_packed(mlp.gate_up_proj(normed))
+        rows = residual.view(-1, residual.shape[-1])
+        return rows.addmm_(act.view(-1, act.shape[-1]), down.weight.t()).view(residual.shape)
+    return residual + mlp(normed)
 
 
 def install(model: torch.nn.Module) -> dict:
@@ -224,7 +315,7 @@ def install(model: torch.nn.Module) -> dict:
     import importlib
     import types
 
-    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0, "add_rmsnorm": 0}
+    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0, "add_rmsnorm": 0, "qk_norm_rope": 0}
     if triton is None or next(model.parameters()).device.type != "cuda":
         return counts
     for module in model.modules():
@@ -233,6 +324,9 @@ def install(model: torch.nn.Module) -> dict:
                 in RMSNORM_CLASSES and all(hasattr(module, a) for a in ("self_attn", "input_layernorm", "mlp")):
             module.forward = types.MethodType(_decoder_layer_forward, module)
             counts["add_rmsnorm"] += 1
+        if hasattr(module, "qkv_proj") and hasattr(module.qkv_proj, "sizes") and hasattr(module, "head_dim"):
+            module.fused_norm_rope = types.MethodType(_attention_norm_rope, module)  # fused_projections' forward
+            counts["qk_norm_rope"] += 1
         if name in RMSNORM_CLASSES and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rmsnorm_forward, module)
             counts["rmsnorm"] += 1

@@ -94,12 +94,19 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
         cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = (part.view(hidden_shape) for part in self.qkv_proj.split(self.qkv_proj(hidden_states)))
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
-        query, key = self.q_norm(query), self.k_norm(key)
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    qkv = self.qkv_proj(hidden_states)
+    query, key, value = (part.view(hidden_shape) for part in self.qkv_proj.split(qkv))
+    value = value.transpose(1, 2)
     cos, sin = position_embeddings
-    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # looked up per call: fused_ops may patch it
+    norm_rope = getattr(self, "fused_norm_rope", None)  # fused_ops.install (CUDA): q/k norm + rotary, one kernel
+    rotated = None if norm_rope is None else norm_rope(qkv, cos, sin)
+    if rotated is not None:
+        query, key = rotated
+    else:
+        if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # looked up per call: fused_ops may patch it
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -93,8 +93,9 @@ def test_unknown_quantization_and_backend_are_refused(tiny_model_dir):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "awq"])
     with pytest.raises(SystemExit, match="--fp8-gemm-backend 'cutlass'"):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "cutlass"])
-    with pytest.raises(SystemExit, match="--fp8-gemm-backend triton runs on --device cuda"):
-        parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "triton"])
+    for backend in ("triton", "cublas"):
+        with pytest.raises(SystemExit, match=f"--fp8-gemm-backend {backend} runs on --device cuda"):
+            parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", backend])
     assert parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8"]).quantization == "fp8"
 
 
@@ -233,13 +234,14 @@ def test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes(monkeypatch):
                                                 (2560, 9728, 4096, 1024)]:
         shapes = [(q_out, hidden), (kv_out, hidden), (hidden, q_out), (intermediate, hidden), (hidden, intermediate)]
         for out_features, in_features in shapes:
-            for rows in (1, 16, 64, 128):
-                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu)
+            for rows, a_quantized in [(rows, a_quantized) for rows in (1, 16, 64, 128) for a_quantized in (False, True)]:
+                tiles = fp8_triton.plan_tiles(rows, out_features, in_features, cpu, a_quantized=a_quantized)
                 programs = -(-rows // tiles.block_m) * -(-out_features // tiles.block_n) * tiles.split_k
                 assert programs >= 116, (rows, out_features, in_features, tiles)
                 assert rows > 64 or tiles.block_m >= rows, tiles
                 assert tiles.split_k == 1 or in_features // 128 >= 2 * tiles.split_k, tiles
-            assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu).split_k == 1
+            for a_quantized in (False, True):
+                assert fp8_triton.plan_tiles(2048, out_features, in_features, cpu, a_quantized=a_quantized).split_k == 1
 
 
 _SM90_COMPILE = """
@@ -251,31 +253,47 @@ from slime.backends.embedded_engine import fp8_triton
 
 kernel = fp8_triton._fp8_gemm_kernel
 names = list(kernel.arg_names)
-constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "EMULATE_E4M3_CAST"]
-types = dict(a_ptr="*bf16", b_ptr="*fp8e4nv", b_s_ptr="*fp32", c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32",
-             fp8_max="fp32")
-signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
-aligned = ["a_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am", "stride_bn",
-           "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "EMULATE_E4M3_CAST"]
+aligned = ["a_ptr", "a_s_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am",
+           "stride_bn", "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
 attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = []
-for block_m, block_n, split_k, num_warps in json.loads(sys.argv[1]):
+for block_m, block_n, split_k, num_warps, a_quantized in json.loads(sys.argv[1]):
+    types = dict(a_ptr="*fp8e4nv" if a_quantized else "*bf16", a_s_ptr="*fp32", b_ptr="*fp8e4nv", b_s_ptr="*fp32",
+                 c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", fp8_max="fp32")
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
     values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
-                  EMULATE_E4M3_CAST=False)
+                  A_QUANTIZED=bool(a_quantized), EMULATE_E4M3_CAST=False)
     compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=3))
-    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}.cubin")
+    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     ptx = compiled.asm["ptx"]
-    report.append(dict(tiles=[block_m, block_n, split_k, num_warps],
+    report.append(dict(tiles=[block_m, block_n, split_k, num_warps, a_quantized],
                        fp8_wgmma=bool(re.search(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
                        mma_sync="mma.sync.aligned" in ptx,
                        gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in ptx,
                        registers=int(re.search(r"REG:(\\d+)", usage).group(1)),
                        stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
+quantizer = fp8_triton._quantize_activation_kernel
+q_names = list(quantizer.arg_names)
+q_types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32")
+q_signature = {name: "constexpr" if name in ("BLOCK_M", "EMULATE_E4M3_CAST") else q_types.get(name, "i32")
+               for name in q_names}
+q_attrs = {(q_names.index(name),): [["tt.divisibility", 16]] for name in ("x_ptr", "q_ptr", "s_ptr", "K", "stride_xm",
+                                                                          "stride_qm")}
+compiled = triton.compile(ASTSource(quantizer, q_signature, dict(BLOCK_M=fp8_triton.QUANTIZE_BLOCK_M,
+                                                                 EMULATE_E4M3_CAST=False), q_attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+path = os.path.join(sys.argv[2], "quantizer.cubin")
+with open(path, "wb") as f:
+    f.write(compiled.asm["cubin"])
+usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+report.append(dict(tiles="quantizer", gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"],
+                   stack=int(re.search(r"STACK:(\\d+)", usage).group(1))))
 print(json.dumps(report))
 """
 
@@ -284,8 +302,8 @@ print(json.dumps(report))
 def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     """The compiled kernel (not the interpreter) for sm_90, without a GPU: Triton's own ptxas builds
     the planned launches of the Qwen3 shapes (one of each kind: few rows, split K, 256 columns, a
-    128-row prefill tile), each with tensor-core instructions, the GPU's own fp32 -> e4m3 cast and no
-    register spills."""
+    128-row prefill tile; fused, and the two-kernel GEMM on e4m3 A), each with tensor-core
+    instructions, the GPU's own fp32 -> e4m3 cast where it quantizes and no register spills."""
     import json
     import subprocess
     import sys
@@ -295,7 +313,8 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
                                        "ptxas")):
         pytest.skip("this triton has no bundled ptxas")
-    tiles = [(16, 32, 4, 4), (64, 128, 4, 8), (64, 256, 1, 8), (128, 128, 1, 8)]
+    tiles = [(16, 32, 4, 4, 0), (64, 128, 4, 8, 0), (64, 256, 1, 8, 0), (128, 128, 1, 8, 0), (64, 128, 2, 8, 1),
+             (128, 128, 1, 8, 1)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
@@ -303,22 +322,258 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(report)
+    quantizer = report.pop()  # the separate activation quantizer: the GPU's own cast, no spills
+    assert quantizer["tiles"] == "quantizer" and quantizer["gpu_e4m3_cast"] and quantizer["stack"] == 0, quantizer
     assert [entry["tiles"] for entry in report] == [list(t) for t in tiles]
     for entry in report:
-        assert entry["gpu_e4m3_cast"] and entry["stack"] == 0, entry
+        assert entry["stack"] == 0, entry
+        assert entry["gpu_e4m3_cast"] != bool(entry["tiles"][4]), entry  # the two-kernel GEMM does not quantize
         # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
         assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
 
 
 @needs_interpreter
-def test_triton_linear_interpreted_bf16_with_bias():
+@pytest.mark.parametrize("batch", [(3, 2), (3, 7)])  # 6 tokens: the fused kernel; 21: the two-kernel path
+def test_triton_linear_interpreted_bf16_with_bias(batch):
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(3, 2, 256, dtype=torch.bfloat16)
-    triton_out = fp8.Fp8Linear(linear, "triton")(x)
+    x = torch.randn(*batch, 256, dtype=torch.bfloat16)
+    assert fp8.gemm_path("triton", batch[0] * batch[1], 96, 256, x.device) == ("fused" if batch == (3, 2) else "two_kernel")
+    module = fp8.Fp8Linear(linear, "triton")
+    triton_out = module(x)
     dequant_out = fp8.Fp8Linear(linear, "dequant")(x)
-    assert triton_out.dtype == torch.bfloat16 and triton_out.shape == (3, 2, 96)
+    assert triton_out.dtype == torch.bfloat16 and triton_out.shape == (*batch, 96)
     assert float((triton_out.float() - dequant_out.float()).norm() / dequant_out.float().norm()) < 0.06
+    # the quantized-activation product itself, up to two bf16 roundings (the GEMM's output, then + bias)
+    reference = fp8.reference_matmul(x.reshape(-1, 256), module.weight_fp8, module.weight_scale_inv, True) + linear.bias
+    torch.testing.assert_close(triton_out.reshape(-1, 96).float(), reference, rtol=2**-6, atol=2**-6)
+
+
+# ---------------------------------------------------------------------------------- the separate quantizer, the
+# two-kernel GEMM, cuBLASLt's call and the dispatch table
+def mma_tolerance(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per output element: ``2^-12 · (|x_q| @ |W_deq|ᵀ) + tiny``. Hopper's FP8 tensor cores (wgmma, and
+    cuBLASLt's kernels on them) keep only ~14 bits of the running sum inside one K step (DeepSeek-V3
+    technical report), so the error of a GEMM on the same quantized operands scales with the sum
+    of the magnitudes it adds, not with the result: measured on the H200 up to 6.1e-5 of that sum
+    (wgmma tiles) and 3.6e-8 (mma.sync, 16-row tiles), with bit-exact quantized inputs. A wrong scale
+    or a dropped split-K partial moves an output by a sizeable part of that sum (see
+    ``test_mma_tolerance_catches_wrong_scales_and_missing_splits``)."""
+    q, s = fp8.quantize_activation(x)
+    x_q = q.float() * s.repeat_interleave(fp8.BLOCK, dim=-1)[:, : x.shape[1]]
+    magnitude = x_q.abs() @ fp8.dequantize_weight(values, scales, torch.float32).abs().T
+    return magnitude * 2.0**-12 + 1e-12
+
+
+def assert_within_mma_tolerance(out: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor,
+                                output_rounding: float = 0.0):
+    """``|out - reference| <= tolerance + output_rounding · |reference|`` everywhere (``output_rounding``:
+    2^-8 for a bf16 output, whose rounding is up to 2^-9 relative)."""
+    error = (out.float() - reference).abs()
+    bound = tolerance + output_rounding * reference.abs()
+    worst = int((error / bound).argmax())
+    assert bool((error <= bound).all()), (f"|out - reference| exceeds the MMA bound: worst element {worst}: "
+                                          f"error {float(error.flatten()[worst]):.3e}, bound "
+                                          f"{float(bound.flatten()[worst]):.3e}")
+
+
+def test_mma_tolerance_catches_wrong_scales_and_missing_splits():
+    """The GPU tests' bound has teeth: against the exact reference, one weight block's scale off by 2x,
+    one token's activation scale off by 2x, or the K range of one split-K partial missing each exceed
+    it by far, while an fp32 result in another summation order stays inside."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 1024, generator=generator)
+    weight = torch.randn(256, 1024, generator=generator) / 32
+    values, scales = fp8.quantize_weight(weight)
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    tolerance = mma_tolerance(x, values, scales)
+    reordered = sum(fp8.reference_matmul(x[:, k:k + 256], values[:, k:k + 256], scales[:, k // 128:(k + 256) // 128],
+                                         quantize_inputs=True) for k in range(0, 1024, 256))
+    assert_within_mma_tolerance(reordered, reference, tolerance)
+    wrong_block = scales.clone()
+    wrong_block[1, 3] *= 2
+    mutants = {"weight block scale x2": fp8.reference_matmul(x, values, wrong_block, quantize_inputs=True)}
+    q, s = fp8.quantize_activation(x)
+    s[5, 2] *= 2
+    x_wrong = q.float() * s.repeat_interleave(128, dim=-1)
+    mutants["token scale x2"] = x_wrong @ fp8.dequantize_weight(values, scales).T
+    missing = x.clone()
+    missing[:, 512:768] = 0  # split 3 of 4 (two K steps each) never added
+    mutants["split partial missing"] = fp8.reference_matmul(missing, values, scales, quantize_inputs=True)
+    for name, mutant in mutants.items():
+        with pytest.raises(AssertionError, match="exceeds the MMA bound"):
+            assert_within_mma_tolerance(mutant, reference, tolerance)
+
+
+def _ties_and_random_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Even rows: e4m3 ties and their fp32 neighbours, each 128-channel group led by 448 (so its scale is
+    exactly 1 and the cast's rounding decides every value); odd rows: random values over five decades."""
+    generator = torch.Generator().manual_seed(seed)
+    ties = _e4m3_ties()
+    x = ties[torch.randint(len(ties), (rows, cols), generator=generator)]
+    x[:, ::128] = 448.0
+    random = torch.randn(rows, cols, generator=generator) * torch.logspace(-3, 2, cols)
+    x[1::2] = random[1::2]
+    return x
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,cols,row_align", [(5, 300, 16), (16, 256, 16), (3, 128, 1), (17, 128, 16)])
+def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
+    """The separate quantizer (two-kernel and cuBLASLt paths) writes exactly ``fp8.quantize_activation``'s
+    values and scales, ties included; padding rows are 0 with scale 1; the scales are group-major
+    (strides ``(1, rows')``), the layout cuBLASLt's 1 x 128 scaling reads."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    x = _ties_and_random_rows(rows, cols, seed=rows + cols)
+    values, scales = fp8_triton.quantize_activation(x.to(torch.bfloat16).float(), row_align=row_align)
+    padded = -(-rows // row_align) * row_align
+    assert values.shape == (padded, cols) and values.dtype == torch.float8_e4m3fn
+    assert scales.shape == (padded, -(-cols // 128)) and scales.stride() == (1, padded)
+    expected_values, expected_scales = fp8.quantize_activation(x.to(torch.bfloat16).float())
+    assert torch.equal(values[:rows].float(), expected_values.float())  # (the interpreter's rounding writes -0 as +0)
+    assert torch.equal(scales[:rows], expected_scales)
+    assert not values[rows:].float().any() and bool((scales[rows:] == 1).all())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,out_features,in_features,tiles", [
+    (20, 200, 300, None),  # planned tiles, ragged N and K
+    (40, 96, 640, (64, 32, 3)),  # 5 K steps over 3 splits
+    (130, 40, 256, (128, 256)),  # two row tiles, one ragged
+])
+def test_two_kernel_gemm_interpreted_equals_reference(rows, out_features, in_features, tiles):
+    """``quantize_first``: the activations quantized by the separate kernel, the GEMM on e4m3 A and its
+    group-major scales; the same numbers as the fused kernel's reference."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    values, scales = fp8.quantize_weight(weight)
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles and _tiles(*tiles),
+                                       quantize_first=True)
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+
+
+def _strict_scaled_mm(calls: list):
+    """A stand-in for ``torch._scaled_mm`` that enforces its DeepSeek-style (1x128, 128x128) contract
+    as PyTorch's ScaledBlas.cpp checks it (see fp8_cublas.py) and computes the scaled product in fp32."""
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+        m, k = a.shape
+        n = b.shape[1]
+        groups = -(-k // 128)
+        assert a.dtype == b.dtype == torch.float8_e4m3fn
+        assert a.stride(1) == 1 and b.stride(0) == 1, "row-major a, column-major b (TN)"
+        assert k % 16 == 0 and n % 16 == 0, "K and N divisible by 16"
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        assert scale_a.shape == (m, groups) and (scale_a.stride(0), groups == 1 or scale_a.stride(1) == m) == (1, True), \
+            f"scale_a must be ({m}, {groups}) outer-dim-major, got {scale_a.shape} {scale_a.stride()}"
+        assert scale_b.shape == (groups, -(-n // 128)) and scale_b.t().is_contiguous(), \
+            f"scale_b must be ({groups}, {-(-n // 128)}) with a row-major transpose, got {scale_b.shape} {scale_b.stride()}"
+        calls.append((m, n, k))
+        a_full = a.float() * scale_a.repeat_interleave(128, dim=1)[:, :k]
+        b_full = b.float() * scale_b.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+        return (a_full @ b_full).to(out_dtype)
+
+    return scaled_mm
+
+
+@needs_interpreter
+def test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes(monkeypatch, caplog):
+    """On the CPU, with ``torch._scaled_mm`` replaced by a strict check of its block-scaled contract:
+    ``fp8_cublas.block_matmul`` passes the layouts cuBLASLt reads (tokens padded to 16, scales
+    outer-dim-major, the weight and its scales as transposed views) and slices the padding away; an
+    ``Fp8Linear`` on ``cublas`` takes this path for a shape cuBLASLt takes and, saying so once, the
+    two-kernel Triton path for one it does not."""
+    import logging
+
+    from slime.backends.embedded_engine import fp8_cublas
+
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
+    monkeypatch.setattr(fp8_cublas, "available", lambda device: True)
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 512, generator=generator)
+    weight = torch.randn(144, 512, generator=generator) / 23  # N = 144: one ragged row of weight blocks
+    values, scales = fp8.quantize_weight(weight)
+    out = fp8_cublas.block_matmul(x, values, scales, torch.float32)
+    assert out.shape == (5, 144) and calls == [(16, 144, 512)]
+    torch.testing.assert_close(out, fp8.reference_matmul(x, values, scales, quantize_inputs=True), rtol=1e-5,
+                               atol=1e-6)
+    linear = nn.Linear(512, 144, bias=False)
+    linear.weight.data.copy_(weight)
+    module = fp8.Fp8Linear(linear, "cublas")
+    assert fp8.gemm_path("cublas", 3, 144, 512, x.device) == "cublas"
+    torch.testing.assert_close(module(x[:3]), out[:3], rtol=1e-5, atol=1e-6)
+    assert len(calls) == 2
+    ragged = fp8.Fp8Linear(nn.Linear(300, 200, bias=False), "cublas")  # K = 300: not whole 128-channel groups
+    with caplog.at_level(logging.INFO, logger=fp8.__name__):
+        y = torch.randn(3, 300, generator=generator)
+        torch.testing.assert_close(ragged(y), fp8.reference_matmul(y, ragged.weight_fp8, ragged.weight_scale_inv,
+                                                                   quantize_inputs=True), rtol=1e-5, atol=1e-6)
+        ragged(y)
+    assert len(calls) == 2
+    assert [r.getMessage() for r in caplog.records if "[200 x 300]" in r.getMessage()] == [
+        "fp8 GEMM [200 x 300] weight: cuBLASLt's block-scaled FP8 GEMM takes N % 16 == 0 and K % 512 == 0; "
+        "this shape uses the two-kernel Triton GEMM"]
+
+
+@needs_interpreter
+def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
+    """``fp8_cublas.check_block_matmul`` (run once per GPU before cuBLASLt is used): passes the strict
+    stand-in of ``torch._scaled_mm``; reports a library that refuses the recipe, and one that reads a
+    scale layout differently (activation scales taken token-major, or the weight scales untransposed)."""
+    from slime.backends.embedded_engine import fp8_cublas
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm([]))
+    assert fp8_cublas.check_block_matmul(cpu) is None
+
+    def refusing(*args, **kwargs):
+        raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    assert "refused the block-scaled GEMM: NotImplementedError: DeepSeek style" in fp8_cublas.check_block_matmul(cpu)
+    strict = _strict_scaled_mm([])
+    misreads = {"token-major activation scales": lambda a, b, scale_a, scale_b, **kw: strict(
+                    a, b, scale_a.contiguous().view(scale_a.shape[1], -1).t(), scale_b, **kw),
+                "untransposed weight scales": lambda a, b, scale_a, scale_b, **kw: strict(
+                    a, b, scale_a, scale_b.contiguous().view(scale_b.shape[1], -1).t(), **kw)}
+    for name, misread in misreads.items():
+        monkeypatch.setattr(torch, "_scaled_mm", misread)
+        assert "differs from fp8.reference_matmul" in fp8_cublas.check_block_matmul(cpu), name
+
+
+def test_gemm_dispatch_table(monkeypatch):
+    """``GEMM_DISPATCH``: every backend's ranges end open; auto and triton take the fused kernel up to
+    16 tokens; above, auto takes cuBLASLt where it runs and the shape qualifies (every Qwen3 linear
+    does), else the two-kernel Triton GEMM, which triton takes there anyway."""
+    from slime.backends.embedded_engine import fp8_cublas
+
+    for backend, ranges in fp8.GEMM_DISPATCH.items():
+        assert backend in fp8.GEMM_BACKENDS and ranges[-1][0] is None
+        assert all(path in fp8.GEMM_PATHS for _, path in ranges)
+    expected = {"auto": ["fused", "fused", "cublas", "cublas", "cublas"],
+                "triton": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel"],
+                "cublas": ["cublas"] * 5, "dequant": ["dequant"] * 5}
+    for backend, paths in expected.items():
+        assert [fp8.dispatch_path(backend, rows) for rows in (1, 16, 17, 128, 2048)] == paths, backend
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fp8_cublas, "available", lambda device: True)
+    for out_features, in_features in [(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (1024, 3072),
+                                      (4096, 2560), (2560, 4096), (9728, 2560), (2560, 9728), (6144, 2048)]:
+        assert fp8.gemm_path("auto", 128, out_features, in_features, cuda) == "cublas"
+        assert fp8.gemm_path("auto", 8, out_features, in_features, cuda) == "fused"
+    assert fp8.gemm_path("auto", 128, 200, 1024, cuda) == "two_kernel"  # N % 16
+    assert fp8.gemm_path("auto", 128, 1024, 384, cuda) == "two_kernel"  # K % 512
+    monkeypatch.setattr(fp8_cublas, "available", lambda device: False)
+    assert fp8.gemm_path("auto", 128, 2048, 1024, cuda) == "two_kernel"
+    assert fp8.gemm_path("cublas", 1, 2048, 1024, cuda) == "two_kernel"
+    with pytest.raises(ValueError, match=r"--fp8-gemm-backend cublas .* cannot run here: it needs a CUDA device"):
+        fp8.resolve_backend("cublas", torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------- the model runner
@@ -490,8 +745,9 @@ def _greedy(http, prompt, n=16):
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 200, 300), (128, 1024, 1024), (77, 3072, 1024),
                                                            (128, 1024, 3072), (300, 64, 384), (2048, 3072, 1024)])
 def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
-    """The compiled kernel (the GPU's own e4m3 cast, the planned tiles, split K where planned) against
-    the torch reference: fp32 output equal up to summation order, bf16 up to its rounding."""
+    """The compiled kernels (the GPU's own e4m3 cast, the planned tiles, split K where planned; fused and
+    two-kernel) against the torch reference: fp32 output within the tensor cores' accumulation error
+    (:func:`mma_tolerance`), bf16 up to its rounding."""
     from slime.backends.embedded_engine import fp8_triton
 
     generator = torch.Generator().manual_seed(rows)
@@ -499,11 +755,13 @@ def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
     values, scales = fp8.quantize_weight(weight)
     reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
-    tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    tolerance = mma_tolerance(x, values, scales)
     print(rows, out_features, in_features, fp8_triton.plan_tiles(rows, out_features, in_features, x.device))
-    for tiles in (None, _tiles(16, 32, 4), _tiles(64, 256, 2, 8), _tiles(128, 128, 1, 8)):
-        torch.testing.assert_close(fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles),
-                                   reference, **tolerance)
+    for quantize_first in (False, True):
+        for tiles in (None, _tiles(16, 32, 4), _tiles(64, 256, 2, 8), _tiles(128, 128, 1, 8)):
+            out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles,
+                                               quantize_first=quantize_first)
+            assert_within_mma_tolerance(out, reference, tolerance)
     out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16)
     assert float((out.float() - reference).norm() / reference.norm()) < 4e-3  # the bf16 output rounding
     exact = x.float() @ weight.T
@@ -529,11 +787,79 @@ def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
         x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
         graph.replay()
         reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
-        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+        assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "dequant"])
+def test_gpu_activation_quantizer_is_bit_exact():
+    """The compiled quantizer (the GPU's own fp32 -> e4m3 cast; the fused GEMM quantizes with the same
+    code) writes exactly ``fp8.quantize_activation``'s values and scales, e4m3 ties and their fp32
+    neighbours included: no MMA in between, so no tolerance."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    x = _ties_and_random_rows(77, 1024, seed=0).cuda()
+    for source in (x, x.to(torch.bfloat16)):
+        values, scales = fp8_triton.quantize_activation(source, row_align=16)
+        expected_values, expected_scales = fp8.quantize_activation(source)
+        assert torch.equal(values[:77].view(torch.uint8), expected_values.view(torch.uint8))
+        assert torch.equal(scales[:77], expected_scales)
+
+
+def _needs_cublas():
+    from slime.backends.embedded_engine import fp8_cublas
+
+    if not fp8_cublas.available(torch.device("cuda")):
+        pytest.skip("cuBLASLt's block-scaled FP8 GEMM needs sm_90 and a torch built with CUDA >= 12.9")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2048, 1024), (16, 1024, 1024), (77, 3072, 1024),
+                                                           (128, 1024, 3072), (2048, 6144, 2048), (5, 2560, 9728)])
+def test_gpu_cublas_gemm_equals_reference(rows, out_features, in_features):
+    """cuBLASLt's block-scaled GEMM (``torch._scaled_mm``, 1x128 activations x 128x128 weights) after the
+    separate quantizer, on Qwen3 shapes: within the tensor cores' accumulation error of the reference
+    plus the bf16 output's rounding, and as close to the unquantized product as the Triton path."""
+    _needs_cublas()
+    from slime.backends.embedded_engine import fp8_cublas
+
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
+    values, scales = fp8.quantize_weight(weight)
+    assert fp8.gemm_path("cublas", rows, out_features, in_features, x.device) == "cublas"
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    out = fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales), output_rounding=2.0**-8)
+    exact = x.float() @ weight.T
+    assert float((out.float() - exact).norm() / exact.norm()) < 0.06
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_gemm_replays_in_a_cuda_graph():
+    """The quantizer + ``torch._scaled_mm`` pair captured in a CUDA graph (no host sync): every replay on
+    new inputs in the same buffer gives the new product."""
+    _needs_cublas()
+    from slime.backends.embedded_engine import fp8_cublas
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(1024, 2048, generator=generator) / 45).cuda()
+    values, scales = fp8.quantize_weight(weight)
+    x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
+    fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)  # compile the quantizer, pick the cuBLASLt algorithm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
+    for seed in range(3):
+        x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+        graph.replay()
+        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales), output_rounding=2.0**-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "auto", "dequant"])
 def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
     import httpx
     from engine_test_utils import hf_logprobs, load_hf, perturbed_state_dict
@@ -562,6 +888,47 @@ def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny
 
                 copy_with_weights(tiny_model_dir, new_dir, state)
                 assert http.post("/update_weights_from_disk", json={"model_path": str(new_dir)}).json()["success"]
+
+
+@pytest.fixture(scope="module")
+def cublas_sized_model_dir(tmp_path_factory):
+    """A tiny Qwen3 whose every linear is a shape cuBLASLt's block-scaled GEMM takes (hidden 512,
+    intermediate 1024, 8 x 64 query and 4 x 64 key/value heads: K in {512, 1024}, N in {256, 512, 1024})."""
+    from slime.utils import tiny_model
+
+    sizes = dict(tiny_model.SIZES, cublas=tiny_model.TinyModelSize(512, 2, 8, 4, 64, 1024, 1024))
+    original, tiny_model.SIZES = tiny_model.SIZES, sizes
+    try:
+        return str(tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny_cublas"), size="cublas", seed=0))
+    finally:
+        tiny_model.SIZES = original
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_engine_decodes_with_the_cublas_backend(cublas_sized_model_dir):
+    """An engine serving ``--fp8-gemm-backend cublas`` under CUDA graphs decodes close to HF fp32; every
+    linear of the model is one cuBLASLt takes (so the engine's GEMMs are cuBLASLt's, not the fallback)."""
+    _needs_cublas()
+    import httpx
+    from engine_test_utils import hf_logprobs, load_hf
+    from slime.backends.embedded_engine.launch import running_engine
+
+    hf = load_hf(cublas_sized_model_dir)
+    linears = [m for name, m in hf.named_modules() if isinstance(m, nn.Linear) and ".layers." in name]
+    assert linears and all(fp8.gemm_path("cublas", 8, m.out_features, m.in_features, torch.device("cuda")) == "cublas"
+                           for m in linears)
+    with running_engine(cublas_sized_model_dir, extra_args=["--device", "cuda", "--context-length", "256",
+                                                           "--max-running-requests", "8", "--quantization", "fp8",
+                                                           "--fp8-gemm-backend", "cublas"]) as proc, \
+            httpx.Client(base_url=proc.url, timeout=120) as http:
+        gaps = []
+        for prompt in PROMPTS:
+            tokens, logprobs = _greedy(http, prompt)
+            gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(hf, prompt, tokens, 1.0))]
+        assert http.get("/get_server_info").json()["internal_states"][0]["cuda_graph_captures"] > 0
+    mean_gap = sum(gaps) / len(gaps)
+    print(f"cublas fp8 on CUDA: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
+    assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap
 
 
 @pytest.mark.gpu

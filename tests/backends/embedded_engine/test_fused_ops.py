@@ -94,7 +94,8 @@ def test_install_patches_a_qwen3_model_and_keeps_its_outputs(tiny_model_dir):
     finally:  # install() patches the module function for the whole process (the engine owns its process)
         modeling_qwen3.apply_rotary_pos_emb = original_rope
     layers = model.config.num_hidden_layers
-    assert counts == {"rmsnorm": 4 * layers + 1, "mlp": layers, "rope": 1, "add_rmsnorm": layers}
+    # unfused projections: no q/k/v output to norm and rotate in one kernel (fused_projections.py binds it)
+    assert counts == {"rmsnorm": 4 * layers + 1, "mlp": layers, "rope": 1, "add_rmsnorm": layers, "qk_norm_rope": 0}
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
 
 
@@ -159,8 +160,69 @@ def test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits(family):
 
     reference, patched = _models(family)
     fused_projections.install(patched)
+    packed = 0
     for layer in patched.model.layers:
         layer.forward = types.MethodType(fused_ops._decoder_layer_forward, layer)
+        if hasattr(layer.mlp, "gate_up_proj"):  # as install() binds it: the MLP's residual add goes into its GEMM
+            layer.mlp.forward = types.MethodType(fused_ops._packed_mlp_forward, layer.mlp)
+            packed += 1
+    assert packed == {"llama": 2, "qwen2_moe": 0, "qwen3": 2}[family]
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_interpreted_matches_hf(norm):
+    """One launch for Qwen3's q_norm / k_norm and the rotary embedding of queries and keys (or the
+    rotary alone, Llama), read straight from the fused q/k/v output: equal to HF's modules."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from slime.backends.embedded_engine.fused_ops import qk_norm_rope
+
+    gen = torch.Generator().manual_seed(3)
+    batch, seq, q_heads, kv_heads, dim = 2, 3, 4, 2, 32
+    qkv = torch.randn(batch, seq, (q_heads + 2 * kv_heads) * dim, generator=gen) * 3
+    angles = torch.randn(1, seq, dim // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [1, S, D]: one batch row
+    q_norm, k_norm = Qwen3RMSNorm(dim, eps=1e-6), Qwen3RMSNorm(dim, eps=1e-6)
+    q_norm.weight.data = torch.randn(dim, generator=gen)
+    k_norm.weight.data = torch.randn(dim, generator=gen)  # different from q's: a swapped weight shows
+    query = qkv[..., :q_heads * dim].reshape(batch, seq, q_heads, dim)
+    key = qkv[..., q_heads * dim:(q_heads + kv_heads) * dim].reshape(batch, seq, kv_heads, dim)
+    if norm:
+        query, key = q_norm(query), k_norm(key)
+    want_q, want_k = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    weights = (q_norm.weight.data, k_norm.weight.data) if norm else (None, None)
+    got_q, got_k = qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *weights, eps=1e-6)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits(family):
+    """The q/k norm + rotary kernel that :func:`install` binds on CUDA, bound on the CPU (interpreted)
+    on every fused-projection attention of a model: the logits do not change, and it ran in every layer."""
+    import types
+
+    from slime.backends.embedded_engine import fused_ops, fused_projections
+    from test_fused_projections import _models
+
+    reference, patched = _models(family)
+    fused_projections.install(patched)
+    calls = []
+
+    def counted(self, qkv, cos, sin):
+        out = fused_ops._attention_norm_rope(self, qkv, cos, sin)
+        calls.append(out is not None)
+        return out
+
+    for layer in patched.model.layers:
+        layer.self_attn.fused_norm_rope = types.MethodType(counted, layer.self_attn)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    assert calls == [True] * len(patched.model.layers)
