@@ -123,19 +123,24 @@ def reference_logits(drafter, hidden, tokens, drafts):
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_drafts_are_the_mtp_layers_over_the_whole_text(arch, mtp_dir, request, tmp_path):
-    """Every proposal of a sampled run (rows finishing at different steps, drafts accepted and rejected)
-    equals the MTP layer run from scratch over the text so far: its cache holds exactly the target's
-    hidden states of the verified positions, whatever was accepted, rejected or moved. GLM-4.5 has the
-    same MTP layout (SGLang's glm4_moe_nextn) and is served the same way."""
+    """Every proposal of a sampled run (rows finishing at different steps, drafts accepted and rejected,
+    all rows retracted and re-prefilled after the third proposal) equals the MTP layer run from scratch
+    over the text so far: its cache holds exactly the target's hidden states of the verified positions,
+    whatever was accepted, rejected, moved or retracted. GLM-4.5 has the same MTP layout (SGLang's
+    glm4_moe_nextn) and is served the same way."""
     if arch == "glm4_moe":
         mtp_dir = with_random_mtp(request.getfixturevalue("tiny_glm4_moe_dir"), tmp_path / "glm")
     engine = make_engine(mtp_dir, True, steps=3)
-    drafter, proposals = engine.speculative.draft, []
+    drafter, proposals, calls = engine.speculative.draft, [], []
     propose = drafter.propose
 
     def recording(seqs, ks, settings, generator, batch_size):
         drafts, probs = propose(seqs, ks, settings, generator, batch_size)
         proposals.extend((list(seq.fill_ids), d, q) for seq, d, q in zip(seqs, drafts, probs))
+        calls.append(len(seqs))
+        if len(calls) == 3:  # between this step and the next: retract every running row, resume
+            engine.call(lambda: engine.pause("retract"))
+            engine.call(lambda: setattr(engine, "paused", False))
         return drafts, probs
 
     drafter.propose = recording
@@ -145,6 +150,8 @@ def test_drafts_are_the_mtp_layers_over_the_whole_text(arch, mtp_dir, request, t
     finally:
         engine.stop()
     assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]
+    retracted = [seq for seq in seqs if seq.num_retractions]  # the rows still running at the third step
+    assert retracted and max(len(s.output_ids) for s in retracted) > 12 and len(calls) > 3, calls
     model = load_hf(mtp_dir)
     with torch.no_grad():
         finals = {tuple(s.prompt_ids + s.output_ids): model.model(torch.tensor([s.prompt_ids + s.output_ids]))
