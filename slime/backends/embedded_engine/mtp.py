@@ -324,7 +324,8 @@ def add_mtp_layer(model_dir: str, seed: int = 0, std: float = 0.02,
                   edit: Callable[[MTPLayer], None] | None = None) -> dict[str, torch.Tensor]:
     """Write a random MTP layer (``num_nextn_predict_layers = 1``) into the HF checkpoint ``model_dir``
     (one ``model.safetensors``), ``edit(layer)`` changing it first; returns the tensors written (checkpoint
-    names). For tests and benchmarks: no checkpoint with MTP weights can be downloaded here."""
+    names, with the copies of the embedding and head DeepSeek-V3's checkpoints carry). For tests and
+    benchmarks: no checkpoint with MTP weights can be downloaded here."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -345,6 +346,9 @@ def add_mtp_layer(model_dir: str, seed: int = 0, std: float = 0.02,
         if edit is not None:
             edit(layer)
     tensors = checkpoint_tensors(layer)
+    # DeepSeek-V3's checkpoints carry copies of the embedding and head in the MTP layer (the loader skips them)
+    tensors[layer.prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    tensors[layer.prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight.detach().clone()
     weights = root / "model.safetensors"
     existing = load_file(str(weights))
     dtype = next(iter(existing.values())).dtype

@@ -103,6 +103,32 @@ def test_flags_accept_nextn_and_eagle_and_refuse_models_without_mtp_layers(tiny_
             build_speculative(args, ModelRunner(model_dir, device="cpu", num_slots=2), 256)
 
 
+def test_mtp_weight_names_map_as_sglangs_loader(mtp_dir):
+    """Checkpoint names -> the block: enorm/hnorm/eh_proj/shared_head.norm are its own, the rest of
+    model.layers.4 its decoder layer (experts one by one into the fused parameters), the layer's
+    embed_tokens / shared_head.head copies and later MTP layers are not served, lower layers are not its."""
+    from safetensors.torch import load_file
+
+    runner = ModelRunner(mtp_dir, device="cpu", num_slots=2)
+    layer = NextNDrafter(runner, 256).layer
+    assert [layer.local_name(f"model.layers.4.{n}") for n in ("enorm.weight", "shared_head.norm.weight",
+                                                              "self_attn.q_a_proj.weight", "embed_tokens.weight",
+                                                              "shared_head.head.weight")] == \
+        ["enorm.weight", "shared_head.norm.weight", "decoder.self_attn.q_a_proj.weight", None, None]
+    assert layer.owns("model.layers.5.enorm.weight") and not layer.owns("model.layers.3.mlp.gate.weight")
+    assert layer.load("model.layers.5.enorm.weight", torch.zeros(128)) == 0  # a second MTP layer: not served
+    checkpoint = load_file(f"{mtp_dir}/model.safetensors")
+    assert "model.layers.4.shared_head.head.weight" in checkpoint  # written, as DeepSeek-V3's hold it; skipped
+    expert = checkpoint["model.layers.4.mlp.experts.3.up_proj.weight"]
+    fused = layer.decoder.mlp.experts.gate_up_proj
+    assert torch.equal(fused[3, fused.shape[1] // 2:], expert)  # loaded at start from the checkpoint's files
+    assert torch.equal(runner.get_weight("model.layers.4.mlp.experts.3.up_proj.weight"), expert)
+    runner.load_named_tensors([("model.layers.4.mlp.experts.3.up_proj.weight", expert + 1)])
+    assert torch.equal(fused[3, fused.shape[1] // 2:], expert + 1)
+    with pytest.raises(KeyError, match="shared_head.head are the model's"):
+        runner.get_weight("model.layers.4.shared_head.head.weight")
+
+
 # ---------------------------------------------------------------------- the drafts are the MTP layer's
 def reference_logits(drafter, hidden, tokens, drafts):
     """The MTP layer run from scratch over the whole text, in a fresh cache, for each chained draft:
