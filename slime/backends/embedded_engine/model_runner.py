@@ -248,7 +248,7 @@ class ModelRunner:
         input_ids, positions, mask, view = self.row_inputs(slots, rows, self.kv_cache)
         q_len = input_ids.shape[1]
         want_all = any(r.want_all_logits for r in rows)
-        with self._prefill_attention():
+        with self.prefill_attention():
             out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                              logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
         logits = out.logits.float()
@@ -294,7 +294,7 @@ class ModelRunner:
         view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length)
         return input_ids, positions, mask, view
 
-    def _prefill_attention(self):
+    def prefill_attention(self):
         """SDPA kernels for prefill on CUDA: flash or memory-efficient, not cuDNN, which builds a plan
         for every new (rows, query length, key length) — 385 ms per new shape on an H200 for a 0.6B
         model, and a rollout's prefills rarely repeat a shape."""

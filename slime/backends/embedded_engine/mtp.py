@@ -260,7 +260,8 @@ class NextNDrafter(ChainDrafter):
         padded = torch.stack([torch.nn.functional.pad(h, (0, 0, q_len - h.shape[0], 0)) for h in hidden])
         embeds = runner.model.get_input_embeddings()(input_ids)
         position_embeddings = runner.model.get_decoder().rotary_emb(embeds, positions)
-        out = self.layer(embeds, padded.to(embeds.dtype), position_embeddings, mask, view)[:, -1]
+        with runner.prefill_attention():  # SDPA's flash / memory-efficient kernels, as the target's forward
+            out = self.layer(embeds, padded.to(embeds.dtype), position_embeddings, mask, view)[:, -1]
         return runner.model.get_output_embeddings()(out).float(), out
 
     def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
