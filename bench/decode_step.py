@@ -3,6 +3,7 @@
     python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --out     # H200
     python bench/decode_step.py --model qwen3-0.6b --batch 16 --position 383 --out
     python bench/decode_step.py --model tiny --device cpu --steps 3                      # smoke run
+    python bench/decode_step.py ... --without qk_norm_rope --without mlp_residual_gemm   # A/B of a fusion
 
 Builds a checkpoint of ``--model`` (``bench/engine_decode.py``'s ``build_checkpoint``: random bf16
 weights with the public architecture's shapes) or loads ``--model-path``, puts ``--batch`` rows in

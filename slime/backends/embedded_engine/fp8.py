@@ -111,7 +111,7 @@ def dequantize_weight(values: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 @torch.no_grad()
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``): one scale per token and
-    128-channel group (the reference of the quantization inside the Triton GEMM)."""
+    128-channel group (the reference of the Triton activation quantizer and of the fused GEMM's own)."""
     rows, cols = x.shape
     kb = _blocks(cols)
     padded = torch.zeros((rows, kb * BLOCK), dtype=torch.float32, device=x.device)

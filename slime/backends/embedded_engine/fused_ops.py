@@ -227,7 +227,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
     """The fused q/k/v projection's output ``qkv [B, S, (Hq + 2·Hkv)·D]`` -> ``(query [B, Hq, S, D],
     key [B, Hkv, S, D])``: each head RMSNorm-ed with ``q_weight`` / ``k_weight`` when given (Qwen3),
     then rotated by ``cos/sin [B or 1, S, D]`` — one launch for what is otherwise two RMSNorm and two
-    rotary kernels. Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the
+    rotary kernels, and two copies (the RMSNorm wrapper's ``reshape`` of the strided q/k views). Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the
     norm's sum of squares added in two halves). The outputs have HF's layout (a transpose of
     ``[B, S, H, D]``)."""
     batch, seq, width = qkv.shape

@@ -34,6 +34,7 @@ counters go to ``meta_info`` under SGLang's names (:func:`spec_meta_info`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -190,7 +191,7 @@ def ngram_propose(state: SpecState, tokens: list[int], max_match: int, k: int) -
     return tokens[best + 1: best + 1 + k] if best >= 0 else []
 
 
-class ChainDrafter:
+class ChainDrafter(abc.ABC):
     """A drafter that samples its drafts one after the other from a model with a slot cache: it feeds
     each row what its cache lacks (:meth:`_catch_up`, giving draft 1), then its drafts one by one
     (:meth:`_feed`). :class:`DraftModel` (STANDALONE) and ``mtp.NextNDrafter`` (NEXTN)."""
@@ -198,26 +199,29 @@ class ChainDrafter:
     #: whether the engine must hand it the target's hidden states (``record_hidden``)
     needs_hidden = False
 
+    @abc.abstractmethod
     def num_slots(self) -> int:
-        raise NotImplementedError
+        """Slots of the drafter's cache (at least the target's running rows)."""
 
+    @abc.abstractmethod
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Mirror the target's batch compaction in the drafter's cache."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def grow_cache(self, need: int) -> None:
         """Follow the target's cache growth (nothing running)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rewind(self, seq: "Sequence") -> None:
         """After a verify step: what of the drafter's cache stays valid."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _catch_up(self, seqs: list["Sequence"]) -> torch.Tensor:
-        raise NotImplementedError
+        """Feed each row what the drafter's cache lacks; the logits of draft 1 ``[rows, vocab]``."""
 
+    @abc.abstractmethod
     def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Feed each row its last draft ``tokens[i]``; the logits of the next draft ``[rows, vocab]``."""
 
     def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
                 generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -114,7 +114,7 @@ def block_n(dim: int) -> int:
     return 128 if dim <= 128 else 64
 
 
-def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int = 64) -> tuple[int, int]:
+def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> tuple[int, int]:
     """``(splits, split_len)`` for a call: more splits when the batch is small, none shorter than a block."""
     blocks = triton.cdiv(kv_length, block)
     splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
