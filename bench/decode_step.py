@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
-    parser.add_argument("--without", action="append", default=[], choices=["qk_norm_rope", "mlp_residual_gemm"],
+    parser.add_argument("--without", action="append", default=[], choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion"],
                         help="run without this fusion (repeatable), for an A/B of it in one visit")
     parser.add_argument("--attention-block-n", type=int, default=None,
                         help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
@@ -115,6 +115,10 @@ def main() -> None:
         for module in runner.model.modules():
             if "fused_norm_rope" in vars(module):
                 del module.fused_norm_rope
+    if "kv_write_fusion" in args.without:
+        from slime.backends.embedded_engine import fused_ops
+
+        fused_ops.KV_WRITE_IN_NORM_ROPE = False
     if "mlp_residual_gemm" in args.without:
         from slime.backends.embedded_engine import fused_ops
 

@@ -44,6 +44,7 @@ DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Decod
                          "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"}
 ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection's GEMM (bench A/B switch)
+KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k norm + rotary kernel (A/B switch)
 
 
 if triton is not None:
@@ -120,10 +121,15 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, stride_t,
-                             scs_b, scs_s, q_heads, kv_heads, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+                             scs_b, scs_s, q_heads, kv_heads, eps,
+                             keys_ptr, values_ptr, slots_ptr, positions_ptr,
+                             sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos,
+                             HALF: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr):
         # program (token t = b * seq + s, head h) of the fused q/k/v output [tokens, (Hq + 2 Hkv) * D]:
         # h < Hq is a query head, else key head h - Hq (the keys follow the queries in the row);
-        # optional per-head RMSNorm (Qwen3's q_norm / k_norm), then the rotary embedding
+        # optional per-head RMSNorm (Qwen3's q_norm / k_norm), then the rotary embedding. WRITE_CACHE:
+        # key head j stores its rotated key, and copies value head j, straight into the KV cache at
+        # (slots[t], j, positions[t]) in the cache's dtype instead of into k_ptr
         t = tl.program_id(0)
         h = tl.program_id(1)
         b = t // seq
@@ -151,8 +157,22 @@ if triton is not None:
         cos2 = tl.load(cos_ptr + cs_row + HALF + d).to(tl.float32)
         sin1 = tl.load(sin_ptr + cs_row + d).to(tl.float32)
         sin2 = tl.load(sin_ptr + cs_row + HALF + d).to(tl.float32)
-        tl.store(out_row + d, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty))
-        tl.store(out_row + HALF + d, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty))
+        r1 = (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty)
+        r2 = (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty)
+        if WRITE_CACHE and h >= q_heads:
+            j = h - q_heads
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            position = tl.load(positions_ptr + t).to(tl.int64)
+            key_row = keys_ptr + slot * sks_slot + j * sks_h + position * sks_pos
+            tl.store(key_row + d, r1.to(keys_ptr.dtype.element_ty))
+            tl.store(key_row + HALF + d, r2.to(keys_ptr.dtype.element_ty))
+            value_src = qkv_ptr + t * stride_t + (q_heads + kv_heads + j) * (2 * HALF)
+            value_row = values_ptr + slot * svs_slot + j * svs_h + position * svs_pos
+            tl.store(value_row + d, tl.load(value_src + d).to(values_ptr.dtype.element_ty))
+            tl.store(value_row + HALF + d, tl.load(value_src + HALF + d).to(values_ptr.dtype.element_ty))
+        else:
+            tl.store(out_row + d, r1)
+            tl.store(out_row + HALF + d, r2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -223,13 +243,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, cache_write=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused q/k/v projection's output ``qkv [B, S, (Hq + 2·Hkv)·D]`` -> ``(query [B, Hq, S, D],
     key [B, Hkv, S, D])``: each head RMSNorm-ed with ``q_weight`` / ``k_weight`` when given (Qwen3),
     then rotated by ``cos/sin [B or 1, S, D]`` — one launch for what is otherwise two RMSNorm and two
-    rotary kernels, and two copies (the RMSNorm wrapper's ``reshape`` of the strided q/k views). Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the
-    norm's sum of squares added in two halves). The outputs have HF's layout (a transpose of
-    ``[B, S, H, D]``)."""
+    rotary kernels, and two copies (the RMSNorm wrapper's ``reshape`` of the strided q/k views).
+    Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the norm's sum of
+    squares added in two halves). The outputs have HF's layout (a transpose of ``[B, S, H, D]``).
+
+    ``cache_write = (keys, values, slots, positions)`` (the cache buffers of the layer
+    ``[slots, Hkv, capacity, D]``, and per token ``t = b·S + s`` its slot and position): the rotated
+    keys and the values go straight into the cache, cast to its dtype, as
+    :func:`~slime.backends.embedded_engine.kv_cache.write_decode_kv` would store them — the decode
+    step's separate cache-write launch saved — and ``key`` is returned as None."""
     batch, seq, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     rows = qkv.reshape(batch * seq, width)
@@ -239,18 +265,34 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
         cos, sin = cos.contiguous(), sin.contiguous()
     norm = q_weight is not None
     query = torch.empty((batch, seq, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    key = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    if cache_write is None:
+        key = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        keys = values = slots = positions = rows
+        cache_strides = (0,) * 6
+    else:
+        keys, values, slots, positions = cache_write
+        if keys.stride(-1) != 1 or values.stride(-1) != 1 or slots.numel() != batch * seq \
+                or positions.numel() != batch * seq or keys.shape[-1] != dim or values.shape[-1] != dim:
+            raise ValueError(f"cache_write: cache rows [.., {keys.shape[-1]}] / [.., {values.shape[-1]}] (last dim "
+                             f"contiguous) and {batch * seq} slots and positions expected for head dim {dim}")
+        key = query  # unused by the kernel
+        cache_strides = (keys.stride(0), keys.stride(1), keys.stride(2),
+                         values.stride(0), values.stride(1), values.stride(2))
     _qk_norm_rope_kernel[(batch * seq, q_heads + kv_heads)](
         rows, q_weight if norm else rows, k_weight if norm else rows, cos, sin, query, key, seq, rows.stride(0),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_heads, kv_heads, eps, HALF=dim // 2, NORM=norm,
-        num_warps=1)
-    return query.transpose(1, 2), key.transpose(1, 2)
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_heads, kv_heads, eps,
+        keys, values, slots, positions, *cache_strides,
+        HALF=dim // 2, NORM=norm, WRITE_CACHE=cache_write is not None, num_warps=1)
+    return query.transpose(1, 2), (None if cache_write is not None else key.transpose(1, 2))
 
 
-def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
     """Bound on a fused-projection attention module by :func:`install`: its q/k RMSNorm (if any) and
     rotary embedding as one kernel, or ``None`` where the kernel does not apply (the caller then runs
-    the modules)."""
+    the modules). Where ``cache`` offers a decode write target (``cache.fused_write_target``, the
+    decode step's :class:`~slime.backends.embedded_engine.kv_cache.DecodeCacheView` on CUDA), the
+    kernel also stores the layer's keys and values in the cache and the key comes back as None: the
+    caller then reads the cache (``cache.read``) instead of calling ``cache.update``."""
     dim, sizes = self.head_dim, self.qkv_proj.sizes
     half = dim // 2
     if qkv.dim() != 3 or cos.dim() != 3 or cos.shape[-1] != dim or dim % 2 or half & (half - 1) or \
@@ -262,7 +304,12 @@ def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
                                or q_norm.variance_epsilon != k_norm.variance_epsilon):
         return None
     eps = q_norm.variance_epsilon if q_norm is not None else 0.0
-    return qk_norm_rope(qkv, sizes[0] // dim, sizes[1] // dim, cos, sin, *weights, eps=eps)
+    target = getattr(cache, "fused_write_target", None)
+    cache_write = target(self.layer_idx) if KV_WRITE_IN_NORM_ROPE and target is not None else None
+    if cache_write is not None and (sizes[1] != sizes[2] or cache_write[0].shape[-1] != dim
+                                    or cache_write[1].shape[-1] != dim):
+        cache_write = None
+    return qk_norm_rope(qkv, sizes[0] // dim, sizes[1] // dim, cos, sin, *weights, eps=eps, cache_write=cache_write)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1, fallback=None):

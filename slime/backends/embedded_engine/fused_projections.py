@@ -99,15 +99,19 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     value = value.transpose(1, 2)
     cos, sin = position_embeddings
     norm_rope = getattr(self, "fused_norm_rope", None)  # fused_ops.install (CUDA): q/k norm + rotary, one kernel
-    rotated = None if norm_rope is None else norm_rope(qkv, cos, sin)
+    rotated = None if norm_rope is None else norm_rope(qkv, cos, sin, cache=cache)
+    written = False
     if rotated is not None:
         query, key = rotated
+        written = key is None  # the kernel stored this step's keys and values in the cache itself
     else:
         if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # looked up per call: fused_ops may patch it
-    if cache is not None:
+    if written:
+        key, value = cache.read(self.layer_idx)
+    elif cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

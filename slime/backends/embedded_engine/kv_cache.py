@@ -197,6 +197,19 @@ class DecodeCacheView:
         self.batch = int(rows.shape[0])
         self.is_compileable = False
 
+    def fused_write_target(self, layer_idx: int):
+        """``(keys, values, slots, positions)`` for a kernel that writes this step's keys and values
+        itself (fused_ops.qk_norm_rope), then reads them with :meth:`read`; None off CUDA."""
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        if triton is None or not keys.is_cuda:
+            return None
+        return keys, values, self.rows, self.positions
+
+    def read(self, layer_idx: int):
+        """The running batch's cache rows of ``layer_idx`` (after a fused write)."""
+        return (self.cache.keys[layer_idx][: self.batch, :, : self.kv_length],
+                self.cache.values[layer_idx][: self.batch, :, : self.kv_length])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         # [B, heads, 1, dim] -> [B, heads, dim] written at (slot, :, position)

@@ -215,8 +215,8 @@ def test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits(family):
     fused_projections.install(patched)
     calls = []
 
-    def counted(self, qkv, cos, sin):
-        out = fused_ops._attention_norm_rope(self, qkv, cos, sin)
+    def counted(self, qkv, cos, sin, cache=None):
+        out = fused_ops._attention_norm_rope(self, qkv, cos, sin, cache=cache)
         calls.append(out is not None)
         return out
 
@@ -226,3 +226,76 @@ def test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits(family):
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
     assert calls == [True] * len(patched.model.layers)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cache_dtype,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_qk_norm_rope_interpreted_writes_the_cache_as_the_decode_write_does(cache_dtype, dtype):
+    """With ``cache_write`` the q/k norm + rotary kernel stores each token's rotated key and its value
+    in the cache at (its slot, its position), cast to the cache's dtype, exactly what the kernel's key
+    output written by ``index_put`` gives; the queries are unchanged and nothing else in the cache moves."""
+    from slime.backends.embedded_engine.fused_ops import qk_norm_rope
+    from slime.backends.embedded_engine.kv_cache import CacheShape, SlotKVCache
+
+    gen = torch.Generator().manual_seed(5)
+    batch, q_heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = (torch.randn(batch, 1, (q_heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    angles = torch.randn(batch, 1, dim // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    weights = (torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype))
+    shape = CacheShape(1, kv_heads, dim, num_slots=batch + 2, slot_capacity=40)
+    fused, reference = (SlotKVCache(shape, cache_dtype, torch.device("cpu")) for _ in range(2))
+    slots, positions = torch.tensor([3, 0, 6, 1, 2]), torch.tensor([0, 39, 7, 7, 21])
+
+    want_q, want_k = qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *weights)
+    value = qkv[:, 0, (q_heads + kv_heads) * dim:].reshape(batch, kv_heads, dim)
+    reference.keys[0][slots, :, positions] = want_k[:, :, 0].to(cache_dtype)
+    reference.values[0][slots, :, positions] = value.to(cache_dtype)
+
+    got_q, got_k = qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *weights,
+                                cache_write=(fused.keys[0], fused.values[0], slots, positions))
+    assert got_k is None and torch.equal(got_q, want_q)
+    assert torch.equal(fused.keys[0], reference.keys[0]) and torch.equal(fused.values[0], reference.values[0])
+    assert fused.keys[0].abs().sum() > 0 and fused.values[0].abs().sum() > 0
+
+
+@needs_interpreter
+def test_decode_with_the_cache_write_in_the_norm_rope_kernel_interpreted_keeps_the_logits(tiny_model_dir,
+                                                                                            monkeypatch):
+    """The engine's decode steps with the fused q/k norm + rotary kernel storing the keys and values
+    itself (the CUDA decode path, here interpreted on the CPU) give the logits of the plain runner over
+    a prompt and six generated tokens: the cache the kernel wrote is the one the attention read."""
+    import types
+
+    from slime.backends.embedded_engine import fused_ops
+    from slime.backends.embedded_engine.kv_cache import DecodeCacheView
+    from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        runner = ModelRunner(tiny_model_dir, num_slots=3, slot_capacity=32)
+        written = []
+        if fused:
+            def target(view, layer_idx):
+                written.append(layer_idx)
+                return view.cache.keys[layer_idx], view.cache.values[layer_idx], view.rows, view.positions
+
+            monkeypatch.setattr(DecodeCacheView, "fused_write_target", target)
+            for module in runner.model.modules():
+                if hasattr(module, "qkv_proj"):
+                    module.fused_norm_rope = types.MethodType(fused_ops._attention_norm_rope, module)
+        prompts = [[5, 17, 33, 2, 91, 40], [7, 7, 8], [60, 1, 2, 3, 4, 5, 6, 9]]
+        logits, _ = runner.forward([0, 1, 2], [ForwardRow(p, 0) for p in prompts])
+        tokens, positions, out = [int(t) for t in logits.argmax(-1)], [len(p) for p in prompts], [logits]
+        for _ in range(6):
+            step = runner.decode(tokens, positions)
+            out.append(step)
+            tokens, positions = [int(t) for t in step.argmax(-1)], [p + 1 for p in positions]
+        layers = runner.model.config.num_hidden_layers
+        assert written == ([] if not fused else list(range(layers)) * 6)
+        monkeypatch.undo()
+        return out
+
+    plain, fused = run(False), run(True)
+    for want, got in zip(plain, fused):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
