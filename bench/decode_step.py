@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
-    parser.add_argument("--without", action="append", default=[], choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion"],
+    parser.add_argument("--without", action="append", default=[],
+                        choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_merge_in_split",
+                                 "attention_early_v"],
                         help="run without this fusion (repeatable), for an A/B of it in one visit")
     parser.add_argument("--attention-block-n", type=int, default=None,
                         help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
@@ -115,6 +117,11 @@ def main() -> None:
         for module in runner.model.modules():
             if "fused_norm_rope" in vars(module):
                 del module.fused_norm_rope
+    if "attention_merge_in_split" in args.without or "attention_early_v" in args.without:
+        from slime.backends.embedded_engine import triton_attention
+
+        triton_attention.MERGE_IN_SPLIT_KERNEL = "attention_merge_in_split" not in args.without
+        triton_attention.EARLY_V_LOAD = "attention_early_v" not in args.without
     if "kv_write_fusion" in args.without:
         from slime.backends.embedded_engine import fused_ops
 

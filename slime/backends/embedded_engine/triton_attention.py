@@ -9,8 +9,11 @@ them up to the longest):
   attention), walks its share of row ``b``'s positions ``[split * SPLIT_LEN, min(.., length_b))`` in
   blocks of ``BLOCK_N`` (:func:`block_n`), and keeps an online softmax (running max ``m``, sum ``l``, weighted values
   ``acc``) in fp32;
-* it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split); a second small kernel merges
-  the splits: ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s``.
+* it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split), and the program that finishes
+  last among a (row, kv_head)'s splits (an atomic ticket per pair) merges them:
+  ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s`` — no second launch
+  (``MERGE_IN_SPLIT_KERNEL = False``: a separate merge kernel, as before). A row in one split writes
+  its output directly.
 
 Splitting a row over several programs keeps the GPU busy when the batch is small. ``SPLIT_LEN`` is
 fixed per call (a CUDA graph captures it for its KV-length bucket); splits past a row's length
@@ -41,11 +44,12 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                       scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                      SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -70,22 +74,58 @@ if triton is not None:
             n = block + offs_n
             valid = n < end
             k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            if EARLY_V:  # both loads in flight before the first dot: one memory round trip a block, not two
+                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            if not EARLY_V:
+                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
 
         has_keys = l > 0
         out = acc / tl.where(has_keys, l, 1.0)[:, None]
         lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :], out,
-                 mask=in_group[:, None])
-        tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=in_group)
+        final = final_ptr + row * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
+        if SPLITS == 1:  # the row in one program: its result is the output (lengths >= 1: it has keys)
+            tl.store(final, out.to(final_ptr.dtype.element_ty), mask=in_group[:, None])
+        else:
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+                     out, mask=in_group[:, None])
+            tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=in_group)
+            if MERGE_HERE:
+                # the last of the (row, kv_head) programs to finish merges the splits (no second launch):
+                # the barrier orders every thread's stores before the counter's acq_rel add, which makes
+                # them visible to the program that takes the last ticket; it resets the counter for the
+                # next call (a CUDA graph replays the same buffer)
+                counter = counter_ptr + row * tl.num_programs(1) + kv_head
+                tl.debug_barrier()
+                ticket = tl.atomic_add(counter, 1)
+                if ticket == SPLITS - 1:
+                    tl.debug_barrier()
+                    top = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+                    for s in range(SPLITS):
+                        lse_s = tl.load(lse_ptr + row * stride_lb + heads * stride_lh + s, mask=in_group,
+                                        other=float("-inf"), cache_modifier=".cg")
+                        top = tl.maximum(top, lse_s)
+                    top = tl.where(in_group, top, 0.0)  # split 0 has keys: finite for every head of the group
+                    total = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+                    weight_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+                    for s in range(SPLITS):
+                        lse_s = tl.load(lse_ptr + row * stride_lb + heads * stride_lh + s, mask=in_group,
+                                        other=float("-inf"), cache_modifier=".cg")
+                        weight = tl.exp(lse_s - top)
+                        part = tl.load(out_ptr + row * stride_ob + heads[:, None] * stride_oh + s * stride_os
+                                       + offs_d[None, :], mask=in_group[:, None], other=0.0, cache_modifier=".cg")
+                        total += weight[:, None] * part
+                        weight_sum += weight
+                    merged = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+                    tl.store(final, merged.to(final_ptr.dtype.element_ty), mask=in_group[:, None])
+                    tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -105,6 +145,22 @@ if triton is not None:
 
 
 TARGET_PROGRAMS = 2048  # enough programs to fill an H100/H200 several times over
+MERGE_IN_SPLIT_KERNEL = True  # the last split program of a (row, kv_head) merges (False: a second kernel; A/B)
+EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B switch)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, need: int) -> torch.Tensor:
+    """Zeroed int32 tickets, one per (row, kv_head), kept across calls (each call leaves them zero).
+    Allocated once per device, outside any CUDA-graph capture (the engine's warm-up step runs first)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < need:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"flash-decoding merge tickets: {need} needed while capturing a CUDA graph, "
+                               f"{0 if counters is None else counters.numel()} allocated; run one step eagerly first")
+        counters = torch.zeros(max(need, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def block_n(dim: int) -> int:
@@ -133,16 +189,20 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     splits, split_len = plan_splits(batch, kv_heads, kv_length, block)
     parts = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+    merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
+    counters = _counters(query.device, batch * kv_heads) if merge_here else lse
     _split_kernel[(batch, kv_heads, splits)](
-        query, keys, values, lengths, parts, lse,
+        query, keys, values, lengths, parts, lse, out, counters,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
-    out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
-    _merge_kernel[(batch, heads)](
-        parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
-        num_warps=4)
+        HEAD_DIM=dim, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
+        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, num_warps=4, num_stages=2)
+    if splits > 1 and not merge_here:
+        _merge_kernel[(batch, heads)](
+            parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            num_warps=4)
     return out

@@ -135,10 +135,23 @@ def test_triton_decode_attention_matches_reference(dtype, batch, heads, kv_heads
 
 @needs_interpreter
 @pytest.mark.parametrize("dim", [32, 128, 256])  # 128-position steps up to 128-wide heads, 64 above
-def test_triton_decode_attention_interpreted_matches_reference(dim):
+@pytest.mark.parametrize("merge_here,early_v", [(True, True), (False, False)])
+def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, early_v, monkeypatch):
     """The flash-decoding kernel on the CPU (interpreter): rows of one batch at different lengths
-    (one key, one position past a step, several splits), each attending to its own length only."""
+    (one key, one position past a step, several splits), each attending to its own length only; the
+    splits merged by the last program of each (row, kv_head) or by a second kernel. Twice: the merge
+    tickets are left at zero for the next call."""
     from slime.backends.embedded_engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MERGE_IN_SPLIT_KERNEL", merge_here)
+    monkeypatch.setattr(triton_attention, "EARLY_V_LOAD", early_v)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # scratch buffers start as NaN: a merge reading a split not yet written shows
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
     gen = torch.Generator().manual_seed(dim)
     batch, heads, kv_heads, capacity = 3, 4, 2, 400
@@ -149,7 +162,14 @@ def test_triton_decode_attention_interpreted_matches_reference(dim):
     splits, _ = triton_attention.plan_splits(batch, kv_heads, length, triton_attention.block_n(dim))
     assert splits > 1  # the merge of partial softmaxes is exercised
     query = torch.randn(batch, heads, dim, generator=gen)
-    out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5)
     key, value = keys[:batch, :, :length], values[:batch, :, :length]
     expected = reference(query[:, :, None], key, value, positions.tolist(), dim ** -0.5)[:, 0]
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    for _ in range(2):
+        out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    if merge_here:
+        assert int(triton_attention._COUNTERS[query.device].abs().sum()) == 0
+    one_split = triton_attention.decode_attention(query[:, :, :], keys, values, torch.ones(batch, dtype=torch.long),
+                                                  1, dim ** -0.5)  # kv_length 1: one split, no merge at all
+    first = values[:batch, :, 0].repeat_interleave(heads // kv_heads, dim=1)
+    torch.testing.assert_close(one_split, first, atol=1e-6, rtol=1e-6)
