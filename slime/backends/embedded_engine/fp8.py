@@ -57,14 +57,16 @@ GEMM_BACKENDS = ("auto", "triton", "cublas", "dequant")
 GEMM_PATHS = ("fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
 # Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
-# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261201-fused.json (fused Triton
-# only: 1.11x bf16 at M=1, 0.87x at 16, 0.54x at 64 and <= 0.44x above), so the fused kernel keeps
-# M <= 16. Above it the choice is an UNMEASURED default: cuBLASLt (a vendor kernel: compute-bound
-# parity with bf16 at worst), the two-kernel Triton path where cuBLASLt does not run. Update these
-# rows from the per-path columns of `python bench/fp8_gemm.py` (its `best_path` per shape and M).
+# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261201-paths.json (8f30fa2; one
+# decoder layer's linears of Qwen3-0.6B / 1.7B / 4B, FP8 time over bf16's as speed-up): M = 16 fused
+# 0.87 / 0.91 / 0.99, two-kernel 0.80 / 0.85 / 0.96, cuBLASLt 0.59 / 0.69 / 0.85; M = 64 two-kernel
+# 0.64 / 0.70 / 0.77, cuBLASLt 0.59 / 0.64 / 0.76; M = 128 two-kernel 0.60 / 0.56 / 0.59, cuBLASLt
+# 0.59 / 0.64 / 0.78; M = 256 cuBLASLt 0.61 / 0.69 / 0.85 (best); M = 2048 cuBLASLt 1.01 / 1.26 / 1.31
+# (best; fused 0.34-0.39). No FP8 path beats bf16 at decode sizes from 16 tokens up.
 FUSED_MAX_ROWS = 16
+TWO_KERNEL_MAX_ROWS = 64
 GEMM_DISPATCH = {
-    "auto": ((FUSED_MAX_ROWS, "fused"), (None, "cublas")),
+    "auto": ((FUSED_MAX_ROWS, "fused"), (TWO_KERNEL_MAX_ROWS, "two_kernel"), (None, "cublas")),
     "triton": ((FUSED_MAX_ROWS, "fused"), (None, "two_kernel")),
     "cublas": ((None, "cublas"),),
     "dequant": ((None, "dequant"),),
