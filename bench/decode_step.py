@@ -98,6 +98,9 @@ def main() -> None:
                         choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_merge_in_split",
                                  "attention_early_v"],
                         help="run without this fusion (repeatable), for an A/B of it in one visit")
+    parser.add_argument("--with", dest="with_", action="append", default=[], choices=["small_m_gemm"],
+                        help="run with this kernel switched on (repeatable): small_m_gemm = the decoder's linears "
+                             "through small_gemm.py up to 16 tokens")
     parser.add_argument("--attention-block-n", type=int, default=None,
                         help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
@@ -122,6 +125,10 @@ def main() -> None:
 
         triton_attention.MERGE_IN_SPLIT_KERNEL = "attention_merge_in_split" not in args.without
         triton_attention.EARLY_V_LOAD = "attention_early_v" not in args.without
+    if "small_m_gemm" in args.with_:
+        from slime.backends.embedded_engine import small_gemm
+
+        small_gemm.ENABLED = True
     if "kv_write_fusion" in args.without:
         from slime.backends.embedded_engine import fused_ops
 
@@ -163,7 +170,7 @@ def main() -> None:
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
               "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
-              "without": args.without, "attention_block_n": args.attention_block_n,
+              "without": args.without, "with": args.with_, "attention_block_n": args.attention_block_n,
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
                         "fused_ops": getattr(runner, "fused_ops", {})},

@@ -35,6 +35,8 @@ try:
 except ImportError:
     triton = None
 
+from slime.backends.embedded_engine import small_gemm
+
 logger = logging.getLogger(__name__)
 
 RMSNORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
@@ -44,6 +46,7 @@ DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Decod
                          "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"}
 ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection's GEMM (bench A/B switch)
+SMALL_M_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # small_gemm.py's linears (decode-sized inputs)
 KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k norm + rotary kernel (A/B switch)
 
 
@@ -337,6 +340,14 @@ def _packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:  # gate/up fused
     return self.down_proj(silu_mul_packed(self.gate_up_proj(x)))
 
 
+def _small_m_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A decoder linear: the small-M Triton GEMM for decode-sized inputs (when switched on), else
+    PyTorch's (cuBLAS)."""
+    if small_gemm.ENABLED and x.numel() <= small_gemm.MAX_ROWS * x.shape[-1]:
+        return small_gemm.linear(x, self.weight, self.bias)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
 def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
     residual) with the first residual add and the post-attention RMSNorm as one kernel."""
@@ -351,8 +362,12 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
             and down.bias is None and down.weight.dtype == residual.dtype:
         # the second residual add inside the down projection's GEMM (accumulating into the sum the
         # add+RMSNorm kernel just wrote, cuBLAS beta = 1): one kernel less a layer
-        act = silu_mul_packed(mlp.gate_up_proj(normed))
+        gate_up = mlp.gate_up_proj(normed)
         rows = residual.view(-1, residual.shape[-1])
+        if small_gemm.ENABLED and rows.shape[0] <= small_gemm.MAX_ROWS:  # and the SiLU gate in its prologue
+            small_gemm.linear(gate_up, down.weight, residual=rows, out=rows, gate=True)
+            return residual
+        act = silu_mul_packed(gate_up)
         return rows.addmm_(act.view(-1, act.shape[-1]), down.weight.t()).view(residual.shape)
     return residual + mlp(normed)
 
@@ -362,11 +377,17 @@ def install(model: torch.nn.Module) -> dict:
     import importlib
     import types
 
-    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0, "add_rmsnorm": 0, "qk_norm_rope": 0}
+    counts = {"rmsnorm": 0, "mlp": 0, "rope": 0, "add_rmsnorm": 0, "qk_norm_rope": 0, "small_m_linear": 0}
     if triton is None or next(model.parameters()).device.type != "cuda":
         return counts
     for module in model.modules():
         name = type(module).__name__
+        if name in DECODER_LAYER_CLASSES:
+            for linear in module.modules():
+                if isinstance(linear, torch.nn.Linear) and type(linear).forward is torch.nn.Linear.forward \
+                        and linear.weight.dtype in SMALL_M_DTYPES:  # plain or fused projections, not FP8 ones
+                    linear.forward = types.MethodType(_small_m_linear_forward, linear)
+                    counts["small_m_linear"] += 1
         if name in DECODER_LAYER_CLASSES and type(getattr(module, "post_attention_layernorm", None)).__name__ \
                 in RMSNORM_CLASSES and all(hasattr(module, a) for a in ("self_attn", "input_layernorm", "mlp")):
             module.forward = types.MethodType(_decoder_layer_forward, module)
