@@ -89,7 +89,8 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
         draft_runner = ModelRunner(config.draft_model_path, device=args.device, dtype=args.dtype,
                                    num_slots=runner.max_slots, slot_capacity=runner.context_length,
                                    cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                                   attention_backend=args.attention_backend, mla_decode=args.mla_decode)
+                                   attention_backend=args.attention_backend, mla_decode=args.mla_decode,
+                                   kv_cache_dtype=args.kv_cache_dtype)  # SGLang: the draft caches like the target
         draft = DraftModel(draft_runner, runner, prefill_tokens)
     return SpeculativeDecoder(config, draft)
 

@@ -229,6 +229,41 @@ def test_broken_reads_leave_the_bound(scaled_model_dir, full_precision, monkeypa
     assert gap > LOGPROB_BOUND
 
 
+def test_speculative_verify_and_retraction_over_an_fp8_cache_keep_greedy_outputs(scaled_model_dir, tmp_path):
+    """STANDALONE speculation (a perturbed draft; both caches FP8, as SGLang gives the draft the target's
+    cache dtype): the verify forward writes the drafts into the FP8 cache, rejected ones are retracted,
+    and the greedy outputs equal plain FP8 decoding's."""
+    from engine_test_utils import copy_with_weights, generate_in_engine, load_hf
+
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import SamplingParams
+    from slime.backends.embedded_engine.speculative import DraftModel, SpeculativeConfig, SpeculativeDecoder
+
+    gen = torch.Generator().manual_seed(3)
+    draft_dir = copy_with_weights(scaled_model_dir, tmp_path / "draft", {
+        k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in load_hf(scaled_model_dir).state_dict().items()})
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
+    params = [SamplingParams(max_new_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    outputs, stats = [], None
+    for speculative in (False, True):
+        runner = ModelRunner(scaled_model_dir, device="cpu", num_slots=8, kv_cache_dtype="fp8_e4m3")
+        decoder = None
+        if speculative:
+            draft = DraftModel(ModelRunner(str(draft_dir), device="cpu", num_slots=8, kv_cache_dtype="fp8_e4m3"),
+                               runner, 256)
+            assert draft.runner.kv_cache.dtype == E4M3
+            decoder = SpeculativeDecoder(SpeculativeConfig("STANDALONE", 4, str(draft_dir)), draft)
+        engine = Engine(runner, speculative=decoder, seed=1)
+        engine.start()
+        try:
+            outputs.append([seq.output_ids for seq in generate_in_engine(engine, prompts, params)])
+            stats = vars(engine.scheduler.stats)
+        finally:
+            engine.stop()
+    assert outputs[0] == outputs[1]
+    assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]  # accepted and rejected both seen
+
+
 def test_checkpoint_scales_must_be_positive(tiny_model_dir, tmp_path):
     from pathlib import Path
 
