@@ -87,8 +87,8 @@ def test_mla_models_refuse_an_fp8_cache(tiny_deepseek_v3_dir):
 # ------------------------------------------------------------------ writes saturate, reads scale
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_every_write_path_saturates(dtype):
-    """An outlier is stored as the format's largest finite value (torch's own cast: NaN for e4m3, inf
-    for e5m2), through the prefill view and the decode view alike."""
+    """An outlier is stored as the format's largest finite value (torch's own cast gives inf for e5m2),
+    through the prefill view and the decode view alike."""
     limit = torch.finfo(dtype).max
     shape = CacheShape(1, 2, 8, num_slots=3, slot_capacity=6)
     new = torch.full((1, 2, 1, 8), 1e6)
