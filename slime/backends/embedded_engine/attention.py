@@ -34,14 +34,16 @@ _registered = False
 def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
+    scales = kwargs.pop("slot_kv_scales", None)  # (k_scales, v_scales) per layer: the rows are the stored FP8 bytes
+    k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][module.layer_idx], scales[1][module.layer_idx])
     if query.shape[2] != 1 or attention_mask is None or kwargs.get("softcap") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if key.dtype != query.dtype:  # stored FP8 rows (a soft-capped decode): SDPA multiplies stored x scale
+            key, value = dequantize(key, query.dtype, k_scale), dequantize(value, query.dtype, v_scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     lengths = kwargs.get("slot_lengths")
-    scales = kwargs.get("slot_kv_scales")  # (k_scales, v_scales) per layer: the rows are the stored FP8 bytes
-    k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][module.layer_idx], scales[1][module.layer_idx])
     dim = query.shape[-1]
     if lengths is not None and triton_kernel_fits(dim, value.shape[-1]):
         from slime.backends.embedded_engine import triton_attention

@@ -147,6 +147,14 @@ def test_reference_attention_over_fp8_equals_attention_over_the_dequantized_cach
     raw, _ = slot_attention_forward(module, query, cache.keys[0], cache.values[0], mask, scaling=0.25,
                                     slot_kv_scales=(cache.k_scales, cache.v_scales))
     assert torch.equal(raw, out)
+    # and the SDPA branch (here: no mask) dequantizes the raw rows before SDPA, which would refuse FP8
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module.is_causal, module.num_key_value_groups = False, heads // kv_heads
+    sdpa, _ = slot_attention_forward(module, query, cache.keys[0], cache.values[0], None, scaling=0.25,
+                                     slot_kv_scales=(cache.k_scales, cache.v_scales))
+    expected, _ = sdpa_attention_forward(module, query, dequantized_k, dequantized_v, None, scaling=0.25)
+    assert torch.equal(sdpa, expected)
 
 
 # ------------------------------------------------------------------ the engine: decode close to the full-precision cache
