@@ -76,6 +76,12 @@ def dequantize(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> 
     return out if scale == 1.0 else out * scale
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 buffer as ``uint8`` (same storage, same bits) for indexed reads and writes: torch's
+    index/index_put kernels do not take FP8 on every device and version; others as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def read_kv_scales(model_path: str, num_layers: int) -> tuple[list[float], list[float]] | None:
     """Per-layer ``(k_scales, v_scales)`` from an HF checkpoint's safetensors files, under the names SGLang
     loads: ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (also ``...self_attn.k_proj.k_scale``,
@@ -189,7 +195,8 @@ class SlotKVCache:
         src = torch.tensor(srcs, dtype=torch.long, device=self.device)
         dst = torch.tensor(dsts, dtype=torch.long, device=self.device)
         for buf in self.keys + self.values:
-            buf[dst, :, :length] = buf[src, :, :length]
+            data = as_bytes(buf)
+            data[dst, :, :length] = data[src, :, :length]
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (batch compaction)."""
@@ -230,9 +237,10 @@ class SlotCacheView:
             rows, heads, q_len, dim = new.shape
             # [rows, heads, q, dim] -> [rows * q, heads, dim] -> real tokens [n, heads, dim]
             tokens = new.transpose(1, 2).reshape(rows * q_len, heads, dim).index_select(0, self.token_index)
-            buf[self.write_slots, :, self.write_positions] = quantize(tokens, buf.dtype, scale)
-        return cache.read(layer_idx, cache.keys[layer_idx][self.read_rows, :, : self.kv_length],
-                          cache.values[layer_idx][self.read_rows, :, : self.kv_length])
+            as_bytes(buf)[self.write_slots, :, self.write_positions] = as_bytes(quantize(tokens, buf.dtype, scale))
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        return cache.read(layer_idx, as_bytes(keys)[self.read_rows, :, : self.kv_length].view(keys.dtype),
+                          as_bytes(values)[self.read_rows, :, : self.kv_length].view(values.dtype))
 
     def get_seq_length(self, *args, **kwargs) -> int:  # only used when position_ids are not given
         return 0
@@ -317,8 +325,9 @@ class DecodeCacheView:
             write_decode_kv(keys, values, key_states[:, :, 0], value_states[:, :, 0], self.rows, self.positions,
                             k_scale, v_scale)
         else:
-            keys[self.rows, :, self.positions] = quantize(key_states[:, :, 0], keys.dtype, k_scale)
-            values[self.rows, :, self.positions] = quantize(value_states[:, :, 0], values.dtype, v_scale)
+            as_bytes(keys)[self.rows, :, self.positions] = as_bytes(quantize(key_states[:, :, 0], keys.dtype, k_scale))
+            as_bytes(values)[self.rows, :, self.positions] = as_bytes(quantize(value_states[:, :, 0], values.dtype,
+                                                                               v_scale))
         keys, values = keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
         return (keys, values) if self.raw else cache.read(layer_idx, keys, values)
 

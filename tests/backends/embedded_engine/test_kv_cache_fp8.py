@@ -123,6 +123,23 @@ def test_reads_dequantize_with_the_layer_scale():
     assert torch.equal(keys[0, 0, :3], x.flatten().expand(3, 4)) and torch.equal(values[0, 0, 2], x.flatten())
 
 
+def test_slot_copies_moves_and_gathers_keep_the_fp8_bytes():
+    """Shared prompts (copy_slots), compaction and retraction (move_slot) and a prefill over scattered slots
+    (a gathered read) move the stored bytes as they are (indexed through uint8 views)."""
+    shape = CacheShape(1, 2, 4, num_slots=4, slot_capacity=5)
+    cache = SlotKVCache(shape, E4M3, torch.device("cpu"), compute_dtype=torch.float32, k_scales=[SCALE])
+    stored = kv.quantize(torch.randn(4, 2, 5, 4, generator=torch.Generator().manual_seed(0)), E4M3)
+    cache.keys[0].copy_(stored)
+    cache.copy_slots([0], [2], length=3)
+    cache.move_slot(1, 3, length=5)
+    assert torch.equal(cache.keys[0][2, :, :3].view(torch.uint8), stored[0, :, :3].view(torch.uint8))
+    assert torch.equal(cache.keys[0][2, :, 3:].view(torch.uint8), stored[2, :, 3:].view(torch.uint8))
+    assert torch.equal(cache.keys[0][3].view(torch.uint8), stored[1].view(torch.uint8))
+    view = SlotCacheView(cache, [3, 0], torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), kv_length=4)
+    keys, _ = view.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+    assert torch.equal(keys, torch.stack([stored[1, :, :4], stored[0, :, :4]]).float() * SCALE)
+
+
 def test_reference_attention_over_fp8_equals_attention_over_the_dequantized_cache():
     gen = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, dim, length = 3, 4, 2, 16, 9
