@@ -2,6 +2,7 @@
 
     python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --out     # H200
     python bench/decode_step.py --model qwen3-0.6b --batch 16 --position 383 --out
+    python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --kv-cache-dtype fp8_e4m3 --out
     python bench/decode_step.py --model tiny --device cpu --steps 3                      # smoke run
     python bench/decode_step.py ... --without qk_norm_rope --without mlp_residual_gemm   # A/B of a fusion
 
@@ -16,7 +17,9 @@ Metrics:
 * ``step_ms``: mean time of ``--steps`` back-to-back steps (CUDA events around them).
 * ``step_bytes = weight_bytes + kv_bytes_per_token × batch × (position + 1)`` and
   ``hbm_fraction = step_bytes / step_seconds / 4.8e12`` (H200 HBM3e spec), as
-  ``bench/engine_decode.py``'s ``roofline_fraction`` counts them (activations not counted).
+  ``bench/engine_decode.py``'s ``roofline_fraction`` counts them (activations not counted);
+  ``kv_bytes_per_token`` in the cache's own dtype (``--kv-cache-dtype fp8_e4m3``: half of bf16's), so
+  the fraction of an FP8 cache counts the bytes it really reads.
 * From ``--profile-steps`` profiled steps: ``kernels_per_step``, ``kernels_per_layer``,
   ``kernel_us_per_step`` (the sum of the kernels' device time) and ``top_kernels``: the ``--top``
   kernels by device time per step, each ``{"name", "us", "count"}`` (per step, names as the profiler
@@ -89,6 +92,8 @@ def main() -> None:
     parser.add_argument("--model-path", default=None, help="an existing HF directory instead of --model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's --kv-cache-dtype: auto (= --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--batch", type=int, default=128, help="rows in the decode step")
     parser.add_argument("--position", type=int, default=511, help="every row's position (it reads position + 1 tokens)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -114,7 +119,7 @@ def main() -> None:
 
     path = args.model_path or build_checkpoint(args.model, tempfile.mkdtemp(prefix="decode_step_"))
     runner = ModelRunner(path, device=args.device, dtype=args.dtype, num_slots=args.batch,
-                         slot_capacity=args.position + 1)
+                         slot_capacity=args.position + 1, kv_cache_dtype=args.kv_cache_dtype)
     runner.grow_cache(args.position + 1)
     if "qk_norm_rope" in args.without:
         for module in runner.model.modules():
@@ -157,7 +162,7 @@ def main() -> None:
 
     layers = getattr(runner.config, "text_config", runner.config).num_hidden_layers
     weight_bytes = runner.weight_bytes()
-    kv_bytes_per_token = runner.kv_cache.shape.bytes_per_token(runner.dtype)
+    kv_bytes_per_token = runner.kv_cache.shape.bytes_per_token(runner.kv_cache.dtype)
     step_bytes = weight_bytes + kv_bytes_per_token * args.batch * (args.position + 1)
     kernels = sum(row["count"] for row in table)
     metrics = {"step_ms": seconds * 1e3, "step_bytes": step_bytes, "weight_bytes": weight_bytes,
@@ -168,7 +173,7 @@ def main() -> None:
     if device.type == "cuda":
         metrics["hbm_fraction"] = step_bytes / seconds / H200_HBM_BYTES_PER_S
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
-              "batch": args.batch, "position": args.position, "steps": args.steps,
+              "kv_cache_dtype": str(runner.kv_cache.dtype), "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
               "without": args.without, "with": args.with_, "attention_block_n": args.attention_block_n,
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)

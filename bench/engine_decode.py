@@ -5,6 +5,8 @@
         --max-new-tokens 512 --out                                                               # H200
     python bench/engine_decode.py --model qwen3-4b --num-requests 128 --prompt-len 256 \\
         --max-new-tokens 512 --skip-hf --quantization fp8 --out                                  # FP8 rollout
+    python bench/engine_decode.py --model qwen3-0.6b --num-requests 128 --prompt-len 256 \
+        --max-new-tokens 512 --skip-hf --quantization fp8 --kv-cache-dtype fp8_e4m3 --out        # + FP8 KV cache
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
@@ -45,8 +47,9 @@ Metrics:
       roofline_fraction = total_bytes / decode_seconds / 4.8e12      (H200 HBM3e spec)
 
   ``weight_bytes`` is the server's parameter bytes (tied embedding counted once, read once by the
-  LM head), ``kv_bytes_per_token`` its KV cache bytes / token capacity (2·layers·kv_heads·head_dim·2
-  for bf16). Activations and padding reads are not counted, so this is a lower bound on traffic.
+  LM head), ``kv_bytes_per_token`` one token's bytes in the server's cache, as its
+  ``/get_server_info`` reports them (2·layers·kv_heads·head_dim·2 for bf16, ·1 with
+  ``--kv-cache-dtype fp8_e4m3``: the fraction counts what an FP8 cache really reads). Activations and padding reads are not counted, so this is a lower bound on traffic.
   ``roofline_fraction_vs_measured_copy`` divides by the one-way device copy bandwidth measured in
   this run instead (``measured_copy_bytes_per_s``, read+write / 2), and
   ``roofline_fraction_over_burst_wall`` spreads the same traffic over the burst's whole wall time.
@@ -299,6 +302,8 @@ def main() -> None:
                         help="serve with block-wise FP8 linear layers (the engine's --quantization)")
     parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "triton", "cublas", "dequant"],
                         help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, cublas above)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each after a first, unmeasured burst of the same workload; the best is reported")
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")
@@ -326,7 +331,8 @@ def main() -> None:
             if args.quantization else []
         engine = EmbeddedEngineProcess(model_path, extra_args=[
             "--device", args.device, "--max-running-requests", str(args.num_requests),
-            "--context-length", str(context), *quantization, *shlex.split(args.engine_args)])
+            "--context-length", str(context), "--kv-cache-dtype", args.kv_cache_dtype, *quantization,
+            *shlex.split(args.engine_args)])
         hf = None if args.skip_hf else HFBaseline(model_path, args.device, args.hf_batch_size)
         engine.start()
         try:
@@ -366,7 +372,7 @@ def main() -> None:
     engine_tps, decode, info = max(engine_runs, key=lambda r: r[0])
     memory = info["internal_states"][0]["memory_usage"]
     weight_bytes = memory["weight"] * 2**30
-    kv_bytes_per_token = memory["kvcache"] * 2**30 / memory["token_capacity"]
+    kv_bytes_per_token = memory["kv_bytes_per_token"]
     burst_seconds = sum(lengths) / engine_tps
     metrics = {"engine_output_tokens_per_s": engine_tps, "burst_seconds": burst_seconds,
                "engine_busy_fraction": decode["busy_seconds"] / burst_seconds,
@@ -400,7 +406,7 @@ def main() -> None:
               "prompt_len": args.prompt_len or "8-64", "output_len": args.max_new_tokens or "16-128",
               "total_output_tokens": sum(lengths), "temperature": 1.0, "ignore_eos": True, "repeats": args.repeats,
               "context_length": context, "engine_args": args.engine_args,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "kv_cache_dtype": memory["kv_cache_dtype"],
               "fp8_gemm_backend": args.fp8_gemm_backend if args.quantization else None,
               "hf_batch_size": hf_batch_size,
               "hf_batches": None if hf_batch_size is None else math.ceil(args.num_requests / hf_batch_size),

@@ -71,3 +71,12 @@ def test_speculative_flags_reach_the_engine_and_parse_there():
     config = speculative_config(engine_parse_args(["--model-path", "/tmp", *argv]))
     assert (config.algorithm, config.draft_model_path, config.num_draft_tokens, config.ngram_max_match) == (
         "STANDALONE", "/tmp/draft", 4, 6)
+
+
+def test_kv_cache_dtype_reaches_the_engine_and_parses_there():
+    from slime.backends.embedded_engine.config import parse_args as engine_args
+
+    argv = embedded_engine_argv(parse_args(BASE + ["--sglang-kv-cache-dtype", "fp8_e4m3"]), gpu=True)
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert engine_args(["--model-path", "/tmp", *argv]).kv_cache_dtype == "fp8_e4m3"
+    assert "--kv-cache-dtype" not in embedded_engine_argv(parse_args(BASE), gpu=False)  # auto: the engine's default

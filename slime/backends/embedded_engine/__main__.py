@@ -43,7 +43,7 @@ def build_server(args: ServerArgs):
                          max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
                          cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend,
                          mla_decode=args.mla_decode, quantization=args.quantization,
-                         fp8_gemm_backend=args.fp8_gemm_backend)
+                         fp8_gemm_backend=args.fp8_gemm_backend, kv_cache_dtype=args.kv_cache_dtype)
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
     engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed,
                     speculative=build_speculative(args, runner, prefill), num_threads=threads)
@@ -89,7 +89,8 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
         draft_runner = ModelRunner(config.draft_model_path, device=args.device, dtype=args.dtype,
                                    num_slots=runner.max_slots, slot_capacity=runner.context_length,
                                    cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                                   attention_backend=args.attention_backend, mla_decode=args.mla_decode)
+                                   attention_backend=args.attention_backend, mla_decode=args.mla_decode,
+                                   kv_cache_dtype=args.kv_cache_dtype)  # SGLang: the draft caches like the target
         draft = DraftModel(draft_runner, runner, prefill_tokens)
     return SpeculativeDecoder(config, draft)
 

@@ -16,12 +16,16 @@ Every operation has static shapes, so the decode step can be captured in a CUDA 
 
 On CUDA with Triton the model runner passes ``slot_lengths`` (each row's length, on the device) and
 decode goes to the flash-decoding kernel of :mod:`triton_attention` instead, which reads each row
-only up to its own length (``--attention-backend triton``, the default there).
+only up to its own length (``--attention-backend triton``, the default there). With an FP8 cache
+(``--kv-cache-dtype fp8_*``) that kernel gets the stored FP8 rows and the layer's scales
+(``slot_kv_scales``) and dequantizes as it reads; every other path gets dequantized rows from the cache view.
 """
 
 from __future__ import annotations
 
 import torch
+
+from slime.backends.embedded_engine.kv_cache import dequantize
 
 ATTENTION_NAME = "slime_slot"
 _registered = False
@@ -30,22 +34,34 @@ _registered = False
 def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
+    scales = kwargs.pop("slot_kv_scales", None)  # (k_scales, v_scales) per layer: the rows are the stored FP8 bytes
+    k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][module.layer_idx], scales[1][module.layer_idx])
     if query.shape[2] != 1 or attention_mask is None or kwargs.get("softcap") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if key.dtype != query.dtype:  # stored FP8 rows (a soft-capped decode): SDPA multiplies stored x scale
+            key, value = dequantize(key, query.dtype, k_scale), dequantize(value, query.dtype, v_scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     lengths = kwargs.get("slot_lengths")
     dim = query.shape[-1]
-    # the kernel wants a power-of-two head size, the same for keys and values (MLA's are not)
-    if lengths is not None and dim >= 16 and dim & (dim - 1) == 0 and value.shape[-1] == dim:
+    if lengths is not None and triton_kernel_fits(dim, value.shape[-1]):
         from slime.backends.embedded_engine import triton_attention
 
         batch, heads = query.shape[:2]
         scale = dim ** -0.5 if scaling is None else scaling
-        out = triton_attention.decode_attention(query.reshape(batch, heads, dim), key, value, lengths, key.shape[2], scale)
+        out = triton_attention.decode_attention(query.reshape(batch, heads, dim), key, value, lengths, key.shape[2],
+                                                scale, k_scale, v_scale)
         return out.view(batch, 1, heads, dim), None
+    if key.dtype != query.dtype:  # stored FP8 rows: what the matmuls multiply is stored x scale
+        key, value = dequantize(key, query.dtype, k_scale), dequantize(value, query.dtype, v_scale)
     return decode_attention(query, key, value, attention_mask, scaling), None
+
+
+def triton_kernel_fits(key_dim: int, value_dim: int) -> bool:
+    """Whether the flash-decoding kernel takes these heads: a power-of-two size >= 16, the same for keys
+    and values (MLA's are not)."""
+    return key_dim >= 16 and key_dim & (key_dim - 1) == 0 and value_dim == key_dim
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -32,6 +32,7 @@ class ServerArgs:
     mla_decode: str = "absorbed"
     quantization: str | None = None
     fp8_gemm_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -96,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the Triton GEMM; dequant (the default on CPU) dequantizes the weight to --dtype and runs "
                         "an ordinary matmul; auto (the default) on CUDA: fused Triton up to 16 tokens, cublas "
                         "above where it runs (an unmeasured default), else Triton")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
+                        "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "
+                        "tokens in the same memory, half the bytes a decode step reads); values are divided by a "
+                        "per-layer scale (the checkpoint's self_attn.k_scale/v_scale, else 1.0) and saturated "
+                        "to the format's range. Not for multi-latent attention (DeepSeek-V3). fp4/mxfp8 refused")
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "
@@ -154,6 +161,13 @@ def validate_args(args: ServerArgs) -> None:
     if args.fp8_gemm_backend in ("triton", "cublas") and args.device != "cuda":
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} runs on --device cuda only; use dequant "
                          "(the default) on CPU")
+    if args.kv_cache_dtype != "auto":
+        from slime.backends.embedded_engine.kv_cache import KV_CACHE_DTYPES
+
+        if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SystemExit(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported by the embedded engine; "
+                             f"choose auto, {', '.join(KV_CACHE_DTYPES)} (fp4/mxfp8 caches: use --rollout-backend "
+                             "sglang)")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 < args.mem_fraction_static <= 1:

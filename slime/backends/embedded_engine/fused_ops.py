@@ -126,13 +126,15 @@ if triton is not None:
     def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, stride_t,
                              scs_b, scs_s, q_heads, kv_heads, eps,
                              keys_ptr, values_ptr, slots_ptr, positions_ptr,
-                             sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos,
-                             HALF: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                             sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos, k_inv_scale, v_inv_scale, limit,
+                             HALF: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                             SATURATE: tl.constexpr):
         # program (token t = b * seq + s, head h) of the fused q/k/v output [tokens, (Hq + 2 Hkv) * D]:
         # h < Hq is a query head, else key head h - Hq (the keys follow the queries in the row);
         # optional per-head RMSNorm (Qwen3's q_norm / k_norm), then the rotary embedding. WRITE_CACHE:
         # key head j stores its rotated key, and copies value head j, straight into the KV cache at
-        # (slots[t], j, positions[t]) in the cache's dtype instead of into k_ptr
+        # (slots[t], j, positions[t]) in the cache's dtype instead of into k_ptr (an FP8 cache, SATURATE:
+        # clamp(x / scale, ±limit), as kv_cache.write_decode_kv stores it)
         t = tl.program_id(0)
         h = tl.program_id(1)
         b = t // seq
@@ -167,12 +169,19 @@ if triton is not None:
             slot = tl.load(slots_ptr + t).to(tl.int64)
             position = tl.load(positions_ptr + t).to(tl.int64)
             key_row = keys_ptr + slot * sks_slot + j * sks_h + position * sks_pos
+            value_src = qkv_ptr + t * stride_t + (q_heads + kv_heads + j) * (2 * HALF)
+            v1 = tl.load(value_src + d)
+            v2 = tl.load(value_src + HALF + d)
+            if SATURATE:
+                r1 = tl.clamp(r1.to(tl.float32) * k_inv_scale, -limit, limit)
+                r2 = tl.clamp(r2.to(tl.float32) * k_inv_scale, -limit, limit)
+                v1 = tl.clamp(v1.to(tl.float32) * v_inv_scale, -limit, limit)
+                v2 = tl.clamp(v2.to(tl.float32) * v_inv_scale, -limit, limit)
             tl.store(key_row + d, r1.to(keys_ptr.dtype.element_ty))
             tl.store(key_row + HALF + d, r2.to(keys_ptr.dtype.element_ty))
-            value_src = qkv_ptr + t * stride_t + (q_heads + kv_heads + j) * (2 * HALF)
             value_row = values_ptr + slot * svs_slot + j * svs_h + position * svs_pos
-            tl.store(value_row + d, tl.load(value_src + d).to(values_ptr.dtype.element_ty))
-            tl.store(value_row + HALF + d, tl.load(value_src + HALF + d).to(values_ptr.dtype.element_ty))
+            tl.store(value_row + d, v1.to(values_ptr.dtype.element_ty))
+            tl.store(value_row + HALF + d, v2.to(values_ptr.dtype.element_ty))
         else:
             tl.store(out_row + d, r1)
             tl.store(out_row + HALF + d, r2)
@@ -254,9 +263,9 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
     Results as :func:`rms_norm` then :func:`rotate` give them (same roundings, the norm's sum of
     squares added in two halves). The outputs have HF's layout (a transpose of ``[B, S, H, D]``).
 
-    ``cache_write = (keys, values, slots, positions)`` (the cache buffers of the layer
-    ``[slots, Hkv, capacity, D]``, and per token ``t = b·S + s`` its slot and position): the rotated
-    keys and the values go straight into the cache, cast to its dtype, as
+    ``cache_write = (keys, values, slots, positions, k_scale, v_scale)`` (the cache buffers of the
+    layer ``[slots, Hkv, capacity, D]``, per token ``t = b·S + s`` its slot and position, and the
+    layer's FP8 scales): the rotated keys and the values go straight into the cache, in its dtype, as
     :func:`~slime.backends.embedded_engine.kv_cache.write_decode_kv` would store them — the decode
     step's separate cache-write launch saved — and ``key`` is returned as None."""
     batch, seq, width = qkv.shape
@@ -272,8 +281,9 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
         key = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
         keys = values = slots = positions = rows
         cache_strides = (0,) * 6
+        k_scale = v_scale = 1.0
     else:
-        keys, values, slots, positions = cache_write
+        keys, values, slots, positions, k_scale, v_scale = cache_write
         if keys.stride(-1) != 1 or values.stride(-1) != 1 or slots.numel() != batch * seq \
                 or positions.numel() != batch * seq or keys.shape[-1] != dim or values.shape[-1] != dim:
             raise ValueError(f"cache_write: cache rows [.., {keys.shape[-1]}] / [.., {values.shape[-1]}] (last dim "
@@ -284,8 +294,10 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
     _qk_norm_rope_kernel[(batch * seq, q_heads + kv_heads)](
         rows, q_weight if norm else rows, k_weight if norm else rows, cos, sin, query, key, seq, rows.stride(0),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_heads, kv_heads, eps,
-        keys, values, slots, positions, *cache_strides,
-        HALF=dim // 2, NORM=norm, WRITE_CACHE=cache_write is not None, num_warps=1)
+        keys, values, slots, positions, *cache_strides, 1.0 / k_scale, 1.0 / v_scale,
+        torch.finfo(keys.dtype).max if keys.dtype.is_floating_point else 0.0,
+        HALF=dim // 2, NORM=norm, WRITE_CACHE=cache_write is not None,
+        SATURATE=keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), num_warps=1)
     return query.transpose(1, 2), (None if cache_write is not None else key.transpose(1, 2))
 
 

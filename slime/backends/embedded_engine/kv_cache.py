@@ -13,6 +13,14 @@ row is copied into its slot (one row copy, see :meth:`SlotKVCache.move_slot`).
 
 Token accounting (``max_total_tokens``) is the scheduler's job; this module only holds memory.
 
+Storage dtype (``--kv-cache-dtype``, SGLang's flag and names): the buffers' dtype is the single source of
+truth. For FP8 (``fp8_e4m3`` = ``torch.float8_e4m3fn``, ``fp8_e5m2``) every write stores
+``clamp(x / scale, ±max finite)`` in that dtype (:func:`quantize`: saturated, so an outlier becomes
+±448 / ±57344, never inf or NaN) and every read is ``stored.to(compute dtype) * scale``
+(:func:`dequantize`), with one ``k_scale`` and one ``v_scale`` per layer (1.0 unless the checkpoint
+carries SGLang's ``self_attn.k_scale`` / ``v_scale``, :func:`read_kv_scales`). A token then takes
+half the bytes of bf16, so the same memory budget holds twice the tokens.
+
 :class:`SlotCacheView` adapts the buffers to the ``Cache.update`` call that Hugging Face attention
 layers make: it writes the new keys/values of each row at that row's own positions and returns the
 cache rows of the step, whose padded/unused positions the caller masks out.
@@ -29,6 +37,81 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the decode writes are two index_puts
     triton = None
+
+
+#: ``--kv-cache-dtype`` values (SGLang's names) -> storage dtype; ``auto`` is the model's ``--dtype``
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype ``--kv-cache-dtype name`` asks for; ValueError naming the flag otherwise."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported by the embedded engine; choose auto, "
+                         f"{', '.join(KV_CACHE_DTYPES)} (SGLang's fp4/mxfp8 caches are not implemented: "
+                         "use --rollout-backend sglang for them)")
+    return KV_CACHE_DTYPES[name]
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: FP8 divides by ``scale`` and saturates to the format's
+    finite range (torch's own cast overflows to inf for e5m2; for e4m3 it saturated on the CPU we tried,
+    which nothing promises for other paths: clamping first makes every write path, Triton's included,
+    agree); others just cast."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    x = x.float() if scale == 1.0 else x.float() / scale
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def dequantize(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached values in the compute ``dtype``: FP8 times ``scale``; anything else as it is."""
+    if stored.dtype not in FP8_DTYPES:
+        return stored
+    out = stored.to(dtype)
+    return out if scale == 1.0 else out * scale
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 buffer as ``uint8`` (same storage, same bits) for indexed reads and writes: torch's
+    index/index_put kernels do not take FP8 on every device and version; others as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def read_kv_scales(model_path: str, num_layers: int) -> tuple[list[float], list[float]] | None:
+    """Per-layer ``(k_scales, v_scales)`` from an HF checkpoint's safetensors files, under the names SGLang
+    loads: ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (also ``...self_attn.k_proj.k_scale``,
+    ModelOpt's spelling, and the deprecated ``...self_attn.kv_scale`` for both). None when the files
+    hold none; a layer without its scale keeps 1.0."""
+    import re
+    from pathlib import Path
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    pattern = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$")
+    scales = {"k_scale": [1.0] * num_layers, "v_scale": [1.0] * num_layers}
+    found = False
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                match = pattern.match(name)
+                if match is None or int(match.group(1)) >= num_layers:
+                    continue
+                layer, kind = int(match.group(1)), match.group(2)
+                value = float(f.get_tensor(name).float().reshape(-1)[0])
+                if not value > 0 or value == float("inf"):
+                    raise ValueError(f"{model_path}: KV cache scale {name} = {value}; it must be a positive number")
+                for target in (("k_scale", "v_scale") if kind == "kv_scale" else (kind,)):
+                    scales[target][layer] = value
+                found = True
+    return (scales["k_scale"], scales["v_scale"]) if found else None
 
 
 @dataclass(frozen=True)
@@ -48,15 +131,27 @@ class CacheShape:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         width = self.head_dim + self.value_width
-        return self.num_layers * self.num_kv_heads * width * torch.finfo(dtype).bits // 8
+        return self.num_layers * self.num_kv_heads * width * dtype.itemsize
 
 
 class SlotKVCache:
-    """The preallocated buffers. ``release()``/``allocate()`` free and restore them (memory saver)."""
+    """The preallocated buffers. ``release()``/``allocate()`` free and restore them (memory saver).
 
-    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device, allocate: bool = True):
+    ``dtype`` is what the buffers store; ``compute_dtype`` (default: ``dtype``) what reads hand the
+    attention; ``k_scales`` / ``v_scales`` (one per layer, default 1.0) what FP8 values are multiplied by."""
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device, allocate: bool = True,
+                 compute_dtype: torch.dtype | None = None, k_scales: list[float] | None = None,
+                 v_scales: list[float] | None = None):
         self.shape = shape
         self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.quantized = dtype in FP8_DTYPES
+        self.k_scales = list(k_scales) if k_scales is not None else [1.0] * shape.num_layers
+        self.v_scales = list(v_scales) if v_scales is not None else [1.0] * shape.num_layers
+        if len(self.k_scales) != shape.num_layers or len(self.v_scales) != shape.num_layers:
+            raise ValueError(f"KV cache scales: {len(self.k_scales)}/{len(self.v_scales)} given for "
+                             f"{shape.num_layers} layers")
         self.device = device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -76,6 +171,13 @@ class SlotKVCache:
         self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
 
+    def read(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of layer ``layer``'s buffers as the attention computes with them (FP8: dequantized copies)."""
+        if not self.quantized:
+            return keys, values
+        return (dequantize(keys, self.compute_dtype, self.k_scales[layer]),
+                dequantize(values, self.compute_dtype, self.v_scales[layer]))
+
     def release(self) -> None:
         self.keys, self.values = [], []
         if self.device.type == "cuda":
@@ -93,7 +195,8 @@ class SlotKVCache:
         src = torch.tensor(srcs, dtype=torch.long, device=self.device)
         dst = torch.tensor(dsts, dtype=torch.long, device=self.device)
         for buf in self.keys + self.values:
-            buf[dst, :, :length] = buf[src, :, :length]
+            data = as_bytes(buf)
+            data[dst, :, :length] = data[src, :, :length]
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (batch compaction)."""
@@ -128,13 +231,16 @@ class SlotCacheView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the step's keys/values ([rows, heads, q, dim]) and return the cache rows to attend to."""
-        for new, buf in ((key_states, self.cache.keys[layer_idx]), (value_states, self.cache.values[layer_idx])):
+        cache = self.cache
+        for new, buf, scale in ((key_states, cache.keys[layer_idx], cache.k_scales[layer_idx]),
+                                (value_states, cache.values[layer_idx], cache.v_scales[layer_idx])):
             rows, heads, q_len, dim = new.shape
             # [rows, heads, q, dim] -> [rows * q, heads, dim] -> real tokens [n, heads, dim]
             tokens = new.transpose(1, 2).reshape(rows * q_len, heads, dim).index_select(0, self.token_index)
-            buf[self.write_slots, :, self.write_positions] = tokens.to(buf.dtype)
-        return (self.cache.keys[layer_idx][self.read_rows, :, : self.kv_length],
-                self.cache.values[layer_idx][self.read_rows, :, : self.kv_length])
+            as_bytes(buf)[self.write_slots, :, self.write_positions] = as_bytes(quantize(tokens, buf.dtype, scale))
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        return cache.read(layer_idx, as_bytes(keys)[self.read_rows, :, : self.kv_length].view(keys.dtype),
+                          as_bytes(values)[self.read_rows, :, : self.kv_length].view(values.dtype))
 
     def get_seq_length(self, *args, **kwargs) -> int:  # only used when position_ids are not given
         return 0
@@ -145,27 +251,34 @@ if triton is not None:
     @triton.jit
     def _decode_write_kernel(key_ptr, value_ptr, keys_ptr, values_ptr, slots_ptr, positions_ptr,
                              sk_b, sk_h, sv_b, sv_h, sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos,
-                             key_dim, value_dim, KEY_BLOCK: tl.constexpr, VALUE_BLOCK: tl.constexpr):
-        # program (row, head): key [row, head, :] -> keys[slot, head, position, :], and the value likewise
+                             key_dim, value_dim, k_inv_scale, v_inv_scale, limit, KEY_BLOCK: tl.constexpr,
+                             VALUE_BLOCK: tl.constexpr, SATURATE: tl.constexpr):
+        # program (row, head): key [row, head, :] -> keys[slot, head, position, :], and the value likewise;
+        # an FP8 cache (SATURATE) stores clamp(x / scale, ±limit)
         row = tl.program_id(0)
         head = tl.program_id(1)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         position = tl.load(positions_ptr + row).to(tl.int64)
         offs_k = tl.arange(0, KEY_BLOCK)
         key = tl.load(key_ptr + row * sk_b + head * sk_h + offs_k, mask=offs_k < key_dim)
+        if SATURATE:
+            key = tl.clamp(key.to(tl.float32) * k_inv_scale, -limit, limit)
         tl.store(keys_ptr + slot * sks_slot + head * sks_h + position * sks_pos + offs_k,
                  key.to(keys_ptr.dtype.element_ty), mask=offs_k < key_dim)
         offs_v = tl.arange(0, VALUE_BLOCK)
         value = tl.load(value_ptr + row * sv_b + head * sv_h + offs_v, mask=offs_v < value_dim)
+        if SATURATE:
+            value = tl.clamp(value.to(tl.float32) * v_inv_scale, -limit, limit)
         tl.store(values_ptr + slot * svs_slot + head * svs_h + position * svs_pos + offs_v,
                  value.to(values_ptr.dtype.element_ty), mask=offs_v < value_dim)
 
 
 def write_decode_kv(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    slots: torch.Tensor, positions: torch.Tensor) -> None:
+                    slots: torch.Tensor, positions: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One Triton launch: ``key [B, heads, Dk]`` / ``value [B, heads, Dv]`` (last dim contiguous) into
-    ``keys[slots[i], :, positions[i]]`` / ``values[...]`` of the cache buffers, cast to their dtype.
-    Equals ``keys[slots, :, positions] = key`` (the torch path, two ``index_put`` kernels)."""
+    ``keys[slots[i], :, positions[i]]`` / ``values[...]`` of the cache buffers, cast to their dtype
+    (FP8: divided by the scale and saturated, as :func:`quantize`). Equals
+    ``keys[slots, :, positions] = quantize(key, keys.dtype, k_scale)`` (the torch path, two ``index_put``)."""
     batch, heads, key_dim = key.shape
     value_dim = value.shape[-1]
     if key.stride(-1) != 1:
@@ -175,8 +288,9 @@ def write_decode_kv(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
     _decode_write_kernel[(batch, heads)](
         key, value, keys, values, slots, positions, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        key_dim, value_dim, KEY_BLOCK=triton.next_power_of_2(key_dim), VALUE_BLOCK=triton.next_power_of_2(value_dim),
-        num_warps=1)
+        key_dim, value_dim, 1.0 / k_scale, 1.0 / v_scale, torch.finfo(keys.dtype).max,
+        KEY_BLOCK=triton.next_power_of_2(key_dim), VALUE_BLOCK=triton.next_power_of_2(value_dim),
+        SATURATE=keys.dtype in FP8_DTYPES, num_warps=1)
 
 
 class DecodeCacheView:
@@ -187,38 +301,51 @@ class DecodeCacheView:
     the selected elements): the writes use fixed-size index tensors, so the whole step runs without a
     host sync and can be captured in a CUDA graph. On CUDA with Triton they are one kernel per layer
     (:func:`write_decode_kv`, keys and values together); elsewhere two ``index_put``.
+
+    Reads of an FP8 cache are dequantized copies (:meth:`SlotKVCache.read`) unless ``raw``: then the
+    stored FP8 rows are returned as views, for the flash-decoding kernel, which dequantizes as it loads.
     """
 
-    def __init__(self, cache: SlotKVCache, rows: torch.Tensor, positions: torch.Tensor, kv_length: int):
+    def __init__(self, cache: SlotKVCache, rows: torch.Tensor, positions: torch.Tensor, kv_length: int,
+                 raw: bool = False):
         self.cache = cache
         self.rows = rows  # [B] slot of each row (0..B-1)
         self.positions = positions  # [B] absolute position of each row's new token
         self.kv_length = kv_length
         self.batch = int(rows.shape[0])
+        self.raw = raw
         self.is_compileable = False
 
     def fused_write_target(self, layer_idx: int):
-        """``(keys, values, slots, positions)`` for a kernel that writes this step's keys and values
-        itself (fused_ops.qk_norm_rope), then reads them with :meth:`read`; None off CUDA."""
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        """``(keys, values, slots, positions, k_scale, v_scale)`` for a kernel that writes this step's
+        keys and values itself (fused_ops.qk_norm_rope, storing as :func:`write_decode_kv` does), then
+        reads them with :meth:`read`; None off CUDA."""
+        cache = self.cache
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
         if triton is None or not keys.is_cuda:
             return None
-        return keys, values, self.rows, self.positions
+        return keys, values, self.rows, self.positions, cache.k_scales[layer_idx], cache.v_scales[layer_idx]
 
     def read(self, layer_idx: int):
-        """The running batch's cache rows of ``layer_idx`` (after a fused write)."""
-        return (self.cache.keys[layer_idx][: self.batch, :, : self.kv_length],
-                self.cache.values[layer_idx][: self.batch, :, : self.kv_length])
+        """The running batch's cache rows of ``layer_idx`` (after a fused write), as :meth:`update` returns them."""
+        keys = self.cache.keys[layer_idx][: self.batch, :, : self.kv_length]
+        values = self.cache.values[layer_idx][: self.batch, :, : self.kv_length]
+        return (keys, values) if self.raw else self.cache.read(layer_idx, keys, values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        cache = self.cache
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        k_scale, v_scale = cache.k_scales[layer_idx], cache.v_scales[layer_idx]
         # [B, heads, 1, dim] -> [B, heads, dim] written at (slot, :, position)
         if triton is not None and keys.is_cuda:
-            write_decode_kv(keys, values, key_states[:, :, 0], value_states[:, :, 0], self.rows, self.positions)
+            write_decode_kv(keys, values, key_states[:, :, 0], value_states[:, :, 0], self.rows, self.positions,
+                            k_scale, v_scale)
         else:
-            keys[self.rows, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
-            values[self.rows, :, self.positions] = value_states[:, :, 0].to(values.dtype)
-        return keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
+            as_bytes(keys)[self.rows, :, self.positions] = as_bytes(quantize(key_states[:, :, 0], keys.dtype, k_scale))
+            as_bytes(values)[self.rows, :, self.positions] = as_bytes(quantize(value_states[:, :, 0], values.dtype,
+                                                                               v_scale))
+        keys, values = keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
+        return (keys, values) if self.raw else cache.read(layer_idx, keys, values)
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0

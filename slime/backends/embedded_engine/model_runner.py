@@ -20,7 +20,8 @@ from typing import Iterable
 import torch
 
 from slime.backends.embedded_engine import attention, fused_projections
-from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotCacheView, SlotKVCache
+from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, DecodeCacheView, SlotCacheView,
+                                                     SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ModelRunner:
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
-                 quantization: str | None = None, fp8_gemm_backend: str = "auto"):
+                 quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -80,11 +81,13 @@ class ModelRunner:
         self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
+        self.kv_cache_dtype, self.kv_scales = self._resolve_kv_cache(kv_cache_dtype)
         self._plan_cache(slot_capacity, mem_fraction_static, max_total_tokens)
-        self.kv_cache = SlotKVCache(self._shape(self._initial_capacity()), self.dtype, self.device)
-        logger.info("KV cache: %d slots x %d tokens, %.1f MB (slots grow with the requests, up to %d tokens; "
-                    "budget %s tokens)", self.kv_cache.shape.num_slots, self.kv_cache.shape.slot_capacity,
-                    self.kv_cache.nbytes() / 2**20, self.context_length, self.kv_token_budget or "unbounded")
+        self.kv_cache = self._new_cache(self._shape(self._initial_capacity()))
+        logger.info("KV cache (%s): %d slots x %d tokens, %.1f MB (slots grow with the requests, up to %d tokens; "
+                    "budget %s tokens)", self.kv_cache_dtype, self.kv_cache.shape.num_slots,
+                    self.kv_cache.shape.slot_capacity, self.kv_cache.nbytes() / 2**20, self.context_length,
+                    self.kv_token_budget or "unbounded")
         self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
                                    max_batch=min(cuda_graph_max_bs or num_slots, num_slots))
         #: the model's own multi-token-prediction layer when it drafts (``--speculative-algorithm NEXTN``,
@@ -114,6 +117,27 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
         return weights
+
+    def _resolve_kv_cache(self, name: str) -> tuple[torch.dtype, tuple[list[float], list[float]] | None]:
+        """``--kv-cache-dtype``: the storage dtype and, for FP8, the checkpoint's per-layer k/v scales
+        (None: 1.0 everywhere, as SGLang does without them)."""
+        dtype = resolve_kv_cache_dtype(name, self.dtype)
+        if dtype not in FP8_DTYPES:
+            return dtype, None
+        if self.mla_layers or any(type(m).__name__ == "DeepseekV3Attention" for m in self.model.modules()):
+            raise ValueError(f"--kv-cache-dtype {name}: an FP8 cache of multi-latent attention (DeepSeek-V3's "
+                             "compressed latent) is not implemented in the embedded engine; use --kv-cache-dtype "
+                             "auto for this model")
+        layers = getattr(self.config, "text_config", self.config).num_hidden_layers
+        scales = read_kv_scales(self.model_path, layers)
+        if scales is not None:
+            logger.info("KV cache scales from the checkpoint: k %s, v %s", scales[0], scales[1])
+        return dtype, scales
+
+    def _new_cache(self, shape: CacheShape, allocate: bool = True) -> SlotKVCache:
+        k_scales, v_scales = self.kv_scales or (None, None)
+        return SlotKVCache(shape, self.kv_cache_dtype, self.device, allocate=allocate, compute_dtype=self.dtype,
+                           k_scales=k_scales, v_scales=v_scales)
 
     def _resolve_attention_backend(self, requested: str | None) -> str:
         from slime.backends.embedded_engine import triton_attention
@@ -152,7 +176,7 @@ class ModelRunner:
         budget = max_total_tokens
         if self.device.type == "cuda" and mem_fraction_static:
             free, total = torch.cuda.mem_get_info(self.device)
-            tokens = int((total * mem_fraction_static - (total - free)) // self._bytes_per_token())
+            tokens = kv_tokens_for_memory(free, total, mem_fraction_static, self._bytes_per_token())
             if tokens < min(self.context_length, self.INITIAL_SLOT_CAPACITY) or explicit and tokens < self.context_length:
                 raise ValueError(f"--mem-fraction-static {mem_fraction_static} leaves room for {max(tokens, 0)} KV "
                                  f"tokens, fewer than one request of {self.context_length}; raise it or lower "
@@ -167,7 +191,7 @@ class ModelRunner:
         self.open_length = self.context_length if explicit else min(self.context_length, self.OPEN_REQUEST_LENGTH)
 
     def _bytes_per_token(self) -> int:
-        return self._shape(1, 1).bytes_per_token(self.dtype)
+        return self._shape(1, 1).bytes_per_token(self.kv_cache_dtype)
 
     def _initial_capacity(self) -> int:
         return min(self.context_length, self.INITIAL_SLOT_CAPACITY)
@@ -201,14 +225,14 @@ class ModelRunner:
         shape = self._shape(capacity)
         if self.device.type == "cuda" and resident:
             free, _ = torch.cuda.mem_get_info(self.device)
-            fits = int(max(free - self.GROWTH_RESERVE_BYTES, 0) // (shape.bytes_per_token(self.dtype) * capacity))
+            fits = int(max(free - self.GROWTH_RESERVE_BYTES, 0) // (shape.bytes_per_token(self.kv_cache_dtype) * capacity))
             if fits < shape.num_slots:
                 logger.warning("growing the KV cache to %d-token slots: free device memory holds %d of %d slots",
                                capacity, max(fits, 1), shape.num_slots)
                 shape = self._shape(capacity, max(1, fits))
-        self.kv_cache = SlotKVCache(shape, self.dtype, self.device, allocate=resident)
+        self.kv_cache = self._new_cache(shape, allocate=resident)
         logger.info("KV cache grown for a %d-token request: %d slots x %d tokens, %.1f MB", need, shape.num_slots,
-                    capacity, shape.num_slots * capacity * shape.bytes_per_token(self.dtype) / 2**20)
+                    capacity, shape.num_slots * capacity * shape.bytes_per_token(self.kv_cache_dtype) / 2**20)
         return True
 
     @torch.inference_mode()
@@ -330,10 +354,14 @@ class ModelRunner:
         mask = torch.zeros((batch, 1, 1, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_(key_pos > positions.view(batch, 1, 1, 1), torch.finfo(self.dtype).min)
         rows = torch.arange(batch, device=self.device)
-        view = DecodeCacheView(self.kv_cache, rows, positions.view(-1), kv_length)
+        _, key_dim, value_dim = self._geometry
+        kernel = self.attention_backend == "triton" and attention.triton_kernel_fits(key_dim, value_dim)
+        view = DecodeCacheView(self.kv_cache, rows, positions.view(-1), kv_length, raw=kernel)
         extra = {self._cache_kwarg: view}
         if self.attention_backend == "triton":  # per-row lengths for the flash-decoding kernel
             extra["slot_lengths"] = positions.view(-1) + 1
+        if kernel and self.kv_cache.quantized:  # it reads the stored FP8 rows and scales them itself
+            extra["slot_kv_scales"] = (self.kv_cache.k_scales, self.kv_cache.v_scales)
         logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                             logits_to_keep=1, **extra).logits[:, -1]
         return logits.float() if out is None else out.copy_(logits)
@@ -444,6 +472,12 @@ class ModelRunner:
             if self.mtp is not None:
                 self.mtp.to(self.device)
         self.weights_on_device = True
+
+
+def kv_tokens_for_memory(free: int, total: int, mem_fraction_static: float, bytes_per_token: int) -> int:
+    """KV tokens ``--mem-fraction-static`` leaves after what is in use (weights, ...): the budget's bytes
+    over one token's bytes in the cache's dtype, so an FP8 cache holds twice a bf16 one's tokens."""
+    return int((total * mem_fraction_static - (total - free)) // bytes_per_token)
 
 
 _CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -229,7 +229,8 @@ class NextNDrafter(ChainDrafter):
 
     def _new_cache(self) -> SlotKVCache:
         shape = dataclasses.replace(self.runner.kv_cache.shape, num_layers=1)  # the target's slots, one layer
-        return SlotKVCache(shape, self.runner.dtype, self.runner.device)
+        # stored like the target's (--kv-cache-dtype), scale 1.0: no checkpoint names the MTP layer's scales
+        return SlotKVCache(shape, self.runner.kv_cache_dtype, self.runner.device, compute_dtype=self.runner.dtype)
 
     # ------------------------------------------------------------------ engine hooks
     def num_slots(self) -> int:

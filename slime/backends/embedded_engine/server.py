@@ -214,8 +214,13 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 def _memory_usage(runner) -> dict:
     weight_bytes = runner.weight_bytes()
     shape = runner.kv_cache.shape
+    # kv_*: what the cache stores (--kv-cache-dtype resolved), one token's bytes in it, and the token budget
+    # the memory limits allow (None: unbounded); an FP8 cache halves the bytes and doubles that budget
     return {"weight": weight_bytes / 2**30, "kvcache": runner.kv_cache.nbytes() / 2**30,
-            "token_capacity": shape.num_slots * shape.slot_capacity, "graph": 0.0}
+            "token_capacity": shape.num_slots * shape.slot_capacity, "graph": 0.0,
+            "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": shape.bytes_per_token(runner.kv_cache.dtype),
+            "kv_token_budget": runner.kv_token_budget}
 
 
 # ---------------------------------------------------------------------------------------------- control

@@ -20,6 +20,11 @@ fixed per call (a CUDA graph captures it for its KV-length bucket); splits past 
 write ``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the call has no host
 sync and is capturable.
 
+An FP8 cache (``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2``) is read as it is stored, one byte per value:
+each block is converted to the query's dtype as it is loaded (exact: every e4m3/e5m2 value is a bf16
+value), the layer's ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output,
+which equals attention over the dequantized cache ``stored · scale``.
+
 fp32 caches multiply in full fp32 (``input_precision="ieee"``, not TF32), so an fp32 engine matches
 an fp32 reference to rounding. Layout: ``query [B, H, D]``, cache ``[slots, Hkv, capacity, D]`` (row b is slot b), ``D`` a power of
 two. The result equals ``softmax(q·Kᵀ·scale) V`` over positions ``< length_b`` (tests compare it with
@@ -47,7 +52,7 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-                      scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                      scale, v_scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
                       SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr):
         row = tl.program_id(0)
@@ -73,9 +78,10 @@ if triton is not None:
         for block in range(start, end, BLOCK_N):
             n = block + offs_n
             valid = n < end
-            k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             if EARLY_V:  # both loads in flight before the first dot: one memory round trip a block, not two
-                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None],
+                            other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -83,12 +89,13 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             if not EARLY_V:
-                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None],
+                            other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m = m_new
 
         has_keys = l > 0
-        out = acc / tl.where(has_keys, l, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(has_keys, l, 1.0))[:, None]
         lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
         final = final_ptr + row * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
         if SPLITS == 1:  # the row in one program: its result is the output (lengths >= 1: it has keys)
@@ -179,9 +186,10 @@ def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> tuple[
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     kv_length: int, scale: float) -> torch.Tensor:
+                     kv_length: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``query [B, H, D]`` against cache rows ``keys/values [>=B, Hkv, capacity, D]`` (row b = slot b),
-    each row attending to its first ``lengths[b]`` (<= ``kv_length``) positions -> ``[B, H, D]``."""
+    each row attending to its first ``lengths[b]`` (<= ``kv_length``) positions -> ``[B, H, D]``. The
+    cache may be FP8 (any dtype the query's converts from): its values count ``k_scale``/``v_scale`` times."""
     batch, heads, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -197,8 +205,9 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
+        scale * k_scale, v_scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
         MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, num_warps=4, num_stages=2)
     if splits > 1 and not merge_here:
         _merge_kernel[(batch, heads)](

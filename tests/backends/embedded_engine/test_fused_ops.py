@@ -230,18 +230,22 @@ def test_attention_with_fused_qk_norm_rope_interpreted_keeps_the_logits(family):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cache_dtype,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])
-def test_qk_norm_rope_interpreted_writes_the_cache_as_the_decode_write_does(cache_dtype, dtype):
+@pytest.mark.parametrize("cache_dtype,dtype,scales", [
+    (torch.float32, torch.float32, (1.0, 1.0)), (torch.bfloat16, torch.bfloat16, (1.0, 1.0)),
+    (torch.float32, torch.bfloat16, (1.0, 1.0)), (torch.float8_e4m3fn, torch.bfloat16, (0.5, 4.0)),
+    (torch.float8_e5m2, torch.float32, (1.0, 1.0))])
+def test_qk_norm_rope_interpreted_writes_the_cache_as_the_decode_write_does(cache_dtype, dtype, scales):
     """With ``cache_write`` the q/k norm + rotary kernel stores each token's rotated key and its value
-    in the cache at (its slot, its position), cast to the cache's dtype, exactly what the kernel's key
-    output written by ``index_put`` gives; the queries are unchanged and nothing else in the cache moves."""
+    in the cache at (its slot, its position), in the cache's dtype, exactly what the separate decode
+    write of the kernel's key output stores (``index_put``; FP8 caches: ``write_decode_kv``, scaled and
+    saturated — the inputs reach past 448 / scale); the queries are unchanged and nothing else moves."""
     from slime.backends.embedded_engine.fused_ops import qk_norm_rope
-    from slime.backends.embedded_engine.kv_cache import CacheShape, SlotKVCache
+    from slime.backends.embedded_engine.kv_cache import FP8_DTYPES, CacheShape, SlotKVCache, write_decode_kv
 
     gen = torch.Generator().manual_seed(5)
     batch, q_heads, kv_heads, dim = 5, 4, 2, 32
     qkv = (torch.randn(batch, 1, (q_heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    qkv[:, :, -dim:] *= 200  # the last value head: past e4m3's range at scale 4 (saturated)
     angles = torch.randn(batch, 1, dim // 2, generator=gen)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
     weights = (torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype))
@@ -251,14 +255,23 @@ def test_qk_norm_rope_interpreted_writes_the_cache_as_the_decode_write_does(cach
 
     want_q, want_k = qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *weights)
     value = qkv[:, 0, (q_heads + kv_heads) * dim:].reshape(batch, kv_heads, dim)
-    reference.keys[0][slots, :, positions] = want_k[:, :, 0].to(cache_dtype)
-    reference.values[0][slots, :, positions] = value.to(cache_dtype)
+    if cache_dtype in FP8_DTYPES:
+        write_decode_kv(reference.keys[0], reference.values[0], want_k[:, :, 0], value, slots, positions, *scales)
+    else:
+        reference.keys[0][slots, :, positions] = want_k[:, :, 0].to(cache_dtype)
+        reference.values[0][slots, :, positions] = value.to(cache_dtype)
 
     got_q, got_k = qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *weights,
-                                cache_write=(fused.keys[0], fused.values[0], slots, positions))
+                                cache_write=(fused.keys[0], fused.values[0], slots, positions, *scales))
     assert got_k is None and torch.equal(got_q, want_q)
-    assert torch.equal(fused.keys[0], reference.keys[0]) and torch.equal(fused.values[0], reference.values[0])
-    assert fused.keys[0].abs().sum() > 0 and fused.values[0].abs().sum() > 0
+    as_bytes = (lambda t: t.view(torch.uint8)) if cache_dtype in FP8_DTYPES else (lambda t: t)
+    assert torch.equal(as_bytes(fused.keys[0]), as_bytes(reference.keys[0]))
+    assert torch.equal(as_bytes(fused.values[0]), as_bytes(reference.values[0]))
+    assert fused.keys[0].float().abs().sum() > 0 and fused.values[0].float().abs().sum() > 0
+    if cache_dtype in FP8_DTYPES:
+        assert torch.isfinite(fused.values[0].float()).all()
+    if cache_dtype == torch.float8_e4m3fn:  # the large value head saturated at 448, not inf/NaN
+        assert float(fused.values[0].float().abs().max()) == torch.finfo(cache_dtype).max
 
 
 @needs_interpreter
@@ -279,7 +292,8 @@ def test_decode_with_the_cache_write_in_the_norm_rope_kernel_interpreted_keeps_t
         if fused:
             def target(view, layer_idx):
                 written.append(layer_idx)
-                return view.cache.keys[layer_idx], view.cache.values[layer_idx], view.rows, view.positions
+                return (view.cache.keys[layer_idx], view.cache.values[layer_idx], view.rows, view.positions,
+                        view.cache.k_scales[layer_idx], view.cache.v_scales[layer_idx])
 
             monkeypatch.setattr(DecodeCacheView, "fused_write_target", target)
             for module in runner.model.modules():
