@@ -40,8 +40,10 @@ except ImportError:
     triton = None
 
 MAX_ROWS = 16  # one 16-row tile (the smallest tensor-core tile)
-# fused_ops routes decoder linears here when True; SLIME_SMALL_M_GEMM=0/1 overrides (the H200 A/B:
-# bench/decode_step.py --with small_m_gemm, and the engine's GPU tests with it on)
+# fused_ops routes decoder linears here when True; SLIME_SMALL_M_GEMM=1 turns it on (the H200 A/B:
+# bench/decode_step.py --with small_m_gemm). Off: measured slower than cuBLAS with these tiles (Qwen3-0.6B
+# decode step at 16 rows, position 383: 1.648 ms with it vs 1.439 ms; bench/results/
+# decode_step-nvidia-h200-20261202-qwen3-0.6b-b16-v2-smallm.json). The engine's GPU tests pass with it on.
 ENABLED = os.environ.get("SLIME_SMALL_M_GEMM", "0") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 PROGRAMS_PER_SM = 2

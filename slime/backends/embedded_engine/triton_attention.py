@@ -9,11 +9,11 @@ them up to the longest):
   attention), walks its share of row ``b``'s positions ``[split * SPLIT_LEN, min(.., length_b))`` in
   blocks of ``BLOCK_N`` (:func:`block_n`), and keeps an online softmax (running max ``m``, sum ``l``, weighted values
   ``acc``) in fp32;
-* it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split), and the program that finishes
-  last among a (row, kv_head)'s splits (an atomic ticket per pair) merges them:
-  ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s`` — no second launch
-  (``MERGE_IN_SPLIT_KERNEL = False``: a separate merge kernel, as before). A row in one split writes
-  its output directly.
+* it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split); a second small kernel merges
+  the splits: ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s``. A row in one
+  split writes its output directly (no merge). ``MERGE_IN_SPLIT_KERNEL`` instead lets the program
+  that finishes last among a (row, kv_head)'s splits (an atomic ticket per pair) merge them in the
+  same launch — measured slower at B=128, so off.
 
 Splitting a row over several programs keeps the GPU busy when the batch is small. ``SPLIT_LEN`` is
 fixed per call (a CUDA graph captures it for its KV-length bucket); splits past a row's length
@@ -152,8 +152,12 @@ if triton is not None:
 
 
 TARGET_PROGRAMS = 2048  # enough programs to fill an H100/H200 several times over
-MERGE_IN_SPLIT_KERNEL = True  # the last split program of a (row, kv_head) merges (False: a second kernel; A/B)
-EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B switch)
+# The last split program of a (row, kv_head) merging the splits itself, instead of a second kernel.
+# Measured on the H200 (Qwen3-0.6B decode step, bench/results/decode_step-nvidia-h200-20261202-*): B=16 at
+# 383 1.439 ms with it vs 1.440 without (the launch saved = the merge's own time), B=128 at 511 3.398 vs
+# 3.225 ms (slower: the merging programs run after the others as a serial tail). Off; kept for the A/B.
+MERGE_IN_SPLIT_KERNEL = False
+EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
