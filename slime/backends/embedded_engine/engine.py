@@ -298,7 +298,9 @@ class Engine:
         start = time.perf_counter()
         running = list(self.scheduler.running)  # the batch sits in slots 0..B-1 (the scheduler keeps it compact)
         previous, produced = self._inflight, 0
-        if self.speculative is not None:  # draft + verify; a step where no row has a draft decodes as usual
+        if self.speculative is not None and not self.speculative.wants_step(running):
+            self.speculative.count_plain_step(running)  # every row's lookup paused: an ordinary (run-ahead) step
+        elif self.speculative is not None:  # draft + verify; a step where no row has a draft decodes as usual
             produced = self._drain()
             running = list(self.scheduler.running)
             verified = self.speculative.step(self, running) if running else 0

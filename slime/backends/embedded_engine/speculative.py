@@ -68,6 +68,7 @@ DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4, "NEXTN": 4}
 #: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
 DRAFT_STREAM, ACCEPT_STREAM = 1, 2
 NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per proposal (bounds host time)
+NGRAM_MAX_BACKOFF = 16  # output tokens an NGRAM row pauses its lookups at most (doubling from 1)
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,19 @@ class SpecState:
     chain_position: int = 0
     ngram_index: dict[int, list[int]] = field(default_factory=dict)  # NGRAM: token -> positions
     ngram_indexed: int = 0  # tokens of prompt + output in ngram_index
+    # NGRAM back-off: after a lookup that found nothing or drafts that were all rejected the row does not
+    # draft until it has resume_at output tokens (the pause doubles each time up to NGRAM_MAX_BACKOFF, and
+    # ends at the first accepted draft)
+    backoff: int = 0
+    resume_at: int = 0
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
         """NEXTN: the target's hidden states of the next computed positions."""
         self.hidden = hidden.clone() if self.hidden is None else torch.cat((self.hidden, hidden))
+
+    def back_off(self, output_length: int) -> None:
+        self.backoff = min(max(1, 2 * self.backoff), NGRAM_MAX_BACKOFF)
+        self.resume_at = output_length + self.backoff
 
     def count_step(self, proposed: int, accepted: int) -> None:
         self.verify_ct += 1
@@ -440,13 +450,30 @@ class SpeculativeDecoder:
             self.draft.grow_cache(need)
 
     # ------------------------------------------------------------------ one step
+    def _drafting(self, seq: "Sequence") -> bool:
+        """Whether ``seq`` drafts this step (NGRAM rows pause after lookups that found or won nothing)."""
+        return self.draft is not None or seq.spec is None or len(seq.output_ids) >= seq.spec.resume_at
+
+    def wants_step(self, running: list["Sequence"]) -> bool:
+        """Whether this decode step goes through :meth:`step`; False when every row's NGRAM lookup is
+        paused: the engine then runs its ordinary step, which may start before the previous one is read
+        (a speculative step needs the previous tokens on the host)."""
+        return self.needs_hidden or any(self._drafting(seq) for seq in running)
+
+    def count_plain_step(self, running: list["Sequence"]) -> None:
+        """An ordinary step the engine ran instead of :meth:`step` (counted as a verify step without drafts)."""
+        for seq in running:
+            if seq.spec is None:
+                seq.spec = SpecState()
+            seq.spec.count_step(0, 0)
+
     def step(self, engine: "Engine", running: list["Sequence"]) -> int | None:
         """Draft, verify and emit for ``running`` (no step in flight); None when no row has a draft
         (the engine then runs an ordinary decode step, counted as a verify step with no drafts)."""
         for seq in running:
             if seq.spec is None:
                 seq.spec = SpecState()
-        ks = [self._budget(engine, seq) for seq in running]
+        ks = [self._budget(engine, seq) if self._drafting(seq) else 0 for seq in running]
         settings = [[engine._row_sampling(seq, ahead=j) for j in range(k + 1)] for seq, k in zip(running, ks)]
         draft_probs = None
         if max(ks) == 0:
@@ -454,6 +481,9 @@ class SpeculativeDecoder:
         elif self.draft is None:
             drafts = [ngram_propose(seq.spec, seq.fill_ids, self.config.ngram_max_match, k) if k else []
                       for seq, k in zip(running, ks)]
+            for seq, k, d in zip(running, ks, drafts):
+                if k and not d:  # nothing to look up: pause this row's lookups
+                    seq.spec.back_off(len(seq.output_ids))
         else:
             drafting = [i for i, k in enumerate(ks) if k]
             tokens, probs = self.draft.propose([running[i] for i in drafting], [ks[i] for i in drafting],
@@ -500,6 +530,11 @@ class SpeculativeDecoder:
         result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
         for i, seq in enumerate(running):  # every row's cache length first: a finishing row moves the last row
             seq.spec.count_step(len(drafts[i]), result.accepted[i])
+            if self.draft is None and drafts[i]:  # NGRAM: a won draft resumes lookups, all lost pauses them
+                if result.accepted[i]:
+                    seq.spec.backoff = seq.spec.resume_at = 0
+                else:
+                    seq.spec.back_off(len(seq.output_ids))
             if self.needs_hidden:  # the positions now verified: the last token and the accepted drafts
                 seq.spec.add_hidden(hidden[i][: 1 + result.accepted[i]])
             seq.num_computed += 1 + result.accepted[i]  # the last token and the accepted drafts are cached

@@ -251,3 +251,37 @@ def test_seeded_request_is_reproducible_whatever_its_batch(tiny_model_dir, draft
     batched, stats = run(tiny_model_dir, PROMPTS, [seeded] + others, "STANDALONE", draft_dir)
     assert batched[0].output_ids == alone[0].output_ids
     assert stats["spec_accepted_drafts"] > 0
+
+
+def test_ngram_rows_pause_lookups_that_find_or_win_nothing(tiny_model_dir, monkeypatch):
+    """NGRAM back-off: a row whose lookup found nothing, or whose drafts were all rejected, stops looking
+    up for 1, 2, 4, .. up to 16 output tokens (an accepted draft ends the pause), and a step where every
+    row pauses is the engine's ordinary step — for prompts without repeats, most of a long output;
+    the outputs stay the plain engine's (greedy) and every step is counted for the spec metrics."""
+    from slime.backends.embedded_engine import speculative
+
+    state = SpecState()
+    for length, pause in [(10, 1), (11, 2), (13, 4), (17, 8), (25, 16), (41, 16)]:
+        state.back_off(length)
+        assert (state.backoff, state.resume_at) == (pause, length + pause)
+
+    calls = []
+    original = speculative.ngram_propose
+    monkeypatch.setattr(speculative, "ngram_propose", lambda *a: calls.append(1) or original(*a))
+    prompts = [list(range(100 + 40 * i, 130 + 40 * i)) for i in range(3)]  # no repeats in the prompts
+    seqs, _ = run(tiny_model_dir, prompts, [greedy(40) for _ in prompts], "NGRAM")
+    plain, _ = run(tiny_model_dir, prompts, [greedy(40) for _ in prompts])
+    assert [s.output_ids for s in seqs] == [p.output_ids for p in plain]
+
+    sampled = [SamplingParams(max_new_tokens=80, temperature=1.0, ignore_eos=True, sampling_seed=7 + i) for i in range(3)]
+    lookups = {}
+    for pause in (16, 0):  # 0: no back-off (every row looks up every step, as before)
+        monkeypatch.setattr(speculative, "NGRAM_MAX_BACKOFF", pause)
+        calls.clear()
+        seqs, stats = run(tiny_model_dir, prompts, sampled, "NGRAM")
+        lookups[pause] = (len(calls), stats["spec_verify_forwards"], stats["decode_steps"])
+        for seq in seqs:  # every decode step counted once for the spec metrics (accept length = tokens / steps)
+            assert spec_meta_info(seq)["spec_verify_ct"] == 79
+    assert lookups[0][0] == 78 * 3, lookups  # every row, every step but its last (no room for a draft)
+    assert lookups[16][0] < 0.5 * lookups[0][0], lookups  # measured: 24 vs 234
+    assert lookups[16][1] < lookups[0][1], lookups  # fewer verify forwards (1 vs 18), the rest ordinary steps
