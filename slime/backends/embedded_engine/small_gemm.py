@@ -101,22 +101,24 @@ if triton is not None:
                 for split in range(SPLIT_K):  # in split order: the sum does not depend on who came last
                     acc += tl.load(partial_ptr + split * BLOCK_M * N + tile_offsets, mask=out_mask, other=0.0,
                                    cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-                if HAS_RESIDUAL:
-                    acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask,
-                                   other=0.0).to(tl.float32)
-                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=out_mask)
+                _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, in_n, out_mask, stride_rm, stride_om,
+                          HAS_BIAS, HAS_RESIDUAL)
                 tl.atomic_xchg(ticket_ptr + pid_n, 0)
         else:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            if HAS_RESIDUAL:
-                acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask,
-                               other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=out_mask)
+            _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, in_n, out_mask, stride_rm, stride_om,
+                      HAS_BIAS, HAS_RESIDUAL)
+
+    @triton.jit
+    def _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, in_n, out_mask, stride_rm, stride_om,
+                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """``acc (+ bias) (+ residual)`` in fp32, stored once in the output's dtype."""
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask,
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 def _sm_count(device: torch.device) -> int:
