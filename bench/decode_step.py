@@ -100,12 +100,13 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
     parser.add_argument("--without", action="append", default=[],
-                        choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_merge_in_split",
-                                 "attention_early_v"],
+                        choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_early_v"],
                         help="run without this fusion (repeatable), for an A/B of it in one visit")
-    parser.add_argument("--with", dest="with_", action="append", default=[], choices=["small_m_gemm"],
-                        help="run with this kernel switched on (repeatable): small_m_gemm = the decoder's linears "
-                             "through small_gemm.py up to 16 tokens")
+    parser.add_argument("--with", dest="with_", action="append", default=[],
+                        choices=["small_m_gemm", "attention_merge_in_split"],
+                        help="run with this measured-and-off kernel switched on (repeatable): small_m_gemm = the "
+                             "decoder's linears through small_gemm.py up to 16 tokens; attention_merge_in_split = "
+                             "the flash-decoding kernel merging its own splits")
     parser.add_argument("--attention-block-n", type=int, default=None,
                         help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
@@ -125,11 +126,14 @@ def main() -> None:
         for module in runner.model.modules():
             if "fused_norm_rope" in vars(module):
                 del module.fused_norm_rope
-    if "attention_merge_in_split" in args.without or "attention_early_v" in args.without:
+    if "attention_merge_in_split" in args.with_:
         from slime.backends.embedded_engine import triton_attention
 
-        triton_attention.MERGE_IN_SPLIT_KERNEL = "attention_merge_in_split" not in args.without
-        triton_attention.EARLY_V_LOAD = "attention_early_v" not in args.without
+        triton_attention.MERGE_IN_SPLIT_KERNEL = True
+    if "attention_early_v" in args.without:
+        from slime.backends.embedded_engine import triton_attention
+
+        triton_attention.EARLY_V_LOAD = False
     if "small_m_gemm" in args.with_:
         from slime.backends.embedded_engine import small_gemm
 

@@ -48,6 +48,7 @@ import os
 import torch
 
 from slime.backends.embedded_engine.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
+from slime.backends.embedded_engine.tickets import Tickets
 
 try:
     import triton
@@ -281,26 +282,7 @@ def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int, a_q
                key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms, a_quantized))
 
 
-class _SplitCounters:
-    """Per-device int32 arrival counters of split-K tiles. The kernel leaves them at 0, so they are
-    allocated (zeroed) once and reused by every GEMM on the device; the engine runs one GEMM at a time
-    per device (one stream), which is what makes sharing them safe."""
-
-    def __init__(self):
-        self.by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, tiles: int) -> torch.Tensor:
-        counters = self.by_device.get(device)
-        if counters is None or counters.numel() < tiles:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("fp8 GEMM: the split-K counters are first needed during CUDA graph capture; "
-                                   "run any FP8 GEMM on this device eagerly before capturing")
-            counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-            self.by_device[device] = counters
-        return counters
-
-
-_split_counters = _SplitCounters()
+_split_counters = Tickets("fp8 GEMM split-K counters")
 
 
 QUANTIZE_BLOCK_M = 16  # rows per program of the activation quantizer (one 128-channel group each)

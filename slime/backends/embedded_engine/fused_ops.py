@@ -36,6 +36,7 @@ except ImportError:
     triton = None
 
 from slime.backends.embedded_engine import small_gemm
+from slime.backends.embedded_engine.kv_cache import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
         keys, values, slots, positions, *cache_strides, 1.0 / k_scale, 1.0 / v_scale,
         torch.finfo(keys.dtype).max if keys.dtype.is_floating_point else 0.0,
         HALF=dim // 2, NORM=norm, WRITE_CACHE=cache_write is not None,
-        SATURATE=keys.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), num_warps=1)
+        SATURATE=keys.dtype in FP8_DTYPES, num_warps=1)
     return query.transpose(1, 2), (None if cache_write is not None else key.transpose(1, 2))
 
 

@@ -57,14 +57,15 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``x`` as stored in a cache of ``dtype``: FP8 divides by ``scale`` and saturates to the format's
-    finite range (torch's own cast overflows to inf for e5m2; for e4m3 it saturated on the CPU we tried,
-    which nothing promises for other paths: clamping first makes every write path, Triton's included,
-    agree); others just cast."""
+    """``x`` as stored in a cache of ``dtype``: FP8 multiplies by ``1 / scale`` (in fp32, as the Triton
+    write kernels do, so every write path stores the same bits whatever the scale) and saturates to the
+    format's finite range (torch's own cast overflows to inf for e5m2; for e4m3 it saturated on the CPU we
+    tried, which nothing promises for other paths: clamping first makes every write path, Triton's
+    included, agree); others just cast."""
     if dtype not in FP8_DTYPES:
         return x.to(dtype)
     limit = torch.finfo(dtype).max
-    x = x.float() if scale == 1.0 else x.float() / scale
+    x = x.float() if scale == 1.0 else x.float() * (1.0 / scale)
     return x.clamp(-limit, limit).to(dtype)
 
 

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from slime.backends.embedded_engine.tickets import Tickets
+
 try:
     import triton
     import triton.language as tl
@@ -136,24 +138,7 @@ def plan(out_features: int, in_features: int, sms: int) -> int:
     return triton.cdiv(k_steps, triton.cdiv(k_steps, split))
 
 
-class _Tickets:
-    """Per-device zeroed int32 tickets (the kernel leaves them at 0), allocated before any capture."""
-
-    def __init__(self):
-        self.by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, need: int) -> torch.Tensor:
-        tickets = self.by_device.get(device)
-        if tickets is None or tickets.numel() < need:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("small-M GEMM: its split-K tickets are first needed during CUDA graph capture; "
-                                   "run one step eagerly first")
-            tickets = torch.zeros(max(need, 1 << 14), dtype=torch.int32, device=device)
-            self.by_device[device] = tickets
-        return tickets
-
-
-_tickets = _Tickets()
+_tickets = Tickets("small-M GEMM split-K tickets", minimum=1 << 14)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from slime.backends.embedded_engine.tickets import Tickets
+
 try:
     import triton
     import triton.language as tl
@@ -158,20 +160,7 @@ TARGET_PROGRAMS = 2048  # enough programs to fill an H100/H200 several times ove
 # 3.225 ms (slower: the merging programs run after the others as a serial tail). Off; kept for the A/B.
 MERGE_IN_SPLIT_KERNEL = False
 EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, need: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per (row, kv_head), kept across calls (each call leaves them zero).
-    Allocated once per device, outside any CUDA-graph capture (the engine's warm-up step runs first)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < need:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"flash-decoding merge tickets: {need} needed while capturing a CUDA graph, "
-                               f"{0 if counters is None else counters.numel()} allocated; run one step eagerly first")
-        counters = torch.zeros(max(need, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+_tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (row, kv_head)
 
 
 def block_n(dim: int) -> int:
@@ -203,7 +192,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
     merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
-    counters = _counters(query.device, batch * kv_heads) if merge_here else lse
+    counters = _tickets.get(query.device, batch * kv_heads) if merge_here else lse
     _split_kernel[(batch, kv_heads, splits)](
         query, keys, values, lengths, parts, lse, out, counters,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),

@@ -168,7 +168,7 @@ def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, 
         out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     if merge_here:
-        assert int(triton_attention._COUNTERS[query.device].abs().sum()) == 0
+        assert int(triton_attention._tickets.by_device[query.device].abs().sum()) == 0
     one_split = triton_attention.decode_attention(query[:, :, :], keys, values, torch.ones(batch, dtype=torch.long),
                                                   1, dim ** -0.5)  # kv_length 1: one split, no merge at all
     first = values[:batch, :, 0].repeat_interleave(heads // kv_heads, dim=1)
