@@ -1,17 +1,18 @@
 """The engine's attention function, registered with transformers as ``slime_slot``.
 
 Prefill (several query tokens per row) goes to transformers' own SDPA implementation. Decode (one
-query token per row) is memory-bound: what matters is reading each row's cached keys and values
+query token per row, or a verify step's ``T`` tokens: the runner's decode forward passes ``slot_decode``)
+is memory-bound: what matters is reading each row's cached keys and values
 once. SDPA with an explicit mask falls back to repeating the key/value heads for grouped-query
 attention (a full copy of the step's KV per layer), so decode uses two batched matmuls over the
 key/value heads instead::
 
-    q  [B, H, 1, D] -> [B*Hkv, G, D]        (G = H / Hkv query heads share one KV head)
-    s  = q @ K^T * scale + mask             [B*Hkv, G, L]   (fp32 softmax)
-    o  = softmax(s) @ V                      [B*Hkv, G, D] -> [B, 1, H, D]
+    q  [B, H, T, D] -> [B*Hkv, G*T, D]      (G = H / Hkv query heads share one KV head)
+    s  = q @ K^T * scale + mask             [B*Hkv, G*T, L]   (fp32 softmax)
+    o  = softmax(s) @ V                      [B*Hkv, G*T, D] -> [B, T, H, D]
 
 K and V are the cache rows of the batch as strided views (no copy); the mask is the additive
-``[B, 1, 1, L]`` mask of the model runner (a position is visible iff it is <= the row's position).
+``[B, 1, T, L]`` mask of the model runner (a position is visible iff it is <= the token's position).
 Every operation has static shapes, so the decode step can be captured in a CUDA graph.
 
 On CUDA with Triton the model runner passes ``slot_lengths`` (each row's length, on the device) and
@@ -36,7 +37,8 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            **kwargs) -> tuple[torch.Tensor, None]:
     scales = kwargs.pop("slot_kv_scales", None)  # (k_scales, v_scales) per layer: the rows are the stored FP8 bytes
     k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][module.layer_idx], scales[1][module.layer_idx])
-    if query.shape[2] != 1 or attention_mask is None or kwargs.get("softcap") is not None:
+    decode = query.shape[2] == 1 or kwargs.get("slot_decode", False)  # several tokens: a verify step's
+    if not decode or attention_mask is None or kwargs.get("softcap") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if key.dtype != query.dtype:  # stored FP8 rows (a soft-capped decode): SDPA multiplies stored x scale
@@ -48,8 +50,11 @@ def slot_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if lengths is not None and triton_kernel_fits(dim, value.shape[-1]):
         from slime.backends.embedded_engine import triton_attention
 
-        batch, heads = query.shape[:2]
+        batch, heads, tokens = query.shape[:3]
         scale = dim ** -0.5 if scaling is None else scaling
+        if tokens > 1:  # [B, H, T, D] -> [B, T, H, D]: each row's T tokens in one pass over its cache
+            return triton_attention.decode_attention(query, key, value, lengths, key.shape[2], scale, k_scale,
+                                                     v_scale), None
         out = triton_attention.decode_attention(query.reshape(batch, heads, dim), key, value, lengths, key.shape[2],
                                                 scale, k_scale, v_scale)
         return out.view(batch, 1, heads, dim), None
@@ -66,20 +71,21 @@ def triton_kernel_fits(key_dim: int, value_dim: int) -> bool:
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      scaling: float | None) -> torch.Tensor:
-    """One query token per row: ``query [B, H, 1, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]``,
-    additive ``mask [B, 1, 1, L]`` -> ``[B, 1, H, Dv]`` (the layout transformers' attention modules
-    expect; ``Dv`` differs from ``D`` in multi-latent attention)."""
-    batch, heads, _, dim = query.shape
+    """``T`` query tokens per row (1 in a decode step, ``k + 1`` in a verify step): ``query [B, H, T, D]``,
+    ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]``, additive ``mask [B, 1, T, L]`` -> ``[B, T, H, Dv]``
+    (the layout transformers' attention modules expect; ``Dv`` differs from ``D`` in multi-latent
+    attention). The ``G = H / Hkv`` query heads of a KV head and the row's tokens share one matmul."""
+    batch, heads, tokens, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scale = dim ** -0.5 if scaling is None else scaling
-    q = query.reshape(batch * kv_heads, groups, dim)
+    q = query.reshape(batch * kv_heads, groups * tokens, dim)
     k = _flat_heads(key)
     v = _flat_heads(value)
-    scores = torch.bmm(q, k.transpose(1, 2)).float().view(batch, kv_heads, groups, length)
-    scores = scores * scale + mask.float()  # mask [B, 1, 1, L] broadcasts over heads and groups
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch * kv_heads, groups, length)
-    out = torch.bmm(probs, v).view(batch, heads, 1, value.shape[-1])
+    scores = torch.bmm(q, k.transpose(1, 2)).float().view(batch, kv_heads, groups, tokens, length)
+    scores = scores * scale + mask.float().view(batch, 1, 1, tokens, length)  # broadcasts over heads and groups
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch * kv_heads, groups * tokens, length)
+    out = torch.bmm(probs, v).view(batch, heads, tokens, value.shape[-1])
     return out.transpose(1, 2)
 
 

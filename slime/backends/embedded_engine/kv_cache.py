@@ -295,8 +295,9 @@ def write_decode_kv(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
 
 
 class DecodeCacheView:
-    """One decode step over the running batch in slots ``0 .. B-1``: row i writes its new key/value at
-    ``positions[i]`` and reads the first ``kv_length`` positions of its slot.
+    """One decode step over the running batch in slots ``0 .. B-1``: row i writes its ``tokens`` new
+    keys/values (1 in a decode step, ``k + 1`` in a verify step) at ``positions[i * tokens + t]`` and
+    reads the first ``kv_length`` positions of its slot.
 
     Unlike :class:`SlotCacheView` there is no boolean indexing (which waits for the device to count
     the selected elements): the writes use fixed-size index tensors, so the whole step runs without a
@@ -308,24 +309,29 @@ class DecodeCacheView:
     """
 
     def __init__(self, cache: SlotKVCache, rows: torch.Tensor, positions: torch.Tensor, kv_length: int,
-                 raw: bool = False):
+                 raw: bool = False, tokens: int = 1):
         self.cache = cache
         self.rows = rows  # [B] slot of each row (0..B-1)
-        self.positions = positions  # [B] absolute position of each row's new token
+        self.positions = positions  # [B * tokens] absolute position of each new token, row by row
         self.kv_length = kv_length
         self.batch = int(rows.shape[0])
+        self.tokens = tokens
+        # [B * tokens] the slot of each new token (the rows themselves for one token a row)
+        self.slots = rows if tokens == 1 else rows.repeat_interleave(tokens)
+        if positions.numel() != self.batch * tokens:
+            raise ValueError(f"DecodeCacheView: {positions.numel()} positions for {self.batch} rows of {tokens} tokens")
         self.raw = raw
         self.is_compileable = False
 
     def fused_write_target(self, layer_idx: int):
         """``(keys, values, slots, positions, k_scale, v_scale)`` for a kernel that writes this step's
-        keys and values itself (fused_ops.qk_norm_rope, storing as :func:`write_decode_kv` does), then
-        reads them with :meth:`read`; None off CUDA."""
+        keys and values itself (fused_ops.qk_norm_rope, storing as :func:`write_decode_kv` does; one slot
+        and position per token), then reads them with :meth:`read`; None off CUDA."""
         cache = self.cache
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]
         if triton is None or not keys.is_cuda:
             return None
-        return keys, values, self.rows, self.positions, cache.k_scales[layer_idx], cache.v_scales[layer_idx]
+        return keys, values, self.slots, self.positions, cache.k_scales[layer_idx], cache.v_scales[layer_idx]
 
     def read(self, layer_idx: int):
         """The running batch's cache rows of ``layer_idx`` (after a fused write), as :meth:`update` returns them."""
@@ -337,14 +343,17 @@ class DecodeCacheView:
         cache = self.cache
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]
         k_scale, v_scale = cache.k_scales[layer_idx], cache.v_scales[layer_idx]
-        # [B, heads, 1, dim] -> [B, heads, dim] written at (slot, :, position)
-        if triton is not None and keys.is_cuda:
-            write_decode_kv(keys, values, key_states[:, :, 0], value_states[:, :, 0], self.rows, self.positions,
-                            k_scale, v_scale)
+        # [B, heads, T, dim] -> [B * T, heads, dim] (row by row) written at (slot, :, position)
+        if self.tokens == 1:
+            key, value = key_states[:, :, 0], value_states[:, :, 0]
         else:
-            as_bytes(keys)[self.rows, :, self.positions] = as_bytes(quantize(key_states[:, :, 0], keys.dtype, k_scale))
-            as_bytes(values)[self.rows, :, self.positions] = as_bytes(quantize(value_states[:, :, 0], values.dtype,
-                                                                               v_scale))
+            key = key_states.transpose(1, 2).reshape(self.batch * self.tokens, *key_states.shape[1:2], -1)
+            value = value_states.transpose(1, 2).reshape(self.batch * self.tokens, *value_states.shape[1:2], -1)
+        if triton is not None and keys.is_cuda:
+            write_decode_kv(keys, values, key, value, self.slots, self.positions, k_scale, v_scale)
+        else:
+            as_bytes(keys)[self.slots, :, self.positions] = as_bytes(quantize(key, keys.dtype, k_scale))
+            as_bytes(values)[self.slots, :, self.positions] = as_bytes(quantize(value, values.dtype, v_scale))
         keys, values = keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
         return (keys, values) if self.raw else cache.read(layer_idx, keys, values)
 

@@ -52,11 +52,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
-                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-                      scale, v_scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr):
+                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                      stride_vn, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_ft,
+                      stride_fh, scale, v_scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                      SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr, TOKENS: tl.constexpr):
+        # GROUP_PAD covers the program's TOKENS * GROUP query rows, token-major: query row r is token
+        # r // GROUP of the row (its position length - TOKENS + r // GROUP) and head kv_head * GROUP + r % GROUP.
+        # TOKENS == 1 (a decode step) compiles to the one-token kernel: every TOKENS branch below is static.
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -67,10 +70,23 @@ if triton is not None:
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        heads = kv_head * GROUP + offs_g
-        in_group = offs_g < GROUP
-        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=in_group[:, None], other=0.0)
+        if TOKENS == 1:
+            parts_base = out_ptr + row * stride_ob  # each query row's (row, token) in the parts / lse buffers
+            lse_base = lse_ptr + row * stride_lb
+            q_base = q_ptr + row * stride_qb
+            final_base = final_ptr + row * stride_fb
+            heads = kv_head * GROUP + offs_g
+            in_group = offs_g < GROUP
+        else:
+            token = offs_g // GROUP
+            parts_base = out_ptr + (row * TOKENS + token[:, None]) * stride_ob
+            lse_base = lse_ptr + (row * TOKENS + token) * stride_lb
+            q_base = q_ptr + row * stride_qb + token[:, None] * stride_qt
+            final_base = final_ptr + row * stride_fb + token[:, None] * stride_ft
+            heads = kv_head * GROUP + offs_g % GROUP
+            in_group = offs_g < GROUP * TOKENS
+            limit = length - (TOKENS - 1) + token  # query t sees positions < length - (TOKENS - 1 - t)
+        q = tl.load(q_base + heads[:, None] * stride_qh + offs_d[None, :], mask=in_group[:, None], other=0.0)
         k_base = k_ptr + row * stride_kb + kv_head * stride_kh
         v_base = v_ptr + row * stride_vb + kv_head * stride_vh
 
@@ -85,10 +101,16 @@ if triton is not None:
                 v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None],
                             other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            if TOKENS == 1:
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                m_ref = m_new  # every block has a key for the one token: finite
+            else:
+                scores = tl.where(valid[None, :] & (n[None, :] < limit[:, None]), scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a token with no key yet: weights 0, not NaN
+            alpha = tl.exp(m - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             if not EARLY_V:
                 v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None],
@@ -99,13 +121,13 @@ if triton is not None:
         has_keys = l > 0
         out = acc * (v_scale / tl.where(has_keys, l, 1.0))[:, None]
         lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
-        final = final_ptr + row * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
-        if SPLITS == 1:  # the row in one program: its result is the output (lengths >= 1: it has keys)
+        final = final_base + heads[:, None] * stride_fh + offs_d[None, :]
+        if SPLITS == 1:  # the row in one program: its result is the output (every token has a key: length >= TOKENS)
             tl.store(final, out.to(final_ptr.dtype.element_ty), mask=in_group[:, None])
         else:
-            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+            tl.store(parts_base + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
                      out, mask=in_group[:, None])
-            tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=in_group)
+            tl.store(lse_base + heads * stride_lh + split, lse, mask=in_group)
             if MERGE_HERE:
                 # the last of the (row, kv_head) programs to finish merges the splits (no second launch):
                 # the barrier orders every thread's stores before the counter's acq_rel add, which makes
@@ -118,17 +140,17 @@ if triton is not None:
                     tl.debug_barrier()
                     top = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
                     for s in range(SPLITS):
-                        lse_s = tl.load(lse_ptr + row * stride_lb + heads * stride_lh + s, mask=in_group,
+                        lse_s = tl.load(lse_base + heads * stride_lh + s, mask=in_group,
                                         other=float("-inf"), cache_modifier=".cg")
                         top = tl.maximum(top, lse_s)
-                    top = tl.where(in_group, top, 0.0)  # split 0 has keys: finite for every head of the group
+                    top = tl.where(in_group, top, 0.0)  # split 0 has keys: finite for every query row
                     total = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
                     weight_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
                     for s in range(SPLITS):
-                        lse_s = tl.load(lse_ptr + row * stride_lb + heads * stride_lh + s, mask=in_group,
+                        lse_s = tl.load(lse_base + heads * stride_lh + s, mask=in_group,
                                         other=float("-inf"), cache_modifier=".cg")
                         weight = tl.exp(lse_s - top)
-                        part = tl.load(out_ptr + row * stride_ob + heads[:, None] * stride_oh + s * stride_os
+                        part = tl.load(parts_base + heads[:, None] * stride_oh + s * stride_os
                                        + offs_d[None, :], mask=in_group[:, None], other=0.0, cache_modifier=".cg")
                         total += weight[:, None] * part
                         weight_sum += weight
@@ -182,29 +204,48 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      kv_length: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``query [B, H, D]`` against cache rows ``keys/values [>=B, Hkv, capacity, D]`` (row b = slot b),
     each row attending to its first ``lengths[b]`` (<= ``kv_length``) positions -> ``[B, H, D]``. The
-    cache may be FP8 (any dtype the query's converts from): its values count ``k_scale``/``v_scale`` times."""
-    batch, heads, dim = query.shape
+    cache may be FP8 (any dtype the query's converts from): its values count ``k_scale``/``v_scale`` times.
+
+    ``query [B, H, T, D]`` (HF's layout, any strides with the last dim contiguous) is a verify step's
+    ``T`` tokens per row, already in the cache as the row's last ``T`` positions (``lengths[b]`` counts
+    them): token ``t`` attends to positions ``< lengths[b] - (T - 1 - t)`` -> ``[B, T, H, D]``. One program
+    per (row, KV head, split) loads all ``T * G`` queries of its KV head, so the row's cache is read once
+    for its ``T`` tokens."""
+    if query.dim() == 3:
+        batch, heads, dim = query.shape
+        tokens, stride_qt = 1, 0
+        q_strides = (query.stride(0), query.stride(1))
+        out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+        f_strides = (out.stride(0), 0, out.stride(1))
+    else:
+        batch, heads, tokens, dim = query.shape
+        stride_qt = query.stride(2)
+        q_strides = (query.stride(0), query.stride(1))
+        out = torch.empty((batch, tokens, heads, dim), dtype=query.dtype, device=query.device)
+        f_strides = (out.stride(0), out.stride(1), out.stride(2))
+    if query.stride(-1) != 1:
+        raise ValueError(f"decode_attention: the query's last dim must be contiguous, got strides {query.stride()}")
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     block = block_n(dim)
     splits, split_len = plan_splits(batch, kv_heads, kv_length, block)
-    parts = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
-    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
-    out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+    parts = torch.empty((batch * tokens, heads, splits, dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch * tokens, heads, splits), dtype=torch.float32, device=query.device)
     merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
     counters = _tickets.get(query.device, batch * kv_heads) if merge_here else lse
     _split_kernel[(batch, kv_heads, splits)](
         query, keys, values, lengths, parts, lse, out, counters,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        q_strides[0], stride_qt, q_strides[1], keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), *f_strides,
         scale * k_scale, v_scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        GROUP_PAD=max(16, triton.next_power_of_2(group * tokens)), HEAD_DIM=dim,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
-        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, num_warps=4, num_stages=2)
+        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, num_warps=4, num_stages=2)
     if splits > 1 and not merge_here:
-        _merge_kernel[(batch, heads)](
-            parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+        flat = out.view(batch * tokens, heads, dim)  # the (row, token) pairs in order: parts' first dim
+        _merge_kernel[(batch * tokens, heads)](
+            parts, lse, flat, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+            flat.stride(0), flat.stride(1), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
             num_warps=4)
     return out

@@ -173,3 +173,51 @@ def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, 
                                                   1, dim ** -0.5)  # kv_length 1: one split, no merge at all
     first = values[:batch, :, 0].repeat_interleave(heads // kv_heads, dim=1)
     torch.testing.assert_close(one_split, first, atol=1e-6, rtol=1e-6)
+
+
+def reference_tokens(query, keys, values, lengths, scale):
+    """``query [B, H, T, D]``: token t of row b at position ``lengths[b] - T + t`` attends to the row's
+    cache up to and including that position -> ``[B, T, H, D]`` (the dense reference, token by token)."""
+    tokens = query.shape[2]
+    outs = [reference(query[:, :, t: t + 1], keys, values, [int(n) - tokens + t for n in lengths], scale)
+            for t in range(tokens)]
+    return torch.cat(outs, dim=1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (6, 1, 16), (2, 2, 128)])
+def test_triton_verify_attention_interpreted_matches_reference(tokens, heads, kv_heads, dim, monkeypatch):
+    """The flash-decoding kernel with T query tokens per row (a verify step): rows of different lengths
+    (the shortest holds just its T tokens, one spans several splits, one ends T-1 positions into a new
+    block, so that block has keys for some of its tokens only), GQA groups 1-6; token t of a row attends
+    to the row's cache up to its own position. Against the dense reference in fp32, the query in HF's
+    strided layout; T=1 also through the one-token entry (``[B, H, D]``), which must give the same bits."""
+    from slime.backends.embedded_engine import triton_attention
+
+    gen = torch.Generator().manual_seed(tokens * 100 + dim)
+    block = triton_attention.block_n(dim)
+    lengths = torch.tensor([tokens, 3 * block + tokens - 1, 40 + tokens, block + 1])
+    batch, capacity = len(lengths), 3 * block + 8
+    keys = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
+    values = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
+    length = int(lengths.max())
+    splits, _ = triton_attention.plan_splits(batch, kv_heads, length, block)
+    assert splits > 1  # split partials merged
+    query = torch.randn(batch, tokens, heads, dim, generator=gen).transpose(1, 2)  # [B, H, T, D], HF's strides
+    out = triton_attention.decode_attention(query, keys, values, lengths, length, dim ** -0.5)
+    assert out.shape == (batch, tokens, heads, dim)
+    expected = reference_tokens(query, keys[:batch, :, :length], values[:batch, :, :length], lengths, dim ** -0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    if tokens == 1:
+        one = triton_attention.decode_attention(query[:, :, 0].contiguous(), keys, values, lengths, length, dim ** -0.5)
+        assert torch.equal(one, out[:, 0])
+    else:  # each token equals a one-token step of its own length (the rows' later positions are not seen)
+        for t in range(tokens):
+            one = triton_attention.decode_attention(query[:, :, t].contiguous(), keys, values,
+                                                    lengths - (tokens - 1 - t), length, dim ** -0.5)
+            torch.testing.assert_close(out[:, t], one, atol=1e-6, rtol=1e-6)
+        monkeypatch.setattr(triton_attention, "MERGE_IN_SPLIT_KERNEL", True)  # the splits merged in the kernel
+        merged = triton_attention.decode_attention(query, keys, values, lengths, length, dim ** -0.5)
+        torch.testing.assert_close(merged, expected, atol=2e-5, rtol=2e-5)
+        assert int(triton_attention._tickets.by_device[query.device].abs().sum()) == 0

@@ -2,7 +2,8 @@
 interpreter runs Python, so a kernel that only the compiler rejects (a value whose type changes inside
 an ``if``, an unsupported cast) passes the interpreter tests and breaks on the H200. Each variant the
 engine launches is compiled here: bf16 and FP8 caches, with and without the fused cache write, split
-and single-split attention with the in-kernel merge, the small-M GEMM's prologue/epilogue variants."""
+and single-split attention with the in-kernel merge, one query token a row (decode) and a verify step's
+T tokens, the small-M GEMM's prologue/epilogue variants."""
 
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ for cache, saturate in (("bf16", False), ("fp8e4nv", True), ("fp8e5", True)):
         compile_one(fused_ops._qk_norm_rope_kernel, types, dict(HALF=64, NORM=True, WRITE_CACHE=write,
                                                                 SATURATE=saturate), num_warps=1)
         done.append(f"qk_norm_rope/{cache}/write={write}")
-    for splits, merge in ((1, False), (3, True), (3, False)):
+    # one token a row (decode) and a verify step's 5 and 12 (T * G query rows padded to 16 and 32)
+    for tokens, pad, splits, merge in ((1, 16, 1, False), (1, 16, 3, True), (1, 16, 3, False), (5, 16, 1, False),
+                                       (5, 16, 3, True), (12, 32, 3, False)):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", lengths_ptr="*i64", out_ptr="*fp32",
                      lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32", v_scale="fp32")
         compile_one(triton_attention._split_kernel, types,
-                    dict(SPLIT_LEN=128, BLOCK_N=128, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PRECISION="tf32",
-                         SPLITS=splits, MERGE_HERE=merge, EARLY_V=True), num_stages=2)
-        done.append(f"split/{cache}/splits={splits}/merge={merge}")
+                    dict(SPLIT_LEN=128, BLOCK_N=128, GROUP=2, GROUP_PAD=pad, HEAD_DIM=128, PRECISION="tf32",
+                         SPLITS=splits, MERGE_HERE=merge, EARLY_V=True, TOKENS=tokens), num_stages=2)
+        done.append(f"split/{cache}/tokens={tokens}/splits={splits}/merge={merge}")
 for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
     for split, gate, residual in ((1, False, False), (4, True, True), (2, False, True)):
         types = dict(a_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
@@ -63,4 +66,4 @@ def test_decode_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * (2 + 3) + 6, compiled
+    assert len(compiled) == 3 * (2 + 6) + 6, compiled

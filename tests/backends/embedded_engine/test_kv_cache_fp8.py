@@ -380,6 +380,14 @@ def test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_ref
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     wrong = triton_attention.decode_attention(query.reshape(3, 4, 32), keys, values, positions + 1, length, 0.17)
     assert (wrong - expected).abs().max() > 1e-2  # the scales matter: without them the result differs
+    # a verify step's 3 tokens a row over the same FP8 rows (lengths >= 3: the rows hold their tokens)
+    from test_attention import reference_tokens
+
+    lengths = positions.clamp_min(2) + 1
+    tokens = torch.randn(3, 4, 3, 32, generator=gen)
+    out = triton_attention.decode_attention(tokens, keys, values, lengths, length, 0.17, SCALE, 2 * SCALE)
+    expected = reference_tokens(tokens, keys.float() * SCALE, values.float() * (2 * SCALE), lengths, 0.17)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.gpu
