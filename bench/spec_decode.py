@@ -14,6 +14,9 @@ Engines (one server each, started in turn on the same checkpoint, same flags oth
 * ``ngram``: ``--speculative-algorithm NGRAM --speculative-num-draft-tokens K+1`` (``--ngram-drafts K``);
 * ``standalone``: ``--speculative-algorithm STANDALONE`` with a draft made of the target's first
   ``--draft-layers`` decoder layers (its embeddings, final norm and head), ``--draft-steps`` drafts.
+* ``ngram-eager``, ``standalone-eager``, ``nextn-eager``: the same engines with
+  ``SLIME_SPEC_VERIFY_DECODE=0``: verify steps through the generic (eager, prefill-style) forward
+  instead of the T-token decode step and its CUDA graphs (the A/B of the verify step);
 * ``nextn``: ``--speculative-algorithm NEXTN --speculative-num-steps --nextn-steps``, the model's own
   MTP layer (DeepSeek-V3 architectures: ``--model deepseek-v3-1b``, or a ``--model-path`` checkpoint
   that carries its MTP layer). With ``--model``, one is written into the checkpoint before any engine
@@ -56,7 +59,7 @@ from bench.common import write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES, build_checkpoint, make_workload, server_info  # noqa: E402
 
 WORKLOADS = {"repetitive": 0.0, "sampling": 1.0}  # name -> temperature
-COUNTERS = ("decode_steps", "spec_verify_forwards", "spec_proposed_drafts", "spec_accepted_drafts", "decode_rows",
+COUNTERS = ("decode_steps", "spec_verify_forwards", "spec_verify_decode_steps", "spec_proposed_drafts", "spec_accepted_drafts", "decode_rows",
             "decode_seconds", "generated_tokens")
 
 
@@ -100,11 +103,11 @@ async def burst(url: str, prompts, max_new_tokens: int, temperature: float) -> f
     return sum(counts) / elapsed
 
 
-def measure(model_path: str, engine_args: list[str], prompts, args) -> dict:
+def measure(model_path: str, engine_args: list[str], prompts, args, env: dict | None = None) -> dict:
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 
     context = max(512, max(len(p) for p in prompts) + args.max_new_tokens + 16)
-    engine = EmbeddedEngineProcess(model_path, extra_args=[
+    engine = EmbeddedEngineProcess(model_path, env=env, extra_args=[
         "--device", args.device, "--max-running-requests", str(len(prompts)), "--context-length", str(context),
         *engine_args, *shlex.split(args.engine_args)])
     engine.start()
@@ -124,7 +127,8 @@ def measure(model_path: str, engine_args: list[str], prompts, args) -> dict:
             tps, delta = best
             proposed = delta["spec_proposed_drafts"]
             results[name] = {"output_tokens_per_s": tps, "decode_steps": delta["decode_steps"],
-                             "verify_forwards": delta["spec_verify_forwards"], "proposed_drafts": proposed,
+                             "verify_forwards": delta["spec_verify_forwards"],
+                             "verify_decode_steps": delta["spec_verify_decode_steps"], "proposed_drafts": proposed,
                              "accepted_drafts": delta["spec_accepted_drafts"],
                              "accept_rate": delta["spec_accepted_drafts"] / proposed if proposed else None,
                              # per request and decode step (the first token, from prefill, included)
@@ -181,14 +185,19 @@ def main() -> None:
         engines = {"off": [],
                    "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.ngram_drafts + 1)]}
         engines["nextn"] = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.nextn_steps)]
-        if "standalone" in wanted:
+        if "standalone" in wanted or "standalone-eager" in wanted:
             draft = build_layer_draft(model_path, args.draft_layers, tmp + "/draft")
             engines["standalone"] = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
                                      "--speculative-num-steps", str(args.draft_steps)]
+        for name in list(engines):  # the A/B: verify steps through the generic forward, as before the verify step
+            engines[f"{name}-eager"] = engines[name]
         unknown = set(wanted) - set(engines)
         if unknown:
-            raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone, nextn")
-        results = {name: measure(model_path, engines[name], prompts, args) for name in wanted}
+            raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone, nextn "
+                             "(or ngram-eager etc.: verify steps through the generic forward)")
+        results = {name: measure(model_path, engines[name], prompts, args,
+                                 env={"SLIME_SPEC_VERIFY_DECODE": "0"} if name.endswith("-eager") else None)
+                   for name in wanted}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if "off" in results:

@@ -22,6 +22,7 @@ import torch
 from slime.backends.embedded_engine import attention, fused_projections
 from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, DecodeCacheView, SlotCacheView,
                                                      SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
+from slime.backends.embedded_engine.mla_decode import MLA_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ModelRunner:
             from slime.backends.embedded_engine import mla_decode as mla
 
             self.mla_layers = mla.install(self.model)
+        #: speculative verify steps run as T-token decode steps (can_verify); MLA keeps the generic forward
+        self.verify_decode = not any(type(m).__name__ in MLA_CLASSES for m in self.model.modules())
         self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
@@ -348,26 +351,57 @@ class ModelRunner:
         :meth:`DecodeGraphs.run_next`): the engine launches it before reading the previous step's results."""
         return self.graphs.run_next(tokens, positions)
 
+    def can_verify(self, starts: list[int], tokens: int) -> bool:
+        """Whether a verify step of ``tokens`` tokens a row, the rows (the running batch, slots 0..B-1)
+        starting at ``starts``, runs as a decode step (:meth:`verify`): a model whose attention takes
+        it (not multi-latent attention, whose absorbed decode is one token a row) and every token,
+        padding included, inside its slot."""
+        return self.verify_decode and max(starts) + tokens <= self.kv_cache.shape.slot_capacity
+
+    @torch.inference_mode()
+    def verify(self, tokens: list[list[int]], starts: list[int], with_hidden: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A speculative verify step as a decode step of ``T`` tokens a row (:meth:`decode_forward`):
+        row i (slot i) feeds ``tokens[i]`` (``T`` each, padding included) from position ``starts[i]``.
+        Returns fp32 logits ``[B, T, vocab]`` and, ``with_hidden``, the final hidden states ``[B, T,
+        hidden]``; on CUDA from a graph (:meth:`DecodeGraphs.run_verify`): read them before the next step."""
+        return self.graphs.run_verify(tokens, starts, with_hidden)
+
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """The decode forward on device tensors ``[B, 1]`` (no host syncs: capturable). The fp32 logits
-        ``[B, vocab]`` go to ``out`` when given (a CUDA graph's output buffer: the model-dtype logits
-        are cast in that one copy, not copied twice)."""
-        batch = input_ids.shape[0]
+                       out: torch.Tensor | None = None, hidden_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode forward on device tensors ``[B, T]`` (no host syncs: capturable): row b is slot b
+        and feeds ``T`` tokens at ``positions[b]`` (consecutive; a verify step's last token and drafts, T
+        = 1 in a decode step), each attending to its slot up to its own position. Returns fp32 logits
+        ``[B, vocab]`` for ``T = 1``, else ``[B, T, vocab]``; they go to ``out`` when given (a CUDA graph's
+        output buffer: the model-dtype logits are cast in that one copy, not copied twice). ``hidden_out``
+        (``[B, T, hidden]``) receives the final hidden states (after the model's final norm, what a
+        multi-token-prediction layer reads: :meth:`forward_with_hidden`)."""
+        batch, tokens = input_ids.shape
         key_pos = torch.arange(kv_length, device=self.device).view(1, 1, 1, -1)
-        mask = torch.zeros((batch, 1, 1, kv_length), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(key_pos > positions.view(batch, 1, 1, 1), torch.finfo(self.dtype).min)
+        mask = torch.zeros((batch, 1, tokens, kv_length), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(key_pos > positions.view(batch, 1, tokens, 1), torch.finfo(self.dtype).min)
         rows = torch.arange(batch, device=self.device)
         _, key_dim, value_dim = self._geometry
         kernel = self.attention_backend == "triton" and attention.triton_kernel_fits(key_dim, value_dim)
-        view = DecodeCacheView(self.kv_cache, rows, positions.view(-1), kv_length, raw=kernel)
+        view = DecodeCacheView(self.kv_cache, rows, positions.reshape(-1), kv_length, raw=kernel, tokens=tokens)
         extra = {self._cache_kwarg: view}
+        if tokens > 1:  # the attention's decode path for several tokens a row (not prefill's SDPA)
+            extra["slot_decode"] = True
         if self.attention_backend == "triton":  # per-row lengths for the flash-decoding kernel
-            extra["slot_lengths"] = positions.view(-1) + 1
+            extra["slot_lengths"] = positions[:, -1] + 1
         if kernel and self.kv_cache.quantized:  # it reads the stored FP8 rows and scales them itself
             extra["slot_kv_scales"] = (self.kv_cache.k_scales, self.kv_cache.v_scales)
-        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                            logits_to_keep=1, **extra).logits[:, -1]
+        handle = None
+        if hidden_out is not None:
+            handle = self.model.get_decoder().norm.register_forward_hook(
+                lambda module, args, output: hidden_out.copy_(output))
+        try:
+            logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                logits_to_keep=1 if tokens == 1 else 0, **extra).logits
+        finally:
+            if handle is not None:
+                handle.remove()
+        logits = logits[:, -1] if tokens == 1 else logits
         return logits.float() if out is None else out.copy_(logits)
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -533,11 +567,21 @@ class DecodeGraphs:
         self.pool = None
         self.ids = self.positions = self.host = self.logits = None
         self.captures = 0
+        # verify steps (run_verify): graphs by (batch bucket, KV-length bucket, T, with hidden states), and
+        # per T their static inputs [slots, T] (ids, positions, a pinned host copy) and outputs
+        self.verify_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                   torch.Tensor | None]] = {}
+        self.verify_buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self.verify_captures = 0
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.verify_graphs.clear()
         self.pool = None
         self.logits = None
+        for buffers in self.verify_buffers.values():  # the outputs: reallocated with the next capture
+            buffers.pop("logits", None)
+            buffers.pop("hidden", None)
 
     def _bucket(self, batch: int, need: int) -> tuple[int, int] | None:
         if not self.enabled or batch > self.batch_buckets[-1] or batch > self.runner.kv_cache.shape.num_slots:
@@ -620,3 +664,76 @@ class DecodeGraphs:
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
         return graph, self.logits[:padded]
+
+    # ------------------------------------------------------------------ verify steps: T tokens a row
+    def run_verify(self, tokens: list[list[int]], starts: list[int], with_hidden: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verify step (:meth:`ModelRunner.verify`): rows ``0..B-1`` each feed their ``T`` tokens from
+        ``starts[i]``. Through a graph captured for (batch bucket, KV-length bucket, T) when graphs are
+        on, else eagerly at the exact length. Padding rows of a bucket feed token 0 at positions
+        ``0..T-1`` of the free slots after B (the caller checked that every row's T positions fit its slot)."""
+        runner = self.runner
+        batch, width = len(tokens), len(tokens[0])
+        need = max(starts) + width
+        key = self._bucket(batch, need)
+        hidden_size = runner.model.get_decoder().norm.weight.shape[-1]
+        if key is None:
+            ids = torch.tensor(tokens, dtype=torch.long).to(runner.device)
+            pos = (torch.tensor(starts, dtype=torch.long).view(-1, 1) + torch.arange(width)).to(runner.device)
+            hidden = (torch.empty((batch, width, hidden_size), dtype=runner.dtype, device=runner.device)
+                      if with_hidden else None)
+            return runner.decode_forward(ids, pos, need, hidden_out=hidden), hidden
+        padded, length = key
+        buffers = self._fill_verify(tokens, starts, padded, width)
+        graph_key = (padded, length, width, with_hidden)
+        if graph_key not in self.verify_graphs:
+            self.verify_graphs[graph_key] = self._capture_verify(padded, length, width, with_hidden, hidden_size)
+        graph, logits, hidden = self.verify_graphs[graph_key]
+        graph.replay()
+        return logits[:batch], (hidden[:batch] if hidden is not None else None)
+
+    def _fill_verify(self, tokens: list[list[int]], starts: list[int], padded: int, width: int) -> dict:
+        buffers = self.verify_buffers.get(width)
+        if buffers is None:
+            slots, device = self.runner.max_slots, self.runner.device
+            buffers = self.verify_buffers[width] = {
+                "ids": torch.zeros((slots, width), dtype=torch.long, device=device),
+                "positions": torch.zeros((slots, width), dtype=torch.long, device=device),
+                "host": torch.zeros((2, slots, width), dtype=torch.long, pin_memory=True)}
+        host, batch = buffers["host"], len(tokens)
+        # the previous step ended in a device->host sync: the pinned buffer is free to reuse
+        host[0, :padded] = 0
+        host[1, :padded] = torch.arange(width)  # padding rows: positions 0..T-1 of their free slots
+        host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
+        host[1, :batch] += torch.tensor(starts, dtype=torch.long).view(-1, 1)
+        buffers["ids"][:padded].copy_(host[0, :padded], non_blocking=True)
+        buffers["positions"][:padded].copy_(host[1, :padded], non_blocking=True)
+        return buffers
+
+    def _capture_verify(self, padded: int, length: int, width: int, with_hidden: bool, hidden_size: int):
+        runner = self.runner
+        buffers = self.verify_buffers[width]
+        ids, pos = buffers["ids"][:padded], buffers["positions"][:padded]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        slots = len(buffers["ids"])
+        if "logits" not in buffers:  # one output buffer per T for every graph of that T
+            buffers["logits"] = torch.empty((slots, width, runner.vocab_size), dtype=torch.float32,
+                                            device=runner.device)
+        if with_hidden and "hidden" not in buffers:
+            buffers["hidden"] = torch.empty((slots, width, hidden_size), dtype=runner.dtype, device=runner.device)
+        hidden = buffers["hidden"][:padded] if with_hidden else None
+        # warm-up on a side stream, as for decode graphs: it writes the keys/values the replay will write
+        stream = torch.cuda.Stream(device=runner.device)
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                runner.decode_forward(ids, pos, length, hidden_out=hidden)
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            runner.decode_forward(ids, pos, length, out=buffers["logits"][:padded], hidden_out=hidden)
+        self.captures += 1
+        self.verify_captures += 1
+        logger.info("captured a verify CUDA graph for batch %d x %d tokens, KV length %d", padded, width, length)
+        return graph, buffers["logits"][:padded], hidden

@@ -163,6 +163,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                                     "memory_usage": _memory_usage(runner),
                                     "effective_max_running_requests_per_dp": shape.num_slots,
                                     "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures,
+                                    "cuda_graph_verify_captures": runner.graphs.verify_captures,
                                     "attention_backend": runner.attention_backend, "fused_ops": runner.fused_ops,
                                     "fused_projections": runner.fused_projections}]
         return info

@@ -15,7 +15,10 @@ A decode step with speculation (``--speculative-algorithm NGRAM``, ``STANDALONE`
      multi-token-prediction block, fed the target's hidden states of the verified positions and its
      own output when chained, samples ``x_j ~ q_j`` the same way, in its own one-layer slot cache.
 2. **Verify.** One batched forward of the target over ``[last token, x_1..x_k]`` per row gives
-   ``p_1..p_{k+1}`` (the rows' drafts may differ in length; they are left-padded).
+   ``p_1..p_{k+1}``: a decode step of ``T = --speculative-num-draft-tokens`` tokens a row
+   (``ModelRunner.verify``; on CUDA replayed from a CUDA graph), rows with fewer drafts padded after
+   them; where that does not apply (multi-latent attention, a row whose ``T`` positions would pass
+   its slot's end) the generic forward, rows left-padded.
 3. **Accept** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
    Chen et al. 2023): ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order;
    at the first rejection the row emits a token from the residual ``norm(max(p_j - q_j, 0))``, and if
@@ -37,6 +40,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,6 +73,9 @@ DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4, "NEXTN": 4}
 DRAFT_STREAM, ACCEPT_STREAM = 1, 2
 NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per proposal (bounds host time)
 NGRAM_MAX_BACKOFF = 16  # output tokens an NGRAM row pauses its lookups at most (doubling from 1)
+#: verify steps as T-token decode steps (ModelRunner.verify; CUDA graphs on CUDA) where the runner can;
+#: SLIME_SPEC_VERIFY_DECODE=0 keeps the generic forward (the A/B of bench/spec_decode.py's "-eager" engines)
+VERIFY_AS_DECODE_STEP = os.environ.get("SLIME_SPEC_VERIFY_DECODE", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -507,11 +514,21 @@ class SpeculativeDecoder:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
                 for seq, d in zip(running, drafts)]
-        if self.needs_hidden:
+        stats = engine.scheduler.stats
+        width = self.config.num_draft_tokens  # the verify step's tokens a row: the last token + max drafts
+        if VERIFY_AS_DECODE_STEP and runner.can_verify([r.start for r in rows], width):
+            # a decode step of `width` tokens a row (a CUDA graph on CUDA): rows with fewer drafts padded at
+            # the end, after their real tokens (which never see the padding; its outputs are not read)
+            logits, hidden = runner.verify([r.tokens + [0] * (width - len(r.tokens)) for r in rows],
+                                           [r.start for r in rows], with_hidden=self.needs_hidden)
+            all_logits = [logits[i, : len(r.tokens)] for i, r in enumerate(rows)]
+            if hidden is not None:
+                hidden = [hidden[i, : len(r.tokens)] for i, r in enumerate(rows)]
+            stats.spec_verify_decode_steps += 1
+        elif self.needs_hidden:
             _, all_logits, hidden = runner.forward_with_hidden([seq.slot for seq in running], rows)
         else:
             _, all_logits = runner.forward([seq.slot for seq in running], rows)
-        stats = engine.scheduler.stats
         stats.decode_steps += 1
         stats.spec_verify_forwards += 1
         stats.decode_rows += len(running)

@@ -184,6 +184,7 @@ def test_greedy_equals_plain_greedy_and_logprobs_are_the_targets(spec, tiny_mode
     for prompt, seq in zip(PROMPTS, seqs):
         assert seq.output_logprobs == pytest.approx(hf_logprobs(model, prompt, seq.output_ids, 0.0), abs=1e-4)
     assert stats["spec_verify_forwards"] > 0
+    assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"]  # all as T-token decode steps
     assert 0 < stats["spec_accepted_drafts"] < stats["spec_proposed_drafts"]  # accepted and rejected drafts both seen
     assert stats["decode_steps"] < sum(len(s.output_ids) - 1 for s in seqs) / 5 + 5  # fewer target forwards
 
@@ -231,6 +232,7 @@ def test_sampled_sequences_follow_the_target_distribution(spec, tiny_model_dir, 
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
     seqs, stats = run(tiny_model_dir, [prompt] * n, [params] * n, spec, draft_dir, num_draft_tokens=3)
     assert stats["spec_verify_forwards"] > 0 and stats["spec_accepted_drafts"] > 0
+    assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"]
     exact = exact_sequence_probs(load_hf(tiny_model_dir), prompt, 4, top_k=2)
     assert_sequences_follow(exact, Counter(tuple(s.output_ids) for s in seqs), n)
 

@@ -56,6 +56,15 @@ def run_and_check(model, proc, prompts, temperature) -> dict:
     return stats
 
 
+def assert_verified_as_decode_steps(stats: dict, mla: bool = False) -> None:
+    """GQA models verify through the T-token decode step (CUDA graphs): every verify forward but those of
+    rows near their slot's end; multi-latent attention keeps the generic forward."""
+    if mla:
+        assert stats["spec_verify_decode_steps"] == 0
+    else:
+        assert stats["spec_verify_decode_steps"] >= 0.9 * stats["spec_verify_forwards"], stats
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"],
                                   ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3"]],
@@ -69,6 +78,7 @@ def test_speculative_engine_matches_hf_on_cuda(tiny_model_dir, spec, temperature
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
     prompts = [p + p for p in random_prompts()]  # repeated text: prompt lookup has matches
     stats = run_and_check(model, engine(tiny_model_dir, *spec), prompts, temperature)
+    assert_verified_as_decode_steps(stats)
     if temperature == 0.0 or "STANDALONE" in spec:
         # Sampling at temperature 1, a prompt-lookup draft is accepted with the target's probability of
         # that token, which the tiny random model's spread-out distributions keep small: the H200 run
@@ -102,6 +112,26 @@ def test_nextn_engine_matches_hf_on_cuda(tiny_deepseek_v3_dir, tmp_path, mtp, te
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
     proc = engine(model_dir, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
     stats = run_and_check(model, proc, random_prompts(), temperature)
+    assert_verified_as_decode_steps(stats, mla=True)
     if mtp == "exact":
         rate = stats["spec_accepted_drafts"] / stats["spec_proposed_drafts"]
         assert rate > 0.99 if temperature == 0.0 else rate > 0.95, stats  # fp32 near-ties aside: all
+
+
+@pytest.mark.gpu
+def test_nextn_on_a_gqa_model_verifies_in_graphs_with_hidden_states(tiny_glm4_moe_dir, tmp_path):
+    """NEXTN on the tiny GLM-4.5 (GQA, MoE) on CUDA: its verify steps replay CUDA graphs that also hand
+    the MTP layer the target's hidden states; greedy tokens and log-probs checked against HF."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.embedded_engine.mtp import add_mtp_layer
+
+    model_dir = str(tmp_path / "glm")
+    shutil.copytree(tiny_glm4_moe_dir, model_dir)
+    add_mtp_layer(model_dir, seed=1, std=0.1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
+    proc = engine(model_dir, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    stats = run_and_check(model, proc, random_prompts(), 0.0)
+    assert_verified_as_decode_steps(stats)

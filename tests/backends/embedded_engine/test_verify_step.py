@@ -1,0 +1,123 @@
+"""The speculative verify step as a decode step of T tokens a row (``ModelRunner.verify`` /
+``decode_forward`` with ``[B, T]`` inputs): its logits and hidden states equal the generic forward's on
+the same rows, on the CPU path and, under Triton's interpreter, on the CUDA path (the fused q/k-norm +
+rotary kernel writing each token's keys and values, the T-token flash-decoding kernel); on CUDA
+(``gpu``) through its CUDA graphs against the eager forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import types
+
+import pytest
+import torch
+
+from slime.backends.embedded_engine.kv_cache import DecodeCacheView
+from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+
+needs_interpreter = pytest.mark.skipif(  # scripts/test.sh runs these again with TRITON_INTERPRET=1
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1 and an importable triton")
+
+PROMPTS = [[5, 17, 33, 2, 91, 40], [7, 7, 8], [60, 1, 2, 3, 4, 5, 6, 9, 11, 12, 13]]
+# each row's last token and drafts; row 1 has fewer drafts than the step's width (padded after them)
+STEP = [[3, 44, 12, 9], [8, 100], [14, 2, 2, 71]]
+WIDTH = 4
+
+
+def prefilled(runner: ModelRunner) -> list[int]:
+    """The prompts (less their last token, which the verify step feeds) prefilled in slots 0..2."""
+    runner.forward([0, 1, 2], [ForwardRow(p[:-1], 0) for p in PROMPTS])
+    return [len(p) - 1 for p in PROMPTS]
+
+
+def generic(runner: ModelRunner, starts: list[int], step=STEP):
+    """What the engine's verify step computed before: the generic forward over the real tokens."""
+    rows = [ForwardRow([p[-1]] + s[1:], start, want_all_logits=True) for p, s, start in zip(PROMPTS, step, starts)]
+    _, logits, hidden = runner.forward_with_hidden([0, 1, 2], rows)
+    return logits, hidden
+
+
+def verified(runner: ModelRunner, starts: list[int], step=STEP):
+    tokens = [[p[-1]] + s[1:] for p, s in zip(PROMPTS, step)]
+    assert runner.can_verify(starts, WIDTH)
+    logits, hidden = runner.verify([t + [0] * (WIDTH - len(t)) for t in tokens], starts, with_hidden=True)
+    assert logits.shape == (3, WIDTH, runner.vocab_size) and hidden.shape[:2] == (3, WIDTH)
+    return [logits[i, : len(t)] for i, t in enumerate(tokens)], [hidden[i, : len(t)] for i, t in enumerate(tokens)]
+
+
+def assert_same_step(want, got, tol):
+    for (w_logits, w_hidden), (g_logits, g_hidden) in zip(zip(*want), zip(*got)):
+        torch.testing.assert_close(g_logits, w_logits, atol=tol, rtol=tol)
+        torch.testing.assert_close(g_hidden.float(), w_hidden.float(), atol=tol, rtol=tol)
+
+
+def test_verify_step_equals_the_generic_forward(tiny_model_dir):
+    """fp32 on the CPU path (matmul attention over [B, T] queries): rows of different lengths, one with
+    fewer drafts than the step's width; every real token's logits and hidden states as the generic
+    forward's, and the keys/values it cached the same. A step whose padding would pass a slot's end is
+    refused (the engine then runs the generic forward)."""
+    reference, runner = (ModelRunner(tiny_model_dir, num_slots=4, slot_capacity=32) for _ in range(2))
+    starts = prefilled(reference)
+    assert prefilled(runner) == starts
+    want = generic(reference, starts)
+    assert_same_step(want, verified(runner, starts), 1e-5)
+    for layer in range(len(runner.kv_cache.keys)):
+        for slot, (start, step) in enumerate(zip(starts, STEP)):
+            end = start + len(step)  # the real tokens' positions (the padding's lie past them)
+            torch.testing.assert_close(runner.kv_cache.keys[layer][slot, :, :end],
+                                       reference.kv_cache.keys[layer][slot, :, :end], atol=1e-5, rtol=1e-5)
+    assert not runner.can_verify([32 - WIDTH + 1, 0, 0], WIDTH) and runner.can_verify([32 - WIDTH, 0, 0], WIDTH)
+
+
+@needs_interpreter
+def test_verify_step_on_the_cuda_path_interpreted_equals_the_generic_forward(tiny_model_dir, monkeypatch):
+    """The kernels a verify step runs on CUDA, on the CPU (interpreted, fp32): the fused q/k-norm + rotary
+    kernel writes every token's key and value at its own slot and position, the T-token flash-decoding
+    kernel reads them; the logits and hidden states equal the plain CPU runner's generic forward."""
+    from slime.backends.embedded_engine import fused_ops
+
+    writes = []
+
+    def target(view, layer_idx):  # what DecodeCacheView offers on CUDA
+        writes.append((layer_idx, view.tokens))
+        cache = view.cache
+        return (cache.keys[layer_idx], cache.values[layer_idx], view.slots, view.positions, cache.k_scales[layer_idx],
+                cache.v_scales[layer_idx])
+
+    reference = ModelRunner(tiny_model_dir, num_slots=4, slot_capacity=32)
+    starts = prefilled(reference)
+    want = generic(reference, starts)
+    runner = ModelRunner(tiny_model_dir, num_slots=4, slot_capacity=32)
+    prefilled(runner)
+    runner.attention_backend = "triton"  # decode: per-row lengths + the flash-decoding kernel (interpreted)
+    for module in runner.model.modules():
+        if hasattr(module, "qkv_proj"):
+            module.fused_norm_rope = types.MethodType(fused_ops._attention_norm_rope, module)
+    monkeypatch.setattr(DecodeCacheView, "fused_write_target", target, raising=False)
+    got = verified(runner, starts)
+    assert writes == [(layer, WIDTH) for layer in range(runner.model.config.num_hidden_layers)]
+    assert_same_step(want, got, 2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.15)])
+def test_graphed_verify_step_equals_the_eager_forward_on_cuda(tiny_model_dir, dtype, tol):
+    """On CUDA: the verify step replayed from its CUDA graph (batch bucket 4 for 3 rows: a padding row in a
+    free slot; replayed twice, the second time for other drafts) against the generic eager forward of
+    the same rows in a second runner; fp32 to rounding, bf16 within bf16 logit noise, the argmax equal."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    reference, runner = (ModelRunner(tiny_model_dir, device="cuda", dtype=dtype, num_slots=8, slot_capacity=256)
+                         for _ in range(2))
+    assert runner.graphs.enabled and runner.attention_backend == "triton"
+    starts = prefilled(reference)
+    prefilled(runner)
+    for step in (STEP, [[3, 9, 9, 9], [8], [14, 1, 2, 3]]):  # then other drafts: the same graph, new inputs
+        want = generic(reference, starts, step)
+        got = verified(runner, starts, step)
+        assert_same_step(want, got, tol)
+        for w, g in zip(want[0], got[0]):
+            assert torch.equal(w.argmax(-1), g.argmax(-1)) or dtype == "bfloat16"
+    assert runner.graphs.verify_captures == 1
