@@ -555,6 +555,10 @@ class DecodeGraphs:
     KV-length buckets go from 128 in four steps per octave (128, 160, 192, 224, 256, 320, ..., capped
     at the slot capacity), so a step reads at most 25% more keys than it needs. Without CUDA (or with graphs disabled) the same forward runs
     eagerly at the exact length.
+
+    Speculative verify steps (:meth:`run_verify`: ``T`` tokens a row) have graphs of their own, keyed
+    (batch bucket, KV-length bucket, T, with hidden states), captured lazily in the same pool, with
+    static ``[slots, T]`` inputs and one ``[slots, T, vocab]`` fp32 logits buffer per ``T``.
     """
 
     MIN_KV_BUCKET = 128

@@ -15,6 +15,14 @@ them up to the longest):
   that finishes last among a (row, kv_head)'s splits (an atomic ticket per pair) merge them in the
   same launch — measured slower at B=128, so off.
 
+A speculative verify step has ``T`` query tokens per row (the last token and the drafts, already
+written to the cache as the row's last ``T`` positions): program ``(b, kv_head, split)`` then loads the
+``T * G`` query rows of its KV head (token-major, padded to ``GROUP_PAD``), walks the row's cache once
+for all of them, and masks token ``t`` to positions ``< length_b - (T - 1 - t)``; outputs and ``lse``
+are per (row, token, head, split) and the merge runs over ``B * T`` rows. ``TOKENS == 1`` compiles to
+the one-token kernel (the extra masking and the guard for a token with no key yet in a block are
+static branches; the sm_90 PTX has the same instructions).
+
 Splitting a row over several programs keeps the GPU busy when the batch is small. ``SPLIT_LEN`` is
 fixed per call (a CUDA graph captures it for its KV-length bucket); splits past a row's length
 write ``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the call has no host
