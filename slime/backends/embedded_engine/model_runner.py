@@ -638,7 +638,7 @@ class DecodeGraphs:
             slots = self.runner.max_slots
             self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
             self.positions = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
-            self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=True)
+            self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
         batch = len(tokens)
         # The previous step ended in a device->host sync, so the pinned buffer is free to reuse.
         self.host[:, :padded] = 0
@@ -650,24 +650,30 @@ class DecodeGraphs:
     def _capture(self, padded: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
         ids, pos = self.ids[:padded], self.positions[:padded]
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        # Warm-up on a side stream (lazy initialisations must not land in the graph). It writes the
-        # same keys/values the replay will write, so running it on the real inputs is harmless.
-        stream = torch.cuda.Stream(device=runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                runner.decode_forward(ids, pos, length)
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
         if self.logits is None:  # one output buffer for every graph: graphs keep no live memory of their own
             self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            runner.decode_forward(ids, pos, length, out=self.logits[:padded])
+        graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=self.logits[:padded]))
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
         return graph, self.logits[:padded]
+
+    def _record(self, forward):
+        """A CUDA graph of ``forward()`` in the graphs' pool. Warm-up on a side stream first (lazy
+        initialisations must not land in the graph); it writes the same keys/values the replay will
+        write, so running it on the real inputs is harmless."""
+        device = self.runner.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        return graph
 
     # ------------------------------------------------------------------ verify steps: T tokens a row
     def run_verify(self, tokens: list[list[int]], starts: list[int], with_hidden: bool
@@ -703,7 +709,7 @@ class DecodeGraphs:
             buffers = self.verify_buffers[width] = {
                 "ids": torch.zeros((slots, width), dtype=torch.long, device=device),
                 "positions": torch.zeros((slots, width), dtype=torch.long, device=device),
-                "host": torch.zeros((2, slots, width), dtype=torch.long, pin_memory=True)}
+                "host": torch.zeros((2, slots, width), dtype=torch.long, pin_memory=device.type == "cuda")}
         host, batch = buffers["host"], len(tokens)
         # the previous step ended in a device->host sync: the pinned buffer is free to reuse
         host[0, :padded] = 0
@@ -718,8 +724,6 @@ class DecodeGraphs:
         runner = self.runner
         buffers = self.verify_buffers[width]
         ids, pos = buffers["ids"][:padded], buffers["positions"][:padded]
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         slots = len(buffers["ids"])
         if "logits" not in buffers:  # one output buffer per T for every graph of that T
             buffers["logits"] = torch.empty((slots, width, runner.vocab_size), dtype=torch.float32,
@@ -727,16 +731,8 @@ class DecodeGraphs:
         if with_hidden and "hidden" not in buffers:
             buffers["hidden"] = torch.empty((slots, width, hidden_size), dtype=runner.dtype, device=runner.device)
         hidden = buffers["hidden"][:padded] if with_hidden else None
-        # warm-up on a side stream, as for decode graphs: it writes the keys/values the replay will write
-        stream = torch.cuda.Stream(device=runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                runner.decode_forward(ids, pos, length, hidden_out=hidden)
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            runner.decode_forward(ids, pos, length, out=buffers["logits"][:padded], hidden_out=hidden)
+        graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=buffers["logits"][:padded],
+                                                           hidden_out=hidden))
         self.captures += 1
         self.verify_captures += 1
         logger.info("captured a verify CUDA graph for batch %d x %d tokens, KV length %d", padded, width, length)

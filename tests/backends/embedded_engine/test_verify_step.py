@@ -121,3 +121,49 @@ def test_graphed_verify_step_equals_the_eager_forward_on_cuda(tiny_model_dir, dt
         for w, g in zip(want[0], got[0]):
             assert torch.equal(w.argmax(-1), g.argmax(-1)) or dtype == "bfloat16"
     assert runner.graphs.verify_captures == 1
+
+
+def test_verify_steps_through_the_graph_bookkeeping_keep_greedy_outputs(tiny_model_dir, monkeypatch):
+    """The engine's CUDA graph path on the CPU, a graph replaced by a replay of the forward it recorded
+    (``DecodeGraphs._record``): decode and verify steps go through the static input buffers, batch
+    buckets with padding rows in free slots, KV-length buckets longer than the step needs and the shared
+    output buffers. NGRAM greedy outputs equal the plain engine's, and verify graphs were captured per
+    (batch bucket, KV bucket) and replayed with other inputs."""
+    from engine_test_utils import generate_in_engine
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import SamplingParams
+    from slime.backends.embedded_engine.model_runner import DecodeGraphs, _buckets
+    from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+    replays = []
+
+    def record(self, forward):
+        def replay():
+            replays.append(self.runner)
+            forward()
+        return types.SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(5)]
+    params = [SamplingParams(max_new_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+
+    def run(spec: bool):
+        runner = ModelRunner(tiny_model_dir, num_slots=8)
+        runner.graphs.enabled, runner.graphs.batch_buckets = True, _buckets(8)  # as on CUDA
+        speculative = SpeculativeDecoder(SpeculativeConfig("NGRAM", 4)) if spec else None
+        engine = Engine(runner, speculative=speculative, seed=1)
+        engine.start()
+        try:
+            return [s.output_ids for s in generate_in_engine(engine, prompts, params)], runner, \
+                dict(vars(engine.scheduler.stats))
+        finally:
+            engine.stop()
+
+    plain, plain_runner, _ = run(False)
+    outputs, runner, stats = run(True)
+    assert outputs == plain
+    graphs = runner.graphs
+    assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"] > graphs.verify_captures > 0
+    assert {key[0] for key in graphs.verify_graphs} >= {8, 4} and all(key[2] == 4 for key in graphs.verify_graphs)
+    assert replays.count(runner) == stats["spec_verify_forwards"]  # every verify step a replay
+    assert plain_runner.graphs.captures > 0 and replays.count(plain_runner) > plain_runner.graphs.captures
