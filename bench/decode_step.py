@@ -5,6 +5,8 @@
     python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --kv-cache-dtype fp8_e4m3 --out
     python bench/decode_step.py --model tiny --device cpu --steps 3                      # smoke run
     python bench/decode_step.py ... --without qk_norm_rope --without mlp_residual_gemm   # A/B of a fusion
+    python bench/decode_step.py --model qwen3-0.6b --batch 32 --position 383 --verify-tokens 5 --out
+    python bench/decode_step.py ... --verify-tokens 5 --verify-eager          # the same through the generic forward
 
 Builds a checkpoint of ``--model`` (``bench/engine_decode.py``'s ``build_checkpoint``: random bf16
 weights with the public architecture's shapes) or loads ``--model-path``, puts ``--batch`` rows in
@@ -27,6 +29,11 @@ Metrics:
 * ``fused``: what the runner fused (``fused_projections``: q/k/v and gate/up GEMMs per layer;
   ``fused_ops``: the Triton norms, rotary and SiLU gate), so runs before and after a change say
   what they ran.
+
+``--verify-tokens T`` (> 1) times a speculative verify step instead: every row feeds ``T`` tokens, the
+last at ``--position`` (so it reads the same KV as the decode step), through ``ModelRunner.verify`` (the
+``T``-token decode step, a CUDA graph on CUDA), or with ``--verify-eager`` through the generic forward the
+verify step replaced (all-position logits, SDPA). ``step_bytes`` counts the same weights and KV.
 
 On CPU the same step runs eagerly and the table lists CPU operators by self time (a smoke test of
 the tool; CPU timings on a shared machine mean little). ``--out`` writes
@@ -109,9 +116,17 @@ def main() -> None:
                              "the flash-decoding kernel merging its own splits")
     parser.add_argument("--attention-block-n", type=int, default=None,
                         help="positions per step of the flash-decoding kernel (default: triton_attention.block_n)")
+    parser.add_argument("--verify-tokens", type=int, default=1,
+                        help="time a verify step of this many tokens a row instead of a decode step (1: decode)")
+    parser.add_argument("--verify-eager", action="store_true",
+                        help="with --verify-tokens: through the generic forward (the verify path before the T-token step)")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
                         help="write the result JSON (default folder bench/results, or a .json path)")
     args = parser.parse_args()
+    if args.verify_tokens < 1 or args.verify_tokens > args.position + 1:
+        parser.error(f"--verify-tokens {args.verify_tokens} must be >= 1 and <= --position + 1")
+    if args.verify_eager and args.verify_tokens == 1:
+        parser.error("--verify-eager needs --verify-tokens > 1")
     if args.batch < 1 or args.position < 0 or args.steps < 1 or args.profile_steps < 1:
         parser.error(f"--batch {args.batch}, --steps {args.steps} and --profile-steps {args.profile_steps} must be "
                      f">= 1 and --position {args.position} >= 0")
@@ -154,9 +169,21 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} x --position {args.position}: the device holds only "
                          f"{runner.kv_cache.shape.num_slots} slots of {runner.kv_cache.shape.slot_capacity} tokens")
     tokens, positions = [5] * args.batch, [args.position] * args.batch
+    width = args.verify_tokens
+    if width > 1:  # a verify step: T tokens a row ending at --position
+        from slime.backends.embedded_engine.model_runner import ForwardRow
 
-    def step():
-        runner.decode(tokens, positions)
+        starts = [args.position - width + 1] * args.batch
+        rows = [ForwardRow([5] * width, start, want_all_logits=True) for start in starts]
+
+        def step():
+            if args.verify_eager:
+                runner.forward(list(range(args.batch)), rows)
+            else:
+                runner.verify([[5] * width] * args.batch, starts)
+    else:
+        def step():
+            runner.decode(tokens, positions)
 
     for _ in range(3):  # capture the graph, warm the allocator
         step()
@@ -172,13 +199,14 @@ def main() -> None:
     metrics = {"step_ms": seconds * 1e3, "step_bytes": step_bytes, "weight_bytes": weight_bytes,
                "kv_bytes_per_token": kv_bytes_per_token, "kernels_per_step": kernels,
                "kernels_per_layer": kernels / layers, "kernel_us_per_step": sum(row["us"] for row in table),
-               "cuda_graph": runner.graphs.captures > 0,
+               "cuda_graph": runner.graphs.captures > 0, "verify_graph_captures": runner.graphs.verify_captures,
                "top_kernels": [{**row, "us": round(row["us"], 1)} for row in table[:args.top]]}
     if device.type == "cuda":
         metrics["hbm_fraction"] = step_bytes / seconds / H200_HBM_BYTES_PER_S
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
               "kv_cache_dtype": str(runner.kv_cache.dtype), "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
+              "verify_tokens": args.verify_tokens, "verify_eager": args.verify_eager,
               "without": args.without, "with": args.with_, "attention_block_n": args.attention_block_n,
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
