@@ -221,3 +221,29 @@ def test_triton_verify_attention_interpreted_matches_reference(tokens, heads, kv
         merged = triton_attention.decode_attention(query, keys, values, lengths, length, dim ** -0.5)
         torch.testing.assert_close(merged, expected, atol=2e-5, rtol=2e-5)
         assert int(triton_attention._tickets.by_device[query.device].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,kv_heads,tokens", [(1, 16, 8, 5), (33, 16, 8, 12), (128, 32, 8, 4), (7, 8, 8, 2)])
+def test_triton_verify_attention_matches_reference_on_cuda(dtype, batch, heads, kv_heads, tokens):
+    """The T-token flash-decoding kernel compiled on the GPU: rows of random lengths (one holding only its
+    T tokens), GQA groups 1-4, T up to 12 (T * G = 48 query rows a program); fp32 to rounding, bf16
+    within bf16 output precision."""
+    from slime.backends.embedded_engine import triton_attention
+
+    if not (torch.cuda.is_available() and triton_attention.available(torch.device("cuda"))):
+        pytest.skip("needs CUDA and triton")
+    gen = torch.Generator(device="cuda").manual_seed(batch + tokens)
+    dim, capacity = 128, 1100
+    keys = torch.randn(batch + 2, kv_heads, capacity, dim, generator=gen, device="cuda").to(dtype)
+    values = torch.randn(batch + 2, kv_heads, capacity, dim, generator=gen, device="cuda").to(dtype)
+    lengths = torch.randint(tokens, 1000, (batch,), generator=gen, device="cuda")
+    lengths[0] = tokens
+    length = int(lengths.max())
+    query = torch.randn(batch, tokens, heads, dim, generator=gen, device="cuda", dtype=dtype).transpose(1, 2)
+    out = triton_attention.decode_attention(query, keys, values, lengths, length, 0.088)
+    expected = reference_tokens(query.float(), keys[:batch, :, :length].float(), values[:batch, :, :length].float(),
+                                lengths.tolist(), 0.088)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
