@@ -316,8 +316,9 @@ class DecodeCacheView:
         self.kv_length = kv_length
         self.batch = int(rows.shape[0])
         self.tokens = tokens
-        # [B * tokens] the slot of each new token (the rows themselves for one token a row)
-        self.slots = rows if tokens == 1 else rows.repeat_interleave(tokens)
+        # [B * tokens] the slot of each new token (the rows themselves for one token a row; an expand,
+        # not repeat_interleave, which may count its output on the host: no sync inside a CUDA graph)
+        self.slots = rows if tokens == 1 else rows.view(-1, 1).expand(-1, tokens).reshape(-1)
         if positions.numel() != self.batch * tokens:
             raise ValueError(f"DecodeCacheView: {positions.numel()} positions for {self.batch} rows of {tokens} tokens")
         self.raw = raw
