@@ -355,7 +355,7 @@ class ModelRunner:
         """Whether a verify step of ``tokens`` tokens a row, the rows (the running batch, slots 0..B-1)
         starting at ``starts``, runs as a decode step (:meth:`verify`): a model whose attention takes
         it (not multi-latent attention, whose absorbed decode is one token a row) and every token,
-        padding included, inside its slot."""
+        padding included, inside its slot (no write past a slot's capacity)."""
         return self.verify_decode and max(starts) + tokens <= self.kv_cache.shape.slot_capacity
 
     @torch.inference_mode()

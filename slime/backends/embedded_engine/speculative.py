@@ -509,21 +509,44 @@ class SpeculativeDecoder:
         room = min(seq.max_new_tokens - len(seq.output_ids), engine.runner.kv_cache.shape.slot_capacity - seq.num_computed)
         return max(0, min(self.config.max_drafts, room - 1))
 
+    def _windows(self, runner: ModelRunner, running: list["Sequence"], rows: list[ForwardRow]
+                 ) -> tuple[list[list[int]], list[int], list[int]] | None:
+        """The T tokens (T = ``--speculative-num-draft-tokens``) each row feeds a verify decode step, where
+        they start and where its real tokens (last token + drafts) begin among them; None where the step
+        does not apply (:meth:`ModelRunner.can_verify`). A row with fewer drafts is padded after its real
+        tokens (they never see the padding; its outputs are not read; its keys/values land past the row's
+        length, as rejected drafts' do) — or, where that padding would pass the slot's end, before them
+        with the row's own previous tokens at their positions (their keys/values recomputed in place)."""
+        width = self.config.num_draft_tokens
+        capacity = runner.kv_cache.shape.slot_capacity
+        tokens, starts, offsets = [], [], []
+        for seq, row in zip(running, rows):
+            pad = width - len(row.tokens)
+            if row.start + width <= capacity:
+                tokens.append(row.tokens + [0] * pad)
+                starts.append(row.start)
+                offsets.append(0)
+            elif row.start >= pad:  # near the slot's end: the window ends at the last draft
+                tokens.append(seq.fill_ids[row.start - pad: row.start] + row.tokens)
+                starts.append(row.start - pad)
+                offsets.append(pad)
+            else:
+                return None
+        return (tokens, starts, offsets) if runner.can_verify(starts, width) else None
+
     def _verify(self, engine: "Engine", running: list["Sequence"], drafts: list[list[int]],
                 draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]]) -> int:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
                 for seq, d in zip(running, drafts)]
         stats = engine.scheduler.stats
-        width = self.config.num_draft_tokens  # the verify step's tokens a row: the last token + max drafts
-        if VERIFY_AS_DECODE_STEP and runner.can_verify([r.start for r in rows], width):
-            # a decode step of `width` tokens a row (a CUDA graph on CUDA): rows with fewer drafts padded at
-            # the end, after their real tokens (which never see the padding; its outputs are not read)
-            logits, hidden = runner.verify([r.tokens + [0] * (width - len(r.tokens)) for r in rows],
-                                           [r.start for r in rows], with_hidden=self.needs_hidden)
-            all_logits = [logits[i, : len(r.tokens)] for i, r in enumerate(rows)]
+        windows = self._windows(runner, running, rows) if VERIFY_AS_DECODE_STEP else None
+        if windows is not None:  # a decode step of T tokens a row (a CUDA graph on CUDA)
+            tokens, starts, offsets = windows
+            logits, hidden = runner.verify(tokens, starts, with_hidden=self.needs_hidden)
+            all_logits = [logits[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
             if hidden is not None:
-                hidden = [hidden[i, : len(r.tokens)] for i, r in enumerate(rows)]
+                hidden = [hidden[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
             stats.spec_verify_decode_steps += 1
         elif self.needs_hidden:
             _, all_logits, hidden = runner.forward_with_hidden([seq.slot for seq in running], rows)

@@ -167,3 +167,45 @@ def test_verify_steps_through_the_graph_bookkeeping_keep_greedy_outputs(tiny_mod
     assert {key[0] for key in graphs.verify_graphs} >= {8, 4} and all(key[2] == 4 for key in graphs.verify_graphs)
     assert replays.count(runner) == stats["spec_verify_forwards"]  # every verify step a replay
     assert plain_runner.graphs.captures > 0 and replays.count(plain_runner) > plain_runner.graphs.captures
+
+
+def test_rows_running_to_their_slots_end_verify_in_windows_inside_the_slot(tiny_model_dir, monkeypatch):
+    """Requests that fill their 32-token slots exactly: in the last steps a row's T tokens padded after its
+    drafts would pass the slot's end, so its window ends at its last draft and starts with its own previous
+    tokens (recomputed in place). Every verify step still runs as the decode step, every write inside the
+    slot (no index error), and the greedy outputs and their log-probs equal the plain engine's."""
+    from engine_test_utils import generate_in_engine
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import SamplingParams
+    from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
+    params = [SamplingParams(max_new_tokens=32 - len(p), temperature=0.0, ignore_eos=True) for p in prompts]
+    shifted = []
+    windows = SpeculativeDecoder._windows
+
+    def recording(self, runner, running, rows):
+        out = windows(self, runner, running, rows)
+        shifted.extend(o for o in (out[2] if out else []) if o)
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "_windows", recording)
+
+    def run(spec: bool):
+        runner = ModelRunner(tiny_model_dir, num_slots=4, slot_capacity=32)
+        assert runner.kv_cache.shape.slot_capacity == 32
+        engine = Engine(runner, speculative=SpeculativeDecoder(SpeculativeConfig("NGRAM", 5)) if spec else None, seed=1)
+        engine.start()
+        try:
+            seqs = generate_in_engine(engine, prompts, params)
+            return [s.output_ids for s in seqs], [s.output_logprobs for s in seqs], dict(vars(engine.scheduler.stats))
+        finally:
+            engine.stop()
+
+    plain, plain_logprobs, _ = run(False)
+    outputs, logprobs, stats = run(True)
+    assert outputs == plain and [len(o) for o in outputs] == [32 - len(p) for p in prompts]
+    for want, got in zip(plain_logprobs, logprobs):  # the last tokens' too: the recomputed keys are the right ones
+        assert got == pytest.approx(want, abs=1e-5)
+    assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"] > 0
+    assert shifted  # some rows' windows ended at their last draft
