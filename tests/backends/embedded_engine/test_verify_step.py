@@ -132,7 +132,7 @@ def test_verify_steps_through_the_graph_bookkeeping_keep_greedy_outputs(tiny_mod
     from engine_test_utils import generate_in_engine
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import SamplingParams
-    from slime.backends.embedded_engine.model_runner import DecodeGraphs, _buckets
+    from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs, _buckets
     from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
 
     replays = []

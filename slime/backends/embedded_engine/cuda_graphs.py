@@ -1,0 +1,218 @@
+"""CUDA graphs of the engine's decode steps and speculative verify steps (:class:`DecodeGraphs`).
+
+A decode step of a small model is launch-bound: replaying it as one CUDA graph removes the host's
+kernel launches. The graphs run :meth:`ModelRunner.decode_forward` on static device buffers, captured
+lazily per (batch bucket, KV-length bucket) — and for verify steps per ``T`` tokens a row too — in one
+memory pool; without CUDA (or with graphs off) the same forward runs eagerly at the exact length.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _buckets(limit: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to ``limit`` (and ``limit``)."""
+    sizes = [b for b in (1, 2, 4) if b < limit] + list(range(8, limit, 8)) + [limit]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward, captured lazily per (batch bucket, KV-length bucket).
+
+    Inputs live in static device buffers (token ids and positions of every slot); a replay reads
+    them, writes the new keys/values into the cache and leaves the logits in the graph's output
+    tensor, which the caller consumes before the next replay. All graphs share one memory pool.
+    KV-length buckets go from 128 in four steps per octave (128, 160, 192, 224, 256, 320, ..., capped
+    at the slot capacity), so a step reads at most 25% more keys than it needs. Without CUDA (or with graphs disabled) the same forward runs
+    eagerly at the exact length.
+
+    Speculative verify steps (:meth:`run_verify`: ``T`` tokens a row) have graphs of their own, keyed
+    (batch bucket, KV-length bucket, T, with hidden states), captured lazily in the same pool, with
+    static ``[slots, T]`` inputs and one ``[slots, T, vocab]`` fp32 logits buffer per ``T``.
+    """
+
+    MIN_KV_BUCKET = 128
+
+    def __init__(self, runner: ModelRunner, enabled: bool, max_batch: int):
+        self.runner = runner
+        self.enabled = enabled
+        self.batch_buckets = _buckets(max_batch) if enabled else []
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.ids = self.positions = self.host = self.logits = None
+        self.captures = 0
+        # verify steps (run_verify): graphs by (batch bucket, KV-length bucket, T, with hidden states), and
+        # per T their static inputs [slots, T] (ids, positions, a pinned host copy) and outputs
+        self.verify_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                   torch.Tensor | None]] = {}
+        self.verify_buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self.verify_captures = 0
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.verify_graphs.clear()
+        self.pool = None
+        self.logits = None
+        for buffers in self.verify_buffers.values():  # the outputs: reallocated with the next capture
+            buffers.pop("logits", None)
+            buffers.pop("hidden", None)
+
+    def _bucket(self, batch: int, need: int) -> tuple[int, int] | None:
+        if not self.enabled or batch > self.batch_buckets[-1] or batch > self.runner.kv_cache.shape.num_slots:
+            return None
+        capacity = self.runner.kv_cache.shape.slot_capacity
+        length = self.MIN_KV_BUCKET
+        while length < need:  # four steps per octave: 128, 160, 192, 224, 256, 320, ...
+            octave = 1 << (length.bit_length() - 1)
+            length += octave // 4
+        slots = self.runner.kv_cache.shape.num_slots  # padding rows use free slots: never more than there are
+        return min(next(b for b in self.batch_buckets if b >= batch), slots), min(length, capacity)
+
+    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        runner = self.runner
+        batch = len(tokens)
+        key = self._bucket(batch, max(positions) + 1)
+        if key is None:
+            ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1).to(runner.device)
+            pos = torch.tensor(positions, dtype=torch.long).view(-1, 1).to(runner.device)
+            return runner.decode_forward(ids, pos, max(positions) + 1)
+        padded, length = key
+        self._fill(tokens, positions, padded)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(padded, length)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:batch]
+
+    def can_run(self, batch: int, positions: list[int]) -> bool:
+        """Whether a step of this batch goes through a graph (else :meth:`run` runs it eagerly)."""
+        return self._bucket(batch, max(positions) + 1) is not None
+
+    def run_next(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The step after a graph step of the *same* rows, without a host round trip: token ids are
+        the previous step's samples (``tokens``, on the device) and every row's position advances by
+        one on the device (``positions`` is the host's copy, used only to pick the KV bucket)."""
+        batch = int(tokens.shape[0])
+        padded, length = key = self._bucket(batch, max(positions) + 1)
+        self.ids[:batch, 0].copy_(tokens)
+        self.positions[:batch, 0].add_(1)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(padded, length)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:batch]
+
+    def _fill(self, tokens: list[int], positions: list[int], padded: int) -> None:
+        """Copy this step's inputs into the static buffers (padding rows: token 0 at position 0)."""
+        if self.ids is None:
+            slots = self.runner.max_slots
+            self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
+            self.positions = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
+            self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
+        batch = len(tokens)
+        # The previous step ended in a device->host sync, so the pinned buffer is free to reuse.
+        self.host[:, :padded] = 0
+        self.host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
+        self.host[1, :batch] = torch.tensor(positions, dtype=torch.long)
+        self.ids[:padded, 0].copy_(self.host[0, :padded], non_blocking=True)
+        self.positions[:padded, 0].copy_(self.host[1, :padded], non_blocking=True)
+
+    def _capture(self, padded: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        runner = self.runner
+        ids, pos = self.ids[:padded], self.positions[:padded]
+        if self.logits is None:  # one output buffer for every graph: graphs keep no live memory of their own
+            self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
+        graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=self.logits[:padded]))
+        self.captures += 1
+        logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
+        return graph, self.logits[:padded]
+
+    def _record(self, forward):
+        """A CUDA graph of ``forward()`` in the graphs' pool. Warm-up on a side stream first (lazy
+        initialisations must not land in the graph); it writes the same keys/values the replay will
+        write, so running it on the real inputs is harmless."""
+        device = self.runner.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        return graph
+
+    # ------------------------------------------------------------------ verify steps: T tokens a row
+    def run_verify(self, tokens: list[list[int]], starts: list[int], with_hidden: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verify step (:meth:`ModelRunner.verify`): rows ``0..B-1`` each feed their ``T`` tokens from
+        ``starts[i]``. Through a graph captured for (batch bucket, KV-length bucket, T) when graphs are
+        on, else eagerly at the exact length. Padding rows of a bucket feed token 0 at positions
+        ``0..T-1`` of the free slots after B (the caller checked that every row's T positions fit its slot)."""
+        runner = self.runner
+        batch, width = len(tokens), len(tokens[0])
+        need = max(starts) + width
+        key = self._bucket(batch, need)
+        hidden_size = runner.model.get_decoder().norm.weight.shape[-1]
+        if key is None:
+            ids = torch.tensor(tokens, dtype=torch.long).to(runner.device)
+            pos = (torch.tensor(starts, dtype=torch.long).view(-1, 1) + torch.arange(width)).to(runner.device)
+            hidden = (torch.empty((batch, width, hidden_size), dtype=runner.dtype, device=runner.device)
+                      if with_hidden else None)
+            return runner.decode_forward(ids, pos, need, hidden_out=hidden), hidden
+        padded, length = key
+        buffers = self._fill_verify(tokens, starts, padded, width)
+        graph_key = (padded, length, width, with_hidden)
+        if graph_key not in self.verify_graphs:
+            self.verify_graphs[graph_key] = self._capture_verify(padded, length, width, with_hidden, hidden_size)
+        graph, logits, hidden = self.verify_graphs[graph_key]
+        graph.replay()
+        return logits[:batch], (hidden[:batch] if hidden is not None else None)
+
+    def _fill_verify(self, tokens: list[list[int]], starts: list[int], padded: int, width: int) -> dict:
+        buffers = self.verify_buffers.get(width)
+        if buffers is None:
+            slots, device = self.runner.max_slots, self.runner.device
+            buffers = self.verify_buffers[width] = {
+                "ids": torch.zeros((slots, width), dtype=torch.long, device=device),
+                "positions": torch.zeros((slots, width), dtype=torch.long, device=device),
+                "host": torch.zeros((2, slots, width), dtype=torch.long, pin_memory=device.type == "cuda")}
+        host, batch = buffers["host"], len(tokens)
+        # the previous step ended in a device->host sync: the pinned buffer is free to reuse
+        host[0, :padded] = 0
+        host[1, :padded] = torch.arange(width)  # padding rows: positions 0..T-1 of their free slots
+        host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
+        host[1, :batch] += torch.tensor(starts, dtype=torch.long).view(-1, 1)
+        buffers["ids"][:padded].copy_(host[0, :padded], non_blocking=True)
+        buffers["positions"][:padded].copy_(host[1, :padded], non_blocking=True)
+        return buffers
+
+    def _capture_verify(self, padded: int, length: int, width: int, with_hidden: bool, hidden_size: int):
+        runner = self.runner
+        buffers = self.verify_buffers[width]
+        ids, pos = buffers["ids"][:padded], buffers["positions"][:padded]
+        slots = len(buffers["ids"])
+        if "logits" not in buffers:  # one output buffer per T for every graph of that T
+            buffers["logits"] = torch.empty((slots, width, runner.vocab_size), dtype=torch.float32,
+                                            device=runner.device)
+        if with_hidden and "hidden" not in buffers:
+            buffers["hidden"] = torch.empty((slots, width, hidden_size), dtype=runner.dtype, device=runner.device)
+        hidden = buffers["hidden"][:padded] if with_hidden else None
+        graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=buffers["logits"][:padded],
+                                                           hidden_out=hidden))
+        self.captures += 1
+        self.verify_captures += 1
+        logger.info("captured a verify CUDA graph for batch %d x %d tokens, KV length %d", padded, width, length)
+        return graph, buffers["logits"][:padded], hidden
