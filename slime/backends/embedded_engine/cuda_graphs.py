@@ -49,6 +49,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.ids = self.positions = self.host = self.logits = None
+        self.copied: dict[int, torch.cuda.Event] = {}  # per pinned host buffer: its last copy to the device
         self.captures = 0
         # verify steps (run_verify): graphs by (batch bucket, KV-length bucket, T, with hidden states), and
         # per T their static inputs [slots, T] (ids, positions, a pinned host copy) and outputs
@@ -119,12 +120,30 @@ class DecodeGraphs:
             self.positions = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
             self.host = torch.zeros((2, slots), dtype=torch.long, pin_memory=self.runner.device.type == "cuda")
         batch = len(tokens)
-        # The previous step ended in a device->host sync, so the pinned buffer is free to reuse.
+        self._reusable(self.host)
         self.host[:, :padded] = 0
         self.host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
         self.host[1, :batch] = torch.tensor(positions, dtype=torch.long)
         self.ids[:padded, 0].copy_(self.host[0, :padded], non_blocking=True)
         self.positions[:padded, 0].copy_(self.host[1, :padded], non_blocking=True)
+        self._copied(self.host)
+
+    def _reusable(self, host: torch.Tensor) -> None:
+        """Wait until the device has read ``host``'s previous contents. Its copies are asynchronous
+        (pinned memory), so a caller that does not read a step's results before feeding the next one
+        would otherwise overwrite inputs the device has not copied yet — the engine reads each step,
+        so this wait returns at once there; a caller that feeds steps without reading (a forced-token
+        scorer) waits here instead of replaying a step with the next step's tokens and positions."""
+        event = self.copied.get(host.data_ptr())
+        if event is not None:
+            event.synchronize()
+
+    def _copied(self, host: torch.Tensor) -> None:
+        if host.is_pinned():
+            event = self.copied.get(host.data_ptr())
+            if event is None:
+                event = self.copied[host.data_ptr()] = torch.cuda.Event()
+            event.record()
 
     def _capture(self, padded: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
@@ -190,13 +209,14 @@ class DecodeGraphs:
                 "positions": torch.zeros((slots, width), dtype=torch.long, device=device),
                 "host": torch.zeros((2, slots, width), dtype=torch.long, pin_memory=device.type == "cuda")}
         host, batch = buffers["host"], len(tokens)
-        # the previous step ended in a device->host sync: the pinned buffer is free to reuse
+        self._reusable(host)
         host[0, :padded] = 0
         host[1, :padded] = torch.arange(width)  # padding rows: positions 0..T-1 of their free slots
         host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
         host[1, :batch] += torch.tensor(starts, dtype=torch.long).view(-1, 1)
         buffers["ids"][:padded].copy_(host[0, :padded], non_blocking=True)
         buffers["positions"][:padded].copy_(host[1, :padded], non_blocking=True)
+        self._copied(host)
         return buffers
 
     def _capture_verify(self, padded: int, length: int, width: int, with_hidden: bool, hidden_size: int):
