@@ -115,7 +115,9 @@ def measure(model_path: str, engine_args: list[str], prompts, args, env: dict | 
     try:
         engine.wait_healthy(timeout=900)
         for name, temperature in WORKLOADS.items():
-            asyncio.run(burst(engine.url, prompts[:4], 8, temperature))  # warm-up (graphs, kernels)
+            # warm-up: the whole workload once, unmeasured — it captures the CUDA graphs of every (batch,
+            # KV-length[, T]) bucket the measured bursts use (a short warm-up left those captures in them)
+            asyncio.run(burst(engine.url, prompts, args.max_new_tokens, temperature))
             best = None
             for _ in range(args.repeats):
                 before = server_info(engine.url)["batch_stats"]
