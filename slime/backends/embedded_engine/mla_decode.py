@@ -12,8 +12,10 @@ into ``W_UK [H, d_nope, r]`` and ``W_UV [H, d_v, r]`` the same attention is, for
     o      = o_lat · W_UVᵀ                       [B, H, d_v] -> o_proj
 
 so the step reads the compressed cache once and never materialises per-head keys or values
-(DeepSeek-V2 paper §2.1.3; SGLang's and vLLM's MLA decode). Prefill (several query tokens) and
-training keep transformers' path. :func:`install` switches every ``DeepseekV3Attention`` of a model
+(DeepSeek-V2 paper §2.1.3; SGLang's and vLLM's MLA decode). A speculative verify step (``T`` query
+tokens a row, ``decode_forward`` with ``slot_decode``) runs the same with a ``T`` axis: query ``t``
+masked to its own position, the cache read once for all ``T``. Prefill and training keep
+transformers' path. :func:`install` switches every ``DeepseekV3Attention`` of a model
 to it; ``--mla-decode expanded`` keeps the reference for comparison (the tests check they agree).
 """
 
@@ -50,7 +52,8 @@ def _rotary(module):
 
 def _forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None, **kwargs):
     batch, q_len = hidden_states.shape[:2]
-    if q_len != 1 or cache is None or self.training or attention_mask is None:
+    decode = q_len == 1 or kwargs.get("slot_decode", False)  # slot_decode: a verify step's T tokens a row
+    if not decode or cache is None or self.training or attention_mask is None:
         return self._slime_reference_forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     heads, nope, rope, v_dim, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                       self.kv_lora_rank)
@@ -58,20 +61,20 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings, attention_m
         q = self.q_proj(hidden_states)
     else:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q = q.view(batch, 1, heads, nope + rope).transpose(1, 2)  # [B, H, 1, d]
+    q = q.view(batch, q_len, heads, nope + rope).transpose(1, 2)  # [B, H, T, d]
     q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
     latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
-    latent = self.kv_a_layernorm(latent).view(batch, 1, 1, rank)
-    k_rot = k_rot.view(batch, 1, 1, rope)
+    latent = self.kv_a_layernorm(latent).view(batch, 1, q_len, rank)
+    k_rot = k_rot.view(batch, 1, q_len, rope)
     cos, sin = position_embeddings
     q_rot, k_rot = _rotary(self)(q_rot, k_rot, cos, sin)
     latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [B, 1, L, r], [B, 1, L, rope]
     weight = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
     w_uk, w_uv = weight[:, :nope], weight[:, nope:]
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, :, 0], w_uk)
-    scores = torch.einsum("bhr,blr->bhl", q_lat, latent[:, 0]) + torch.einsum("bhd,bld->bhl", q_rot[:, :, 0], k_rot[:, 0])
-    scores = scores.float() * self.scaling + attention_mask[:, 0].float()  # mask [B, 1, 1, L] -> [B, 1, L]
+    q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
+    scores = torch.einsum("bhtr,blr->bhtl", q_lat, latent[:, 0]) + torch.einsum("bhtd,bld->bhtl", q_rot, k_rot[:, 0])
+    scores = scores.float() * self.scaling + attention_mask.float()  # mask [B, 1, T, L]: token t up to its position
     probs = torch.softmax(scores, dim=-1).to(latent.dtype)
-    out_lat = torch.einsum("bhl,blr->bhr", probs, latent[:, 0])
-    out = torch.einsum("bhr,hvr->bhv", out_lat, w_uv).reshape(batch, 1, heads * v_dim)
+    out_lat = torch.einsum("bhtl,blr->bhtr", probs, latent[:, 0])
+    out = torch.einsum("bhtr,hvr->bhtv", out_lat, w_uv).transpose(1, 2).reshape(batch, q_len, heads * v_dim)
     return self.o_proj(out), None

@@ -80,8 +80,10 @@ class ModelRunner:
             from slime.backends.embedded_engine import mla_decode as mla
 
             self.mla_layers = mla.install(self.model)
-        #: speculative verify steps run as T-token decode steps (can_verify); MLA keeps the generic forward
-        self.verify_decode = not any(type(m).__name__ in MLA_CLASSES for m in self.model.modules())
+        #: speculative verify steps run as T-token decode steps (can_verify); multi-latent attention takes
+        #: them through its absorbed decode (mla_decode), so the expanded reference keeps the generic forward
+        self.verify_decode = not any(type(m).__name__ in MLA_CLASSES and not getattr(m, "_slime_absorbed", False)
+                                     for m in self.model.modules())
         self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
@@ -351,7 +353,8 @@ class ModelRunner:
     def can_verify(self, starts: list[int], tokens: int) -> bool:
         """Whether a verify step of ``tokens`` tokens a row, the rows (the running batch, slots 0..B-1)
         starting at ``starts``, runs as a decode step (:meth:`verify`): a model whose attention takes
-        it (not multi-latent attention, whose absorbed decode is one token a row) and every token,
+        it (GQA/MHA, and multi-latent attention through its absorbed decode; not ``--mla-decode
+        expanded``) and every token,
         padding included, inside its slot (no write past a slot's capacity)."""
         return self.verify_decode and max(starts) + tokens <= self.kv_cache.shape.slot_capacity
 

@@ -71,6 +71,26 @@ def test_verify_step_equals_the_generic_forward(tiny_model_dir):
     assert not runner.can_verify([32 - WIDTH + 1, 0, 0], WIDTH) and runner.can_verify([32 - WIDTH, 0, 0], WIDTH)
 
 
+def test_mla_verify_step_equals_the_generic_forward(tiny_deepseek_v3_dir):
+    """Multi-latent attention (DeepSeek-V3, MoE): the verify step runs through the absorbed decode with
+    T query tokens a row over the compressed-latent cache; logits and hidden states equal the generic
+    forward's (transformers' expanded attention) in fp32, and the cached latents the same. With
+    ``--mla-decode expanded`` the runner keeps the generic forward for verify steps."""
+    reference, runner = (ModelRunner(tiny_deepseek_v3_dir, num_slots=4, slot_capacity=32) for _ in range(2))
+    assert runner.mla_layers and runner.verify_decode
+    starts = prefilled(reference)
+    assert prefilled(runner) == starts
+    want = generic(reference, starts)
+    assert_same_step(want, verified(runner, starts), 1e-4)
+    for layer in range(len(runner.kv_cache.keys)):
+        for slot, (start, step) in enumerate(zip(starts, STEP)):
+            end = start + len(step)
+            torch.testing.assert_close(runner.kv_cache.keys[layer][slot, :, :end],
+                                       reference.kv_cache.keys[layer][slot, :, :end], atol=1e-5, rtol=1e-5)
+    expanded = ModelRunner(tiny_deepseek_v3_dir, num_slots=4, slot_capacity=32, mla_decode="expanded")
+    assert not expanded.can_verify([0, 0, 0], WIDTH)
+
+
 @needs_interpreter
 def test_verify_step_on_the_cuda_path_interpreted_equals_the_generic_forward(tiny_model_dir, monkeypatch):
     """The kernels a verify step runs on CUDA, on the CPU (interpreted, fp32): the fused q/k-norm + rotary
