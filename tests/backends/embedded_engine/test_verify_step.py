@@ -53,21 +53,27 @@ def assert_same_step(want, got, tol):
         torch.testing.assert_close(g_hidden.float(), w_hidden.float(), atol=tol, rtol=tol)
 
 
+def check_against_the_generic_forward(model_dir: str, tol: float) -> ModelRunner:
+    """A verify step on the CPU path against the generic forward over the same rows (fp32): every real
+    token's logits and hidden states, and what it cached (the padding's positions lie past them)."""
+    reference, runner = (ModelRunner(model_dir, num_slots=4, slot_capacity=32) for _ in range(2))
+    starts = prefilled(reference)
+    assert prefilled(runner) == starts
+    assert_same_step(generic(reference, starts), verified(runner, starts), tol)
+    for layer in range(len(runner.kv_cache.keys)):
+        for slot, (start, step) in enumerate(zip(starts, STEP)):
+            end = start + len(step)
+            torch.testing.assert_close(runner.kv_cache.keys[layer][slot, :, :end],
+                                       reference.kv_cache.keys[layer][slot, :, :end], atol=1e-5, rtol=1e-5)
+    return runner
+
+
 def test_verify_step_equals_the_generic_forward(tiny_model_dir):
     """fp32 on the CPU path (matmul attention over [B, T] queries): rows of different lengths, one with
     fewer drafts than the step's width; every real token's logits and hidden states as the generic
     forward's, and the keys/values it cached the same. A step whose padding would pass a slot's end is
     refused (the engine then runs the generic forward)."""
-    reference, runner = (ModelRunner(tiny_model_dir, num_slots=4, slot_capacity=32) for _ in range(2))
-    starts = prefilled(reference)
-    assert prefilled(runner) == starts
-    want = generic(reference, starts)
-    assert_same_step(want, verified(runner, starts), 1e-5)
-    for layer in range(len(runner.kv_cache.keys)):
-        for slot, (start, step) in enumerate(zip(starts, STEP)):
-            end = start + len(step)  # the real tokens' positions (the padding's lie past them)
-            torch.testing.assert_close(runner.kv_cache.keys[layer][slot, :, :end],
-                                       reference.kv_cache.keys[layer][slot, :, :end], atol=1e-5, rtol=1e-5)
+    runner = check_against_the_generic_forward(tiny_model_dir, 1e-5)
     assert not runner.can_verify([32 - WIDTH + 1, 0, 0], WIDTH) and runner.can_verify([32 - WIDTH, 0, 0], WIDTH)
 
 
@@ -76,17 +82,8 @@ def test_mla_verify_step_equals_the_generic_forward(tiny_deepseek_v3_dir):
     T query tokens a row over the compressed-latent cache; logits and hidden states equal the generic
     forward's (transformers' expanded attention) in fp32, and the cached latents the same. With
     ``--mla-decode expanded`` the runner keeps the generic forward for verify steps."""
-    reference, runner = (ModelRunner(tiny_deepseek_v3_dir, num_slots=4, slot_capacity=32) for _ in range(2))
+    runner = check_against_the_generic_forward(tiny_deepseek_v3_dir, 1e-4)
     assert runner.mla_layers and runner.verify_decode
-    starts = prefilled(reference)
-    assert prefilled(runner) == starts
-    want = generic(reference, starts)
-    assert_same_step(want, verified(runner, starts), 1e-4)
-    for layer in range(len(runner.kv_cache.keys)):
-        for slot, (start, step) in enumerate(zip(starts, STEP)):
-            end = start + len(step)
-            torch.testing.assert_close(runner.kv_cache.keys[layer][slot, :, :end],
-                                       reference.kv_cache.keys[layer][slot, :, :end], atol=1e-5, rtol=1e-5)
     expanded = ModelRunner(tiny_deepseek_v3_dir, num_slots=4, slot_capacity=32, mla_decode="expanded")
     assert not expanded.can_verify([0, 0, 0], WIDTH)
 
