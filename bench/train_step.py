@@ -197,7 +197,7 @@ def main(argv=None) -> None:
             "git_commit": _git_commit(),
             "config": {"model": bench.model, "world_size": world, "max_tokens_per_gpu": bench.max_tokens_per_gpu,
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
-                       "iters": bench.iters, "dtype": "bf16" if worker.mixed_precision else "fp32",
+                       "iters": bench.iters, "dtype": "bf16" if worker.backend.mixed_precision else "fp32",
                        "attn_implementation": worker.backend.attn_implementation,
                        "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.backend.chunk_rows,
                        "fsdp_compile": bench.compile, "warmup_steps": bench.warmup},
