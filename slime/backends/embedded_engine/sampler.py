@@ -40,6 +40,16 @@ class RowSampling:
         return self.temperature < GREEDY_EPS
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a device tensor without a stream sync: ``torch.tensor(values, device=cuda)``
+    copies from pageable memory and waits for every kernel queued before it; this copies from pinned
+    memory asynchronously (the caching host allocator keeps the buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
            ) -> tuple[list[int], list[float]]:
     """Pick one token per row of ``logits`` ([rows, vocab], fp32); return (token ids, log-probs).
@@ -71,7 +81,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[RowSampling], generator: t
     if all(t == temperatures[0] for t in temperatures):
         scaled = logits if temperatures[0] == 1.0 else logits / temperatures[0]
     else:
-        scaled = logits / torch.tensor(temperatures, device=logits.device).unsqueeze(1)
+        scaled = logits / to_device(temperatures, logits.device).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if len(sampled) == len(rows):
@@ -79,7 +89,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[RowSampling], generator: t
     else:
         tokens = logits.argmax(dim=-1)
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = to_device(sampled, logits.device)
             tokens[idx] = _draw(logprobs[idx], [rows[i] for i in sampled], generator)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, chosen
@@ -95,18 +105,20 @@ def _draw(logprobs: torch.Tensor, rows: list[RowSampling], generator) -> torch.T
 
 def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Zero out tokens outside top-k / top-p / min-p (the relative order is all that matters later)."""
-    vocab = probs.shape[1]
-    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=probs.device)
-    top_p = torch.tensor([r.top_p for r in rows], device=probs.device, dtype=probs.dtype)
-    min_p = torch.tensor([r.min_p for r in rows], device=probs.device, dtype=probs.dtype)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    vocab, device = probs.shape[1], probs.device
+    # which truncations apply is decided from the settings on the host (no device round trip), compared
+    # in the probabilities' precision as the device would
+    if any(0 < r.top_k < vocab or np.float32(r.top_p) < 1.0 for r in rows):
+        top_k = to_device([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device)
+        top_p = to_device([r.top_p for r in rows], device, probs.dtype)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
         cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = (ranks >= top_k.unsqueeze(1)) | (cumulative_before > top_p.unsqueeze(1))
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    if bool((min_p > 0).any()):
+    if any(np.float32(r.min_p) > 0 for r in rows):
+        min_p = to_device([r.min_p for r in rows], device, probs.dtype)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -126,13 +138,13 @@ def sampling_distribution(logits: torch.Tensor, rows: list[RowSampling]) -> tupl
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
-    temperatures = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
+    temperatures = to_device([1.0 if r.greedy else r.temperature for r in rows], logits.device)
     logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
     probs = _truncate(logprobs.exp(), rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     greedy = [i for i, row in enumerate(rows) if row.greedy]
     if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
+        idx = to_device(greedy, logits.device)
         probs[idx] = torch.nn.functional.one_hot(logits[idx].argmax(dim=-1), probs.shape[1]).to(probs.dtype)
     return logprobs, probs
 

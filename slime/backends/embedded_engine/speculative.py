@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
-from slime.backends.embedded_engine.sampler import RowSampling, _exponential_noise, kept_ids_of, sampling_distribution
+from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, kept_ids_of, sampling_distribution,
+                                                    to_device)
 
 if TYPE_CHECKING:
     from slime.backends.embedded_engine.engine import Engine
@@ -362,13 +363,15 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
     ``offsets[i]``. ``draft_probs[i]`` ([k_i, vocab]) is the draft distribution ``q`` of row i's drafts
     (None: every draft is a point mass, as n-gram proposals are). ``settings[i][j]``: row i's sampling
     settings at its j-th verified position (noise seeds)."""
+    # Two device->host round trips in all (the acceptance flags, then every emitted token and log-prob):
+    # the index tensors go up from pinned memory without waiting for the queued verify step.
     device = probs.device
     flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]  # every draft, row by row
     q = torch.cat(draft_probs) if draft_probs is not None and flat else None  # row n: q of flat[n]
     accepted = [0] * len(drafts)
     if flat:
-        index = torch.tensor([offsets[i] + j for i, j in flat], device=device)
-        tokens = torch.tensor([drafts[i][j] for i, j in flat], device=device)
+        index = to_device([offsets[i] + j for i, j in flat], device)
+        tokens = to_device([drafts[i][j] for i, j in flat], device)
         p_x = probs[index].gather(1, tokens.unsqueeze(1)).squeeze(1)
         ratio = p_x if q is None else p_x / q.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp_min(1e-30)
         ok = (_uniforms([settings[i][j] for i, j in flat], generator, device) < ratio).tolist()
@@ -380,30 +383,39 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
             accepted[i] = run
             n += len(d)
     # the one token after the accepted run: from the residual at a rejection, from p after a full run
-    final = probs[torch.tensor([offsets[i] + accepted[i] for i in range(len(drafts))], device=device)]
+    final_index = to_device([offsets[i] + accepted[i] for i in range(len(drafts))], device)
+    final = probs[final_index]
     rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
     if rejected:
-        rows = torch.tensor(rejected, device=device)
+        rows = to_device(rejected, device)
         if q is None:  # point masses at the rejected drafts
             q_rejected = torch.nn.functional.one_hot(
-                torch.tensor([drafts[i][accepted[i]] for i in rejected], device=device), probs.shape[1]).to(probs.dtype)
+                to_device([drafts[i][accepted[i]] for i in rejected], device), probs.shape[1]).to(probs.dtype)
         else:
             starts = list(itertools.accumulate((len(d) for d in drafts), initial=0))  # row i's first draft in q
-            q_rejected = q[torch.tensor([starts[i] + accepted[i] for i in rejected], device=device)]
+            q_rejected = q[to_device([starts[i] + accepted[i] for i in rejected], device)]
         residual = (final[rows] - q_rejected).clamp_min(0.0)
         total = residual.sum(dim=-1, keepdim=True)
         # p == q to rounding (the rejection itself was rounding): keep p
         final[rows] = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final[rows])
     final_settings = [settings[i][accepted[i]] for i in range(len(drafts))]
-    last = _draw(final, final_settings, generator).tolist()
-    emitted = [d[: accepted[i]] + [last[i]] for i, d in enumerate(drafts)]
-    lp_index = torch.tensor([offsets[i] + j for i, e in enumerate(emitted) for j in range(len(e))], device=device)
-    lp_tokens = torch.tensor([t for e in emitted for t in e], device=device)
-    flat_lp = logprobs[lp_index].gather(1, lp_tokens.unsqueeze(1)).squeeze(1).tolist()
-    out_lp, n = [], 0
-    for e in emitted:
-        out_lp.append(flat_lp[n: n + len(e)])
-        n += len(e)
+    last = _draw(final, final_settings, generator)
+    # log-probs of the accepted drafts (known tokens) and of each row's last token (on the device)
+    kept_index = [offsets[i] + j for i in range(len(drafts)) for j in range(accepted[i])]
+    kept_tokens = [drafts[i][j] for i in range(len(drafts)) for j in range(accepted[i])]
+    last_lp = logprobs[final_index].gather(1, last.unsqueeze(1)).squeeze(1)
+    parts = [last.double(), last_lp.double()]
+    if kept_index:
+        parts.append(logprobs[to_device(kept_index, device)].gather(
+            1, to_device(kept_tokens, device).unsqueeze(1)).squeeze(1).double())
+    host = torch.cat(parts).tolist()
+    rows_n = len(drafts)
+    last_ids, last_lps, kept_lps = host[:rows_n], host[rows_n: 2 * rows_n], host[2 * rows_n:]
+    emitted, out_lp, n = [], [], 0
+    for i, d in enumerate(drafts):
+        emitted.append(d[: accepted[i]] + [int(last_ids[i])])
+        out_lp.append(kept_lps[n: n + accepted[i]] + [last_lps[i]])
+        n += accepted[i]
     kept: list[list | None] = [None] * len(drafts)
     for i, wants in enumerate(want_kept or []):
         if wants:
