@@ -117,11 +117,31 @@ def run_workload(worker, args, bench, vocab_size: int, rank: int, world: int, de
     shard = split_train_data_by_dp(args, data, worker.layout.dp_size)[worker.layout.dp_rank]
     peak = measured_peak_flops(device)
     results = []
-    for i in range(bench.warmup + bench.iters):
-        metrics = worker.train(i, shard)
+    steps = bench.warmup + bench.iters
+    for i in range(steps):
+        if getattr(bench, "profile", None) and i == steps - 1 and rank == 0:
+            metrics = _profiled(lambda: worker.train(i, shard), bench.profile, device)
+        else:
+            metrics = worker.train(i, shard)
         if i >= bench.warmup:
             results.append(metrics)
     return results, shard, peak
+
+
+def _profiled(step, out_dir: str, device: torch.device):
+    """Run ``step`` under torch.profiler: a Chrome trace in ``out_dir``, the 25 ops of most self time printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        result = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    os.makedirs(out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out_dir, "train_step_trace.json"))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
+    return result
 
 
 def workload_metrics(results: list[dict], shard, bench, peak: float, device: torch.device) -> dict:
@@ -151,6 +171,11 @@ def main(argv=None) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true", help="--fsdp-compile (torch.compile each decoder layer)")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1, help="rows per chunk of the log-prob head (-1: 2048)")
+    parser.add_argument("--model-path", default=None,
+                        help="an existing HF checkpoint instead of --model (any architecture the FSDP trainer takes, "
+                             "e.g. bench/engine_decode.py's deepseek-v3-1b)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="torch.profiler over the last timed step: a Chrome trace in DIR and the top ops printed")
     parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<device>-<date>.json")
     parser.add_argument("--machine", default=None, help="machine name for the results file (default: cpu-<n>core / cuda name)")
     bench = parser.parse_args(argv)
@@ -171,8 +196,8 @@ def main(argv=None) -> None:
     from slime.utils.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
-        if rank == 0:
+        model_dir = bench.model_path or os.path.join(tmp, "model")
+        if rank == 0 and not bench.model_path:
             build_checkpoint(bench.model, model_dir)
         dist.barrier()
         flags = workload_flags(bench, "fsdp", model_dir)
@@ -195,7 +220,7 @@ def main(argv=None) -> None:
             "machine": machine,
             "command": "python " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
             "git_commit": _git_commit(),
-            "config": {"model": bench.model, "world_size": world, "max_tokens_per_gpu": bench.max_tokens_per_gpu,
+            "config": {"model": bench.model_path or bench.model, "world_size": world, "max_tokens_per_gpu": bench.max_tokens_per_gpu,
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
                        "iters": bench.iters, "dtype": "bf16" if worker.backend.mixed_precision else "fp32",
                        "attn_implementation": worker.backend.attn_implementation,
