@@ -127,3 +127,13 @@ def test_absorbed_mla_decode_equals_the_expanded_reference(tiny_deepseek_v3_dir)
         logits[mode] = torch.stack(steps)
     torch.testing.assert_close(logits["absorbed"], logits["expanded"], atol=1e-5, rtol=1e-5)
     assert logits["absorbed"].std() > 0.1  # real logits, not a degenerate constant
+
+
+def test_routed_experts_asked_of_a_server_without_the_flag(http):
+    """As SGLang without --enable-return-routed-experts: the request is served, no routed_experts
+    field (nothing was captured); a bad routed_experts_start_len is still refused."""
+    out = generate(http, input_ids=PROMPTS[0], return_routed_experts=True, sampling_params={"max_new_tokens": 3})
+    assert len(out["output_ids"]) == 3 and "routed_experts" not in out["meta_info"]
+    bad = http.post("/generate", json={"input_ids": PROMPTS[0], "return_routed_experts": True,
+                                       "routed_experts_start_len": 99})
+    assert bad.status_code == 400 and "routed_experts_start_len" in bad.text

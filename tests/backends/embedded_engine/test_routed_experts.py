@@ -1,0 +1,154 @@
+"""``--enable-return-routed-experts``: the experts the engine reports for each position and MoE layer
+are the ones transformers' own forward picks on the same tokens (DeepSeek-V3's and GLM-4.5's sigmoid,
+group-limited routers, Qwen3-MoE's softmax top-k), over prefill and decode positions, batched rows
+of different lengths, shared prefills, slot moves and ``routed_experts_start_len``; the HTTP answer
+is SGLang's wire format, which the rollout's decoder (``Sample``) reads back."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from engine_test_utils import load_hf
+from slime.backends.embedded_engine.engine import Engine
+from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.model_runner import ModelRunner
+from slime.utils.moe_routing import hf_routers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@torch.no_grad()
+def hf_routed_experts(model, tokens: list[int]) -> np.ndarray:
+    """Experts transformers' forward picks at every position of ``tokens`` but the last: ``[len − 1,
+    layers, k]``, each position's k experts sorted (dense layers zero)."""
+    layers, topk = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    out = np.zeros((len(tokens), layers, topk), dtype=np.int64)
+    handles = []
+    for layer, router in hf_routers(model):
+        def keep(module, args, output, layer=layer):
+            out[:, layer] = output[2].numpy()
+        handles.append(router.register_forward_hook(keep))
+    try:
+        model(torch.tensor([tokens]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return np.sort(out[:-1], axis=-1)
+
+
+def run_engine(engine: Engine, requests: list[GenerateRequest]):
+    done, left = threading.Event(), [len(requests)]
+
+    def on_event(seq, finished):  # on the engine thread
+        if finished:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    seqs = engine.call(lambda: [engine.add_request(r, on_event) for r in requests]).result(30)
+    assert done.wait(120)
+    return seqs
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "qwen3_moe"])
+def test_engine_experts_equal_hf_routing(arch, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    hf = load_hf(model_dir)
+    runner = ModelRunner(model_dir, num_slots=8, slot_capacity=64, routed_experts=True)
+    engine = Engine(runner, chunked_prefill_size=16)  # the 19-token prompt prefills in two chunks
+    engine.start()
+    try:
+        prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10], [11, 12], list(range(100, 119)), [42]]
+        lengths = [12, 10, 3, 9, 6]  # different ends: finished rows leave, the last rows move into their slots
+        requests = [GenerateRequest(rid=str(i), input_ids=p, params=SamplingParams(max_new_tokens=n, temperature=1.0,
+                                                                                   ignore_eos=True, sampling_seed=i),
+                                    return_routed_experts=True, routed_experts_start_len=3 if i == 3 else 0)
+                    for i, (p, n) in enumerate(zip(prompts, lengths))]
+        requests.append(GenerateRequest(rid="plain", input_ids=[7, 7, 7], params=SamplingParams(max_new_tokens=4)))
+        seqs = run_engine(engine, requests)
+    finally:
+        engine.stop()
+    assert engine.scheduler.stats.prefill_shared_rows >= 1  # prompts 0 and 1 shared one prefill
+    assert seqs[-1].routed_experts is None  # a request that did not ask gets none
+    dense = set(range(getattr(hf.config, "first_k_dense_replace", 0)))
+    for seq, req in zip(seqs[:-1], requests):
+        tokens = req.input_ids + seq.output_ids
+        got = seq.routed_experts
+        assert got.dtype == np.int32 and got.shape == (len(tokens) - 1 - req.routed_experts_start_len,
+                                                       hf.config.num_hidden_layers, hf.config.num_experts_per_tok)
+        want = hf_routed_experts(hf, tokens)[req.routed_experts_start_len:]
+        np.testing.assert_array_equal(np.sort(got, axis=-1), want, err_msg=f"request {req.rid}")
+        for layer in range(hf.config.num_hidden_layers):
+            assert (got[:, layer] == 0).all() == (layer in dense)
+
+
+def test_flag_needs_an_moe_model(tiny_model_dir):
+    with pytest.raises(ValueError, match="--enable-return-routed-experts needs an MoE model"):
+        ModelRunner(tiny_model_dir, num_slots=2, slot_capacity=32, routed_experts=True)
+
+
+def test_server_wire_format_round_trips_through_the_rollout_decoder(tiny_deepseek_v3_dir):
+    from slime.utils.types import Sample
+
+    hf = load_hf(tiny_deepseek_v3_dir)
+    args = SimpleNamespace(num_layers=hf.config.num_hidden_layers, moe_router_topk=hf.config.num_experts_per_tok)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}}
+    extra = ["--enable-return-routed-experts", "--context-length", "128", "--max-running-requests", "4"]
+    with running_engine(tiny_deepseek_v3_dir, extra_args=extra) as proc, httpx.Client(base_url=proc.url, timeout=60) as http:
+        out = http.post("/generate", json=body).json()
+        tail = http.post("/generate", json={**body, "routed_experts_start_len": 7}).json()
+        plain = http.post("/generate", json={**body, "return_routed_experts": False}).json()
+        too_far = http.post("/generate", json={**body, "routed_experts_start_len": 8})
+        negative = http.post("/generate", json={**body, "routed_experts_start_len": -1})
+        info = http.get("/get_server_info").json()
+    assert info["enable_return_routed_experts"] is True
+    assert "routed_experts" not in plain["meta_info"]
+    assert too_far.status_code == 400 and "higher than the number of input tokens" in too_far.text
+    assert negative.status_code == 400 and "lower than 0" in negative.text
+    tokens = prompt + out["output_ids"]
+    want = hf_routed_experts(hf, tokens)
+    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
+    assert raw.size == (len(tokens) - 1) * args.num_layers * args.moe_router_topk
+    # the rollout's decoder: what slime's generator does with the engine's answer
+    sample = Sample(tokens=list(prompt))
+    sample.append_response_tokens(args, tokens=out["output_ids"], log_probs=[0.0] * len(out["output_ids"]),
+                                  trainable=True, meta_info=out["meta_info"])
+    np.testing.assert_array_equal(np.sort(np.asarray(sample.rollout_routed_experts), axis=-1), want)
+    tail_rows = np.frombuffer(base64.b64decode(tail["meta_info"]["routed_experts"]), dtype="<i4")
+    tail_tokens = prompt + tail["output_ids"]
+    np.testing.assert_array_equal(np.sort(tail_rows.reshape(-1, args.num_layers, args.moe_router_topk), axis=-1),
+                                  hf_routed_experts(hf, tail_tokens)[7:])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_records_the_experts(tiny_deepseek_v3_dir):
+    """On CUDA the decode steps replay graphs captured with the recording in them (and run one step
+    ahead): the experts still equal transformers' on every position."""
+    hf = load_hf(tiny_deepseek_v3_dir)
+    runner = ModelRunner(tiny_deepseek_v3_dir, device="cuda", dtype="float32", num_slots=4, slot_capacity=64,
+                         routed_experts=True)
+    assert runner.graphs.enabled
+    engine = Engine(runner, chunked_prefill_size=64)
+    engine.start()
+    try:
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [42]]
+        requests = [GenerateRequest(rid=str(i), input_ids=p, params=SamplingParams(max_new_tokens=20 - 4 * i, temperature=0,
+                                                                                   ignore_eos=True),
+                                    return_routed_experts=True) for i, p in enumerate(prompts)]
+        seqs = run_engine(engine, requests)
+    finally:
+        engine.stop()
+    assert runner.graphs.captures > 0  # the decode steps ran as graphs
+    for seq, req in zip(seqs, requests):
+        np.testing.assert_array_equal(np.sort(seq.routed_experts, axis=-1),
+                                      hf_routed_experts(hf, req.input_ids + seq.output_ids))
