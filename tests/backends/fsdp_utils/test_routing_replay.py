@@ -1,0 +1,148 @@
+"""FSDP routing replay (``--use-rollout-routing-replay`` R3, ``--use-routing-replay`` R2) on the HF MoE
+families: replaying the experts transformers' own forward picks gives the plain log-probs; replaying
+other experts gives another network, whose log-probs and gradients equal autograd of transformers'
+model with those experts forced (weights from its own router scores); R2 records the π_old pass's
+routing and refuses a training pass without one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from slime.backends.training.backend import ModelOutput
+from slime.backends.training.worker import TrainWorker
+from slime.utils import ppo_utils
+from slime.utils.moe_routing import hf_routers
+from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+def load_hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@torch.no_grad()
+def hf_routing(model, tokens: list[int]) -> np.ndarray:
+    """``[len − 1, layers, k]``: the experts transformers' forward picks (dense layers zero)."""
+    out = np.zeros((len(tokens), model.config.num_hidden_layers, model.config.num_experts_per_tok), dtype=np.int64)
+    handles = [router.register_forward_hook(lambda m, a, o, layer=layer: out.__setitem__((slice(None), layer), o[2].numpy()))
+               for layer, router in hf_routers(model)]
+    model(torch.tensor([tokens]))
+    for handle in handles:
+        handle.remove()
+    return out[:-1]
+
+
+def forced_forward(model, tokens: list[int], experts: np.ndarray, response: int) -> torch.Tensor:
+    """Response log-probs of transformers' model with every router's choice forced to ``experts``
+    (its weights: the router's own sigmoid scores / softmax probabilities at them, normalised, scaled)."""
+    handles = []
+    for layer, router in hf_routers(model):
+        forced = torch.as_tensor(np.concatenate([experts[:, layer], np.arange(experts.shape[2])[None]]), dtype=torch.long)
+
+        def force(module, args, output, forced=forced):
+            logits = output[0]
+            if hasattr(module, "e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5
+                w = torch.sigmoid(logits).gather(1, forced)
+                w = w / (w.sum(-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+            else:  # Qwen3-MoE
+                w = torch.softmax(logits.float(), -1).gather(1, forced)
+                w = (w / w.sum(-1, keepdim=True)).to(logits.dtype)
+            return logits, w, forced
+        handles.append(router.register_forward_hook(force))
+    try:
+        rows = model(torch.tensor([tokens])).logits[0][len(tokens) - response - 1: len(tokens) - 1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ppo_utils.compute_log_probs(rows, torch.tensor(tokens[-response:]), 1.0)
+
+
+def shifted(experts: np.ndarray, moe_layers: list[int], num_experts: int = 8) -> np.ndarray:
+    """Other experts at every MoE position (a shift keeps a token's k experts distinct)."""
+    out = experts.copy()
+    out[:, moe_layers] = (out[:, moe_layers] + 3) % num_experts
+    return out
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_r3_replays_given_experts(arch, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    hf = load_hf(model_dir)
+    moe_layers = [layer for layer, _ in hf_routers(hf)]
+    args = make_args(model_dir, "--use-rollout-routing-replay", "--num-steps-per-rollout", "1", rbs=2)
+    worker = TrainWorker(args)
+    worker.init()
+    backend = worker.backend
+    samples = make_samples(4)
+    for s in samples:
+        s.rollout_routed_experts = hf_routing(hf, s.tokens).tolist()
+    data = rank_data(args, samples)
+    replayed = backend.forward_only("model", data, ModelOutput("log_probs"))[0]
+    routing, backend.routing = backend.routing, None
+    plain = backend.forward_only("model", data, ModelOutput("log_probs"))[0]
+    backend.routing = routing
+    for a, b in zip(replayed, plain):  # HF's own choices replayed: the plain network
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+    for s in samples:
+        s.rollout_routed_experts = shifted(np.asarray(s.rollout_routed_experts), moe_layers)
+    other = rank_data(args, samples)
+    forced = backend.forward_only("model", other, ModelOutput("log_probs"))[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(forced, plain)) > 1e-3  # another network
+    reference = [forced_forward(hf, s.tokens, np.asarray(s.rollout_routed_experts), s.response_length) for s in samples]
+    for a, b in zip(forced, reference):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+
+    # training: gradients of Σ coef · log π with the replayed routing = autograd of the forced HF model
+    coefs = [torch.linspace(-1.0, 1.0, s.response_length) for s in samples]
+
+    def loss_fn(micro_batch, outputs):
+        return (outputs.log_probs * torch.cat([coefs[i] for i in micro_batch])).sum(), {}
+
+    backend.optimizer.zero_grad(set_to_none=True)
+    backend.forward_backward(other, [list(range(len(samples)))], ModelOutput("log_probs"), loss_fn)
+    grads = full_grads(backend.model)
+    hf.zero_grad(set_to_none=True)
+    torch.stack([(c * lp).sum() for c, lp in zip(coefs, reference)]).sum().backward()
+    expected = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    router_grads = [n for n in expected if n.endswith("mlp.gate.weight")]
+    assert router_grads and all(float(expected[n].abs().sum()) > 0 for n in router_grads)  # the routers train
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_r3_refuses_samples_without_or_with_misshapen_experts(tiny_glm4_moe_dir):
+    args = make_args(tiny_glm4_moe_dir, "--use-rollout-routing-replay", "--num-steps-per-rollout", "1", rbs=1)
+    worker = TrainWorker(args)
+    worker.init()
+    samples = make_samples(2)
+    with pytest.raises(ValueError, match="needs rollout_routed_experts for every sample; sample 0 has none"):
+        worker.backend.forward_only("model", rank_data(args, samples), ModelOutput("log_probs"))
+    for s in samples:
+        s.rollout_routed_experts = [[[0, 1]] * 4] * len(s.tokens)  # one row too many
+    with pytest.raises(ValueError, match=r"expected \[len\(tokens\) - 1"):
+        worker.backend.forward_only("model", rank_data(args, samples), ModelOutput("log_probs"))
+
+
+def test_r2_records_the_pi_old_routing_and_replays_it(tiny_glm4_moe_dir):
+    hf = load_hf(tiny_glm4_moe_dir)
+    args = make_args(tiny_glm4_moe_dir, "--use-routing-replay", "--num-steps-per-rollout", "1", rbs=2)
+    worker = TrainWorker(args)
+    worker.init()
+    samples = make_samples(4)
+    data = rank_data(args, samples)
+    assert not worker.skips_old_log_prob_pass(data)  # R2 needs the π_old pass that records
+    with pytest.raises(RuntimeError, match="replays the routing recorded in the π_old forward pass"):
+        worker.backend.forward_backward(data, [[0, 1]], ModelOutput("log_probs"), lambda mb, out: (out.log_probs.sum(), {}))
+    prepared = worker.prepare(0, data)
+    recorded = worker.backend.routing.recorded
+    for i, s in enumerate(samples):
+        np.testing.assert_array_equal(recorded[i], hf_routing(hf, s.tokens))
+    metrics = worker.train(0, data)
+    assert np.isfinite(metrics["train/loss"]) and prepared.log_probs is not None
+    assert not worker.backend.routing.recorded  # forgotten after the rollout step
