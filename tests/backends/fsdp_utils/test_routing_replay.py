@@ -69,12 +69,14 @@ def shifted(experts: np.ndarray, moe_layers: list[int], num_experts: int = 8) ->
     return out
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
-def test_r3_replays_given_experts(arch, request):
+@pytest.mark.parametrize("arch,attn", [("deepseek_v3", "sdpa"), ("qwen3_moe", "sdpa"), ("glm4_moe", "eager")])
+def test_r3_replays_given_experts(arch, attn, request):
+    """sdpa: right-padded rows; eager: one packed row (the layout of flash/varlen attention on GPU)."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     hf = load_hf(model_dir)
     moe_layers = [layer for layer, _ in hf_routers(hf)]
-    args = make_args(model_dir, "--use-rollout-routing-replay", "--num-steps-per-rollout", "1", rbs=2)
+    args = make_args(model_dir, "--use-rollout-routing-replay", "--num-steps-per-rollout", "1",
+                     "--fsdp-attn-implementation", attn, rbs=2)
     worker = TrainWorker(args)
     worker.init()
     backend = worker.backend
