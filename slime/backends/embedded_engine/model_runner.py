@@ -408,7 +408,9 @@ class ModelRunner:
             handle = self.model.get_decoder().norm.register_forward_hook(
                 lambda module, args, output: hidden_out.copy_(output))
         try:
-            with self._recording_experts(rows.view(-1, 1).expand(batch, tokens).reshape(-1), positions.reshape(-1)):
+            recording = contextlib.nullcontext() if self.routed_experts is None else self.routed_experts.writing(
+                rows.view(-1, 1).expand(batch, tokens).reshape(-1), positions.reshape(-1))  # row b feeds T tokens
+            with recording:
                 logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                                     logits_to_keep=1 if tokens == 1 else 0, **extra).logits
         finally:
