@@ -152,3 +152,31 @@ def test_cuda_graph_decode_records_the_experts(tiny_deepseek_v3_dir):
     for seq, req in zip(seqs, requests):
         np.testing.assert_array_equal(np.sort(seq.routed_experts, axis=-1),
                                       hf_routed_experts(hf, req.input_ids + seq.output_ids))
+
+
+def test_speculative_verify_steps_record_the_accepted_tokens_experts(tiny_deepseek_v3_dir, tmp_path):
+    """NEXTN speculation (a "Markov" DeepSeek-V3 whose MTP layer drafts exactly, so most drafts are
+    accepted): positions filled by verify forwards — accepted drafts, rejected ones overwritten later
+    — report the experts of the tokens finally there."""
+    from engine_test_utils import markov_checkpoint
+    from slime.backends.embedded_engine.mtp import NextNDrafter
+    from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+    model_dir = markov_checkpoint(tiny_deepseek_v3_dir, tmp_path / "markov", "exact", 0.03)
+    hf = load_hf(model_dir)
+    runner = ModelRunner(model_dir, num_slots=4, slot_capacity=64, routed_experts=True)
+    engine = Engine(runner, speculative=SpeculativeDecoder(SpeculativeConfig("NEXTN", 4), NextNDrafter(runner, 64)), seed=1)
+    engine.start()
+    try:
+        prompts = [[5, 6, 7, 8, 5, 6], [9, 10, 11]]
+        requests = [GenerateRequest(rid=str(i), input_ids=p, params=SamplingParams(max_new_tokens=14, temperature=1.0,
+                                                                                   ignore_eos=True),
+                                    return_routed_experts=True) for i, p in enumerate(prompts)]
+        seqs = run_engine(engine, requests)
+    finally:
+        engine.stop()
+    stats = engine.scheduler.stats
+    assert stats.spec_accepted_drafts > 0 and stats.spec_accepted_drafts < stats.spec_proposed_drafts, vars(stats)
+    for seq, req in zip(seqs, requests):
+        np.testing.assert_array_equal(np.sort(seq.routed_experts, axis=-1),
+                                      hf_routed_experts(hf, req.input_ids + seq.output_ids))
