@@ -2,15 +2,13 @@
 are the ones transformers' own forward picks on the same tokens (DeepSeek-V3's and GLM-4.5's sigmoid,
 group-limited routers, Qwen3-MoE's softmax top-k), over prefill and decode positions, batched rows
 of different lengths, shared prefills, slot moves and ``routed_experts_start_len``; the HTTP answer
-is SGLang's wire format, which the rollout's decoder (``Sample``) reads back."""
+is SGLang's wire format, which the rollout's decoder (``Sample``) reads back (``test_moe_models.py``,
+whose server runs with the flag)."""
 
 from __future__ import annotations
 
-import base64
 import threading
-from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,6 @@ import torch
 from engine_test_utils import load_hf
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
-from slime.backends.embedded_engine.launch import running_engine
 from slime.backends.embedded_engine.model_runner import ModelRunner
 from slime.utils.moe_routing import hf_routers
 
@@ -95,39 +92,22 @@ def test_flag_needs_an_moe_model(tiny_model_dir):
         ModelRunner(tiny_model_dir, num_slots=2, slot_capacity=32, routed_experts=True)
 
 
-def test_server_wire_format_round_trips_through_the_rollout_decoder(tiny_deepseek_v3_dir):
-    from slime.utils.types import Sample
+def test_a_server_without_the_flag_answers_without_the_field(tiny_glm4_moe_dir):
+    """As SGLang without --enable-return-routed-experts (no capturer): the request is served and its
+    meta_info has no routed_experts."""
+    from slime.backends.embedded_engine.async_engine import AsyncEngine
 
-    hf = load_hf(tiny_deepseek_v3_dir)
-    args = SimpleNamespace(num_layers=hf.config.num_hidden_layers, moe_router_topk=hf.config.num_experts_per_tok)
-    prompt = [5, 6, 7, 8, 9, 10, 11]
-    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}}
-    extra = ["--enable-return-routed-experts", "--context-length", "128", "--max-running-requests", "4"]
-    with running_engine(tiny_deepseek_v3_dir, extra_args=extra) as proc, httpx.Client(base_url=proc.url, timeout=60) as http:
-        out = http.post("/generate", json=body).json()
-        tail = http.post("/generate", json={**body, "routed_experts_start_len": 7}).json()
-        plain = http.post("/generate", json={**body, "return_routed_experts": False}).json()
-        too_far = http.post("/generate", json={**body, "routed_experts_start_len": 8})
-        negative = http.post("/generate", json={**body, "routed_experts_start_len": -1})
-        info = http.get("/get_server_info").json()
-    assert info["enable_return_routed_experts"] is True
-    assert "routed_experts" not in plain["meta_info"]
-    assert too_far.status_code == 400 and "higher than the number of input tokens" in too_far.text
-    assert negative.status_code == 400 and "lower than 0" in negative.text
-    tokens = prompt + out["output_ids"]
-    want = hf_routed_experts(hf, tokens)
-    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
-    assert raw.size == (len(tokens) - 1) * args.num_layers * args.moe_router_topk
-    # the rollout's decoder: what slime's generator does with the engine's answer
-    sample = Sample(tokens=list(prompt))
-    sample.append_response_tokens(args, tokens=out["output_ids"], log_probs=[0.0] * len(out["output_ids"]),
-                                  trainable=True, meta_info=out["meta_info"])
-    np.testing.assert_array_equal(np.sort(np.asarray(sample.rollout_routed_experts), axis=-1), want)
-    tail_rows = np.frombuffer(base64.b64decode(tail["meta_info"]["routed_experts"]), dtype="<i4")
-    tail_tokens = prompt + tail["output_ids"]
-    np.testing.assert_array_equal(np.sort(tail_rows.reshape(-1, args.num_layers, args.moe_router_topk), axis=-1),
-                                  hf_routed_experts(hf, tail_tokens)[7:])
+    engine = Engine(ModelRunner(tiny_glm4_moe_dir, num_slots=2, slot_capacity=32))
+    engine.start()
+    try:
+        request = GenerateRequest(rid="r", input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=3),
+                                  return_routed_experts=True, return_logprob=True)
+        seq, = run_engine(engine, [request])
+        meta = AsyncEngine(engine).meta_info(seq, latency=0.1)
+    finally:
+        engine.stop()
+    assert len(seq.output_ids) == 3 and len(meta["output_token_logprobs"]) == 3
+    assert "routed_experts" not in meta
 
 
 @pytest.mark.gpu
