@@ -47,3 +47,11 @@ def tiny_glm4_moe_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_glm4_moe"), size="tiny", seed=0, arch="glm4_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (softmax top-2 of 8 experts in every layer, no shared expert)."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), size="tiny", seed=0, arch="qwen3_moe"))

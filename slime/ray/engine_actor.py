@@ -20,7 +20,7 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
                          "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend",
-                         "kv-cache-dtype",
+                         "kv-cache-dtype", "enable-return-routed-experts",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
                          "speculative-ngram-max-trie-depth"}
@@ -30,6 +30,8 @@ EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "fp8-gemm-
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
     argv = ["--device", "cuda" if gpu else "cpu"]
+    if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine returns its routed experts (SGLang's flag)
+        argv.append("--enable-return-routed-experts")
     forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
     if args.embedded_engine_max_total_tokens is not None:
         forwarded["max-total-tokens"] = args.embedded_engine_max_total_tokens

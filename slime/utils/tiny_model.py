@@ -152,8 +152,8 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-#: architectures the builder makes: the dense Qwen3 default and the two MoE families of issue 23
-ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe")
+#: architectures the builder makes: the dense Qwen3 default, the two MoE families of issue 23 and Qwen3-MoE
+ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe", "qwen3_moe")
 
 
 def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embeddings: int, special: dict):
@@ -169,6 +169,11 @@ def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embed
     if arch == "qwen3":
         return transformers.Qwen3Config(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
                                         rope_theta=10000.0, tie_word_embeddings=True, **common)
+    if arch == "qwen3_moe":  # softmax top-2 of 8 experts, no shared expert, every layer MoE
+        return transformers.Qwen3MoeConfig(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+                                           rope_theta=10000.0, tie_word_embeddings=True, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 4,
+                                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
     moe = dict(moe_intermediate_size=shape.intermediate_size // 4, n_routed_experts=8, num_experts_per_tok=2,
                n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
                tie_word_embeddings=False)
@@ -215,7 +220,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, max
                      dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    if arch != "qwen3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         with torch.no_grad():  # a random expert bias (zero at init) so that it decides some top-k choices
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

@@ -7,6 +7,7 @@ deep-copy it and serialise it with :meth:`Sample.to_dict` / :meth:`Sample.from_d
 from __future__ import annotations
 
 import base64
+import functools
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple, Union
@@ -38,6 +39,27 @@ def _decode_int32_list(value) -> list[int]:
 
         return np.frombuffer(bytes(value), dtype="<i4").astype(int).tolist()
     return _to_int_list(value)
+
+
+def routed_experts_layout(args) -> tuple[int, int]:
+    """``(layers, top-k)`` of the engine's ``routed_experts`` rows: Megatron's ``--num-layers`` /
+    ``--moe-router-topk`` when given, else the HF config of ``--hf-checkpoint`` (the FSDP backend)."""
+    if getattr(args, "num_layers", None):
+        return int(args.num_layers), int(args.moe_router_topk)
+    path = getattr(args, "hf_checkpoint", None)
+    if not path:
+        raise ValueError("routed_experts in meta_info: set --num-layers / --moe-router-topk or --hf-checkpoint "
+                         "(the layout of the engine's routed experts)")
+    return _hf_routed_layout(str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_routed_layout(path: str) -> tuple[int, int]:
+    from transformers import AutoConfig
+
+    from slime.utils.moe_routing import routed_layout
+
+    return routed_layout(AutoConfig.from_pretrained(path))
 
 
 def _first_of(meta_info: dict, *names: str):
@@ -325,9 +347,13 @@ class Sample:
         import numpy as np
 
         flat = np.asarray(_decode_int32_list(meta_info["routed_experts"]), dtype=np.int64)
-        layers, topk = int(args.num_layers), int(args.moe_router_topk)
+        layers, topk = routed_experts_layout(args)
         start = int(meta_info.get("routed_experts_start_len", 0) or 0)
-        experts = flat.reshape(len(self.tokens) - 1 - start, layers, topk).tolist()
+        rows = len(self.tokens) - 1 - start
+        if flat.size != rows * layers * topk:
+            raise ValueError(f"meta_info.routed_experts holds {flat.size} ids, expected [len(tokens) - 1 - start = {rows}, "
+                             f"layers = {layers}, top-k = {topk}] (sample {self.index})")
+        experts = flat.reshape(rows, layers, topk).tolist()
         existing = self.rollout_routed_experts
         if hasattr(existing, "tolist"):
             existing = existing.tolist()

@@ -80,3 +80,9 @@ def test_kv_cache_dtype_reaches_the_engine_and_parses_there():
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert engine_args(["--model-path", "/tmp", *argv]).kv_cache_dtype == "fp8_e4m3"
     assert "--kv-cache-dtype" not in embedded_engine_argv(parse_args(BASE), gpu=False)  # auto: the engine's default
+
+
+def test_rollout_routing_replay_turns_on_the_engines_routed_experts():
+    assert "--enable-return-routed-experts" not in embedded_engine_argv(parse_args(BASE), gpu=False)
+    argv = embedded_engine_argv(parse_args(BASE + ["--use-rollout-routing-replay"]), gpu=False)
+    assert argv.count("--enable-return-routed-experts") == 1

@@ -32,6 +32,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 
@@ -324,11 +325,24 @@ def test_moe_architecture_through_the_loop(arch, request, tiny_task_data, tmp_pa
     expert bias and group-limited top-k, a shared expert, a dense first layer) and a tiny GLM-4.5
     (Glm4MoeForCausalLM: GQA with partial rotary, qkv bias and qk-norm, the same sigmoid MoE) through
     train.py: the first step's invariants, and after every weight update the engine samples with
-    exactly the trainer's weights (its log-probs equal the trainer's recomputation), experts included."""
+    exactly the trainer's weights (its log-probs equal the trainer's recomputation), experts included.
+    The DeepSeek-V3 run replays the engine's routing (R3, --use-rollout-routing-replay): every sample
+    carries the engine's experts of every position and layer into the FSDP trainer, which replays them."""
+    from slime.observability.rollout_data_utils import load_debug_rollout_data
+
     model_dir = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_v3_dir", "glm4_moe": "tiny_glm4_moe_dir"}[arch])
     assert json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == arch
+    r3 = ["--use-rollout-routing-replay", "--save-debug-rollout-data", tmp_path / "dump" / "{rollout_id}.pt"]
     run_train(grpo_args(model_dir, tiny_task_data, tmp_path / "run", "--rollout-batch-size", "4",
-                        "--n-samples-per-prompt", "4", steps=2))
+                        "--n-samples-per-prompt", "4", *(r3 if arch == "deepseek_v3" else []), steps=2))
+    if arch == "deepseek_v3":
+        samples = load_debug_rollout_data(str(tmp_path / "dump" / "{rollout_id}.pt"), rollout_id=1)
+        assert len(samples) == 16
+        for s in samples:  # [len(tokens) - 1, 4 layers (the first dense: zeros), top-2 of 8]
+            experts = np.asarray(s.rollout_routed_experts)
+            assert experts.shape == (len(s.tokens) - 1, 4, 2), experts.shape
+            assert (experts[:, 0] == 0).all() and ((experts[:, 1:] >= 0) & (experts[:, 1:] < 8)).all()
+            assert (experts[:, 1:, 0] != experts[:, 1:, 1]).all()
     records = read_metrics(tmp_path / "run")
     ppo_kl = by_kind(records, "train", "train/ppo_kl")
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")

@@ -169,3 +169,24 @@ def test_append_with_only_meta_info_updates_the_terminal_info_and_nothing_else()
     sample.append_response_tokens(meta_info={"finish_reason": {"type": "length", "length": 2}})
     assert sample.tokens == [1, 2, 5, 6] and sample.loss_mask == [1, 1] and sample.rollout_log_probs == [-0.5, -0.25]
     assert sample.status == Sample.Status.TRUNCATED
+
+
+def test_routed_experts_layout_from_the_hf_checkpoint_under_fsdp(tiny_deepseek_v3_dir):
+    """Without Megatron's --num-layers (the FSDP backend) the engine's routed_experts rows are laid
+    out by the checkpoint's config: num_hidden_layers x num_experts_per_tok; a wrong size is refused."""
+    import base64
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from slime.utils.types import Sample
+
+    args = SimpleNamespace(num_layers=None, moe_router_topk=2, hf_checkpoint=tiny_deepseek_v3_dir)
+    experts = np.arange(4 * 4 * 2, dtype="<i4").reshape(4, 4, 2) % 8  # 3 prompt + 2 response tokens - 1; 4 layers, top-2
+    meta = {"finish_reason": {"type": "length"}, "routed_experts": base64.b64encode(experts.tobytes()).decode()}
+    sample = Sample(index=0, tokens=[1, 2, 3])
+    sample.append_response_tokens(args, tokens=[4, 5], log_probs=[0.0, 0.0], trainable=True, meta_info=meta)
+    assert np.array_equal(np.asarray(sample.rollout_routed_experts), experts)
+    bad = Sample(index=1, tokens=[1, 2])
+    with pytest.raises(ValueError, match=r"holds 32 ids, expected \[len\(tokens\) - 1 - start = 3, layers = 4, top-k = 2\]"):
+        bad.append_response_tokens(args, tokens=[4, 5], log_probs=[0.0, 0.0], trainable=True, meta_info=meta)

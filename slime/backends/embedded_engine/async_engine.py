@@ -161,6 +161,8 @@ class AsyncEngine:
             meta["output_token_logprobs_length"] = len(output_ids)
             if final and req.return_top_p_token_ids:
                 meta.update(_top_p_replay(seq.text_cache.get("top_p_token_ids", []), len(output_ids)))
+        if final and seq.routed_experts is not None:  # SGLang's wire format: base64 of little-endian int32
+            meta["routed_experts"] = base64.b64encode(seq.routed_experts.astype("<i4").tobytes()).decode("ascii")
         if final:
             meta.update(spec_meta_info(seq))  # speculative decoding's per-request counters (empty when off)
             meta["e2e_latency"] = latency

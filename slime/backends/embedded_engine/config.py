@@ -33,6 +33,7 @@ class ServerArgs:
     quantization: str | None = None
     fp8_gemm_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    enable_return_routed_experts: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens in the same memory, half the bytes a decode step reads); values are divided by a "
                         "per-layer scale (the checkpoint's self_attn.k_scale/v_scale, else 1.0) and saturated "
                         "to the format's range. Not for multi-latent attention (DeepSeek-V3). fp4/mxfp8 refused")
+    p.add_argument("--enable-return-routed-experts", action="store_true", default=False,
+                   help="record every MoE layer's top-k experts per token (prefill and decode; CUDA graphs capture the "
+                        "recording) so that requests with return_routed_experts get meta_info.routed_experts: base64 "
+                        "little-endian int32 [seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k], dense "
+                        "layers 0 (SGLang's flag and format; routing replay R3, --use-rollout-routing-replay)")
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "

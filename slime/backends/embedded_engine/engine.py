@@ -151,12 +151,29 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
         seq.finished = time.monotonic()
+        self._read_routed_experts(seq)
         self._apply_moves(self.scheduler.finish(seq, reason))
         seq.on_event(seq, True)
+
+    def _read_routed_experts(self, seq: Sequence) -> None:
+        """``return_routed_experts`` on a server with ``--enable-return-routed-experts``: the finished
+        request's experts of positions ``[routed_experts_start_len, seqlen − 1)`` (seqlen = prompt +
+        output), read before its slot is freed. A request whose positions are not all in its slot (it
+        never ran, or was retracted and not re-prefilled) gets none, as SGLang's without a capture."""
+        experts, req = self.runner.routed_experts, seq.request
+        if experts is None or not req.return_routed_experts or seq.slot is None:
+            return
+        seqlen = len(req.input_ids) + len(seq.output_ids)
+        if seq.num_computed < seqlen - 1:
+            return
+        start = min(req.routed_experts_start_len, seqlen - 1)
+        seq.routed_experts = experts.read(seq.slot, start, seqlen - 1)
 
     def _apply_moves(self, moves: list[SlotMove]) -> None:
         for move in moves:
             self.runner.kv_cache.move_slot(move.src, move.dst, move.length)
+            if self.runner.routed_experts is not None:
+                self.runner.routed_experts.move_slot(move.src, move.dst, move.length)
             if self.speculative is not None:  # the draft model's cache keeps the same slot layout
                 self.speculative.move_slot(move.src, move.dst, move.length)
 
@@ -291,6 +308,8 @@ class Engine:
                 copies.append((seq, logits))
         if copies:
             self.runner.kv_cache.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
+            if self.runner.routed_experts is not None:
+                self.runner.routed_experts.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
             self.scheduler.stats.prefill_shared_rows += len(copies)
         return copies
 

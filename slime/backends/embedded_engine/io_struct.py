@@ -180,6 +180,8 @@ class GenerateRequest:
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     stream: bool = False
+    return_routed_experts: bool = False  # the MoE experts of positions [routed_experts_start_len, seqlen - 1)
+    routed_experts_start_len: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -218,6 +220,8 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
     logprob_flags = _as_list(bool(body.get("return_logprob", False)), batch) if not isinstance(
         body.get("return_logprob"), list) else _as_list(body["return_logprob"], batch)
     start_lens = _as_list(body.get("logprob_start_len", -1), batch)
+    routed_flags = _as_list(body.get("return_routed_experts", False), batch)
+    routed_starts = _as_list(body.get("routed_experts_start_len", 0), batch)
     requests = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams.from_dict(sampling_list[i])
@@ -225,13 +229,31 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
         start_len = -1 if start_lens[i] is None else int(start_lens[i])
         if logprob_flags[i] and start_len > len(prompt):
             raise RequestError(f"logprob_start_len ({start_len}) is larger than the prompt ({len(prompt)} tokens).")
+        routed_start = _routed_experts_start(bool(routed_flags[i]), routed_starts[i], len(prompt))
         for k in range(params.n):
             rid = rids[i] if params.n == 1 else uuid.uuid4().hex
             requests.append(GenerateRequest(rid=rid, input_ids=list(prompt), params=params,
                                             return_logprob=bool(logprob_flags[i]), logprob_start_len=start_len,
                                             return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
-                                            stream=bool(body.get("stream", False))))
+                                            stream=bool(body.get("stream", False)),
+                                            return_routed_experts=bool(routed_flags[i]),
+                                            routed_experts_start_len=routed_start))
     return requests, is_batch or len(requests) > 1
+
+
+def _routed_experts_start(wanted: bool, start, prompt_len: int) -> int:
+    """``routed_experts_start_len``, checked as SGLang's scheduler does when routed experts are asked for."""
+    if not wanted:
+        return 0
+    if not _is_int(start):
+        raise RequestError(f"routed_experts_start_len must be an integer, got {start!r}")
+    if start < 0:
+        raise RequestError(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                           "routed_experts_start_len.")
+    if start > prompt_len:
+        raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                           f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len.")
+    return start
 
 
 def _prompts(text, input_ids, batch, tokenize) -> list[list[int]]:

@@ -47,7 +47,8 @@ class ModelRunner:
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
-                 quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto"):
+                 quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 routed_experts: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -94,6 +95,14 @@ class ModelRunner:
                     "budget %s tokens)", self.kv_cache_dtype, self.kv_cache.shape.num_slots,
                     self.kv_cache.shape.slot_capacity, self.kv_cache.nbytes() / 2**20, self.context_length,
                     self.kv_token_budget or "unbounded")
+        #: ``--enable-return-routed-experts``: each MoE layer's experts per cached token (routed_experts.py),
+        #: laid out like the KV cache; the decode graphs capture its recording
+        self.routed_experts = None
+        if routed_experts:
+            from slime.backends.embedded_engine.routed_experts import RoutedExperts
+
+            shape = self.kv_cache.shape
+            self.routed_experts = RoutedExperts(self.model, shape.num_slots, shape.slot_capacity, self.device)
         self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
                                    max_batch=min(cuda_graph_max_bs or num_slots, num_slots))
         #: the model's own multi-token-prediction layer when it drafts (``--speculative-algorithm NEXTN``,
@@ -237,6 +246,8 @@ class ModelRunner:
                                capacity, max(fits, 1), shape.num_slots)
                 shape = self._shape(capacity, max(1, fits))
         self.kv_cache = self._new_cache(shape, allocate=resident)
+        if self.routed_experts is not None:
+            self.routed_experts.resize(shape.num_slots, shape.slot_capacity)
         logger.info("KV cache grown for a %d-token request: %d slots x %d tokens, %.1f MB", need, shape.num_slots,
                     capacity, shape.num_slots * capacity * shape.bytes_per_token(self.kv_cache_dtype) / 2**20)
         return True
@@ -278,7 +289,7 @@ class ModelRunner:
         input_ids, positions, mask, view = self.row_inputs(slots, rows, self.kv_cache)
         q_len = input_ids.shape[1]
         want_all = any(r.want_all_logits for r in rows)
-        with self.prefill_attention():
+        with self.prefill_attention(), self._recording_experts(view.write_slots, view.write_positions, view.token_index):
             out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                              logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
         logits = out.logits.float()
@@ -396,13 +407,22 @@ class ModelRunner:
             handle = self.model.get_decoder().norm.register_forward_hook(
                 lambda module, args, output: hidden_out.copy_(output))
         try:
-            logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                                logits_to_keep=1 if tokens == 1 else 0, **extra).logits
+            recording = contextlib.nullcontext() if self.routed_experts is None else self.routed_experts.writing(
+                rows.view(-1, 1).expand(batch, tokens).reshape(-1), positions.reshape(-1))  # row b feeds T tokens
+            with recording:
+                logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                    logits_to_keep=1 if tokens == 1 else 0, **extra).logits
         finally:
             if handle is not None:
                 handle.remove()
         logits = logits[:, -1] if tokens == 1 else logits
         return logits.float() if out is None else out.copy_(logits)
+
+    def _recording_experts(self, slots: torch.Tensor, positions: torch.Tensor, token_index: torch.Tensor | None = None):
+        """Around a forward: its routers' choices go to (slot, position) (nothing without the flag)."""
+        if self.routed_experts is None:
+            return contextlib.nullcontext()
+        return self.routed_experts.writing(slots, positions, token_index)
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;

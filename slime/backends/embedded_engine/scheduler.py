@@ -46,6 +46,7 @@ class Sequence:
     first_token: float | None = None  # first sampled token (end of prefill)
     finished: float | None = None
     text_cache: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None  # int32 [seqlen - 1 - start, layers, top-k] read at the end (return_routed_experts)
     spec: Any = None  # speculative-decoding state (speculative.SpecState) when the engine speculates
 
     @property

@@ -11,6 +11,7 @@ memory between their passes on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -53,6 +54,7 @@ class FSDPBackend(TrainBackend):
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
         self.model = self.ref_model = self.old_actor = self.optimizer = self.scheduler = None
+        self.routing = None  # HFRoutingReplay of the actor with --use-routing-replay (R2) / --use-rollout-routing-replay (R3)
         self._async_writer = None  # --async-save: the checkpoint written in the background
         self.offloaded = False
         self._old_actor_loaded = False
@@ -96,6 +98,10 @@ class FSDPBackend(TrainBackend):
         torch.manual_seed(args.seed)
         self.model = self._build(weights)
         self.model.train()
+        if getattr(args, "use_routing_replay", False) and self.role == "actor":
+            from slime.backends.fsdp_utils.routing_replay import HFRoutingReplay
+
+            self.routing = HFRoutingReplay(self.model)
         lr = args.lr if self.role == "actor" else (getattr(args, "critic_lr", None) or args.lr)
         self.optimizer = build_optimizer(self.model, args, lr)
         steps_per_rollout = max(args.rollout_batch_size * args.n_samples_per_prompt // max(args.global_batch_size, 1), 1)
@@ -189,12 +195,39 @@ class FSDPBackend(TrainBackend):
         if parked:
             model.to(self.device)
         try:
-            return self._forward_only(model, batch, output)
+            return self._forward_only(model, batch, output, which)
         finally:
             if parked:
                 self._park(model)
 
-    def _forward_only(self, model, batch: TrainBatch, output: ModelOutput):
+    def _routing(self, batch: TrainBatch, micro_batch: list[int], packed, forward_only: bool):
+        """The routing replay around one micro-batch of the actor: R3 replays the engine's experts in
+        the π_old pass and in training; R2 records them in the π_old pass and replays them in training."""
+        if self.routing is None or packed.dummy:
+            return contextlib.nullcontext()
+        names = [f"sample {batch.sample_indices[i] if batch.sample_indices is not None else i}" for i in micro_batch]
+        if getattr(self.args, "use_rollout_routing_replay", False):
+            routed = batch.rollout_routed_experts
+            missing = [name for i, name in zip(micro_batch, names) if routed is None or routed[i] is None]
+            if missing:
+                raise ValueError(f"--use-rollout-routing-replay needs rollout_routed_experts for every sample; {missing[0]} "
+                                 "has none (the engine returns them with return_routed_experts on a server started "
+                                 "with --enable-return-routed-experts)")
+            return self.routing.replay(packed, [routed[i] for i in micro_batch], names)
+        if forward_only:
+            return self.routing.record(packed, micro_batch)
+        missing = [name for i, name in zip(micro_batch, names) if i not in self.routing.recorded]
+        if missing:
+            raise RuntimeError(f"--use-routing-replay replays the routing recorded in the π_old forward pass, and none "
+                               f"was recorded for {missing[0]} (with --use-rollout-logprobs there is no such pass: use "
+                               "--use-rollout-routing-replay)")
+        return self.routing.replay(packed, [self.routing.recorded[i] for i in micro_batch], names)
+
+    def finish_rollout_step(self) -> None:
+        if self.routing is not None:
+            self.routing.finish()
+
+    def _forward_only(self, model, batch: TrainBatch, output: ModelOutput, which: str = "model"):
         n = len(batch.tokens)
         out: list = [torch.zeros(0)] * n
         entropy_out: list = [torch.zeros(0)] * n
@@ -204,7 +237,9 @@ class FSDPBackend(TrainBackend):
             packed = self._pack(batch, micro_batch, output)
             if packed.predict_positions.numel() == 0:
                 continue
-            result = self._outputs(model, batch, micro_batch, packed, output)
+            routing = self._routing(batch, micro_batch, packed, forward_only=True) if which == "model" else None
+            with routing or contextlib.nullcontext():
+                result = self._outputs(model, batch, micro_batch, packed, output)
             per_token = result.values if output.kind == "values" else result.log_probs
             # one device-to-host copy per micro-batch, split on the host
             for j, piece in zip(micro_batch, torch.split(per_token.detach().float().cpu(), packed.response_lengths)):
@@ -230,8 +265,9 @@ class FSDPBackend(TrainBackend):
                 zero = forward_response_logits(self.model, packed, self.attn_implementation).float().sum() * 0.0
                 zero.backward()
                 continue
-            loss, metrics = loss_fn(micro_batch, self._outputs(self.model, batch, micro_batch, packed, output))
-            (loss * self.world_size).backward()
+            with self._routing(batch, micro_batch, packed, forward_only=False):  # backward too: recomputed layers
+                loss, metrics = loss_fn(micro_batch, self._outputs(self.model, batch, micro_batch, packed, output))
+                (loss * self.world_size).backward()
             results.append(metrics)
         return results
 
@@ -342,7 +378,10 @@ def _reject_unsupported(args) -> None:
     unsupported = {
         "--opd-type megatron (teacher model inside the trainer)": getattr(args, "use_opd", False)
         and getattr(args, "opd_type", None) == "megatron",
-        "--use-routing-replay / --use-rollout-routing-replay (MoE)": getattr(args, "use_routing_replay", False),
+        "--use-routing-replay / --use-rollout-routing-replay with --keep-old-actor (the routing is recorded and "
+        "replayed on the actor)": getattr(args, "use_routing_replay", False) and getattr(args, "keep_old_actor", False),
+        "--use-routing-replay / --use-rollout-routing-replay with --fsdp-compile (the router hooks)":
+        getattr(args, "use_routing_replay", False) and getattr(args, "fsdp_compile", False),
         "--enable-mtp-training": getattr(args, "enable_mtp_training", False),
         "--multimodal-keys (multimodal training inputs)": bool(getattr(args, "multimodal_keys", None)),
     }

@@ -282,7 +282,7 @@ class MegatronBackend(TrainBackend):
         routed = self._routed
         if routed is None or any(routed[i] is None for i in inputs.sample_indices):
             raise ValueError("--use-rollout-routing-replay needs rollout_routed_experts for every sample (the engine "
-                             "returns them with return_routed_experts; the embedded engine does not)")
+                             "returns them with return_routed_experts on a server started with --enable-return-routed-experts)")
         sp = self.args.sequence_parallel and self._tp_size() > 1
         targets = rollout_targets(inputs, [routed[i] for i in inputs.sample_indices], self.routing.layers,
                                   self.args.moe_router_topk, self.device,

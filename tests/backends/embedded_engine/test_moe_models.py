@@ -25,7 +25,9 @@ def model_dir(request):
 
 @pytest.fixture(scope="module")
 def http(model_dir):
-    with running_engine(model_dir, extra_args=["--context-length", "256", "--max-running-requests", "8"]) as proc:
+    # with the routed-experts capture on: the other tests check that it changes nothing else
+    extra = ["--context-length", "256", "--max-running-requests", "8", "--enable-return-routed-experts"]
+    with running_engine(model_dir, extra_args=extra) as proc:
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             yield client
 
@@ -127,3 +129,43 @@ def test_absorbed_mla_decode_equals_the_expanded_reference(tiny_deepseek_v3_dir)
         logits[mode] = torch.stack(steps)
     torch.testing.assert_close(logits["absorbed"], logits["expanded"], atol=1e-5, rtol=1e-5)
     assert logits["absorbed"].std() > 0.1  # real logits, not a degenerate constant
+
+
+
+def test_routed_experts_wire_format_round_trips_through_the_rollout_decoder(http, model_dir):
+    """meta_info.routed_experts is SGLang's base64 little-endian int32 [seqlen - 1 - start, layers, top-k]:
+    the rollout's decoder (Sample) reads back the experts transformers' forward picks; requests that do
+    not ask get no field; routed_experts_start_len outside [0, prompt] is a 400 (SGLang's messages)."""
+    import base64
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from slime.utils.types import Sample
+    from test_routed_experts import hf_routed_experts
+
+    hf = load_hf(model_dir)
+    args = SimpleNamespace(num_layers=hf.config.num_hidden_layers, moe_router_topk=hf.config.num_experts_per_tok)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}}
+    out = generate(http, **body)
+    tail = generate(http, **body, routed_experts_start_len=7)
+    plain = generate(http, **{**body, "return_routed_experts": False})
+    too_far = http.post("/generate", json={**body, "routed_experts_start_len": 8})
+    negative = http.post("/generate", json={**body, "routed_experts_start_len": -1})
+    assert http.get("/get_server_info").json()["enable_return_routed_experts"] is True
+    assert "routed_experts" not in plain["meta_info"]
+    assert too_far.status_code == 400 and "higher than the number of input tokens" in too_far.text
+    assert negative.status_code == 400 and "lower than 0" in negative.text
+    tokens = prompt + out["output_ids"]
+    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
+    assert raw.size == (len(tokens) - 1) * args.num_layers * args.moe_router_topk
+    sample = Sample(tokens=list(prompt))  # what slime's generator does with the engine's answer
+    sample.append_response_tokens(args, tokens=out["output_ids"], log_probs=[0.0] * len(out["output_ids"]),
+                                  trainable=True, meta_info=out["meta_info"])
+    np.testing.assert_array_equal(np.sort(np.asarray(sample.rollout_routed_experts), axis=-1),
+                                  hf_routed_experts(hf, tokens))
+    tail_rows = np.frombuffer(base64.b64decode(tail["meta_info"]["routed_experts"]), dtype="<i4")
+    np.testing.assert_array_equal(np.sort(tail_rows.reshape(-1, args.num_layers, args.moe_router_topk), axis=-1),
+                                  hf_routed_experts(hf, prompt + tail["output_ids"])[7:])

@@ -310,8 +310,10 @@ def test_only_train_params_name_list_freezes_the_rest(tiny_model_dir):
 
 
 def test_unsupported_flags_fail_naming_them(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="--use-routing-replay"):
-        TrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay"))
+    with pytest.raises(NotImplementedError, match="--use-routing-replay / --use-rollout-routing-replay with --keep-old-actor"):
+        TrainWorker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-routing-replay", "--keep-old-actor"))
+    with pytest.raises(ValueError, match="need an MoE model; model_type 'qwen3' has no MoE router"):
+        new_worker(make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--use-rollout-routing-replay"))
 
 
 def test_log_correct_samples_reports_the_entropy_of_correct_samples(tiny_model_dir):
