@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from datetime import timedelta
 
 import ray
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @ray.remote
@@ -44,9 +37,19 @@ class TrainRayActor:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def get_master_addr_and_port(self) -> tuple[str, int]:
+    def get_master_addr_and_port(self, timeout_minutes: float = 30.0) -> tuple[str, int]:
+        """Rank 0: open the group's rendezvous store on a port the system picks and keep it bound, so no
+        other process can take the port between its choice and :meth:`init` (a free port looked up
+        and released first can be: two groups started together once got the same one, EADDRINUSE)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
         addr = ray.util.get_node_ip_address()
-        return ("127.0.0.1" if addr in ("127.0.0.1", "localhost") else addr), _free_port()
+        addr = "127.0.0.1" if addr in ("127.0.0.1", "localhost") else addr
+        self._store = dist.TCPStore(addr, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(minutes=timeout_minutes))
+        return addr, self._store.port
 
     def init(self, args, role: str, master_addr: str, master_port: int) -> tuple[int | None, dict]:
         """Start this rank; returns (the rollout id to resume from or None, the data layout the
@@ -68,8 +71,12 @@ class TrainRayActor:
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, self.world_size)))
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"  # CPU tensors (metrics) reduce over gloo
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        store = getattr(self, "_store", None)  # rank 0 holds the store it opened (get_master_addr_and_port)
+        if store is None:
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self._store = None  # the process group keeps its own reference
         torch.manual_seed(args.seed)
         self.worker = TrainWorker(args, role=role)
         start = self.worker.init()

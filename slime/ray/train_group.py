@@ -43,7 +43,8 @@ class TrainGroup:
     def init(self) -> int | None:
         """Initialise every rank and record their layouts; return the rollout id to resume from (None = no checkpoint)."""
         try:
-            addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote(), timeout=600)
+            addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote(self.args.distributed_timeout_minutes),
+                                 timeout=600)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the {self.role} ranks could not be scheduled within 600 s: not enough free "
                                f"CPUs/GPUs in the placement group (see `ray status`)") from None
