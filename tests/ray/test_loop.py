@@ -117,6 +117,17 @@ def test_sync_disaggregated_distributed_weights(tiny_model_dir, tiny_task_data, 
     assert all(0 < d < r for d, r in zip(decode, rollout)), (decode, rollout)
 
 
+def test_two_training_ranks(tiny_model_dir, tiny_task_data, tmp_path):
+    """Two FSDP ranks (gloo) through the loop: they meet at the store rank 0 holds from the moment its
+    port is chosen, split each rollout step's data in two shards, and keep the first-step invariants."""
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--actor-num-gpus-per-node", "2", steps=2))
+    records = read_metrics(tmp_path / "run")
+    ppo_kl = by_kind(records, "train", "train/ppo_kl")
+    diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
+    assert len(ppo_kl) == 2 and ppo_kl[0] == 0.0, ppo_kl
+    assert diff and diff[0] < 1e-3, diff
+
+
 def test_sync_colocated_tensor_weights(tiny_model_dir, tiny_task_data, tmp_path):
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--colocate"))
     check_learning(tmp_path / "run")
