@@ -171,9 +171,7 @@ class Engine:
 
     def _apply_moves(self, moves: list[SlotMove]) -> None:
         for move in moves:
-            self.runner.kv_cache.move_slot(move.src, move.dst, move.length)
-            if self.runner.routed_experts is not None:
-                self.runner.routed_experts.move_slot(move.src, move.dst, move.length)
+            self.runner.move_slot(move.src, move.dst, move.length)
             if self.speculative is not None:  # the draft model's cache keeps the same slot layout
                 self.speculative.move_slot(move.src, move.dst, move.length)
 
@@ -307,9 +305,7 @@ class Engine:
                     self.speculative.share_prefill(leader, seq)
                 copies.append((seq, logits))
         if copies:
-            self.runner.kv_cache.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
-            if self.runner.routed_experts is not None:
-                self.runner.routed_experts.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
+            self.runner.copy_slots(srcs, dsts, max(seq.num_computed for seq, _ in copies))
             self.scheduler.stats.prefill_shared_rows += len(copies)
         return copies
 

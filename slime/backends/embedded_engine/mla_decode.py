@@ -12,7 +12,7 @@ into ``W_UK [H, d_nope, r]`` and ``W_UV [H, d_v, r]`` the same attention is, for
     o      = o_lat · W_UVᵀ                       [B, H, d_v] -> o_proj
 
 so the step reads the compressed cache once and never materialises per-head keys or values
-(DeepSeek-V2 paper §2.1.3; SGLang's and vLLM's MLA decode). A speculative verify step (``T`` query
+(the weight absorption of the DeepSeek-V2 paper's multi-head latent attention; SGLang's and vLLM's MLA decode). A speculative verify step (``T`` query
 tokens a row, ``decode_forward`` with ``slot_decode``) runs the same with a ``T`` axis: query ``t``
 masked to its own position, the cache read once for all ``T``. Prefill and training keep
 transformers' path. :func:`install` switches every ``DeepseekV3Attention`` of a model

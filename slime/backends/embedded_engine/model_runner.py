@@ -407,9 +407,7 @@ class ModelRunner:
             handle = self.model.get_decoder().norm.register_forward_hook(
                 lambda module, args, output: hidden_out.copy_(output))
         try:
-            recording = contextlib.nullcontext() if self.routed_experts is None else self.routed_experts.writing(
-                rows.view(-1, 1).expand(batch, tokens).reshape(-1), positions.reshape(-1))  # row b feeds T tokens
-            with recording:
+            with self._recording_experts(view.slots, view.positions):  # each token's slot and position
                 logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                                     logits_to_keep=1 if tokens == 1 else 0, **extra).logits
         finally:
@@ -417,6 +415,19 @@ class ModelRunner:
                 handle.remove()
         logits = logits[:, -1] if tokens == 1 else logits
         return logits.float() if out is None else out.copy_(logits)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Move a request's per-slot state — its KV cache rows and, with ``--enable-return-routed-experts``,
+        its routed experts — from slot ``src`` to ``dst`` (the scheduler compacting the running batch)."""
+        self.kv_cache.move_slot(src, dst, length)
+        if self.routed_experts is not None:
+            self.routed_experts.move_slot(src, dst, length)
+
+    def copy_slots(self, srcs: list[int], dsts: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of per-slot state from ``srcs`` to ``dsts`` (a shared prefill)."""
+        self.kv_cache.copy_slots(srcs, dsts, length)
+        if self.routed_experts is not None:
+            self.routed_experts.copy_slots(srcs, dsts, length)
 
     def _recording_experts(self, slots: torch.Tensor, positions: torch.Tensor, token_index: torch.Tensor | None = None):
         """Around a forward: its routers' choices go to (slot, position) (nothing without the flag)."""

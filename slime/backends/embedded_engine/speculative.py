@@ -17,7 +17,7 @@ A decode step with speculation (``--speculative-algorithm NGRAM``, ``STANDALONE`
 2. **Verify.** One batched forward of the target over ``[last token, x_1..x_k]`` per row gives
    ``p_1..p_{k+1}``: a decode step of ``T = --speculative-num-draft-tokens`` tokens a row
    (``ModelRunner.verify``; on CUDA replayed from a CUDA graph), rows with fewer drafts padded after
-   them; where that does not apply (multi-latent attention, a row whose ``T`` positions would pass
+   them; where that does not apply (``--mla-decode expanded``, a row whose ``T`` positions would pass
    its slot's end) the generic forward, rows left-padded.
 3. **Accept** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
    Chen et al. 2023): ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order;

@@ -78,7 +78,8 @@ class HFRoutingReplay:
         full = torch.arange(self.topk, dtype=torch.long).expand(rows, self.num_layers, self.topk).clone()
         for start, n, sample, name in zip(self._rows(packed), packed.lengths, experts, names):
             full[start: start + n - 1] = self._check(sample, n, name)
-        self._targets = {layer: full[:, layer].contiguous().to(device) for layer, _ in self.routers}
+        full = full.to(device)
+        self._targets = {layer: full[:, layer].contiguous() for layer, _ in self.routers}
         self._mode = "replay"
         try:
             yield
