@@ -435,6 +435,33 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.routed_experts.writing(slots, positions, token_index)
 
+    @contextlib.contextmanager
+    def capturable_experts(self):
+        """Around a CUDA graph capture: MoE experts through ``batched_mm`` when the model's own
+        ``grouped_mm`` would not capture. torch's grouped GEMM has a CUDA kernel for bfloat16 only; in
+        any other dtype it falls back to a loop that copies the group offsets to the host, which a
+        capture refuses (the fp32 engine on CUDA failed its first MoE decode graph that way).
+        ``batched_mm`` (the token's expert weights gathered, one batched GEMM) has no host step; it is
+        used only inside the decode/verify graphs, whose batches are small, and prefill keeps grouped_mm."""
+        current = getattr(self.config, "_experts_implementation", None)
+        if current != "grouped_mm" or self.dtype == torch.bfloat16 or not self.has_experts:
+            yield
+            return
+        self.model.set_experts_implementation("batched_mm")
+        try:
+            yield
+        finally:
+            self.model.set_experts_implementation(current)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model has MoE expert modules dispatching by ``config._experts_implementation``
+        (classes under transformers' ``use_experts_implementation``)."""
+        if not hasattr(self, "_has_experts"):
+            self._has_experts = any(hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated")
+                                    for m in self.model.modules())
+        return self._has_experts
+
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;
         padding queries see position 0 only (their output is discarded)."""

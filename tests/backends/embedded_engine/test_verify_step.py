@@ -226,3 +226,59 @@ def test_rows_running_to_their_slots_end_verify_in_windows_inside_the_slot(tiny_
         assert got == pytest.approx(want, abs=1e-5)
     assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"] > 0
     assert shifted  # some rows' windows ended at their last draft
+
+
+def test_moe_graphs_capture_the_experts_through_batched_mm_outside_bfloat16(tiny_glm4_moe_dir, monkeypatch):
+    """torch's grouped GEMM has a CUDA kernel for bfloat16 only; in fp32 it falls back to a loop that
+    copies the group offsets to the host, which a CUDA graph capture refuses (the fp32 engine's first MoE
+    decode graph failed that way on the H200). The decode and verify graphs of a MoE model in fp32 are
+    therefore recorded with the experts through ``batched_mm``, prefill keeps ``grouped_mm``, and a
+    bfloat16 model keeps ``grouped_mm`` everywhere. Here the graph is the recorded forward replayed with
+    the experts implementation it was recorded under (a graph keeps the kernels it captured): NGRAM greedy
+    outputs equal the plain eager engine's."""
+    from engine_test_utils import generate_in_engine
+    from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs, _buckets
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import SamplingParams
+    from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+    recorded = []
+
+    def record(self, forward):
+        model, implementation = self.runner.model, self.runner.config._experts_implementation
+        recorded.append(implementation)
+
+        def replay():
+            previous = self.runner.config._experts_implementation
+            model.set_experts_implementation(implementation)
+            try:
+                forward()
+            finally:
+                model.set_experts_implementation(previous)
+        return types.SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(4)]
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+
+    def run(graphs: bool):
+        runner = ModelRunner(tiny_glm4_moe_dir, num_slots=4)
+        if graphs:
+            runner.graphs.enabled, runner.graphs.batch_buckets = True, _buckets(4)  # as on CUDA
+        engine = Engine(runner, speculative=SpeculativeDecoder(SpeculativeConfig("NGRAM", 4)), seed=1)
+        engine.start()
+        try:
+            return [s.output_ids for s in generate_in_engine(engine, prompts, params)], runner
+        finally:
+            engine.stop()
+
+    plain, _ = run(False)
+    graphed, runner = run(True)
+    assert runner.has_experts and runner.graphs.verify_captures > 0 and runner.graphs.captures > runner.graphs.verify_captures
+    assert recorded and set(recorded) == {"batched_mm"}, recorded
+    assert runner.config._experts_implementation == "grouped_mm"  # prefill and eager steps
+    assert graphed == plain
+
+    bf16 = ModelRunner(tiny_glm4_moe_dir, dtype="bfloat16", num_slots=2)
+    with bf16.capturable_experts():
+        assert bf16.config._experts_implementation == "grouped_mm"
