@@ -11,6 +11,7 @@ uses as-is for both the ``sdpa`` and ``eager`` attention implementations.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import re
@@ -453,14 +454,11 @@ class ModelRunner:
         finally:
             self.model.set_experts_implementation(current)
 
-    @property
+    @functools.cached_property
     def has_experts(self) -> bool:
         """Whether the model has MoE expert modules dispatching by ``config._experts_implementation``
         (classes under transformers' ``use_experts_implementation``)."""
-        if not hasattr(self, "_has_experts"):
-            self._has_experts = any(hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated")
-                                    for m in self.model.modules())
-        return self._has_experts
+        return any(hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated") for m in self.model.modules())
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;
