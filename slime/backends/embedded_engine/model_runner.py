@@ -457,8 +457,9 @@ class ModelRunner:
     @functools.cached_property
     def has_experts(self) -> bool:
         """Whether the model has MoE expert modules dispatching by ``config._experts_implementation``
-        (classes under transformers' ``use_experts_implementation``)."""
-        return any(hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated") for m in self.model.modules())
+        (classes under transformers' ``use_experts_implementation``, which sets ``has_gate``, ``has_bias``
+        and ``is_transposed`` on them in every 5.x release; ``_is_expert_parallel`` came later, 5.17 lacks it)."""
+        return any(all(hasattr(m, a) for a in ("has_gate", "has_bias", "is_transposed")) for m in self.model.modules())
 
     def _attention_mask(self, positions: torch.Tensor, valid: torch.Tensor, kv_length: int) -> torch.Tensor:
         """Additive mask [rows, 1, q, kv]: query at absolute position p sees cache positions <= p;

@@ -282,3 +282,21 @@ def test_moe_graphs_capture_the_experts_through_batched_mm_outside_bfloat16(tiny
     bf16 = ModelRunner(tiny_glm4_moe_dir, dtype="bfloat16", num_slots=2)
     with bf16.capturable_experts():
         assert bf16.config._experts_implementation == "grouped_mm"
+
+
+def test_moe_models_are_recognised_without_the_newer_expert_parallel_attribute(tiny_glm4_moe_dir, tiny_deepseek_v3_dir,
+                                                                                 tiny_model_dir):
+    """The H200's transformers (5.17) marks expert modules with ``has_gate`` / ``has_bias`` /
+    ``is_transposed`` but not ``_is_expert_parallel`` (added later): detecting experts by the latter left
+    the fp32 MoE graphs on grouped_mm there and every capture failed. Strip it, as 5.17 has it: still
+    recognised; a dense model is not."""
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+
+    for path in (tiny_glm4_moe_dir, tiny_deepseek_v3_dir):
+        runner = ModelRunner(path, num_slots=1)
+        for module in runner.model.modules():
+            if "_is_expert_parallel" in vars(module):
+                del module._is_expert_parallel
+        assert not any(hasattr(m, "_is_expert_parallel") for m in runner.model.modules())
+        assert runner.has_experts, path
+    assert not ModelRunner(tiny_model_dir, num_slots=1).has_experts
