@@ -180,12 +180,19 @@ class Job:
                 self.args.rollout_engine_urls = urls
                 self.actor.connect_rollout_engines(urls, ray.get(self.rollout_manager.engine_gpu_counts.remote()))
         keep_resident = self._auto_offload_pending() and self._fits_without_offload()
-        if self.args.offload_train and not keep_resident:
-            self.actor.offload()
+        offload_train = self.args.offload_train and not keep_resident
+        # The engines' weights come back beside the trainer's, which go out only after they are sent: the
+        # push is then device to device (CUDA IPC) rather than through host memory. The trainer's live
+        # tensors (parameters, optimizer state) hold at least 8x the engines' bf16 weights, so this fits
+        # wherever training did, once the trainer has returned the blocks its activations left cached.
         if self.args.offload_rollout:
+            if offload_train:
+                self.actor.release_cached_memory()
             ray.get(self.rollout_manager.onload.remote(["weights"]))
         self.weight_version += 1
         metrics = self.actor.update_weights(self.weight_version)
+        if offload_train:
+            self.actor.offload()
         if self.args.use_fault_tolerance:
             metrics["perf/engines_restarted"] = len(restarted)
             ray.get(self.rollout_manager.weights_synced.remote(self.weight_version))

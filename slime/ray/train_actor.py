@@ -123,6 +123,14 @@ class TrainRayActor:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # device_memory() then reports this training phase's peak
 
+    def release_cached_memory(self) -> None:
+        """Return the device blocks the caching allocator keeps (a training step's activations) to the
+        device, so another process on it (a colocated engine) can use them; live tensors stay."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def device_memory(self) -> dict | None:
         """This rank's device: total and used bytes (all processes on it) and this process's peak
         reserved bytes since the last onload; None without CUDA."""

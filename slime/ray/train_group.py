@@ -118,6 +118,9 @@ class TrainGroup:
     def onload(self) -> None:
         ray.get([a.onload.remote() for a in self.actors])
 
+    def release_cached_memory(self) -> None:
+        ray.get([a.release_cached_memory.remote() for a in self.actors])
+
     def device_memory(self) -> list[dict | None]:
         return ray.get([a.device_memory.remote() for a in self.actors])
 

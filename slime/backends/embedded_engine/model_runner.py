@@ -554,18 +554,20 @@ class ModelRunner:
         """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
         if self.device.type == "cuda" and self.weights_on_device:
             self.graphs.clear()  # they point at the parameters' device memory
-            self.model.to("cpu")
+            self.model.to("cpu", non_blocking=True)  # into pinned host memory, reused by the next release
             if self.mtp is not None:
-                self.mtp.to("cpu")
+                self.mtp.to("cpu", non_blocking=True)
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
         self.weights_on_device = False
 
     def resume_weights(self) -> None:
         if self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()
-            self.model.to(self.device)
+            self.model.to(self.device, non_blocking=True)  # from the pinned copies
             if self.mtp is not None:
-                self.mtp.to(self.device)
+                self.mtp.to(self.device, non_blocking=True)
+            torch.cuda.synchronize()
         self.weights_on_device = True
 
 

@@ -328,7 +328,10 @@ class FSDPBackend(TrainBackend):
         if torch.device(device).type == self.device.type == "cpu":
             return
         _reshard(self.model)
-        self.model.to(device)
+        # non_blocking: a copy to the host lands in pinned memory (torch keeps the freed pinned blocks for the
+        # next offload), so both directions run at pinned-copy bandwidth, queued back to back; pageable
+        # copies of a 1.7B model's parameters and Adam state took seconds each way on the H200
+        self.model.to(device, non_blocking=True)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":

@@ -133,6 +133,7 @@ def test_cuda_runner_update_after_release_and_resume_equals_hf(tiny_model_dir):
     assert runner.fused_projections["qkv"] > 0 and runner.fused_ops.get("mlp", 0) > 0
     hf = load_hf(tiny_model_dir).to("cuda")
     runner.release_weights()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in runner.model.parameters())  # pinned: fast both ways
     runner.resume_weights()
     name = "model.layers.0.self_attn.q_proj.weight"
     new = torch.randn(hf.get_parameter(name).shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) * 0.1

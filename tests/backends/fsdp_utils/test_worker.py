@@ -240,10 +240,26 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
     worker = new_worker(args)
     assert worker.backend.mixed_precision
     worker.train(0, rank_data(args, make_samples(4)))
+    backend = worker.backend
+
+    def device_tensors():
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in backend.model.parameters()]
+        states = [v for st in backend.optimizer.state.values() for k, v in st.items() if k != "step" and torch.is_tensor(v)]
+        return params, states
+
+    params, states = device_tensors()
+    snapshot = [t.detach().clone() for t in params + states]
+    held = sum(t.numel() * t.element_size() for t in params + states)
     before = torch.cuda.memory_allocated()
     worker.offload()
-    assert torch.cuda.memory_allocated() < before
+    assert before - torch.cuda.memory_allocated() >= held  # parameters and Adam state left the device
+    host_params, host_states = device_tensors()
+    # on the host in pinned memory: the copies both ways run at pinned bandwidth
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in host_params + host_states)
     worker.onload()
+    params, states = device_tensors()
+    assert all(t.is_cuda for t in params + states)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, params + states))  # bit-exact round trip
     worker.train(1, rank_data(args, make_samples(4)))
 
 
