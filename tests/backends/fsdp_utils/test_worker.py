@@ -248,8 +248,9 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
         return params, states
 
     params, states = device_tensors()
-    snapshot = [t.detach().clone() for t in params + states]
+    snapshot = [t.detach().cpu() for t in params + states]
     held = sum(t.numel() * t.element_size() for t in params + states)
+    del params, states  # no reference here may keep the device copies alive
     before = torch.cuda.memory_allocated()
     worker.offload()
     assert before - torch.cuda.memory_allocated() >= held  # parameters and Adam state left the device
@@ -259,7 +260,7 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
     worker.onload()
     params, states = device_tensors()
     assert all(t.is_cuda for t in params + states)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, params + states))  # bit-exact round trip
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(snapshot, params + states))  # bit-exact round trip
     worker.train(1, rank_data(args, make_samples(4)))
 
 
