@@ -39,16 +39,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import itertools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
-from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, kept_ids_of, sampling_distribution,
-                                                    to_device)
+from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, greedy_distribution, kept_ids_of,
+                                                    sampling_distribution, seeded_noise, to_device)
 
 if TYPE_CHECKING:
     from slime.backends.embedded_engine.engine import Engine
@@ -353,6 +353,81 @@ class Verified:
     kept: list[list | None]
 
 
+@dataclass
+class _DraftTable:
+    """A verify step's drafts as device index tables, rows padded to ``width`` (the most drafts of a row)
+    columns; built on the host (the drafts are known there before the forward) and sent in one copy.
+
+    ``tokens`` / ``positions`` [rows, width]: each draft and its flat verify position (padding: token 0 at
+    the row's first position); ``flat`` [rows, width]: its index among all drafts row by row (padding:
+    0); ``valid`` [rows, width]; ``emit`` [rows, width + 1]: the position of the row's j-th emitted token
+    (clamped to the row's last); ``offsets`` / ``counts`` [rows]: the row's first position, its drafts."""
+
+    width: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    flat: torch.Tensor
+    valid: torch.Tensor
+    emit: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+
+
+def _draft_table(offsets: list[int], drafts: list[list[int]], device: torch.device) -> _DraftTable:
+    rows, counts = len(drafts), [len(d) for d in drafts]
+    width = max(counts, default=0)
+    tokens, positions, flat, valid, emit, n = [], [], [], [], [], 0
+    for o, d, k in zip(offsets, drafts, counts):
+        pad = width - k
+        tokens += d + [0] * pad
+        positions += list(range(o, o + k)) + [o] * pad
+        flat += list(range(n, n + k)) + [0] * pad
+        valid += [1] * k + [0] * pad
+        emit += list(range(o, o + k + 1)) + [o + k] * pad
+        n += k
+    packed = to_device(tokens + positions + flat + valid + emit + list(offsets) + counts, device)
+    t, p, f, v, e, off, cnt = packed.split([rows * width] * 4 + [rows * (width + 1), rows, rows])
+    return _DraftTable(width, t.view(rows, width), p.view(rows, width), f.view(rows, width), v.view(rows, width).bool(),
+                       e.view(rows, width + 1), off, cnt)
+
+
+def _accepted_run(ok: torch.Tensor) -> torch.Tensor:
+    """[rows, width] acceptance flags -> [rows]: the length of each row's leading run of accepted drafts."""
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def _read_back(table: _DraftTable, accepted: torch.Tensor, last: torch.Tensor, logprobs: torch.Tensor
+               ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Each row's emitted tokens (its accepted drafts, then ``last``), their log-probs and its accepted
+    count, in one device->host copy (the step's only sync)."""
+    width = table.width
+    column = torch.arange(width + 1, device=last.device)
+    padded = torch.cat((table.tokens, last.unsqueeze(1)), dim=1)
+    emitted = torch.where(column < accepted.unsqueeze(1), padded, last.unsqueeze(1))  # [rows, width + 1]
+    emitted_lp = logprobs[table.emit, emitted]
+    host = torch.cat((accepted.unsqueeze(1).double(), emitted.double(), emitted_lp.double()), dim=1).tolist()
+    tokens, lps, counts = [], [], []
+    for row in host:
+        a = int(row[0])
+        counts.append(a)
+        tokens.append([int(t) for t in row[1: a + 2]])
+        lps.append(row[width + 2: width + 3 + a])
+    return tokens, lps, counts
+
+
+def _final_noise(shape, settings: list[list[RowSampling]], counts: list[int], accepted: torch.Tensor,
+                 generator: torch.Generator | None, device) -> torch.Tensor:
+    """The exponential-race noise of each row's last token (:func:`_draw`'s), drawn before the host knows
+    where that token is: a seeded row's noise depends on its position, so each of its ``counts[i] + 1``
+    candidate positions' noise is drawn and the one at ``accepted[i]`` picked on the device."""
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for i, row in enumerate(settings):
+        if row[0].seed is not None:
+            candidates = torch.stack([seeded_noise(s, shape[1], device) for s in row[: counts[i] + 1]])
+            noise[i] = candidates.index_select(0, accepted[i: i + 1])[0]
+    return noise.clamp_min_(1e-20)
+
+
 def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int], drafts: list[list[int]],
                   draft_probs: list[torch.Tensor] | None, settings: list[list[RowSampling]],
                   generator: torch.Generator | None, want_kept: list[bool] | None = None) -> Verified:
@@ -362,65 +437,59 @@ def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int
     log-probs at each verified position; row i's ``len(drafts[i]) + 1`` positions start at
     ``offsets[i]``. ``draft_probs[i]`` ([k_i, vocab]) is the draft distribution ``q`` of row i's drafts
     (None: every draft is a point mass, as n-gram proposals are). ``settings[i][j]``: row i's sampling
-    settings at its j-th verified position (noise seeds)."""
-    # Two device->host round trips in all (the acceptance flags, then every emitted token and log-prob):
-    # the index tensors go up from pinned memory without waiting for the queued verify step.
-    device = probs.device
-    flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]  # every draft, row by row
-    q = torch.cat(draft_probs) if draft_probs is not None and flat else None  # row n: q of flat[n]
-    accepted = [0] * len(drafts)
-    if flat:
-        index = to_device([offsets[i] + j for i, j in flat], device)
-        tokens = to_device([drafts[i][j] for i, j in flat], device)
-        p_x = probs[index].gather(1, tokens.unsqueeze(1)).squeeze(1)
-        ratio = p_x if q is None else p_x / q.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp_min(1e-30)
-        ok = (_uniforms([settings[i][j] for i, j in flat], generator, device) < ratio).tolist()
-        n = 0
-        for i, d in enumerate(drafts):
-            run = 0
-            while run < len(d) and ok[n + run]:
-                run += 1
-            accepted[i] = run
-            n += len(d)
+    settings at its j-th verified position (noise seeds).
+
+    All rows at once on the device, padded to the most drafts of a row, and one device->host copy at
+    the end; the random draws are the row-by-row rule's (``tests/.../test_speculative.py``'s reference),
+    in the same order: uniforms for every draft, row by row, then one noise row per row."""
+    device, rows = probs.device, len(drafts)
+    table = _draft_table(offsets, drafts, device)
+    counts = [len(d) for d in drafts]
+    accepted = torch.zeros(rows, dtype=torch.long, device=device)
+    q = torch.cat(draft_probs) if draft_probs is not None and table.width else None  # row n: q of draft n
+    if table.width:
+        ratio = probs[table.positions, table.tokens]  # p(x) [rows, width]
+        if q is not None:
+            ratio = ratio / q[table.flat, table.tokens].clamp_min(1e-30)
+        u = _uniforms([settings[i][j] for i, k in enumerate(counts) for j in range(k)], generator, device)
+        accepted = _accepted_run((u[table.flat] < ratio) & table.valid)
     # the one token after the accepted run: from the residual at a rejection, from p after a full run
-    final_index = to_device([offsets[i] + accepted[i] for i in range(len(drafts))], device)
-    final = probs[final_index]
-    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
-    if rejected:
-        rows = to_device(rejected, device)
+    final = probs[table.offsets + accepted]
+    if table.width:
+        at = accepted.clamp(max=table.width - 1).unsqueeze(1)  # the rejected draft, where there is one
         if q is None:  # point masses at the rejected drafts
-            q_rejected = torch.nn.functional.one_hot(
-                to_device([drafts[i][accepted[i]] for i in rejected], device), probs.shape[1]).to(probs.dtype)
+            q_rejected = torch.zeros_like(final).scatter_(1, table.tokens.gather(1, at), 1.0)
         else:
-            starts = list(itertools.accumulate((len(d) for d in drafts), initial=0))  # row i's first draft in q
-            q_rejected = q[to_device([starts[i] + accepted[i] for i in rejected], device)]
-        residual = (final[rows] - q_rejected).clamp_min(0.0)
+            q_rejected = q[table.flat.gather(1, at).squeeze(1)]
+        residual = (final - q_rejected).clamp_min(0.0)
         total = residual.sum(dim=-1, keepdim=True)
         # p == q to rounding (the rejection itself was rounding): keep p
-        final[rows] = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final[rows])
-    final_settings = [settings[i][accepted[i]] for i in range(len(drafts))]
-    last = _draw(final, final_settings, generator)
-    # log-probs of the accepted drafts (known tokens) and of each row's last token (on the device)
-    kept_index = [offsets[i] + j for i in range(len(drafts)) for j in range(accepted[i])]
-    kept_tokens = [drafts[i][j] for i in range(len(drafts)) for j in range(accepted[i])]
-    last_lp = logprobs[final_index].gather(1, last.unsqueeze(1)).squeeze(1)
-    parts = [last.double(), last_lp.double()]
-    if kept_index:
-        parts.append(logprobs[to_device(kept_index, device)].gather(
-            1, to_device(kept_tokens, device).unsqueeze(1)).squeeze(1).double())
-    host = torch.cat(parts).tolist()
-    rows_n = len(drafts)
-    last_ids, last_lps, kept_lps = host[:rows_n], host[rows_n: 2 * rows_n], host[2 * rows_n:]
-    emitted, out_lp, n = [], [], 0
-    for i, d in enumerate(drafts):
-        emitted.append(d[: accepted[i]] + [int(last_ids[i])])
-        out_lp.append(kept_lps[n: n + accepted[i]] + [last_lps[i]])
-        n += accepted[i]
-    kept: list[list | None] = [None] * len(drafts)
+        renormed = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final)
+        final = torch.where((accepted < table.counts).unsqueeze(1), renormed, final)
+    last = (final / _final_noise(final.shape, settings, counts, accepted, generator, device)).argmax(dim=-1)
+    tokens, out_lp, accepted_host = _read_back(table, accepted, last, logprobs)
+    kept: list[list | None] = [None] * rows
     for i, wants in enumerate(want_kept or []):
         if wants:
-            kept[i] = kept_ids_of(probs[offsets[i]: offsets[i] + len(emitted[i])])
-    return Verified(emitted, out_lp, accepted, kept)
+            kept[i] = kept_ids_of(probs[offsets[i]: offsets[i] + len(tokens[i])])
+    return Verified(tokens, out_lp, accepted_host, kept)
+
+
+def accept_greedy(argmax: torch.Tensor, logprobs: torch.Tensor, offsets: list[int], drafts: list[list[int]],
+                  want_kept: list[bool] | None = None) -> Verified:
+    """:func:`accept_drafts` when every verified position is greedy (``p`` one-hot at ``argmax``
+    [positions]): a draft is accepted iff it is the argmax, whatever ``q`` was, and the row's last token
+    is the argmax after its run (the residual of a one-hot ``p`` is ``p``) — the same outcome without
+    the distributions or any random draw."""
+    table = _draft_table(offsets, drafts, argmax.device)
+    accepted = torch.zeros(len(drafts), dtype=torch.long, device=argmax.device)
+    if table.width:
+        accepted = _accepted_run((argmax[table.positions] == table.tokens) & table.valid)
+    last = argmax[table.offsets + accepted]
+    tokens, out_lp, accepted_host = _read_back(table, accepted, last, logprobs)
+    kept = [[np.array([t], dtype=np.int32) for t in emitted] if wants else None  # one-hot p: the argmax alone
+            for emitted, wants in zip(tokens, want_kept or [False] * len(drafts))]
+    return Verified(tokens, out_lp, accepted_host, kept)
 
 
 class SpeculativeDecoder:
@@ -556,14 +625,18 @@ class SpeculativeDecoder:
         if windows is not None:  # a decode step of T tokens a row (a CUDA graph on CUDA)
             tokens, starts, offsets = windows
             logits, hidden = runner.verify(tokens, starts, with_hidden=self.needs_hidden)
-            all_logits = [logits[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
+            width = logits.shape[1]  # every row's real positions, in one gather
+            index = [i * width + o + j for i, (o, r) in enumerate(zip(offsets, rows)) for j in range(len(r.tokens))]
+            flat_logits = logits.reshape(-1, logits.shape[-1]).index_select(0, to_device(index, logits.device))
             if hidden is not None:
                 hidden = [hidden[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
             stats.spec_verify_decode_steps += 1
         elif self.needs_hidden:
             _, all_logits, hidden = runner.forward_with_hidden([seq.slot for seq in running], rows)
+            flat_logits = torch.cat(all_logits)
         else:
             _, all_logits = runner.forward([seq.slot for seq in running], rows)
+            flat_logits = torch.cat(all_logits)
         stats.decode_steps += 1
         stats.spec_verify_forwards += 1
         stats.decode_rows += len(running)
@@ -574,12 +647,16 @@ class SpeculativeDecoder:
             offsets.append(n)
             n += len(d) + 1
         flat_settings = [settings[i][j] for i, d in enumerate(drafts) for j in range(len(d) + 1)]
-        logprobs, probs = sampling_distribution(torch.cat(all_logits), flat_settings)
-        q = None
-        if draft_probs is not None:  # rows without drafts have no q; point masses stand in (never read)
-            q = [p if p is not None else torch.zeros((0, probs.shape[1]), device=probs.device) for p in draft_probs]
         want_kept = [bool(seq.request.return_top_p_token_ids) for seq in running]
-        result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
+        if all(row.greedy for row in flat_settings):  # no distributions, no random draws
+            logprobs, argmax = greedy_distribution(flat_logits, flat_settings)
+            result = accept_greedy(argmax, logprobs, offsets, drafts, want_kept)
+        else:
+            logprobs, probs = sampling_distribution(flat_logits, flat_settings)
+            q = None
+            if draft_probs is not None:  # rows without drafts have no q (never read)
+                q = [p if p is not None else probs.new_zeros((0, probs.shape[1])) for p in draft_probs]
+            result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
         for i, seq in enumerate(running):  # every row's cache length first: a finishing row moves the last row
             seq.spec.count_step(len(drafts[i]), result.accepted[i])
             if self.draft is None and drafts[i]:  # NGRAM: a won draft resumes lookups, all lost pauses them
