@@ -561,8 +561,9 @@ class SpeculativeDecoder:
         for seq in running:
             if seq.spec is None:
                 seq.spec = SpecState()
-        ks = [self._budget(engine, seq) if self._drafting(seq) else 0 for seq in running]
-        settings = [[engine._row_sampling(seq, ahead=j) for j in range(k + 1)] for seq, k in zip(running, ks)]
+        capacity = engine.runner.kv_cache.shape.slot_capacity
+        ks = [self._budget(seq, capacity) if self._drafting(seq) else 0 for seq in running]
+        settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)]
         draft_probs = None
         if max(ks) == 0:
             drafts = [[] for _ in running]
@@ -585,10 +586,22 @@ class SpeculativeDecoder:
             return None
         return self._verify(engine, running, drafts, draft_probs, settings)
 
-    def _budget(self, engine: "Engine", seq: "Sequence") -> int:
+    def _budget(self, seq: "Sequence", slot_capacity: int) -> int:
         """Drafts this row may verify: the step emits up to k + 1 tokens, within max_new_tokens and the slot."""
-        room = min(seq.max_new_tokens - len(seq.output_ids), engine.runner.kv_cache.shape.slot_capacity - seq.num_computed)
+        room = min(seq.max_new_tokens - len(seq.output_ids), slot_capacity - seq.num_computed)
         return max(0, min(self.config.max_drafts, room - 1))
+
+    @staticmethod
+    def _run_settings(engine: "Engine", seq: "Sequence", k: int) -> list[RowSampling]:
+        """Sampling settings of the row's ``k + 1`` verified positions. They differ only in ``position``,
+        which only seeded draws read, and in the stop ids banned before ``min_new_tokens``: where neither
+        differs, one object stands for every position (its ``position`` the first's)."""
+        first = engine._row_sampling(seq)
+        if k == 0:
+            return [first]
+        if first.seed is None and first.banned_token_ids == engine._row_sampling(seq, ahead=k).banned_token_ids:
+            return [first] * (k + 1)
+        return [first] + [engine._row_sampling(seq, ahead=j) for j in range(1, k + 1)]
 
     def _windows(self, runner: ModelRunner, running: list["Sequence"], rows: list[ForwardRow]
                  ) -> tuple[list[list[int]], list[int], list[int]] | None:
@@ -669,14 +682,21 @@ class SpeculativeDecoder:
             seq.num_computed += 1 + result.accepted[i]  # the last token and the accepted drafts are cached
             if self.draft is not None:
                 self.draft.rewind(seq)
-        produced = 0
+        # every row's run in one _append, row by row: a stop inside a run drops the rest of it, as a plain
+        # decode never made it (_append skips a finished sequence's later tokens); top-p replay rows token by token
+        produced, batch = 0, []
         for i, seq in enumerate(running):
+            if result.kept[i] is None:
+                batch += [(seq, token, lp) for token, lp in zip(result.tokens[i], result.logprobs[i])]
+                continue
+            produced += engine._append(batch)
+            batch = []
             for j, (token, lp) in enumerate(zip(result.tokens[i], result.logprobs[i])):
                 if seq.finished is not None:
-                    break  # a stop inside the accepted run: the rest is dropped, as a plain decode never made it
-                if result.kept[i] is not None:
-                    seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
+                    break
+                seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
                 produced += engine._append([(seq, token, lp)])
+        produced += engine._append(batch)
         stats.spec_proposed_drafts += sum(len(d) for d in drafts)
         stats.spec_accepted_drafts += sum(result.accepted)
         return produced

@@ -257,6 +257,30 @@ def test_greedy_acceptance_equals_the_general_rule_on_one_hot_targets(with_q):
             assert (a is None and b is None) or [x.tolist() for x in a] == [x.tolist() for x in b]
 
 
+def test_run_settings_are_the_per_position_ones_where_a_draw_can_tell(tiny_model_dir):
+    """A verified run's settings: one object for every position when nothing position-dependent applies,
+    else each position's own (its seeded streams, the stop ids banned before min_new_tokens)."""
+    from slime.backends.embedded_engine.io_struct import GenerateRequest
+    from slime.backends.embedded_engine.scheduler import Sequence
+
+    engine = Engine(ModelRunner(tiny_model_dir, device="cpu", num_slots=2))
+    stop = next(iter(engine.eos_token_ids))
+    cases = {"plain": dict(ignore_eos=True), "seeded": dict(ignore_eos=True, sampling_seed=3),
+             "banned then not": dict(min_new_tokens=4), "banned throughout": dict(min_new_tokens=9),
+             "past min_new_tokens": dict(min_new_tokens=1)}
+    for name, extra in cases.items():
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, **extra)
+        seq = Sequence(GenerateRequest(rid=name, input_ids=[5, 6], params=params), max_new_tokens=20)
+        seq.output_ids = [7, 8]
+        run = SpeculativeDecoder._run_settings(engine, seq, 4)
+        per_position = [engine._row_sampling(seq, ahead=j) for j in range(5)]
+        assert [s.banned_token_ids for s in run] == [s.banned_token_ids for s in per_position], name
+        if params.sampling_seed is not None:
+            assert run == per_position
+        assert (len({id(s) for s in run}) == 1) == (name in ("plain", "banned throughout", "past min_new_tokens")), name
+        assert (stop in run[0].banned_token_ids) == name.startswith("banned")
+
+
 def test_sampling_distribution_is_what_the_sampler_draws_from():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(2, 1)
     rows = [RowSampling(temperature=0.7, top_k=4, top_p=0.9), RowSampling(temperature=0.0)]
