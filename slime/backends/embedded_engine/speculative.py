@@ -563,7 +563,8 @@ class SpeculativeDecoder:
                 seq.spec = SpecState()
         capacity = engine.runner.kv_cache.shape.slot_capacity
         ks = [self._budget(seq, capacity) if self._drafting(seq) else 0 for seq in running]
-        settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)]
+        # a draft model samples its drafts with them; NGRAM's are built after the verify step is launched
+        settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)] if self.draft is not None else None
         draft_probs = None
         if max(ks) == 0:
             drafts = [[] for _ in running]
@@ -629,7 +630,7 @@ class SpeculativeDecoder:
         return (tokens, starts, offsets) if runner.can_verify(starts, width) else None
 
     def _verify(self, engine: "Engine", running: list["Sequence"], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]]) -> int:
+                draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]] | None) -> int:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
                 for seq, d in zip(running, drafts)]
@@ -659,6 +660,8 @@ class SpeculativeDecoder:
         for d in drafts:
             offsets.append(n)
             n += len(d) + 1
+        if settings is None:  # while the device runs the verify step
+            settings = [self._run_settings(engine, seq, len(d)) for seq, d in zip(running, drafts)]
         flat_settings = [settings[i][j] for i, d in enumerate(drafts) for j in range(len(d) + 1)]
         want_kept = [bool(seq.request.return_top_p_token_ids) for seq in running]
         if all(row.greedy for row in flat_settings):  # no distributions, no random draws
