@@ -347,9 +347,10 @@ class ModelRunner:
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """One decode step of the running batch, which sits in slots ``0 .. B-1``: row i feeds
-        ``tokens[i]`` at absolute position ``positions[i]``. Returns fp32 logits ``[B, vocab]``.
+        ``tokens[i]`` (a host list, or ids on the device) at absolute position ``positions[i]``.
+        Returns fp32 logits ``[B, vocab]``.
 
         On CUDA the step replays a CUDA graph captured for (batch bucket, KV-length bucket); the
         padding rows of a bucket use free slots (``B .. bucket-1``), whose contents nobody reads.

@@ -238,8 +238,9 @@ class ChainDrafter(abc.ABC):
         """Feed each row what the drafter's cache lacks; the logits of draft 1 ``[rows, vocab]``."""
 
     @abc.abstractmethod
-    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
-        """Feed each row its last draft ``tokens[i]``; the logits of the next draft ``[rows, vocab]``."""
+    def _feed(self, seqs: list["Sequence"], tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Feed each row its last draft ``tokens[i]`` (on the device: the chain reads its drafts once, at
+        the end); the logits of the next draft ``[rows, vocab]``."""
 
     def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
                 generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -249,22 +250,31 @@ class ChainDrafter(abc.ABC):
             raise RuntimeError(f"the draft's KV cache has {self.num_slots()} slots, fewer than "
                                "the target's running batch; lower --max-running-requests")
         logits = self._catch_up(seqs)
-        drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows drafting, their drafts on the device) per step
         live = list(range(len(seqs)))
         for step in range(max(ks)):
             rows = [dataclasses.replace(settings[i][step], seed=None if settings[i][step].seed is None
                                         else hash((settings[i][step].seed, DRAFT_STREAM)) & 0x7FFFFFFF) for i in live]
             _, q = sampling_distribution(logits, rows)
-            tokens = _draw(q, rows, generator).tolist()
+            tokens = _draw(q, rows, generator)
+            steps.append((live, tokens))
             for n, i in enumerate(live):
-                drafts[i].append(tokens[n])
                 probs[i].append(q[n])
-            live_next = [n for n, i in enumerate(live) if len(drafts[i]) < ks[i]]
+            live_next = [n for n, i in enumerate(live) if step + 1 < ks[i]]
             if not live_next:
                 break
-            logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next], batch_size)
+            if len(live_next) < len(live):
+                tokens = tokens[to_device(live_next, tokens.device)]
+            logits = self._feed([seqs[live[n]] for n in live_next], tokens, batch_size)
             live = [live[n] for n in live_next]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        host = torch.cat([tokens for _, tokens in steps]).tolist()  # the chain's one device->host read
+        n = 0
+        for rows_drafting, _ in steps:
+            for i in rows_drafting:
+                drafts[i].append(host[n])
+                n += 1
         return drafts, [torch.stack(p) for p in probs]
 
 
@@ -314,9 +324,9 @@ class DraftModel(ChainDrafter):
         positions = [seq.spec.draft_computed for seq in seqs]
         slots = [seq.slot for seq in seqs]
         if slots == list(range(batch_size)):
-            logits = self.runner.decode(tokens, positions)
-        else:
-            logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens, positions)])
+            logits = self.runner.decode(tokens, positions)  # fed from the device
+        else:  # the generic forward takes host tokens
+            logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens.tolist(), positions)])
         for seq in seqs:
             seq.spec.draft_computed += 1
         return logits
