@@ -17,9 +17,9 @@ from slime.backends.embedded_engine.io_struct import SamplingParams
 from slime.backends.embedded_engine.model_runner import ModelRunner
 from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, greedy_distribution,
                                                     sampling_distribution)
-from slime.backends.embedded_engine.speculative import (DraftModel, SpeculativeConfig, SpeculativeDecoder, _uniforms,
-                                                        accept_drafts, accept_greedy, ngram_propose, SpecState,
-                                                        spec_meta_info)
+from slime.backends.embedded_engine.acceptance import _uniforms, accept_drafts, accept_greedy
+from slime.backends.embedded_engine.speculative import (DraftModel, SpeculativeConfig, SpeculativeDecoder,
+                                                        ngram_propose, SpecState, spec_meta_info)
 
 pytestmark = pytest.mark.timeout(180)
 
