@@ -329,8 +329,11 @@ class ModelRunner:
         write_slots = torch.tensor([slot for slot, r in zip(slots, rows) for _ in r.tokens], dtype=torch.long)
         write_positions = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))], dtype=torch.long)
         kv_length = max(r.start + len(r.tokens) for r in rows)
+        # from pinned memory on CUDA: a copy from pageable memory may wait for the kernels queued before it
+        # (a draft model's or MTP layer's chained steps queue their forwards without reading the drafts)
+        pin = self.device.type == "cuda"
         input_ids, positions, valid, token_index, write_slots, write_positions = (
-            t.to(self.device, non_blocking=True)
+            (t.pin_memory() if pin else t).to(self.device, non_blocking=True)
             for t in (input_ids, positions, valid, token_index, write_slots, write_positions))
         mask = self._attention_mask(positions, valid, kv_length)
         view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length)
