@@ -78,12 +78,17 @@ class DecodeGraphs:
         slots = self.runner.kv_cache.shape.num_slots  # padding rows use free slots: never more than there are
         return min(next(b for b in self.batch_buckets if b >= batch), slots), min(length, capacity)
 
-    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """A decode step: row i feeds ``tokens[i]`` (a host list, or ids already on the device: a draft
+        model's chained drafts) at ``positions[i]``."""
         runner = self.runner
         batch = len(tokens)
         key = self._bucket(batch, max(positions) + 1)
         if key is None:
-            ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1).to(runner.device)
+            if isinstance(tokens, torch.Tensor):
+                ids = tokens.view(-1, 1).to(runner.device)
+            else:
+                ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1).to(runner.device)
             pos = torch.tensor(positions, dtype=torch.long).view(-1, 1).to(runner.device)
             return runner.decode_forward(ids, pos, max(positions) + 1)
         padded, length = key
@@ -112,8 +117,9 @@ class DecodeGraphs:
         graph.replay()
         return logits[:batch]
 
-    def _fill(self, tokens: list[int], positions: list[int], padded: int) -> None:
-        """Copy this step's inputs into the static buffers (padding rows: token 0 at position 0)."""
+    def _fill(self, tokens: list[int] | torch.Tensor, positions: list[int], padded: int) -> None:
+        """Copy this step's inputs into the static buffers (padding rows: token 0 at position 0); device
+        ``tokens`` are copied device to device after the host buffer's copy."""
         if self.ids is None:
             slots = self.runner.max_slots
             self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.runner.device)
@@ -122,11 +128,15 @@ class DecodeGraphs:
         batch = len(tokens)
         self._reusable(self.host)
         self.host[:, :padded] = 0
-        self.host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            self.host[0, :batch] = torch.tensor(tokens, dtype=torch.long)
         self.host[1, :batch] = torch.tensor(positions, dtype=torch.long)
         self.ids[:padded, 0].copy_(self.host[0, :padded], non_blocking=True)
         self.positions[:padded, 0].copy_(self.host[1, :padded], non_blocking=True)
         self._copied(self.host)
+        if on_device:
+            self.ids[:batch, 0].copy_(tokens)
 
     def _reusable(self, host: torch.Tensor) -> None:
         """Wait until the device has read ``host``'s previous contents. Its copies are asynchronous

@@ -402,9 +402,14 @@ class Engine:
         return self._append(list(zip(seqs, tokens, logprobs)))
 
     def _append(self, results: list[tuple[Sequence, int, float]]) -> int:
-        """Append each sampled token to its sequence; finish or stream it."""
+        """Append each sampled token to its sequence; finish or stream it. Returns the tokens appended: a
+        sequence that finishes drops its later results (a stop inside a speculative step's accepted run)."""
         now = time.monotonic()
+        appended = 0
         for seq, token, logprob in results:
+            if seq.finished is not None:
+                continue
+            appended += 1
             seq.first_token = seq.first_token or now
             seq.output_ids.append(token)
             seq.output_logprobs.append(logprob)
@@ -413,8 +418,8 @@ class Engine:
                 self._finish(seq, reason)
             elif seq.request.stream:
                 seq.on_event(seq, False)
-        self.scheduler.stats.generated_tokens += len(results)
-        return len(results)
+        self.scheduler.stats.generated_tokens += appended
+        return appended
 
     def _row_sampling(self, seq: Sequence, ahead: int = 0) -> RowSampling:
         """Sampling settings of ``seq``'s next token, or (speculation) of the one ``ahead`` tokens later."""
@@ -437,7 +442,7 @@ class Engine:
         last = seq.output_ids[-1]
         if len(seq.output_ids) >= seq.max_new_tokens:
             return {"type": "length", "length": seq.max_new_tokens}
-        if not params.ignore_eos and last in self._stop_token_ids(seq):
+        if not params.ignore_eos and (last in self.eos_token_ids or last in (params.stop_token_ids or ())):
             return {"type": "stop", "matched": last}
         stops = params.stop_strings
         if stops:

@@ -329,8 +329,11 @@ class ModelRunner:
         write_slots = torch.tensor([slot for slot, r in zip(slots, rows) for _ in r.tokens], dtype=torch.long)
         write_positions = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))], dtype=torch.long)
         kv_length = max(r.start + len(r.tokens) for r in rows)
+        # from pinned memory on CUDA: a copy from pageable memory may wait for the kernels queued before it
+        # (a draft model's or MTP layer's chained steps queue their forwards without reading the drafts)
+        pin = self.device.type == "cuda"
         input_ids, positions, valid, token_index, write_slots, write_positions = (
-            t.to(self.device, non_blocking=True)
+            (t.pin_memory() if pin else t).to(self.device, non_blocking=True)
             for t in (input_ids, positions, valid, token_index, write_slots, write_positions))
         mask = self._attention_mask(positions, valid, kv_length)
         view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length)
@@ -347,9 +350,10 @@ class ModelRunner:
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """One decode step of the running batch, which sits in slots ``0 .. B-1``: row i feeds
-        ``tokens[i]`` at absolute position ``positions[i]``. Returns fp32 logits ``[B, vocab]``.
+        ``tokens[i]`` (a host list, or ids on the device) at absolute position ``positions[i]``.
+        Returns fp32 logits ``[B, vocab]``.
 
         On CUDA the step replays a CUDA graph captured for (batch bucket, KV-length bucket); the
         padding rows of a bucket use free slots (``B .. bucket-1``), whose contents nobody reads.

@@ -250,13 +250,15 @@ class NextNDrafter(ChainDrafter):
 
     # ------------------------------------------------------------------ forwards
     @torch.inference_mode()
-    def _forward(self, seqs: list["Sequence"], rows: list[ForwardRow], hidden: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: list["Sequence"], rows: list[ForwardRow], hidden: list[torch.Tensor],
+                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block over ``rows`` (row i: tokens ``t_{p+1}..`` at positions ``p..``, with the hidden
         states ``hidden[i]`` of positions ``p..``); fp32 logits and output hidden state at each row's
-        last position."""
+        last position. ``token_ids`` ([rows, q], on the device) replaces the rows' tokens."""
         runner = self.runner
         input_ids, positions, mask, view = runner.row_inputs([seq.slot for seq in seqs], rows, self.kv_cache)
+        if token_ids is not None:
+            input_ids = token_ids
         q_len = input_ids.shape[1]
         padded = torch.stack([torch.nn.functional.pad(h, (0, 0, q_len - h.shape[0], 0)) for h in hidden])
         embeds = runner.model.get_input_embeddings()(input_ids)
@@ -294,10 +296,11 @@ class NextNDrafter(ChainDrafter):
             pending = [i for i in pending if seqs[i].spec.draft_computed < seqs[i].num_computed]
         return torch.stack(last)
 
-    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
-        """One chained step per row: its last draft with the block's own output, past the verified length."""
-        rows = [ForwardRow([token], seq.spec.chain_position) for seq, token in zip(seqs, tokens)]
-        logits, out = self._forward(seqs, rows, [seq.spec.chain_hidden for seq in seqs])
+    def _feed(self, seqs: list["Sequence"], tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """One chained step per row: its last draft with the block's own output, past the verified length
+        (the drafts fed from the device: the rows' host tokens are placeholders)."""
+        rows = [ForwardRow([0], seq.spec.chain_position) for seq in seqs]
+        logits, out = self._forward(seqs, rows, [seq.spec.chain_hidden for seq in seqs], tokens.view(-1, 1))
         for n, seq in enumerate(seqs):
             seq.spec.chain_hidden, seq.spec.chain_position = out[n: n + 1], seq.spec.chain_position + 1
         return logits

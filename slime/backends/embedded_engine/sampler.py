@@ -134,19 +134,39 @@ def sampling_distribution(logits: torch.Tensor, rows: list[RowSampling]) -> tupl
 
     Speculative verification (``speculative.py``) accepts draft tokens against ``probs`` so that the
     tokens it emits follow exactly what :func:`sample` would have drawn."""
-    logits = logits.float().clone()
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
-    temperatures = to_device([1.0 if r.greedy else r.temperature for r in rows], logits.device)
-    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    logits = _banned(logits, rows)
+    temperatures = [1.0 if r.greedy else r.temperature for r in rows]
+    if any(t != 1.0 for t in temperatures):  # dividing by 1.0 changes nothing: skip the pass and the copy
+        logits_t = logits / to_device(temperatures, logits.device).unsqueeze(1)
+    else:
+        logits_t = logits
+    logprobs = torch.log_softmax(logits_t, dim=-1)
     probs = _truncate(logprobs.exp(), rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     greedy = [i for i, row in enumerate(rows) if row.greedy]
     if greedy:
         idx = to_device(greedy, logits.device)
-        probs[idx] = torch.nn.functional.one_hot(logits[idx].argmax(dim=-1), probs.shape[1]).to(probs.dtype)
+        top = logits[idx].argmax(dim=-1, keepdim=True)
+        probs[idx] = torch.zeros((len(greedy), probs.shape[1]), dtype=probs.dtype, device=probs.device).scatter_(1, top, 1.0)
     return logprobs, probs
+
+
+def greedy_distribution(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sampling_distribution` of rows that are all greedy, without the one-hot ``probs``:
+    ``(logprobs, argmax [rows])``, the same log-probs and the one id each row's ``probs`` holds."""
+    logits = _banned(logits, rows)
+    return torch.log_softmax(logits, dim=-1), logits.argmax(dim=-1)
+
+
+def _banned(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """fp32 ``logits`` with each row's banned ids at -inf (a copy only where some row bans ids)."""
+    logits = logits.float()
+    if any(row.banned_token_ids for row in rows):
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
+    return logits
 
 
 def kept_token_ids(logits: torch.Tensor, rows: list[RowSampling]) -> list[np.ndarray]:
@@ -169,9 +189,15 @@ def _exponential_noise(shape, rows: list[RowSampling], generator, device) -> tor
     noise = torch.empty(shape, device=device).exponential_(generator=generator)
     for i, row in enumerate(rows):
         if row.seed is not None:
-            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position)) & 0x7FFFFFFF)
-            noise[i] = torch.empty(shape[1], device=device).exponential_(generator=seeded)
+            noise[i] = seeded_noise(row, shape[1], device)
     return noise.clamp_min_(1e-20)
+
+
+def seeded_noise(row: RowSampling, size: int, device) -> torch.Tensor:
+    """The exponential noise of a seeded row (``sampling_seed``) at its position: its own stream, so the
+    draw is the same whatever batch the request runs in."""
+    seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position)) & 0x7FFFFFFF)
+    return torch.empty(size, device=device).exponential_(generator=seeded)
 
 
 def reference_logprob(logits: torch.Tensor, token: int, temperature: float) -> float:

@@ -19,8 +19,8 @@ A decode step with speculation (``--speculative-algorithm NGRAM``, ``STANDALONE`
    (``ModelRunner.verify``; on CUDA replayed from a CUDA graph), rows with fewer drafts padded after
    them; where that does not apply (``--mla-decode expanded``, a row whose ``T`` positions would pass
    its slot's end) the generic forward, rows left-padded.
-3. **Accept** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
-   Chen et al. 2023): ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order;
+3. **Accept** (:mod:`acceptance`; Leviathan et al. 2023, "Fast Inference from Transformers via
+   Speculative Decoding"; Chen et al. 2023): ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order;
    at the first rejection the row emits a token from the residual ``norm(max(p_j - q_j, 0))``, and if
    all ``k`` are accepted a bonus token from ``p_{k+1}``. The emitted tokens then follow the target's
    distribution exactly; a greedy row (``p`` one-hot) accepts exactly the drafts that equal the
@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import itertools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from slime.backends.embedded_engine.acceptance import accept_drafts, accept_greedy, draw
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
-from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, kept_ids_of, sampling_distribution,
-                                                    to_device)
+from slime.backends.embedded_engine.sampler import RowSampling, greedy_distribution, sampling_distribution, to_device
 
 if TYPE_CHECKING:
     from slime.backends.embedded_engine.engine import Engine
@@ -69,9 +68,9 @@ UNSUPPORTED_ALGORITHMS = {
 }
 #: SGLang's defaults: NGRAM verifies 12 tokens (11 drafts), STANDALONE and NEXTN (DeepSeek-V3) draft 3 steps
 DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 4, "NEXTN": 4}
-#: seeded requests: the draws of drafts and of acceptance tests come from their own streams (integers:
-#: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
-DRAFT_STREAM, ACCEPT_STREAM = 1, 2
+#: seeded requests: the draws of drafts come from their own stream (acceptance.ACCEPT_STREAM: the acceptance
+#: tests'; integers: ``hash`` of a tuple of ints is the same in every process, unlike that of a string)
+DRAFT_STREAM = 1
 NGRAM_CANDIDATES = 64  # earlier occurrences of the last token examined per proposal (bounds host time)
 NGRAM_MAX_BACKOFF = 16  # output tokens an NGRAM row pauses its lookups at most (doubling from 1)
 #: verify steps as T-token decode steps (ModelRunner.verify; CUDA graphs on CUDA) where the runner can;
@@ -238,8 +237,9 @@ class ChainDrafter(abc.ABC):
         """Feed each row what the drafter's cache lacks; the logits of draft 1 ``[rows, vocab]``."""
 
     @abc.abstractmethod
-    def _feed(self, seqs: list["Sequence"], tokens: list[int], batch_size: int) -> torch.Tensor:
-        """Feed each row its last draft ``tokens[i]``; the logits of the next draft ``[rows, vocab]``."""
+    def _feed(self, seqs: list["Sequence"], tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Feed each row its last draft ``tokens[i]`` (on the device: the chain reads its drafts once, at
+        the end); the logits of the next draft ``[rows, vocab]``."""
 
     def propose(self, seqs: list["Sequence"], ks: list[int], settings: list[list[RowSampling]],
                 generator: torch.Generator, batch_size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -249,22 +249,31 @@ class ChainDrafter(abc.ABC):
             raise RuntimeError(f"the draft's KV cache has {self.num_slots()} slots, fewer than "
                                "the target's running batch; lower --max-running-requests")
         logits = self._catch_up(seqs)
-        drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows drafting, their drafts on the device) per step
         live = list(range(len(seqs)))
         for step in range(max(ks)):
             rows = [dataclasses.replace(settings[i][step], seed=None if settings[i][step].seed is None
                                         else hash((settings[i][step].seed, DRAFT_STREAM)) & 0x7FFFFFFF) for i in live]
             _, q = sampling_distribution(logits, rows)
-            tokens = _draw(q, rows, generator).tolist()
+            tokens = draw(q, rows, generator)
+            steps.append((live, tokens))
             for n, i in enumerate(live):
-                drafts[i].append(tokens[n])
                 probs[i].append(q[n])
-            live_next = [n for n, i in enumerate(live) if len(drafts[i]) < ks[i]]
+            live_next = [n for n, i in enumerate(live) if step + 1 < ks[i]]
             if not live_next:
                 break
-            logits = self._feed([seqs[live[n]] for n in live_next], [tokens[n] for n in live_next], batch_size)
+            if len(live_next) < len(live):
+                tokens = tokens[to_device(live_next, tokens.device)]
+            logits = self._feed([seqs[live[n]] for n in live_next], tokens, batch_size)
             live = [live[n] for n in live_next]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        host = torch.cat([tokens for _, tokens in steps]).tolist()  # the chain's one device->host read
+        n = 0
+        for rows_drafting, _ in steps:
+            for i in rows_drafting:
+                drafts[i].append(host[n])
+                n += 1
         return drafts, [torch.stack(p) for p in probs]
 
 
@@ -314,9 +323,9 @@ class DraftModel(ChainDrafter):
         positions = [seq.spec.draft_computed for seq in seqs]
         slots = [seq.slot for seq in seqs]
         if slots == list(range(batch_size)):
-            logits = self.runner.decode(tokens, positions)
-        else:
-            logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens, positions)])
+            logits = self.runner.decode(tokens, positions)  # fed from the device
+        else:  # the generic forward takes host tokens
+            logits, _ = self.runner.forward(slots, [ForwardRow([t], p) for t, p in zip(tokens.tolist(), positions)])
         for seq in seqs:
             seq.spec.draft_computed += 1
         return logits
@@ -324,103 +333,6 @@ class DraftModel(ChainDrafter):
     def rewind(self, seq: "Sequence") -> None:
         """After verification: the draft cache is valid for the tokens still in prompt + output."""
         seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)
-
-
-# ---------------------------------------------------------------------- verification
-def _draw(probs: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:
-    """One id per row of ``probs`` (exponential race, per-request seeds honoured as in the sampler)."""
-    noise = _exponential_noise(probs.shape, rows, generator, probs.device)
-    return (probs / noise).argmax(dim=-1)
-
-
-def _uniforms(rows: list[RowSampling], generator: torch.Generator | None, device) -> torch.Tensor:
-    u = torch.rand(len(rows), device=device, generator=generator)
-    for i, row in enumerate(rows):
-        if row.seed is not None:
-            seeded = torch.Generator(device=device).manual_seed(hash((row.seed, row.position, ACCEPT_STREAM)) & 0x7FFFFFFF)
-            u[i] = torch.rand(1, device=device, generator=seeded)[0]
-    return u
-
-
-@dataclass
-class Verified:
-    """One verify step's outcome per row: emitted tokens (accepted drafts + one more), their target
-    log-probs, how many drafts were accepted, and the kept sets (top-p replay) where asked."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    accepted: list[int]
-    kept: list[list | None]
-
-
-def accept_drafts(probs: torch.Tensor, logprobs: torch.Tensor, offsets: list[int], drafts: list[list[int]],
-                  draft_probs: list[torch.Tensor] | None, settings: list[list[RowSampling]],
-                  generator: torch.Generator | None, want_kept: list[bool] | None = None) -> Verified:
-    """Speculative (rejection) sampling over flattened verify positions.
-
-    ``probs`` / ``logprobs`` ([positions, vocab]): the target's sampling distribution and full-vocabulary
-    log-probs at each verified position; row i's ``len(drafts[i]) + 1`` positions start at
-    ``offsets[i]``. ``draft_probs[i]`` ([k_i, vocab]) is the draft distribution ``q`` of row i's drafts
-    (None: every draft is a point mass, as n-gram proposals are). ``settings[i][j]``: row i's sampling
-    settings at its j-th verified position (noise seeds)."""
-    # Two device->host round trips in all (the acceptance flags, then every emitted token and log-prob):
-    # the index tensors go up from pinned memory without waiting for the queued verify step.
-    device = probs.device
-    flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]  # every draft, row by row
-    q = torch.cat(draft_probs) if draft_probs is not None and flat else None  # row n: q of flat[n]
-    accepted = [0] * len(drafts)
-    if flat:
-        index = to_device([offsets[i] + j for i, j in flat], device)
-        tokens = to_device([drafts[i][j] for i, j in flat], device)
-        p_x = probs[index].gather(1, tokens.unsqueeze(1)).squeeze(1)
-        ratio = p_x if q is None else p_x / q.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp_min(1e-30)
-        ok = (_uniforms([settings[i][j] for i, j in flat], generator, device) < ratio).tolist()
-        n = 0
-        for i, d in enumerate(drafts):
-            run = 0
-            while run < len(d) and ok[n + run]:
-                run += 1
-            accepted[i] = run
-            n += len(d)
-    # the one token after the accepted run: from the residual at a rejection, from p after a full run
-    final_index = to_device([offsets[i] + accepted[i] for i in range(len(drafts))], device)
-    final = probs[final_index]
-    rejected = [i for i, d in enumerate(drafts) if accepted[i] < len(d)]
-    if rejected:
-        rows = to_device(rejected, device)
-        if q is None:  # point masses at the rejected drafts
-            q_rejected = torch.nn.functional.one_hot(
-                to_device([drafts[i][accepted[i]] for i in rejected], device), probs.shape[1]).to(probs.dtype)
-        else:
-            starts = list(itertools.accumulate((len(d) for d in drafts), initial=0))  # row i's first draft in q
-            q_rejected = q[to_device([starts[i] + accepted[i] for i in rejected], device)]
-        residual = (final[rows] - q_rejected).clamp_min(0.0)
-        total = residual.sum(dim=-1, keepdim=True)
-        # p == q to rounding (the rejection itself was rounding): keep p
-        final[rows] = torch.where(total > 1e-12, residual / total.clamp_min(1e-30), final[rows])
-    final_settings = [settings[i][accepted[i]] for i in range(len(drafts))]
-    last = _draw(final, final_settings, generator)
-    # log-probs of the accepted drafts (known tokens) and of each row's last token (on the device)
-    kept_index = [offsets[i] + j for i in range(len(drafts)) for j in range(accepted[i])]
-    kept_tokens = [drafts[i][j] for i in range(len(drafts)) for j in range(accepted[i])]
-    last_lp = logprobs[final_index].gather(1, last.unsqueeze(1)).squeeze(1)
-    parts = [last.double(), last_lp.double()]
-    if kept_index:
-        parts.append(logprobs[to_device(kept_index, device)].gather(
-            1, to_device(kept_tokens, device).unsqueeze(1)).squeeze(1).double())
-    host = torch.cat(parts).tolist()
-    rows_n = len(drafts)
-    last_ids, last_lps, kept_lps = host[:rows_n], host[rows_n: 2 * rows_n], host[2 * rows_n:]
-    emitted, out_lp, n = [], [], 0
-    for i, d in enumerate(drafts):
-        emitted.append(d[: accepted[i]] + [int(last_ids[i])])
-        out_lp.append(kept_lps[n: n + accepted[i]] + [last_lps[i]])
-        n += accepted[i]
-    kept: list[list | None] = [None] * len(drafts)
-    for i, wants in enumerate(want_kept or []):
-        if wants:
-            kept[i] = kept_ids_of(probs[offsets[i]: offsets[i] + len(emitted[i])])
-    return Verified(emitted, out_lp, accepted, kept)
 
 
 class SpeculativeDecoder:
@@ -492,8 +404,10 @@ class SpeculativeDecoder:
         for seq in running:
             if seq.spec is None:
                 seq.spec = SpecState()
-        ks = [self._budget(engine, seq) if self._drafting(seq) else 0 for seq in running]
-        settings = [[engine._row_sampling(seq, ahead=j) for j in range(k + 1)] for seq, k in zip(running, ks)]
+        capacity = engine.runner.kv_cache.shape.slot_capacity
+        ks = [self._budget(seq, capacity) if self._drafting(seq) else 0 for seq in running]
+        # a draft model samples its drafts with them; NGRAM's are built after the verify step is launched
+        settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)] if self.draft is not None else None
         draft_probs = None
         if max(ks) == 0:
             drafts = [[] for _ in running]
@@ -516,10 +430,22 @@ class SpeculativeDecoder:
             return None
         return self._verify(engine, running, drafts, draft_probs, settings)
 
-    def _budget(self, engine: "Engine", seq: "Sequence") -> int:
+    def _budget(self, seq: "Sequence", slot_capacity: int) -> int:
         """Drafts this row may verify: the step emits up to k + 1 tokens, within max_new_tokens and the slot."""
-        room = min(seq.max_new_tokens - len(seq.output_ids), engine.runner.kv_cache.shape.slot_capacity - seq.num_computed)
+        room = min(seq.max_new_tokens - len(seq.output_ids), slot_capacity - seq.num_computed)
         return max(0, min(self.config.max_drafts, room - 1))
+
+    @staticmethod
+    def _run_settings(engine: "Engine", seq: "Sequence", k: int) -> list[RowSampling]:
+        """Sampling settings of the row's ``k + 1`` verified positions. They differ only in ``position``,
+        which only seeded draws read, and in the stop ids banned before ``min_new_tokens``: where neither
+        differs, one object stands for every position (its ``position`` the first's)."""
+        first = engine._row_sampling(seq)
+        if k == 0:
+            return [first]
+        if first.seed is None and first.banned_token_ids == engine._row_sampling(seq, ahead=k).banned_token_ids:
+            return [first] * (k + 1)
+        return [first] + [engine._row_sampling(seq, ahead=j) for j in range(1, k + 1)]
 
     def _windows(self, runner: ModelRunner, running: list["Sequence"], rows: list[ForwardRow]
                  ) -> tuple[list[list[int]], list[int], list[int]] | None:
@@ -547,7 +473,7 @@ class SpeculativeDecoder:
         return (tokens, starts, offsets) if runner.can_verify(starts, width) else None
 
     def _verify(self, engine: "Engine", running: list["Sequence"], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]]) -> int:
+                draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]] | None) -> int:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
                 for seq, d in zip(running, drafts)]
@@ -556,14 +482,18 @@ class SpeculativeDecoder:
         if windows is not None:  # a decode step of T tokens a row (a CUDA graph on CUDA)
             tokens, starts, offsets = windows
             logits, hidden = runner.verify(tokens, starts, with_hidden=self.needs_hidden)
-            all_logits = [logits[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
+            width = logits.shape[1]  # every row's real positions, in one gather
+            index = [i * width + o + j for i, (o, r) in enumerate(zip(offsets, rows)) for j in range(len(r.tokens))]
+            flat_logits = logits.reshape(-1, logits.shape[-1]).index_select(0, to_device(index, logits.device))
             if hidden is not None:
                 hidden = [hidden[i, o: o + len(r.tokens)] for i, (o, r) in enumerate(zip(offsets, rows))]
             stats.spec_verify_decode_steps += 1
         elif self.needs_hidden:
             _, all_logits, hidden = runner.forward_with_hidden([seq.slot for seq in running], rows)
+            flat_logits = torch.cat(all_logits)
         else:
             _, all_logits = runner.forward([seq.slot for seq in running], rows)
+            flat_logits = torch.cat(all_logits)
         stats.decode_steps += 1
         stats.spec_verify_forwards += 1
         stats.decode_rows += len(running)
@@ -573,13 +503,19 @@ class SpeculativeDecoder:
         for d in drafts:
             offsets.append(n)
             n += len(d) + 1
+        if settings is None:  # while the device runs the verify step
+            settings = [self._run_settings(engine, seq, len(d)) for seq, d in zip(running, drafts)]
         flat_settings = [settings[i][j] for i, d in enumerate(drafts) for j in range(len(d) + 1)]
-        logprobs, probs = sampling_distribution(torch.cat(all_logits), flat_settings)
-        q = None
-        if draft_probs is not None:  # rows without drafts have no q; point masses stand in (never read)
-            q = [p if p is not None else torch.zeros((0, probs.shape[1]), device=probs.device) for p in draft_probs]
         want_kept = [bool(seq.request.return_top_p_token_ids) for seq in running]
-        result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
+        if all(row.greedy for row in flat_settings):  # no distributions, no random draws
+            logprobs, argmax = greedy_distribution(flat_logits, flat_settings)
+            result = accept_greedy(argmax, logprobs, offsets, drafts, want_kept)
+        else:
+            logprobs, probs = sampling_distribution(flat_logits, flat_settings)
+            q = None
+            if draft_probs is not None:  # rows without drafts have no q (never read)
+                q = [p if p is not None else probs.new_zeros((0, probs.shape[1])) for p in draft_probs]
+            result = accept_drafts(probs, logprobs, offsets, drafts, q, settings, engine.generator, want_kept)
         for i, seq in enumerate(running):  # every row's cache length first: a finishing row moves the last row
             seq.spec.count_step(len(drafts[i]), result.accepted[i])
             if self.draft is None and drafts[i]:  # NGRAM: a won draft resumes lookups, all lost pauses them
@@ -592,14 +528,21 @@ class SpeculativeDecoder:
             seq.num_computed += 1 + result.accepted[i]  # the last token and the accepted drafts are cached
             if self.draft is not None:
                 self.draft.rewind(seq)
-        produced = 0
+        # every row's run in one _append, row by row: a stop inside a run drops the rest of it, as a plain
+        # decode never made it (_append skips a finished sequence's later tokens); top-p replay rows token by token
+        produced, batch = 0, []
         for i, seq in enumerate(running):
+            if result.kept[i] is None:
+                batch += [(seq, token, lp) for token, lp in zip(result.tokens[i], result.logprobs[i])]
+                continue
+            produced += engine._append(batch)
+            batch = []
             for j, (token, lp) in enumerate(zip(result.tokens[i], result.logprobs[i])):
                 if seq.finished is not None:
-                    break  # a stop inside the accepted run: the rest is dropped, as a plain decode never made it
-                if result.kept[i] is not None:
-                    seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
+                    break
+                seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
                 produced += engine._append([(seq, token, lp)])
+        produced += engine._append(batch)
         stats.spec_proposed_drafts += sum(len(d) for d in drafts)
         stats.spec_accepted_drafts += sum(result.accepted)
         return produced

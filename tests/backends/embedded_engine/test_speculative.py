@@ -15,9 +15,11 @@ from slime.backends.embedded_engine.config import parse_args
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import SamplingParams
 from slime.backends.embedded_engine.model_runner import ModelRunner
-from slime.backends.embedded_engine.sampler import RowSampling, sampling_distribution
+from slime.backends.embedded_engine.sampler import (RowSampling, _exponential_noise, greedy_distribution,
+                                                    sampling_distribution)
+from slime.backends.embedded_engine.acceptance import _uniforms, accept_drafts, accept_greedy
 from slime.backends.embedded_engine.speculative import (DraftModel, SpeculativeConfig, SpeculativeDecoder,
-                                                        accept_drafts, ngram_propose, SpecState, spec_meta_info)
+                                                        ngram_propose, SpecState, spec_meta_info)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,6 +156,129 @@ def test_emitted_tokens_follow_the_target_distribution(drafter):
             assert 0.1 * len(emitted) < len(second) < 0.9 * len(emitted)  # both outcomes happen often
         else:  # the test has the power to see a wrong rule
             assert max(stats) > 10 * CHI2_LIMIT[5], stats
+
+
+def reference_accept(probs, logprobs, offsets, drafts, draft_probs, settings, gen):
+    """The acceptance rule row by row, draft by draft: the slow, obvious form of ``accept_drafts``, with
+    the same random draws in the same order (a uniform for every draft, then a noise row per row)."""
+    flat = [settings[i][j] for i, d in enumerate(drafts) for j in range(len(d))]
+    u = _uniforms(flat, gen, probs.device) if flat else None
+    accepted, finals, n = [], [], 0
+    for i, d in enumerate(drafts):
+        a = 0
+        while a < len(d):
+            ratio = probs[offsets[i] + a, d[a]]
+            if draft_probs is not None:
+                ratio = ratio / draft_probs[i][a, d[a]].clamp_min(1e-30)
+            if not u[n + a] < ratio:
+                break
+            a += 1
+        n += len(d)
+        final = probs[offsets[i] + a]
+        if a < len(d):  # rejected: the residual norm(max(p - q, 0)), unless p == q to rounding
+            q = torch.zeros_like(final) if draft_probs is None else draft_probs[i][a]
+            if draft_probs is None:
+                q[d[a]] = 1.0
+            residual = (final - q).clamp_min(0.0)
+            if residual.sum() > 1e-12:
+                final = residual / residual.sum()
+        accepted.append(a)
+        finals.append(final)
+    noise = _exponential_noise((len(drafts), probs.shape[1]), [settings[i][a] for i, a in enumerate(accepted)],
+                               gen, probs.device)
+    tokens, lps = [], []
+    for i, (d, a) in enumerate(zip(drafts, accepted)):
+        emitted = d[:a] + [int((finals[i] / noise[i]).argmax())]
+        tokens.append(emitted)
+        lps.append([float(logprobs[offsets[i] + j, t]) for j, t in enumerate(emitted)])
+    return tokens, lps, accepted
+
+
+def random_verify_step(seed, rows=40, vocab=50, max_drafts=4, with_q=True, greedy=False):
+    """Target logits at every verified position, drafts (0..max_drafts a row: half of them the target's
+    likely tokens, so that runs of accepted drafts happen) and their q; seeded rows among them."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, max_drafts + 1, (rows,), generator=gen).tolist()
+    offsets = [sum(k + 1 for k in counts[:i]) for i in range(rows)]
+    logits = 3 * torch.randn(sum(counts) + rows, vocab, generator=gen)
+    settings = []
+    for i, k in enumerate(counts):
+        seed_i = 100 + i if i % 5 == 0 else None
+        row = RowSampling(temperature=0.0 if greedy else 0.9, top_k=-1 if i % 3 else 8, seed=seed_i)
+        settings.append([RowSampling(**{**vars(row), "position": 7 + j}) for j in range(k + 1)])
+    flat = [s for row in settings for s in row]
+    logprobs, probs = sampling_distribution(logits, flat)
+    q = [torch.softmax(2 * torch.randn(k, vocab, generator=gen), -1) for k in counts] if with_q else None
+    drafts = []
+    for i, k in enumerate(counts):
+        likely = probs[offsets[i]: offsets[i] + k].argmax(-1).tolist()
+        drafts.append([t if torch.rand(1, generator=gen) < 0.6 else int(torch.randint(vocab, (1,), generator=gen))
+                       for t in likely])
+    return logits, logprobs, probs, offsets, drafts, q, settings
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_batched_acceptance_equals_the_row_by_row_rule(with_q):
+    """accept_drafts (all rows at once on the device, one host copy) gives the reference's tokens,
+    log-probs and accepted counts exactly, with point-mass and sampled drafts, rows without drafts,
+    truncated and seeded rows."""
+    seen = Counter()
+    for seed in range(6):
+        _, logprobs, probs, offsets, drafts, q, settings = random_verify_step(seed, with_q=with_q)
+        out = accept_drafts(probs, logprobs, offsets, drafts, q, settings, torch.Generator().manual_seed(seed))
+        tokens, lps, accepted = reference_accept(probs, logprobs, offsets, drafts, q, settings,
+                                                 torch.Generator().manual_seed(seed))
+        assert (out.tokens, out.accepted) == (tokens, accepted)
+        assert out.logprobs == lps
+        seen.update("full" if a == len(d) else "rejected" for a, d in zip(accepted, drafts) if d)
+        seen.update("none" for d in drafts if not d)
+    assert min(seen.values()) > 10, seen  # every kind of row occurred
+    _, logprobs, probs, offsets, drafts, q, settings = random_verify_step(0, with_q=with_q, max_drafts=0)
+    out = accept_drafts(probs, logprobs, offsets, drafts, q, settings, torch.Generator().manual_seed(0))
+    assert out.tokens == reference_accept(probs, logprobs, offsets, drafts, q, settings, torch.Generator().manual_seed(0))[0]
+    assert out.accepted == [0] * len(drafts)  # a step where no row drafts (NEXTN verifies it anyway)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_acceptance_equals_the_general_rule_on_one_hot_targets(with_q):
+    """accept_greedy (argmax comparisons, no distributions, no draws) == accept_drafts on the one-hot p of
+    greedy rows, whatever q the drafts came from; top-p replay's kept sets are the argmax alone."""
+    for seed in range(4):
+        logits, logprobs, probs, offsets, drafts, q, settings = random_verify_step(seed, with_q=with_q, greedy=True)
+        flat = [s for row in settings for s in row]
+        greedy_logprobs, argmax = greedy_distribution(logits, flat)
+        assert torch.equal(greedy_logprobs, logprobs) and torch.equal(probs.argmax(-1), argmax)
+        wants = [i % 2 == 0 for i in range(len(drafts))]
+        fast = accept_greedy(argmax, logprobs, offsets, drafts, wants)
+        general = accept_drafts(probs, logprobs, offsets, drafts, q, settings, torch.Generator().manual_seed(seed), wants)
+        assert (fast.tokens, fast.logprobs, fast.accepted) == (general.tokens, general.logprobs, general.accepted)
+        assert 0 < sum(fast.accepted) < sum(len(d) for d in drafts)
+        for a, b in zip(fast.kept, general.kept):
+            assert (a is None and b is None) or [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
+def test_run_settings_are_the_per_position_ones_where_a_draw_can_tell(tiny_model_dir):
+    """A verified run's settings: one object for every position when nothing position-dependent applies,
+    else each position's own (its seeded streams, the stop ids banned before min_new_tokens)."""
+    from slime.backends.embedded_engine.io_struct import GenerateRequest
+    from slime.backends.embedded_engine.scheduler import Sequence
+
+    engine = Engine(ModelRunner(tiny_model_dir, device="cpu", num_slots=2))
+    stop = next(iter(engine.eos_token_ids))
+    cases = {"plain": dict(ignore_eos=True), "seeded": dict(ignore_eos=True, sampling_seed=3),
+             "banned then not": dict(min_new_tokens=4), "banned throughout": dict(min_new_tokens=9),
+             "past min_new_tokens": dict(min_new_tokens=1)}
+    for name, extra in cases.items():
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, **extra)
+        seq = Sequence(GenerateRequest(rid=name, input_ids=[5, 6], params=params), max_new_tokens=20)
+        seq.output_ids = [7, 8]
+        run = SpeculativeDecoder._run_settings(engine, seq, 4)
+        per_position = [engine._row_sampling(seq, ahead=j) for j in range(5)]
+        assert [s.banned_token_ids for s in run] == [s.banned_token_ids for s in per_position], name
+        if params.sampling_seed is not None:
+            assert run == per_position
+        assert (len({id(s) for s in run}) == 1) == (name in ("plain", "banned throughout", "past min_new_tokens")), name
+        assert (stop in run[0].banned_token_ids) == name.startswith("banned")
 
 
 def test_sampling_distribution_is_what_the_sampler_draws_from():
