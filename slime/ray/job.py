@@ -183,7 +183,7 @@ class Job:
         offload_train = self.args.offload_train and not keep_resident
         # The engines' weights come back beside the trainer's, which go out only after they are sent: the
         # push is then device to device (CUDA IPC) rather than through host memory. The trainer's live
-        # tensors (parameters, optimizer state) hold at least 8x the engines' bf16 weights, so this fits
+        # tensors (fp32 parameters and Adam state, 12 bytes a parameter) hold 6x the engines' bf16 weights, so this fits
         # wherever training did, once the trainer has returned the blocks its activations left cached.
         if self.args.offload_rollout:
             if offload_train:
