@@ -429,7 +429,8 @@ def _add_weight_update_args(parser) -> None:
     g = parser.add_argument_group("weight update")
     g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full")
     g.add_argument("--update-weight-transport", choices=["nccl", "disk"], default="nccl",
-                   help="nccl: broadcast (gloo on CPU), or tensor handles when colocated; disk: HF checkpoint versions.")
+                   help="nccl: broadcast (gloo on CPU); tensor handles when colocated, and shared memory when every "
+                        "engine is an embedded CPU engine on this machine (docs/loop.md); disk: HF checkpoint versions.")
     g.add_argument("--update-weight-disk-dir", type=str, default=None)
     g.add_argument("--update-weight-disk-keep-files", action="store_true", default=False)
     g.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor")

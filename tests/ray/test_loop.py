@@ -101,7 +101,10 @@ def run_train(args):
     train(args)
 
 
-def test_sync_disaggregated_distributed_weights(tiny_model_dir, tiny_task_data, tmp_path):
+def test_sync_disaggregated_weights(tiny_model_dir, tiny_task_data, tmp_path):
+    """Engines not colocated: on this CPU machine the trainer's weights reach its embedded CPU engines
+    through shared memory (``update_weight.base.cpu_engines_on_this_host``; the broadcast itself is
+    tested in tests/backends/update_weight); the check compares the engine's weights with the trainer's."""
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--check-weight-update-equal"))
     records = check_learning(tmp_path / "run")
     assert by_kind(records, "perf", "perf/update_weights_time")

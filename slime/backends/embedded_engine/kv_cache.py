@@ -43,6 +43,9 @@ except ImportError:  # CPU-only installs: the decode writes are two index_puts
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: the CPU decode step's KV write as one ``index_copy_`` per buffer with a flat row index (False: two
+#: ``index_put`` with the slot and position indices, as before; bench A/B switch)
+CPU_INDEX_COPY = True
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -323,6 +326,7 @@ class DecodeCacheView:
             raise ValueError(f"DecodeCacheView: {positions.numel()} positions for {self.batch} rows of {tokens} tokens")
         self.raw = raw
         self.is_compileable = False
+        self._rows = None  # ((heads, capacity), flat row index) for the CPU's writes: _flat_rows
 
     def fused_write_target(self, layer_idx: int):
         """``(keys, values, slots, positions, k_scale, v_scale)`` for a kernel that writes this step's
@@ -352,11 +356,30 @@ class DecodeCacheView:
             value = value_states.transpose(1, 2).reshape(self.batch * self.tokens, *value_states.shape[1:2], -1)
         if triton is not None and keys.is_cuda:
             write_decode_kv(keys, values, key, value, self.slots, self.positions, k_scale, v_scale)
+        elif CPU_INDEX_COPY and not keys.is_cuda and keys.is_contiguous() and values.is_contiguous():
+            # the CPU: each (token, head) is one row of the buffer seen as [slots * heads * capacity, dim],
+            # so both writes are one index_copy_ each with one flat index (built once a step, not per layer)
+            rows = self._flat_rows(keys)
+            as_bytes(keys).view(-1, keys.shape[-1]).index_copy_(
+                0, rows, as_bytes(quantize(key, keys.dtype, k_scale)).reshape(-1, keys.shape[-1]))
+            as_bytes(values).view(-1, values.shape[-1]).index_copy_(
+                0, rows, as_bytes(quantize(value, values.dtype, v_scale)).reshape(-1, values.shape[-1]))
         else:
             as_bytes(keys)[self.slots, :, self.positions] = as_bytes(quantize(key, keys.dtype, k_scale))
             as_bytes(values)[self.slots, :, self.positions] = as_bytes(quantize(value, values.dtype, v_scale))
         keys, values = keys[: self.batch, :, : self.kv_length], values[: self.batch, :, : self.kv_length]
         return (keys, values) if self.raw else cache.read(layer_idx, keys, values)
+
+    def _flat_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``[tokens * heads]``: row ``(slot * heads + head) * capacity + position`` of each new (token, head)
+        in a contiguous ``[slots, heads, capacity, dim]`` buffer viewed as ``[-1, dim]`` (token-major, as
+        the written ``[tokens, heads, dim]`` rows are); the same for every layer of the step."""
+        _, heads, capacity, _ = buffer.shape
+        if self._rows is None or self._rows[0] != (heads, capacity):
+            head = torch.arange(heads, device=buffer.device)
+            rows = ((self.slots * heads).view(-1, 1) + head) * capacity + self.positions.view(-1, 1)
+            self._rows = ((heads, capacity), rows.reshape(-1))
+        return self._rows[1]
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0

@@ -75,6 +75,10 @@ class ModelRunner:
             from slime.backends.embedded_engine import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
+        elif self.device.type == "cpu" and quantization is None:  # the same, as fewer torch ops (fp32)
+            from slime.backends.embedded_engine import cpu_ops
+
+            self.fused_ops = cpu_ops.install(self.model)
         if mla_decode not in ("absorbed", "expanded"):
             raise ValueError(f"--mla-decode {mla_decode!r}: choose absorbed or expanded")
         self.mla_layers = 0  # multi-latent attention layers decoding with absorbed weights

@@ -46,6 +46,9 @@ class ServerState:
         self.engine = engine
         self.client = AsyncEngine(engine)
         self.groups: dict[str, object] = {}
+        #: per group, the CPU buffer the last flattened bucket was received into (reused: a fresh one per
+        #: update page-faults through the whole bucket); taken out while a bucket is received and loaded
+        self.receive_buffers: dict[str, torch.Tensor] = {}
         self.released_tags: set[str] = set()
         self.status = "Starting"
 
@@ -424,6 +427,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request, required=False)
         name = body.get("group_name", "weight_update_group")
         group = state.groups.pop(name, None)
+        state.receive_buffers.pop(name, None)
         if group is None:
             return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."}, 400)
         import torch.distributed as dist
@@ -437,17 +441,32 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
         if missing:
             raise RequestError(f"missing required field(s): {missing}", shape="openai")
-        group = state.groups.get(body.get("group_name", "weight_update_group"))
+        name = body.get("group_name", "weight_update_group")
+        group = state.groups.get(name)
         if group is None:
             return JSONResponse({"success": False, "message": f"group {body.get('group_name')!r} is not initialized; "
                                  "call /init_weights_update_group first"}, status_code=400)
+        flattened = body.get("load_format") == "flattened_bucket"
+        buffer = None
+        if flattened and runner.device.type == "cpu":  # the last update's buffer, while no other bucket uses it
+            import torch
+
+            try:
+                need = wire_format.bucket_nbytes(body["dtypes"], body["shapes"])
+            except ValueError as exc:
+                raise RequestError(str(exc), shape="openai")
+            buffer = state.receive_buffers.pop(name, None)
+            if buffer is None or buffer.numel() < need:
+                buffer = torch.empty(need, dtype=torch.uint8)
         try:  # the broadcasts block: receive them on a worker thread, load between engine steps
             named = await asyncio.to_thread(wire_format.receive_broadcast, group, body["names"], body["dtypes"],
-                                            body["shapes"], runner.device,
-                                            body.get("load_format") == "flattened_bucket")
+                                            body["shapes"], runner.device, flattened, buffer)
         except Exception as exc:
             return JSONResponse({"success": False, "message": f"Failed to receive weights: {exc}"}, status_code=400)
-        return await update(body, lambda: runner.load_named_tensors(named))
+        response = await update(body, lambda: runner.load_named_tensors(named))
+        if buffer is not None:  # loaded: the model holds copies, the buffer is free for the next bucket
+            state.receive_buffers[name] = buffer
+        return response
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):

@@ -35,6 +35,7 @@ class DistributedWeightUpdater:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_only else torch.device("cpu")
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.group = None
+        self._staging: torch.Tensor | None = None  # CPU: the send buffer, reused by every bucket (_flatten)
 
     def connect(self) -> None:
         host = "127.0.0.1" if all("127.0.0.1" in u or "localhost" in u for u in self.client.engine_urls) else socket.gethostbyname(socket.gethostname())
@@ -99,7 +100,21 @@ class DistributedWeightUpdater:
         return total
 
     def _flatten(self, bucket) -> torch.Tensor:
-        return flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]
+        """The bucket as one uint8 tensor in list order. On the CPU it is copied into one persistent
+        buffer: a fresh ``torch.cat`` page-faulted through the whole bucket every update (34 ms of a
+        ~100 ms update of the 20 MB tiny model). gloo's broadcast has sent the buffer when it returns,
+        so the next bucket may overwrite it; NCCL's runs on its stream, so GPU buckets stay fresh tensors."""
+        if self.device.type != "cpu":
+            return flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        total = sum(sizes)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8)
+        offset = 0
+        for (_, tensor), size in zip(bucket, sizes):
+            self._staging[offset:offset + size].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+            offset += size
+        return self._staging[:total]
 
     @staticmethod
     def _wait(pending) -> None:
@@ -114,6 +129,7 @@ class DistributedWeightUpdater:
             futures = self.client.submit_all("/destroy_weights_update_group", {"group_name": self.group_name})
             dist.destroy_process_group(self.group)
             self.group = None
+            self._staging = None
             for future in futures:
                 try:
                     future.result(timeout=120)

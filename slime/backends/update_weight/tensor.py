@@ -55,9 +55,9 @@ class TensorWeightUpdater:
                 flat = flatten_tensors(bucket, self.for_sglang) if on_gpu else self._stage_on_cpu(bucket)
                 payload = serialize_for_engine(flat, self.for_sglang)
                 requests = [
-                    {"serialized_named_tensors": [payload] * count, "load_format": "flattened_bucket",
+                    {"serialized_named_tensors": [payload] * max(count, 1), "load_format": "flattened_bucket",
                      "flush_cache": False, "weight_version": weight_version}
-                    for count in self.engine_gpu_counts
+                    for count in self.engine_gpu_counts  # a CPU engine counts 0 GPUs: one entry, its one rank
                 ]
                 self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer
                 total += flat["flattened_tensor"].numel()

@@ -170,20 +170,32 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return group
 
 
+def _torch_dtypes(dtypes: list[str]) -> list[torch.dtype]:
+    resolved = []
+    for dtype in dtypes:
+        value = getattr(torch, str(dtype).replace("torch.", ""), None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtypes: {dtype!r} is not a torch dtype name")
+        resolved.append(value)
+    return resolved
+
+
+def bucket_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
+    """Bytes of a flattened bucket of tensors of these dtypes and shapes (what :func:`receive_broadcast` receives)."""
+    return sum(torch.Size(shape).numel() * dt.itemsize for dt, shape in zip(_torch_dtypes(dtypes), shapes))
+
+
 def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device: torch.device,
-                      flattened: bool) -> list[tuple[str, torch.Tensor]]:
+                      flattened: bool, buffer: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
     """Engine side of ``/update_weights_from_distributed``: one broadcast per tensor in list order, or a
-    single uint8 broadcast for a flattened bucket. Blocking: run it off the event loop."""
+    single uint8 broadcast for a flattened bucket, received into the first bytes of ``buffer`` (uint8, on
+    ``device``, at least :func:`bucket_nbytes` long; the tensors returned are views of it, so it must stay
+    unused until they are loaded) or into a new tensor. Blocking: run it off the event loop."""
     import torch.distributed as dist
 
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
-    torch_dtypes = []
-    for dtype in dtypes:
-        resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtypes: {dtype!r} is not a torch dtype name")
-        torch_dtypes.append(resolved)
+    torch_dtypes = _torch_dtypes(dtypes)
     if not flattened:
         tensors = [torch.empty(shape, dtype=dt, device=device) for shape, dt in zip(shapes, torch_dtypes)]
         works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
@@ -192,9 +204,13 @@ def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[l
         return list(zip(names, tensors))
     metadata, offset = [], 0
     for name, dt, shape in zip(names, torch_dtypes, shapes):
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size()
+        nbytes = torch.Size(shape).numel() * dt.itemsize
         metadata.append(FlattenedTensorMetadata(name, tuple(shape), dt, offset, offset + nbytes, nbytes))
         offset += nbytes
-    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    if buffer is not None and (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < offset
+                               or buffer.device != torch.device(device)):
+        raise ValueError(f"receive buffer: {offset} uint8 bytes on {device} needed, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)} on {buffer.device}")
+    flat = buffer[:offset] if buffer is not None else torch.empty(offset, dtype=torch.uint8, device=device)
     dist.broadcast(flat, src=0, group=group)
     return unflatten_tensors(flat, metadata)

@@ -319,13 +319,15 @@ def test_update_weights_from_distributed_gloo(http, new_weights, tiny_model_dir,
         body = {"names": names, "dtypes": [str(state[n].dtype).replace("torch.", "") for n in names],
                 "shapes": [list(state[n].shape) for n in names], "group_name": group_name,
                 "weight_version": f"dist-{flattened}", "load_format": "flattened_bucket" if flattened else None}
-        update = pool.submit(http.post, "/update_weights_from_distributed", json=body)
-        if flattened:
-            dist.broadcast(flatten_tensors([(n, state[n]) for n in names])["flattened_tensor"], src=0, group=group)
-        else:
-            for n in names:
-                dist.broadcast(state[n].contiguous(), src=0, group=group)
-        assert update.result().json()["success"]
+        # flattened: two updates, the second received into the engine's buffer of the first (other weights first)
+        for sent in ([{n: t * 0.5 for n, t in state.items()}, state] if flattened else [state]):
+            update = pool.submit(http.post, "/update_weights_from_distributed", json=body)
+            if flattened:
+                dist.broadcast(flatten_tensors([(n, sent[n]) for n in names])["flattened_tensor"], src=0, group=group)
+            else:
+                for n in names:
+                    dist.broadcast(sent[n].contiguous(), src=0, group=group)
+            assert update.result().json()["success"]
     _assert_serves(http, new_model, f"dist-{flattened}")
     assert http.post("/destroy_weights_update_group", json={"group_name": group_name}).json()["success"]
     dist.destroy_process_group(group)

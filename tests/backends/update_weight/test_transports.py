@@ -10,6 +10,9 @@ import torch
 
 from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
+from slime.backends.update_weight.base import cpu_engines_on_this_host
+from slime.backends.update_weight.distributed import DistributedWeightUpdater
+from slime.backends.update_weight.tensor import TensorWeightUpdater
 
 
 def _greedy_hf(model, prompt, n):
@@ -50,8 +53,8 @@ def _args(tmp_path, transport):
                            hf_checkpoint=None, distributed_timeout_minutes=5, cpu_only=True, rollout_backend="embedded")
 
 
-@pytest.mark.parametrize("transport,colocate", [("nccl", True), ("nccl", False), ("disk", False)],
-                         ids=["tensor", "distributed", "disk"])
+@pytest.mark.parametrize("transport,colocate", [("nccl", True), ("nccl", False), ("broadcast", False), ("disk", False)],
+                         ids=["tensor", "shared-memory", "distributed", "disk"])
 def test_transport_updates_engine(engine, tiny_model_dir, tmp_path, transport, colocate):
     from transformers import AutoModelForCausalLM
 
@@ -64,12 +67,19 @@ def test_transport_updates_engine(engine, tiny_model_dir, tmp_path, transport, c
     expected = _greedy_hf(model, prompt, 8)
     args = _args(tmp_path, transport)
     args.hf_checkpoint = tiny_model_dir
-    updater = make_weight_updater(args, [engine.url], [1], colocate=colocate)
+    if transport == "broadcast":  # the gloo broadcast itself (a local CPU engine gets shared memory by default)
+        args.update_weight_transport = "nccl"
+        updater = DistributedWeightUpdater(args, [engine.url], [1])
+    else:
+        updater = make_weight_updater(args, [engine.url], [1], colocate=colocate)
+    if transport == "nccl":  # colocated, or a CPU engine on this machine: shared memory either way
+        assert isinstance(updater, TensorWeightUpdater)
     version = str(abs(hash(transport + str(colocate))) % 1000 + 1)
     try:
-        updater.client.pause()
-        sent = updater.update(bucket_named_tensors(new_state.items(), 200_000), version)
-        updater.client.resume()
+        for _ in range(2):  # the second update reuses the send and receive buffers of the first
+            updater.client.pause()
+            sent = updater.update(bucket_named_tensors(new_state.items(), 200_000), version)
+            updater.client.resume()
     finally:
         updater.close()
     assert sent == sum(t.numel() * t.element_size() for t in new_state.values())
@@ -125,3 +135,28 @@ def record_pre_read(source_dir, target_version):
     """The engine's --custom-pull-weights-pre-read-hook in these tests (runs in the engine process)."""
     with open(os.environ["PRE_READ_LOG"], "a") as f:
         f.write(f"{source_dir} {target_version}\n")
+
+
+def test_shared_memory_only_for_embedded_cpu_engines_on_this_machine(engine, tmp_path, monkeypatch):
+    args = _args(tmp_path, "nccl")
+    assert cpu_engines_on_this_host(args, [engine.url])
+    port = engine.url.rsplit(":", 1)[1]
+    assert not cpu_engines_on_this_host(args, [f"http://10.1.2.3:{port}"])  # another machine: broadcast
+    assert not cpu_engines_on_this_host(args, [])
+    import slime.backends.update_weight.base as base
+
+    real_get = httpx.get
+
+    def reports(**fields):
+        def get(url, **kwargs):
+            response = real_get(url, **kwargs)
+            return httpx.Response(200, json={**response.json(), **fields})
+        return get
+
+    monkeypatch.setattr(base.httpx, "get", reports(device="cuda"))  # a GPU engine
+    assert not cpu_engines_on_this_host(args, [engine.url])
+    monkeypatch.setattr(base.httpx, "get", reports(engine="sglang"))  # SGLang keeps the broadcast
+    assert not cpu_engines_on_this_host(args, [engine.url])
+    updater = make_weight_updater(args, [engine.url], [1], colocate=False)
+    assert isinstance(updater, DistributedWeightUpdater)
+    updater.close()
