@@ -140,9 +140,9 @@ class EngineActor:
         self.port = None
 
     def start(self, timeout: float = 300.0) -> str:
-        from slime.ray.placement import use_gpu
-
-        gpu = use_gpu(self.args)
+        # the engine's bundle has a GPU exactly where the driver's use_gpu(args) placed one; asking torch
+        # instead would import it here (2-3 s of a CPU start) before the engine process is even launched
+        gpu = bool(ray.get_gpu_ids())
         if self.args.rollout_backend == "embedded":
             from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 
