@@ -2,7 +2,9 @@
 
 Start-up order (INTERFACES Appendix B): Ray → placement groups → rollout manager (engines, router,
 data source) → trainers (checkpoint load decides the first rollout id) → data-source state → first
-weight sync. Shutdown order: trainers, then the rollout manager (router, then engines), then Ray —
+weight sync. What does not depend on each other overlaps: the data source is built while the engines
+start, and trainers with devices of their own initialise meanwhile (colocated ones after the engines
+are up and offloaded). Shutdown order: trainers, then the rollout manager (router, then engines), then Ray —
 also after a crash or Ctrl-C (``with Job(args) as job:``).
 """
 
@@ -70,32 +72,8 @@ class Job:
         self.owns_ray = not ray.is_initialized()
         init_ray(args)
         _raise_on_sigterm()  # after ray.init, which installs a handler of its own
-        self.placements = placements = create_placement_groups(args)
-        self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"])
-        if not args.debug_rollout_only:
-            # the trainer processes start and import the training stack while the engines start;
-            # they are initialised (devices, models) once the rollout side is up and offloaded
-            self.actor = TrainGroup(args, placements["actor"], role="actor")
-            if args.use_critic:
-                self.critic = TrainGroup(args, placements["critic"], role="critic")
-        runtime = ray.get(self.rollout_manager.get_runtime_args.remote())
-        for key, value in runtime.items():
-            setattr(args, key, value)
-        if args.offload_rollout and not args.debug_train_only:
-            ray.get(self.rollout_manager.offload.remote())
-        start_rollout_id = None
-        if not args.debug_rollout_only:
-            start_rollout_id = self.actor.init()
-            if args.use_critic:
-                self.critic.init()
-                if self.critic.dp_size != self.actor.dp_size:
-                    raise ValueError(f"the critic has {self.critic.dp_size} data-parallel shards and the actor "
-                                     f"{self.actor.dp_size}: PPO hands values shard by shard, so give both the same "
-                                     "data-parallel size (the critic shares the actor's GPUs: keep TP × PP × CP of the "
-                                     "--megatron-config-path critic: section equal to the actor's)")
-            ray.get(self.rollout_manager.set_data_parallel_size.remote(self.actor.dp_size))
-            if args.use_fault_tolerance:  # an engine restarted mid-rollout gets the current weights from them
-                ray.get(self.rollout_manager.set_weight_source.remote(self.actor.actors))
+        self.placements = create_placement_groups(args)
+        start_rollout_id = self._start_rollout_side_and_trainers()
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_id or 0
         if args.start_rollout_id > 0:
@@ -112,6 +90,53 @@ class Job:
                 if mismatches:
                     raise RuntimeError(f"--check-weight-update-equal: engine weights differ for {mismatches[:10]}")
                 logger.info("--check-weight-update-equal: engine weights equal the trainer's")
+
+    def _start_rollout_side_and_trainers(self) -> int | None:
+        """The rollout manager (engines, router, data source) and the trainer groups, initialised;
+        returns the rollout id a checkpoint resumes from (None = none)."""
+        args, placements = self.args, self.placements
+        # the manager launches the engines and builds the data side while their servers start
+        self.rollout_manager = RolloutManager.options(num_cpus=1).remote(args, placements["rollout"])
+        trainers = []
+        if not args.debug_rollout_only:
+            # the trainer processes start and import the training stack while the engines start
+            self.actor = TrainGroup(args, placements["actor"], role="actor")
+            trainers.append(self.actor)
+            if args.use_critic:
+                self.critic = TrainGroup(args, placements["critic"], role="critic")
+                trainers.append(self.critic)
+        # trainers on devices of their own are initialised (devices, models) while the engines start;
+        # colocated ones once the engines are up and have released the devices they share
+        early = bool(trainers) and not args.colocate and not args.offload_rollout
+        # their LR schedule spans the run: under --num-epoch its length comes from the dataset's size
+        num_rollout = self.rollout_manager.get_num_rollout.remote() if early and args.num_rollout is None else None
+        serving = self.rollout_manager.start_serving.remote()
+        if early:
+            if num_rollout is not None:
+                args.num_rollout = ray.get(num_rollout)
+            for group in trainers:
+                group.start_init()
+        runtime = ray.get(serving)
+        for key, value in runtime.items():
+            setattr(args, key, value)
+        if args.offload_rollout and not args.debug_train_only:
+            ray.get(self.rollout_manager.offload.remote())
+        if not trainers:
+            return None
+        start_rollout_id = self.actor.init()
+        if self.critic is not None:
+            self.critic.init()
+            if self.critic.dp_size != self.actor.dp_size:
+                raise ValueError(f"the critic has {self.critic.dp_size} data-parallel shards and the actor "
+                                 f"{self.actor.dp_size}: PPO hands values shard by shard, so give both the same "
+                                 "data-parallel size (the critic shares the actor's GPUs: keep TP × PP × CP of the "
+                                 "--megatron-config-path critic: section equal to the actor's)")
+        for group in trainers:
+            group.set_runtime_args(runtime)  # router and engine addresses, as the driver's args have them
+        ray.get(self.rollout_manager.set_data_parallel_size.remote(self.actor.dp_size))
+        if args.use_fault_tolerance:  # an engine restarted mid-rollout gets the current weights from them
+            ray.get(self.rollout_manager.set_weight_source.remote(self.actor.actors))
+        return start_rollout_id
 
     def _log_placement(self) -> None:
         """Which node each training rank and engine runs on (one line; multi-node runs are read from it)."""

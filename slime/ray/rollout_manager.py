@@ -44,10 +44,11 @@ def check_fan_out(nested, depth: int = 0) -> None:
 
 @ray.remote
 class RolloutManager:
-    def __init__(self, args, rollout_placement):
-        import slime.utils.http_utils as http_utils
-        from slime.rollout.sglang_rollout import get_num_engines
+    """Built in two calls: the constructor launches the engines and, while their servers start, builds
+    the data side (data source, rollout and eval functions; ``num_rollout`` from the dataset under
+    ``--num-epoch``); :meth:`start_serving` waits for the engines and puts the router in front of them."""
 
+    def __init__(self, args, rollout_placement):
         self.args = args
         self.dp_size: int | None = None  # the trainer's data-parallel size, declared once its ranks are up
         self.engines, self.engine_urls, self.router = [], [], None
@@ -57,10 +58,9 @@ class RolloutManager:
         self.restarted_since_sync: set[int] = set()  # engines the next weight update must reconnect to
         self.awaiting_weights: set[int] = set()  # restarted, kept out of the router until they get weights
         self._health_restarts = 0  # engines the monitor restarted during the current rollout step
+        self._engines_starting: list = []  # refs of the engine actors' start(), awaited by start_serving()
         if not args.debug_train_only:
-            self._start_engines_and_router(rollout_placement)
-            self._start_health_monitor()
-        http_utils.init_http_client(args, get_num_engines(args))
+            self._launch_engines(rollout_placement)
         self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path)
@@ -74,23 +74,55 @@ class RolloutManager:
                                  f"--rollout-batch-size {args.rollout_batch_size}")
             args.num_rollout = per_epoch * args.num_epoch
 
+    def get_num_rollout(self) -> int:
+        """Rollout steps of the run: ``--num-rollout``, or derived from the dataset's size and ``--num-epoch``."""
+        return self.args.num_rollout
+
+    def start_serving(self) -> dict:
+        """Wait until the engines launched by the constructor answer their health checks, start (or join)
+        the router in front of them and, with ``--use-fault-tolerance``, the health monitor; returns
+        :meth:`get_runtime_args`."""
+        import slime.utils.http_utils as http_utils
+        from slime.rollout.sglang_rollout import get_num_engines
+
+        if not self.args.debug_train_only:
+            self._wait_for_engines_and_start_router()
+            self._start_health_monitor()
+        http_utils.init_http_client(self.args, get_num_engines(self.args))
+        return self.get_runtime_args()
+
     # ------------------------------------------------------------------ engines and router
 
-    def _start_engines_and_router(self, placement) -> None:
+    def _launch_engines(self, placement) -> None:
+        """Create the engine actors and ask each to start its server, without waiting for them."""
         args = self.args
         self.engine_plans = []  # launch_plan.EnginePlan per SGLang engine
         self.gpu_counts: list[int] = []
         self.routers = {}  # model name -> RouterProcess launched here
+        if args.rollout_external:
+            return  # described (over HTTP) in _wait_for_engines_and_start_router
+        if args.rollout_backend == "sglang":
+            self._launch_sglang(placement)
+        else:
+            self._launch_embedded(placement)
+
+    def _wait_for_engines_and_start_router(self) -> None:
+        args = self.args
         if args.rollout_external:
             from slime.backends.sglang_utils.external import describe_external_engines
 
             self.engine_urls, self.gpu_counts, layout = describe_external_engines(args.rollout_external_engine_addrs)
             args.rollout_num_gpus_per_engine = self.gpu_counts[0]
             logger.info("external engines %s (layout %s)", self.engine_urls, layout)
-        elif args.rollout_backend == "sglang":
-            self._launch_sglang(placement)
         else:
-            self._launch_embedded(placement)
+            urls = ray.get(self._engines_starting)
+            self._engines_starting = []
+            if self.engine_plans:  # SGLang: weights go to the trained model's engines; frozen models keep theirs
+                updated = [e for e in self.engine_plans if e.update_weights]
+                self.engine_urls, self.gpu_counts = [e.url for e in updated], [e.num_gpus for e in updated]
+            else:
+                per_engine = args.rollout_num_gpus_per_engine
+                self.engine_urls, self.gpu_counts = urls, [per_engine] * len(urls)
         args.rollout_engine_urls = list(self.engine_urls)
         args.rollout_num_engines = len(self.engine_urls)
         self._start_or_join_routers()
@@ -111,8 +143,7 @@ class RolloutManager:
             if strategy is not None:
                 options["scheduling_strategy"] = strategy
             self.engines.append([EngineActor.options(**options).remote(args, i, per_engine)])
-        self.engine_urls = ray.get([engine[0].start.remote() for engine in self.engines])
-        self.gpu_counts = [per_engine] * len(self.engine_urls)
+        self._engines_starting = [engine[0].start.remote() for engine in self.engines]
 
     def _launch_sglang(self, placement) -> None:
         """Launch plan from the layout and where each rollout GPU is; one actor per engine process."""
@@ -146,13 +177,7 @@ class RolloutManager:
                 actors.append(EngineActor.options(**options).remote(args, index, engine.num_gpus, process))
             self.engines.append(actors)
         self.engine_plans = plan.engines
-        started = [[a.start.remote(1800.0) for a in actors] for actors in self.engines]
-        for refs in started:
-            ray.get(refs)
-        # weights go to the trained model's engines; frozen models keep theirs
-        updated = [e for e in plan.engines if e.update_weights]
-        self.engine_urls = [e.url for e in updated]
-        self.gpu_counts = [e.num_gpus for e in updated]
+        self._engines_starting = [a.start.remote(1800.0) for actors in self.engines for a in actors]
 
     def _start_or_join_routers(self) -> None:
         """A router per model (or the external one for the trained model); fills the router addresses."""

@@ -82,6 +82,12 @@ class TrainRayActor:
         start = self.worker.init()
         return start, dataclasses.asdict(self.worker.layout)
 
+    def set_runtime_args(self, runtime: dict) -> None:
+        """Fields of args known only once the rollout side is up (router and engine addresses): a rank
+        initialised while the engines started gets them here, as plugins run on it may read them."""
+        for key, value in runtime.items():
+            setattr(self.args, key, value)
+
     # ------------------------------------------------------------------ training
 
     @staticmethod

@@ -35,21 +35,30 @@ class TrainGroup:
         # the ranks import the training stack now (the job creates the group before it waits for the
         # engines); init() waits for it, and a failed import is raised there
         self._preloaded = [actor.preload.remote(args.train_backend) for actor in self.actors]
+        self._initialising: list | None = None  # refs of the ranks' init(), from start_init()
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
-    def init(self) -> int | None:
-        """Initialise every rank and record their layouts; return the rollout id to resume from (None = no checkpoint)."""
+    def start_init(self) -> None:
+        """Start initialising every rank (process group, device, models) with the args as they are now,
+        without waiting for it; :meth:`init` waits."""
         try:
             addr, port = ray.get(self.actors[0].get_master_addr_and_port.remote(self.args.distributed_timeout_minutes),
                                  timeout=600)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the {self.role} ranks could not be scheduled within 600 s: not enough free "
                                f"CPUs/GPUs in the placement group (see `ray status`)") from None
-        ray.get(self._preloaded)
-        results = ray.get([a.init.remote(self.args, self.role, addr, port) for a in self.actors])
+        self._initialising = [a.init.remote(self.args, self.role, addr, port) for a in self.actors]
+
+    def init(self) -> int | None:
+        """Initialise every rank (unless :meth:`start_init` began it) and record their layouts; return the
+        rollout id to resume from (None = no checkpoint)."""
+        if self._initialising is None:
+            self.start_init()
+        ray.get(self._preloaded)  # a failed import of the training stack is raised as itself
+        results, self._initialising = ray.get(self._initialising), None
         self.layouts = [DataLayout(**layout) for _, layout in results]
         sizes = {layout.dp_size for layout in self.layouts}
         if len(sizes) != 1 or sorted({layout.dp_rank for layout in self.layouts}) != list(range(sizes.pop())):
@@ -123,6 +132,10 @@ class TrainGroup:
 
     def device_memory(self) -> list[dict | None]:
         return ray.get([a.device_memory.remote() for a in self.actors])
+
+    def set_runtime_args(self, runtime: dict) -> None:
+        """Set what the rollout side learnt at start (router and engine addresses) on every rank's args."""
+        ray.get([a.set_runtime_args.remote(runtime) for a in self.actors])
 
     def connect_rollout_engines(self, engine_urls: list[str], engine_gpu_counts: list[int]) -> None:
         ray.get([a.connect_rollout_engines.remote(engine_urls, engine_gpu_counts) for a in self.actors])

@@ -73,7 +73,10 @@ class RolloutDataSource(DataSource):
         from slime.utils.processing_utils import load_processor, load_tokenizer
 
         tokenizer = load_tokenizer(args.hf_checkpoint) if getattr(args, "hf_checkpoint", None) else None
-        processor = load_processor(args.hf_checkpoint) if tokenizer is not None else None
+        # only prompts with media (--multimodal-keys) can need the processor; looking for one imports
+        # transformers' processing stack (2-3 s of the rollout manager's start)
+        has_media = bool(getattr(args, "multimodal_keys", None))
+        processor = load_processor(args.hf_checkpoint) if tokenizer is not None and has_media else None
         return Dataset(
             args.prompt_data,
             tokenizer,
