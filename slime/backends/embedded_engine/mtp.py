@@ -298,7 +298,7 @@ class NextNDrafter(ChainDrafter):
 
     def _feed(self, seqs: list["Sequence"], tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
         """One chained step per row: its last draft with the block's own output, past the verified length
-        (the drafts fed from the device: the rows' host tokens are placeholders)."""
+        (the draft ids go in from the device, ``tokens``; each row's host token list only gives its length)."""
         rows = [ForwardRow([0], seq.spec.chain_position) for seq in seqs]
         logits, out = self._forward(seqs, rows, [seq.spec.chain_hidden for seq in seqs], tokens.view(-1, 1))
         for n, seq in enumerate(seqs):
