@@ -97,6 +97,11 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
         metrics[key] = mean(values)
         if key == "step_time":
             metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
+    for key in ("offload_rollout_time", "onload_train_time", "onload_rollout_weights_time", "offload_train_time",
+                "onload_rollout_kv_time"):  # colocated offloading's phases (present while it is on)
+        values = [r[f"perf/{key}"] for r in perf if f"perf/{key}" in r]
+        if len(values) > args.warmup:
+            metrics[key] = mean(steady(values, args.warmup))
     metrics["response_len_mean"] = mean(steady([r["rollout/response_len/mean"] for r in rollouts], args.warmup))
     for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time", "engine_decode_steps",
                 "engine_prefill_forwards"):  # the engine's own account

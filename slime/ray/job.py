@@ -164,9 +164,9 @@ class Job:
         if self.args.offload_rollout:
             if self._auto_offload_pending():
                 self._engine_memory = self.actor.device_memory()  # engines resident, trainer offloaded
-            ray.get(self.rollout_manager.offload.remote())
+            self._timed("offload_rollout", lambda: ray.get(self.rollout_manager.offload.remote()))
         if self.args.offload_train:
-            self.actor.onload()
+            self._timed("onload_train", self.actor.onload)
         start = time.perf_counter()
         metrics, extras = {}, None
         if self.critic is not None:
@@ -213,16 +213,16 @@ class Job:
         if self.args.offload_rollout:
             if offload_train:
                 self.actor.release_cached_memory()
-            ray.get(self.rollout_manager.onload.remote(["weights"]))
+            self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
         self.weight_version += 1
         metrics = self.actor.update_weights(self.weight_version)
         if offload_train:
-            self.actor.offload()
+            self._timed("offload_train", self.actor.offload)
         if self.args.use_fault_tolerance:
             metrics["perf/engines_restarted"] = len(restarted)
             ray.get(self.rollout_manager.weights_synced.remote(self.weight_version))
         if self.args.offload_rollout:
-            ray.get(self.rollout_manager.onload.remote(["kv_cache"]))
+            self._timed("onload_rollout_kv", lambda: ray.get(self.rollout_manager.onload.remote(["kv_cache"])))
         if keep_resident:
             self.args.offload_train = self.args.offload_rollout = False
         if self._engine_memory is not None:
