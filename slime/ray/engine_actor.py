@@ -8,6 +8,7 @@ dead process and ``restart()`` brings up a fresh one on the same devices and por
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -20,7 +21,7 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
                          "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend",
-                         "kv-cache-dtype", "enable-return-routed-experts",
+                         "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
                          "speculative-ngram-max-trie-depth"}
@@ -28,10 +29,18 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
 EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "fp8-gemm-runner-backend": "fp8-gemm-backend"}
 
 
+def memory_saver_installed() -> bool:
+    """torch-memory-saver importable here (the engine process runs in this actor's environment)."""
+    return importlib.util.find_spec("torch_memory_saver") is not None
+
+
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
     argv = ["--device", "cuda" if gpu else "cpu"]
     if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine returns its routed experts (SGLang's flag)
         argv.append("--enable-return-routed-experts")
+    if gpu and args.colocate and args.offload_rollout and memory_saver_installed():
+        # released and resumed in place (the CUDA graphs survive a training step), as slime asks SGLang for it
+        argv.append("--enable-memory-saver")
     forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
     if args.embedded_engine_max_total_tokens is not None:
         forwarded["max-total-tokens"] = args.embedded_engine_max_total_tokens

@@ -214,6 +214,8 @@ class Job:
             if offload_train:
                 self.actor.release_cached_memory()
             self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
+        if offload_train:
+            self.actor.begin_offload()  # the optimizer state goes to the host while the weights are pushed
         self.weight_version += 1
         metrics = self.actor.update_weights(self.weight_version)
         if offload_train:

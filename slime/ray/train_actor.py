@@ -122,6 +122,9 @@ class TrainRayActor:
     def offload(self) -> None:
         self.worker.offload()
 
+    def begin_offload(self) -> None:
+        self.worker.begin_offload()
+
     def onload(self) -> None:
         self.worker.onload()
         import torch

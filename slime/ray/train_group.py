@@ -124,6 +124,9 @@ class TrainGroup:
     def offload(self) -> None:
         ray.get([a.offload.remote() for a in self.actors])
 
+    def begin_offload(self) -> None:
+        ray.get([a.begin_offload.remote() for a in self.actors])
+
     def onload(self) -> None:
         ray.get([a.onload.remote() for a in self.actors])
 

@@ -86,3 +86,20 @@ def test_rollout_routing_replay_turns_on_the_engines_routed_experts():
     assert "--enable-return-routed-experts" not in embedded_engine_argv(parse_args(BASE), gpu=False)
     argv = embedded_engine_argv(parse_args(BASE + ["--use-rollout-routing-replay"]), gpu=False)
     assert argv.count("--enable-return-routed-experts") == 1
+
+
+def test_colocated_offloading_gpu_engines_get_the_memory_saver_when_it_is_installed(monkeypatch):
+    from slime.ray import engine_actor
+
+    colocated = parse_args(BASE + ["--colocate", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"])
+    assert colocated.offload_rollout  # the default: offloading on until the first step measures
+    monkeypatch.setattr(engine_actor, "memory_saver_installed", lambda: True)
+    assert "--enable-memory-saver" in embedded_engine_argv(colocated, gpu=True)
+    assert "--enable-memory-saver" not in embedded_engine_argv(colocated, gpu=False)  # CPU: nothing moves
+    resident = parse_args(BASE + ["--colocate", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+                                  "--no-offload-rollout"])
+    assert "--enable-memory-saver" not in embedded_engine_argv(resident, gpu=True)
+    apart = parse_args(BASE + ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"])
+    assert "--enable-memory-saver" not in embedded_engine_argv(apart, gpu=True)
+    monkeypatch.setattr(engine_actor, "memory_saver_installed", lambda: False)  # the copy path, with a warning-free start
+    assert "--enable-memory-saver" not in embedded_engine_argv(colocated, gpu=True)

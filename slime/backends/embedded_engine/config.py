@@ -34,6 +34,7 @@ class ServerArgs:
     fp8_gemm_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     enable_return_routed_experts: bool = False
+    enable_memory_saver: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "recording) so that requests with return_routed_experts get meta_info.routed_experts: base64 "
                         "little-endian int32 [seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k], dense "
                         "layers 0 (SGLang's flag and format; routing replay R3, --use-rollout-routing-replay)")
+    p.add_argument("--enable-memory-saver", action="store_true", default=False,
+                   help="CUDA: /release_memory_occupation frees the weights' and KV cache's device memory and "
+                        "/resume_memory_occupation maps it back at the same addresses (torch-memory-saver, as SGLang's "
+                        "flag), so the CUDA graphs survive a colocated training step; needs the torch-memory-saver "
+                        "package. Without it a released engine moves its weights to host memory and recaptures its "
+                        "graphs after the resume. No effect on CPU")
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "

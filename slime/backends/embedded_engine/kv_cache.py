@@ -28,6 +28,7 @@ cache rows of the step, whose padded/unused positions the caller masks out.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -146,8 +147,13 @@ class SlotKVCache:
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device, allocate: bool = True,
                  compute_dtype: torch.dtype | None = None, k_scales: list[float] | None = None,
-                 v_scales: list[float] | None = None):
+                 v_scales: list[float] | None = None, saver=None):
         self.shape = shape
+        #: memory_saver.MemorySaver (--enable-memory-saver): release() unmaps the buffers' device memory and
+        #: allocate() maps it back at the same addresses, so CUDA graphs captured against them stay valid
+        self.saver = saver
+        self.tag = saver.new_kv_tag() if saver is not None else None
+        self.paused = False
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
         self.quantized = dtype in FP8_DTYPES
@@ -164,16 +170,24 @@ class SlotKVCache:
 
     @property
     def allocated(self) -> bool:
-        return bool(self.keys)
+        return bool(self.keys) and not self.paused
 
     def allocate(self) -> None:
         if self.allocated:
             return
+        if self.paused:  # the same addresses, fresh memory: zeroed as a new cache is
+            self.saver.resume(self.tag)
+            self.paused = False
+            for buf in self.keys + self.values:
+                buf.zero_()
+            return
         s = self.shape
         keys = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
         values = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.value_width)
-        self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
-        self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        region = self.saver.region(self.tag, keep_content=False) if self.saver is not None else contextlib.nullcontext()
+        with region:
+            self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+            self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
 
     def read(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of layer ``layer``'s buffers as the attention computes with them (FP8: dequantized copies)."""
@@ -183,12 +197,20 @@ class SlotKVCache:
                 dequantize(values, self.compute_dtype, self.v_scales[layer]))
 
     def release(self) -> None:
+        if self.saver is not None and self.keys:
+            if not self.paused:
+                self.saver.pause(self.tag)  # the device memory is free; the tensors keep their addresses
+                self.paused = True
+            return
         self.keys, self.values = [], []
         if self.device.type == "cuda":
             # Hand the freed blocks back to the driver, or other processes (and mem_get_info) never see them.
             torch.cuda.empty_cache()
 
     def nbytes(self) -> int:
+        """Device bytes the buffers hold now (0 while released)."""
+        if self.paused:
+            return 0
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def copy_slots(self, srcs: list[int], dsts: list[int], length: int) -> None:

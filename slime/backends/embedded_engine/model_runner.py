@@ -49,7 +49,7 @@ class ModelRunner:
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
                  quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 routed_experts: bool = False):
+                 routed_experts: bool = False, memory_saver: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -91,6 +91,17 @@ class ModelRunner:
         self.verify_decode = not any(type(m).__name__ in MLA_CLASSES and not getattr(m, "_slime_absorbed", False)
                                      for m in self.model.modules())
         self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
+        #: --enable-memory-saver on CUDA (memory_saver.py): weights and KV cache released and resumed at the
+        #: same addresses, so a colocated engine keeps its CUDA graphs across training steps
+        self.saver = None
+        if memory_saver and self.device.type == "cuda":
+            from slime.backends.embedded_engine.memory_saver import MemorySaver
+
+            self.saver = MemorySaver()
+            moved = self.saver.adopt([self.model])
+            logger.info("memory saver: %.1f MB of weights in a pausable region (host backup kept between pauses)",
+                        moved / 2**20)
+        self._mtp_adopted = False
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
         self.kv_cache_dtype, self.kv_scales = self._resolve_kv_cache(kv_cache_dtype)
@@ -157,7 +168,7 @@ class ModelRunner:
     def _new_cache(self, shape: CacheShape, allocate: bool = True) -> SlotKVCache:
         k_scales, v_scales = self.kv_scales or (None, None)
         return SlotKVCache(shape, self.kv_cache_dtype, self.device, allocate=allocate, compute_dtype=self.dtype,
-                           k_scales=k_scales, v_scales=v_scales)
+                           k_scales=k_scales, v_scales=v_scales, saver=self.saver)
 
     def _resolve_attention_backend(self, requested: str | None) -> str:
         from slime.backends.embedded_engine import triton_attention
@@ -484,6 +495,7 @@ class ModelRunner:
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the model's parameters/buffers; return how many were loaded."""
         # remove_duplicate=False: tied weights (lm_head / embed_tokens) are reachable under both names
+        self._check_weights_mapped("updated")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         count = 0
@@ -527,6 +539,7 @@ class ModelRunner:
     def get_weight(self, name: str) -> torch.Tensor:
         """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
         experts read their slice of the fused expert parameters; FP8 weights read dequantized."""
+        self._check_weights_mapped("read")
         if self.mtp is not None and self.mtp.owns(name):
             return self.mtp.get(name)
         if self.fp8 is not None and self.fp8.owns(name):
@@ -558,9 +571,24 @@ class ModelRunner:
             total += sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
         return total
 
+    def _check_weights_mapped(self, what: str) -> None:
+        if self.saver is not None and not self.weights_on_device:
+            raise RuntimeError(f"the weights cannot be {what} while released (/release_memory_occupation): "
+                               "resume them first (/resume_memory_occupation with tags ['weights'])")
+
     def release_weights(self) -> None:
-        """GPU: move the weights to host memory (content kept); CPU: nothing to free."""
-        if self.device.type == "cuda" and self.weights_on_device:
+        """GPU: free the weights' device memory, content kept on the host (with the memory saver at the same
+        addresses, graphs kept; without it the weights move to host memory and the graphs go); CPU: nothing."""
+        if self.device.type == "cuda" and self.weights_on_device and self.saver is not None:
+            from slime.backends.embedded_engine.memory_saver import WEIGHTS
+
+            if self.mtp is not None and not self._mtp_adopted:  # the NEXTN layer, added after start-up
+                self.graphs.clear()
+                self.saver.adopt([self.mtp])
+                self._mtp_adopted = True
+            torch.cuda.synchronize()
+            self.saver.pause(WEIGHTS)
+        elif self.device.type == "cuda" and self.weights_on_device:
             self.graphs.clear()  # they point at the parameters' device memory
             self.model.to("cpu", non_blocking=True)  # into pinned host memory, reused by the next release
             if self.mtp is not None:
@@ -570,7 +598,11 @@ class ModelRunner:
         self.weights_on_device = False
 
     def resume_weights(self) -> None:
-        if self.device.type == "cuda" and not self.weights_on_device:
+        if self.device.type == "cuda" and not self.weights_on_device and self.saver is not None:
+            from slime.backends.embedded_engine.memory_saver import WEIGHTS
+
+            self.saver.resume(WEIGHTS)
+        elif self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()
             self.model.to(self.device, non_blocking=True)  # from the pinned copies
             if self.mtp is not None:

@@ -300,7 +300,8 @@ async def _memory_op(state: ServerState, body: dict, release: bool):
             if tag == "weights":
                 runner.release_weights() if release else runner.resume_weights()
             elif tag == "kv_cache" and runner.device.type == "cuda":
-                runner.graphs.clear()  # captured against the old buffers
+                if runner.saver is None:
+                    runner.graphs.clear()  # captured against the buffers, which move (the memory saver keeps them)
                 runner.kv_cache.release() if release else runner.kv_cache.allocate()
             (state.released_tags.add if release else state.released_tags.discard)(tag)
         engine.paused = bool(state.released_tags & {"weights", "kv_cache"}) or engine.paused and release

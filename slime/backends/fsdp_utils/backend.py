@@ -54,6 +54,9 @@ class FSDPBackend(TrainBackend):
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
         self.model = self.ref_model = self.old_actor = self.optimizer = self.scheduler = None
+        # colocated offloading (offload / begin_offload / onload): the side stream the optimizer state copies
+        # on, the event of its copy to the device, and the device tensors a copy to the host still reads
+        self._stream, self._state_in, self._state_out = None, None, None
         self.routing = None  # HFRoutingReplay of the actor with --use-routing-replay (R2) / --use-rollout-routing-replay (R3)
         self._async_writer = None  # --async-save: the checkpoint written in the background
         self.offloaded = False
@@ -277,6 +280,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> tuple[float, list[float]]:
+        self.await_optimizer_state()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.args.clip_grad)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lrs = self.scheduler.get_last_lr()
@@ -296,6 +300,7 @@ class FSDPBackend(TrainBackend):
     def save(self, rollout_id: int) -> None:
         """DCP checkpoint (model, optimizer, scheduler, RNG, step) under ``--save`` (critic: ``<save>/critic``);
         with ``--async-save`` written in the background (``wait_for_save``)."""
+        self.await_optimizer_state()
         if getattr(self.args, "async_save", False):
             if self._async_writer is None:
                 self._async_writer = ckpt.AsyncCheckpointWriter()
@@ -316,30 +321,70 @@ class FSDPBackend(TrainBackend):
     # ------------------------------------------------------------------ colocation
 
     def offload(self) -> None:
-        """Move parameters, gradients and optimizer state to host memory (no-op on a CPU device)."""
-        self._move("cpu")
-        self.offloaded = True
-
-    def onload(self) -> None:
-        self._move(self.device)
-        self.offloaded = False
-
-    def _move(self, device) -> None:
-        if torch.device(device).type == self.device.type == "cpu":
+        """Move parameters, gradients and optimizer state to host memory (no-op on a CPU device).
+        Finishes an offload :meth:`begin_offload` started."""
+        if self.device.type != "cuda":
+            self.offloaded = True
             return
         _reshard(self.model)
+        self.await_optimizer_state()  # an onload's state copies still in flight
+        if self._state_out is None:
+            self.begin_offload()
         # non_blocking: a copy to the host lands in pinned memory (torch keeps the freed pinned blocks for the
-        # next offload), so both directions run at pinned-copy bandwidth, queued back to back; pageable
-        # copies of a 1.7B model's parameters and Adam state took seconds each way on the H200
-        self.model.to(device, non_blocking=True)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            if torch.device(device).type == "cpu":
-                torch.cuda.empty_cache()
+        # next offload), so both directions run at pinned-copy bandwidth; pageable copies of a 1.7B model's
+        # parameters and Adam state took seconds each way on the H200
+        self.model.to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        self._state_out = None  # the device copies the host copies were read from: free now
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def begin_offload(self) -> None:
+        """Start copying the optimizer state (2/3 of the trainer's bytes with Adam) to host memory on a side
+        stream and return: the weight push, which reads only the parameters, runs meanwhile. :meth:`offload`
+        finishes (parameters, then one synchronize)."""
+        if self.device.type != "cuda" or self._state_out is not None:
+            return
+        self.await_optimizer_state()
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step that wrote them
+        kept = []
+        with torch.cuda.stream(stream):
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and value.is_cuda:
+                        kept.append(value)  # read by the copy until the synchronize in offload()
+                        state[key] = value.to("cpu", non_blocking=True)
+        self._state_out = kept
+
+    def onload(self) -> None:
+        """Parameters back to the device now; the optimizer state on a side stream, awaited before the
+        optimizer step: its copy overlaps the step's forward and backward passes."""
+        if self.device.type != "cuda":
+            self.offloaded = False
+            return
+        self.model.to(self.device, non_blocking=True)
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and not value.is_cuda:
+                        state[key] = value.to(self.device, non_blocking=True)
+        self._state_in = stream.record_event()
+        torch.cuda.current_stream().synchronize()  # the parameters (the state keeps copying)
+        self.offloaded = False
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def await_optimizer_state(self) -> None:
+        """The optimizer state's copy to the device (started by onload) before anything reads it."""
+        if self._state_in is not None:
+            torch.cuda.current_stream().wait_event(self._state_in)
+            self._state_in = None
 
 
 def _check_nucleus(batch: TrainBatch, i: int, ids: torch.Tensor, offsets: torch.Tensor, vocab: int) -> None:

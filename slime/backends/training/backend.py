@@ -160,6 +160,10 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def onload(self) -> None: ...
 
+    def begin_offload(self) -> None:
+        """Start moving to host memory what the weight push does not read (the optimizer state), so that it
+        overlaps the push; :meth:`offload` finishes. A backend without it moves everything in ``offload``."""
+
     @abc.abstractmethod
     def copy_weights(self, source: str, target: str) -> None: ...
 

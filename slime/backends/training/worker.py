@@ -355,3 +355,7 @@ class TrainWorker:
     def onload(self) -> None:
         """Bring parameters, gradients and optimizer state back to the training device."""
         self.backend.onload()
+
+    def begin_offload(self) -> None:
+        """Start the part of the offload the weight push does not wait for (``Backend.begin_offload``)."""
+        self.backend.begin_offload()

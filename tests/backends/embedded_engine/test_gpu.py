@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from engine_test_utils import perturbed_state_dict, start_cuda_engine
+from engine_test_utils import copy_with_weights, perturbed_state_dict, start_cuda_engine
 from slime.backends.embedded_engine.launch import find_free_port
 from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 
@@ -193,6 +193,54 @@ def test_release_and_resume_memory_occupation(fp32_engine):
     assert memory_usage(url)["kvcache"] * 2**30 == kv_bytes
     after_out = generate(url, PROMPTS[:2], 12)  # weights came back intact, cache works
     assert [o["output_ids"] for o in after_out] == [o["output_ids"] for o in before_out]
+
+
+@pytest.fixture(scope="module")
+def saver_engine(tiny_model_dir):
+    pytest.importorskip("torch_memory_saver")
+    proc = start_cuda_engine(tiny_model_dir, "--dtype", "float32", "--enable-memory-saver", *BIG_CACHE)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.gpu
+def test_memory_saver_frees_weights_and_cache_and_keeps_the_graphs(saver_engine, tiny_model_dir, tmp_path):
+    """--enable-memory-saver: a release frees the weights' and the cache's device memory (seen by this
+    process), a resume brings both back at the same addresses: the decode graphs replay (no capture after
+    the resume), the weights are intact (same greedy output, HF's argmax), and an update after the resume lands."""
+    url = saver_engine.url
+    generate(url, [[1 + i % 400 for i in range(2030)]], 8)  # slots grow to 2048 tokens: ~2 GiB of KV
+    usage = memory_usage(url)
+    kv_bytes, weight_bytes = usage["kvcache"] * 2**30, usage["weight"] * 2**30
+    before_out = generate(url, PROMPTS, 12)
+    captures = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["cuda_graph_captures"]
+    assert captures >= 1
+    for round_ in range(2):
+        torch.cuda.synchronize()
+        free_before, _ = torch.cuda.mem_get_info()
+        assert httpx.post(url + "/release_memory_occupation", json={}, timeout=120).json() is None
+        free_released, _ = torch.cuda.mem_get_info()
+        assert free_released - free_before >= 0.95 * (kv_bytes + weight_bytes), (round_, free_before, free_released)
+        refused = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir)}, timeout=120)
+        assert refused.status_code == 400 and "released" in refused.text, refused.text
+        assert httpx.post(url + "/resume_memory_occupation", json={}, timeout=120).json() is None
+        after_out = generate(url, PROMPTS, 12)
+        assert [o["output_ids"] for o in after_out] == [o["output_ids"] for o in before_out], round_
+        info = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+        assert info["cuda_graph_captures"] == captures, "a resume in place keeps the captured graphs"
+    model = hf_cuda(tiny_model_dir, torch.float32)
+    for prompt, out in zip(PROMPTS, after_out):
+        check_against_hf(model, prompt, out, 0.0, FP32_TOL)
+    # weights resumed in place take updates: a perturbed checkpoint moves the output as it moves HF's
+    state = perturbed_state_dict(tiny_model_dir)
+    moved_dir = copy_with_weights(tiny_model_dir, tmp_path / "perturbed", state)
+    loaded = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(moved_dir)}, timeout=120)
+    assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
+    moved = generate(url, PROMPTS, 12)
+    assert [o["output_ids"] for o in moved] != [o["output_ids"] for o in after_out]
+    model = hf_cuda(moved_dir, torch.float32)
+    for prompt, out in zip(PROMPTS, moved):
+        check_against_hf(model, prompt, out, 0.0, FP32_TOL)
 
 
 def _second_gpu() -> str:

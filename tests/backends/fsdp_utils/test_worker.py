@@ -252,16 +252,37 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
     held = sum(t.numel() * t.element_size() for t in params + states)
     del params, states  # no reference here may keep the device copies alive
     before = torch.cuda.memory_allocated()
+    worker.begin_offload()  # the optimizer state starts for the host (the weight push would run now)
     worker.offload()
     assert before - torch.cuda.memory_allocated() >= held  # parameters and Adam state left the device
     host_params, host_states = device_tensors()
     # on the host in pinned memory: the copies both ways run at pinned bandwidth
     assert all(t.device.type == "cpu" and t.is_pinned() for t in host_params + host_states)
-    worker.onload()
+    worker.onload()  # the parameters now, the optimizer state on a side stream until the optimizer step awaits it
+    worker.backend.await_optimizer_state()
     params, states = device_tensors()
     assert all(t.is_cuda for t in params + states)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(snapshot, params + states))  # bit-exact round trip
     worker.train(1, rank_data(args, make_samples(4)))
+
+
+@pytest.mark.gpu
+def test_gpu_steps_offloaded_between_them_train_as_resident_ones(tiny_model_dir):
+    """Colocated offloading between steps (the optimizer state leaves on a side stream while the push would
+    run, and comes back while the forward and backward passes run) trains the same weights as a worker that
+    stays on the device: the optimizer step waits for the state it reads."""
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "1", "--lr", "1e-3", rbs=2)
+    data = rank_data(args, make_samples(4))
+    resident, moved = new_worker(args), new_worker(args)
+    for step in range(3):
+        expected = resident.train(step, copy.copy(data))
+        got = moved.train(step, copy.copy(data))
+        assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-3, abs=1e-6), step
+        moved.begin_offload()
+        moved.offload()
+        moved.onload()
+    for (name, a), (_, b) in zip(resident.backend.model.state_dict().items(), moved.backend.model.state_dict().items()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.gpu
