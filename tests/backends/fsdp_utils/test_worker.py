@@ -244,7 +244,8 @@ def test_gpu_bf16_offload_onload(tiny_model_dir):
 
     def device_tensors():
         params = [p.to_local() if hasattr(p, "to_local") else p for p in backend.model.parameters()]
-        states = [v for st in backend.optimizer.state.values() for k, v in st.items() if k != "step" and torch.is_tensor(v)]
+        states = [v.to_local() if hasattr(v, "to_local") else v
+                  for st in backend.optimizer.state.values() for k, v in st.items() if k != "step" and torch.is_tensor(v)]
         return params, states
 
     params, states = device_tensors()
