@@ -216,9 +216,10 @@ def run_engine_alone(args, model_dir: str, data: dict) -> dict:
     them; steady wall time per step and the mean response length."""
     import asyncio
 
-    import httpx
     import torch
     from transformers import AutoTokenizer
+
+    from slime.utils import http_utils
 
     from slime.backends.embedded_engine.launch import running_engine
     from slime.rollout.engine_control import engine_counters, engine_time_metrics
@@ -235,30 +236,28 @@ def run_engine_alone(args, model_dir: str, data: dict) -> dict:
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
         return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # a BatchEncoding in transformers 5
 
-    async def one_step(client, url: str, prompts: list[list[int]]) -> tuple[float, list[int]]:
-        async def group(ids):
+    async def one_step(url: str, prompts: list[list[int]]) -> tuple[float, list[int]]:
+        async def group(ids):  # through slime's own HTTP client, as the rollout's requests go
             body = {"input_ids": [ids] * args.n_samples, "sampling_params": params, "return_logprob": True}
-            response = await client.post(url + "/generate", json=body)
-            if response.status_code != 200:
-                raise RuntimeError(f"the engine refused a group: {response.status_code} {response.text[:300]}")
-            return response.json()
+            return await http_utils.post(url + "/generate", body, max_retries=1)
 
         start = time.perf_counter()
         outs = await asyncio.gather(*[group(ids) for ids in prompts])
         return time.perf_counter() - start, [len(o["output_ids"]) for out in outs for o in out]
 
     async def all_steps(url: str) -> tuple[list[float], list[int], list[dict]]:
-        limits = httpx.Limits(max_connections=samples, max_keepalive_connections=samples)
-        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        try:
             times, lengths, accounts = [], [], []
             for step in range(args.steps):
                 prompts = [prompt_ids(rows[(step * args.prompts + i) % len(rows)]) for i in range(args.prompts)]
                 before = engine_counters([url])
-                seconds, step_lengths = await one_step(client, url, prompts)
+                seconds, step_lengths = await one_step(url, prompts)
                 accounts.append(engine_time_metrics(before, engine_counters([url]), seconds, 1))
                 times.append(seconds)
                 lengths += step_lengths
             return times, lengths, accounts
+        finally:
+            await http_utils.close_client()
 
     with running_engine(model_dir, timeout=900, extra_args=extra) as engine:
         times, lengths, accounts = asyncio.run(all_steps(engine.url))

@@ -144,21 +144,21 @@ def make_workload(n: int, vocab: int, seed: int, prompt_len: int | None, max_new
 
 
 async def run_engine(url: str, prompts, lengths) -> float:
-    import httpx
+    """Every request at once through slime's own HTTP client (``slime.utils.http_utils``: one aiohttp
+    session, what the rollout's requests go through); output tokens per second of the whole burst."""
+    from slime.utils import http_utils
 
-    # No connection-pool cap (httpx's default is 100): every request must reach the server at once.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        async def one(prompt, n):
-            body = {"input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
-            response = await client.post(url + "/generate", json=body)
-            response.raise_for_status()
-            return len(response.json()["output_ids"])
+    async def one(prompt, n):
+        body = {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
+        return len((await http_utils.post(url + "/generate", body, max_retries=1))["output_ids"])
 
+    try:
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
         elapsed = time.perf_counter() - start
+    finally:
+        await http_utils.close_client()
     assert counts == lengths, "engine returned fewer tokens than asked"
     return sum(counts) / elapsed
 
