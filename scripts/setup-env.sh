@@ -7,6 +7,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 extras="${1:-dev}"
+# with an NVIDIA GPU: torch-memory-saver too (colocated engines release and resume memory in place)
+if command -v nvidia-smi >/dev/null 2>&1 && [ "$extras" != "core" ] && [[ ",$extras," != *",gpu,"* ]]; then
+  extras="$extras,gpu"
+fi
 python_bin="${PYTHON:-python3}"
 
 if [ ! -x .venv/bin/python ]; then
