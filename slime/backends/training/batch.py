@@ -106,6 +106,29 @@ class TrainBatch:
         """A copy with ``columns`` set (the other columns shared, not copied)."""
         return dataclasses.replace(self, **columns)
 
+    # ------------------------------------------------------------------ pickling (Ray's object store)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle holds: every column that is a list of 1-D CPU tensors of one dtype as ONE flat tensor
+        and the lengths (:class:`_PackedColumn`). The rollout manager puts each shard in Ray's object store, and
+        torch pickles every tensor's storage on its own: 64 samples' 193 tensors took ~10-18 ms of each CPU
+        rollout step, one tensor a column well under 1 ms."""
+        state = dict(self.__dict__)
+        for name, value in state.items():
+            if _packable(value):
+                state[name] = _PackedColumn(torch.cat(value), [int(t.numel()) for t in value])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Columns come back as lists of views of the flat tensor (one storage a column)."""
+        for name, value in state.items():
+            if isinstance(value, _PackedColumn):
+                state[name] = list(torch.split(value.flat, value.lengths))
+        self.__dict__.update(state)
+
+    def __copy__(self) -> "TrainBatch":
+        return dataclasses.replace(self)  # shallow, the tensors shared (pickling would copy them)
+
     def as_rollout_data(self) -> dict[str, Any]:
         """The documented ``rollout_data`` dict (docs/INTERFACES.md §2.9, §7.7): the shard's keys, the schedule
         keys, ``total_lengths_local`` and the computed columns present. Lists are shared with the
@@ -147,3 +170,17 @@ class TrainBatch:
         schedule = StepSchedule(**{k: data[k] for k in _SCHEDULE_KEYS})
         extra = {k: v for k, v in data.items() if k not in known and k not in _SCHEDULE_KEYS and k != "total_lengths_local"}
         return cls(schedule=schedule, extra=extra, **fields)
+
+
+@dataclass
+class _PackedColumn:
+    flat: torch.Tensor
+    lengths: list[int]
+
+
+def _packable(value: Any) -> bool:
+    """A non-empty list of 1-D CPU tensors of one dtype, none needing gradients."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, torch.Tensor) for t in value):
+        return False
+    dtype = value[0].dtype
+    return all(t.dim() == 1 and t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad for t in value)

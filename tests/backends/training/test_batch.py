@@ -67,3 +67,33 @@ def test_hooks_edits_reach_the_loss(tiny_model_dir, monkeypatch):
     assert not seen["advantages"]  # the estimator's advantages reached the hook
     assert metrics["train/pg_loss"] == 0.0 and metrics["train/entropy_loss"] == 0.0  # every token masked by the hook
     assert metrics["train/grad_norm"] == 0.0
+
+
+def test_a_pickled_batch_carries_one_tensor_a_column_and_comes_back_equal(tiny_model_dir):
+    """What Ray's object store holds between the rollout manager and the trainers: each per-sample tensor column
+    packed into one flat tensor (torch pickles every storage on its own), unpacked into the same values,
+    dtypes and shapes; a copy shares the tensors."""
+    import copy
+    import pickle
+
+    args = make_args(tiny_model_dir, "--num-steps-per-rollout", "2")
+    batch = rank_data(args, make_samples(6))
+    batch = batch.replace(advantages=[torch.randn(int(n)) for n in batch.response_lengths],
+                          rollout_top_p_token_offsets=[torch.zeros(0, dtype=torch.int32)] + [
+                              torch.arange(3, dtype=torch.int32) for _ in range(len(batch) - 1)])
+    state = batch.__getstate__()
+    packed = [name for name, value in state.items() if type(value).__name__ == "_PackedColumn"]
+    assert {"tokens", "loss_masks", "rollout_log_probs", "advantages", "rollout_top_p_token_offsets"} <= set(packed)
+    assert all(isinstance(t, torch.Tensor) for t in batch.tokens)  # the record itself is untouched
+    back = pickle.loads(pickle.dumps(batch))
+    for name in packed:
+        original, restored = getattr(batch, name), getattr(back, name)
+        assert len(original) == len(restored), name
+        for a, b in zip(original, restored):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert back.schedule == batch.schedule and back.rewards == batch.rewards and back.partition == batch.partition
+    assert torch.equal(back.rollout_mask_sums, batch.rollout_mask_sums)
+    mixed = batch.replace(metadata=[{"k": 1}] * len(batch))  # not tensors: pickled as they are
+    assert pickle.loads(pickle.dumps(mixed)).metadata == mixed.metadata
+    shallow = copy.copy(batch)
+    assert shallow.tokens is batch.tokens and shallow.tokens[0] is batch.tokens[0]
