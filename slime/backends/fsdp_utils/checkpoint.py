@@ -242,6 +242,9 @@ def named_hf_weights(backend: "FSDPBackend", dtype: torch.dtype | None = None) -
     training device. The tied ``lm_head.weight`` is skipped when the config ties it to the embeddings."""
     config = getattr(backend.model, "config", None)
     for name, tensor in _drop_tied(backend.model.state_dict(), config).items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if hasattr(tensor, "full_tensor") and tensor.device_mesh.size() == 1:
+            full = tensor.to_local()  # one rank holds the whole tensor: no redistribution (~0.1 ms a tensor on CPU)
+        else:
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         full = full.detach()
         yield name, (full.to(dtype) if dtype is not None else full)

@@ -36,6 +36,8 @@ class EngineClient:
         """POST to every engine concurrently (one payload each, or the same payload)."""
         if not isinstance(payloads, list):
             payloads = [payloads] * len(self.engine_urls)
+        if len(self.engine_urls) == 1:  # no thread hop for one engine
+            return [self.post(self.engine_urls[0], path, payloads[0])]
         futures = [self._pool.submit(self.post, url, path, p) for url, p in zip(self.engine_urls, payloads)]
         return [f.result() for f in futures]
 
