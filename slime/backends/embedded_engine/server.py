@@ -57,20 +57,30 @@ class ServerState:
         return self.engine.runner.model_path
 
 
+class _Auth:
+    """``--api-key``: every path but /health* and /metrics needs ``Authorization: Bearer KEY`` (401 otherwise).
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) runs each request
+    through task groups and memory streams, Python time on the server's main thread, which the engine thread
+    shares the GIL with."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("latin-1") if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if (self.expected is not None and scope["type"] == "http"
+                and not scope["path"].startswith(UNAUTHENTICATED_PREFIXES)
+                and dict(scope["headers"]).get(b"authorization", b"") != self.expected):
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="slime embedded engine")
     app.state.server = state
 
-    @app.middleware("http")
-    async def auth_and_errors(request: Request, call_next):
-        key = state.args.api_key
-        if key and not request.url.path.startswith(UNAUTHENTICATED_PREFIXES):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        try:
-            return await call_next(request)
-        except RequestError as exc:
-            return error_response(exc)
+    app.add_middleware(_Auth, api_key=state.args.api_key)
 
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError):

@@ -9,34 +9,23 @@ naming the URL, the attempts and the last failure.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
-import weakref
 
-import httpx
+import aiohttp
+
+from slime.utils import http_utils
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
-_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = weakref.WeakKeyDictionary()
 
 
 class RemoteRewardError(RuntimeError):
     """The reward server could not be reached or kept failing."""
-
-
-def _client() -> httpx.AsyncClient:
-    loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None or client.is_closed:
-        client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-            timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
-        )
-        _clients[loop] = client
-    return client
 
 
 async def remote_rm(args, sample, max_retries: int = 10):
@@ -47,12 +36,14 @@ async def remote_rm(args, sample, max_retries: int = 10):
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
     last_error = ""
     for attempt in range(1, max_retries + 1):
-        try:
-            response = await _client().post(url, json=payload, timeout=REQUEST_TIMEOUT_S)
-            if response.status_code < 400:
-                return response.json()
-            last_error = f"HTTP {response.status_code}: {response.text[:300]}"
-        except (httpx.HTTPError, ValueError) as e:
+        try:  # the rollout's shared session (slime.utils.http_utils), with this call's own timeout
+            async with http_utils.get_client().post(url, json=payload,
+                                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
+                status, body = response.status, await response.read()
+            if status < 400:
+                return json.loads(body)
+            last_error = f"HTTP {status}: {body[:300].decode('utf-8', errors='replace')}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             last_error = f"{type(e).__name__}: {e}"
         if attempt < max_retries:
             delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1))
