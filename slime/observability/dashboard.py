@@ -41,8 +41,11 @@ PANELS = (
     Panel("entropy", "Entropy", (r"train/entropy.*", r"rollout/entropy.*"), "nats / token"),
     Panel("loss", "Losses and gradient norm", (r"train/loss", r"train/pg_loss", r"train/critic-value_loss",
                                                 r"train/grad_norm", r"train/pg_clipfrac"), ""),
-    # the loop's phases only (they add up to the step); sub-phases such as perf/actor_train_time would count twice
-    Panel("step_time", "Step time breakdown", (r"perf/(rollout|train|update_weights|save|eval)_time",),
+    # the loop's phases only (they add up to the step); sub-phases such as perf/actor_train_time (or the offload
+    # phases inside perf/update_weights_time) would count twice. Colocated offloading's release of the engines and
+    # onload of the trainer run between rollout and train, outside both
+    Panel("step_time", "Step time breakdown",
+          (r"perf/(rollout|offload_rollout|onload_train|train|update_weights|save|eval)_time",),
           "seconds", stacked=True),
     Panel("throughput", "Throughput", (r"perf/.*tokens_per_gpu_per_sec", r"perf/.*tok_per_s",
                                        r"perf/update_weights_gbytes_per_s"), "per second"),
