@@ -210,12 +210,14 @@ class Job:
         # push is then device to device (CUDA IPC) rather than through host memory. The trainer's live
         # tensors (fp32 parameters and Adam state, 12 bytes a parameter) hold 6x the engines' bf16 weights, so this fits
         # wherever training did, once the trainer has returned the blocks its activations left cached.
-        if self.args.offload_rollout:
-            if offload_train:
-                self.actor.release_cached_memory()
-            self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
+        if offload_train and self.args.offload_rollout:
+            self.actor.release_cached_memory()
         if offload_train:
-            self.actor.begin_offload()  # the optimizer state goes to the host while the weights are pushed
+            # the optimizer state goes to the host (device to host) while the engines bring their weights back (host
+            # to device: the two directions at once) and the weights are pushed; its device memory is freed after
+            self.actor.begin_offload()
+        if self.args.offload_rollout:
+            self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
         self.weight_version += 1
         metrics = self.actor.update_weights(self.weight_version)
         if offload_train:

@@ -102,8 +102,9 @@ def test_run_that_does_not_fit_keeps_offloading(monkeypatch):
     args, steps = run_steps(monkeypatch, [], engines_used=70 * GiB, trainer_peak=70 * GiB)
     # the weights leave the trainer's device memory (CUDA IPC) before the trainer goes to the host; its optimizer
     # state (which the push does not read) starts for the host before the push
-    full = ["engine release", "trainer onload", "train", "trainer returns cached blocks", "engine resume ['weights']",
-            "trainer starts moving its optimizer state", "push weights", "trainer offload", "engine resume ['kv_cache']"]
+    full = ["engine release", "trainer onload", "train", "trainer returns cached blocks",
+            "trainer starts moving its optimizer state", "engine resume ['weights']", "push weights", "trainer offload",
+            "engine resume ['kv_cache']"]
     assert steps == [full, full, full]
     assert args.offload_train is True and args.offload_auto is False
 
