@@ -3,7 +3,7 @@
 A colocated engine gives its device memory to the trainer while it trains (``/release_memory_occupation``)
 and takes it back before the next rollout. Freeing and reallocating the tensors would move them, and
 every CUDA graph captured against the weights and the KV cache would have to be captured again at
-the next rollout; copying the weights to the host through fresh buffers costs more than the copy.
+the next rollout (0.6B on an H200: the rollout took 2.61 s instead of 1.49 s, the release 0.88 s instead of 0.036 s).
 ``torch-memory-saver`` (the package SGLang uses for the same flag) allocates tensors through CUDA's
 virtual memory API instead: a pause unmaps the physical memory of a tagged region (the device really
 has it free: ``cudaMemGetInfo`` and the trainer see it), a resume maps new physical memory at the
@@ -20,11 +20,8 @@ Tensors in a region cannot be shared by CUDA IPC; the engine only opens the trai
 from __future__ import annotations
 
 import itertools
-import logging
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
 _kv_regions = itertools.count()

@@ -24,6 +24,7 @@ from slime.backends.embedded_engine import attention, fused_projections
 from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
 from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, DecodeCacheView, SlotCacheView,
                                                      SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
+from slime.backends.embedded_engine.memory_saver import WEIGHTS, MemorySaver
 from slime.backends.embedded_engine.mla_decode import MLA_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,6 @@ class ModelRunner:
         #: same addresses, so a colocated engine keeps its CUDA graphs across training steps
         self.saver = None
         if memory_saver and self.device.type == "cuda":
-            from slime.backends.embedded_engine.memory_saver import MemorySaver
-
             self.saver = MemorySaver()
             moved = self.saver.adopt([self.model])
             logger.info("memory saver: %.1f MB of weights in a pausable region (host backup kept between pauses)",
@@ -579,9 +578,7 @@ class ModelRunner:
     def release_weights(self) -> None:
         """GPU: free the weights' device memory, content kept on the host (with the memory saver at the same
         addresses, graphs kept; without it the weights move to host memory and the graphs go); CPU: nothing."""
-        if self.device.type == "cuda" and self.weights_on_device and self.saver is not None:
-            from slime.backends.embedded_engine.memory_saver import WEIGHTS
-
+        if self.saver is not None and self.weights_on_device:  # (the saver exists only on CUDA)
             if self.mtp is not None and not self._mtp_adopted:  # the NEXTN layer, added after start-up
                 self.graphs.clear()
                 self.saver.adopt([self.mtp])
@@ -598,9 +595,7 @@ class ModelRunner:
         self.weights_on_device = False
 
     def resume_weights(self) -> None:
-        if self.device.type == "cuda" and not self.weights_on_device and self.saver is not None:
-            from slime.backends.embedded_engine.memory_saver import WEIGHTS
-
+        if self.saver is not None and not self.weights_on_device:
             self.saver.resume(WEIGHTS)
         elif self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()

@@ -346,16 +346,8 @@ class FSDPBackend(TrainBackend):
         if self.device.type != "cuda" or self._state_out is not None:
             return
         self.await_optimizer_state()
-        stream = self._copy_stream()
-        stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step that wrote them
-        kept = []
-        with torch.cuda.stream(stream):
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step" and value.is_cuda:
-                        kept.append(value)  # read by the copy until the synchronize in offload()
-                        state[key] = value.to("cpu", non_blocking=True)
-        self._state_out = kept
+        # the device tensors stay referenced: the copy reads them until the synchronize in offload()
+        self._state_out = self._move_optimizer_state(torch.device("cpu"))
 
     def onload(self) -> None:
         """Parameters back to the device now; the optimizer state on a side stream, awaited before the
@@ -364,21 +356,25 @@ class FSDPBackend(TrainBackend):
             self.offloaded = False
             return
         self.model.to(self.device, non_blocking=True)
-        stream = self._copy_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step" and not value.is_cuda:
-                        state[key] = value.to(self.device, non_blocking=True)
-        self._state_in = stream.record_event()
+        self._move_optimizer_state(self.device)
+        self._state_in = self._stream.record_event()
         torch.cuda.current_stream().synchronize()  # the parameters (the state keeps copying)
         self.offloaded = False
 
-    def _copy_stream(self) -> torch.cuda.Stream:
+    def _move_optimizer_state(self, device: torch.device) -> list[torch.Tensor]:
+        """Queue the optimizer state's copies to ``device`` on the side stream (after what the current stream has
+        queued: the optimizer step that wrote them) and put the copies in its place; returns the tensors copied from."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        return self._stream
+        self._stream.wait_stream(torch.cuda.current_stream())
+        moved = []
+        with torch.cuda.stream(self._stream):
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and value.device.type != device.type:
+                        moved.append(value)
+                        state[key] = value.to(device, non_blocking=True)
+        return moved
 
     def await_optimizer_state(self) -> None:
         """The optimizer state's copy to the device (started by onload) before anything reads it."""
