@@ -35,6 +35,11 @@ Metrics:
   requests or the HTTP layer answering them), ``prefill_seconds`` / ``prefill_forwards`` /
   ``prefill_tokens``, ``joins_while_decoding`` (requests admitted after decoding began), and
   ``end_to_end_over_decode_rate`` (end-to-end output tokens/s over the decode-only rate below).
+* The burst on one clock (``timeline/*_s``, seconds from its start, from the answers' SGLang timestamps
+  ``request_received_ts`` / ``request_finished_ts`` / ``response_sent_to_client_ts`` and phase durations):
+  last request received by the engine, first / last admission, first / last finish, last answer built,
+  last answer read by the client. ``admission_seconds`` (until the last admission) and ``answer_seconds``
+  (the engine's last finish to the client's last read) are the wall time around the engine's steps.
 * Decode-only figures from the server's own counters (``/get_server_info`` → ``batch_stats``,
   differences over the measured burst): ``decode_seconds`` (wall time of decode forwards +
   sampling; sampling ends in a device→host copy, so on CUDA it includes the device work),
@@ -84,6 +89,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
+from slime.utils import http_utils  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12
 
@@ -143,24 +149,39 @@ def make_workload(n: int, vocab: int, seed: int, prompt_len: int | None, max_new
     return prompts, lengths
 
 
-async def run_engine(url: str, prompts, lengths) -> float:
+async def run_engine(url: str, prompts, lengths) -> tuple[float, dict]:
     """Every request at once through slime's own HTTP client (``slime.utils.http_utils``: one aiohttp
-    session, what the rollout's requests go through); output tokens per second of the whole burst."""
-    from slime.utils import http_utils
+    session, what the rollout's requests go through, kept across the bursts of one event loop as the
+    rollout keeps it across steps); output tokens per second of the whole burst, and where its wall time
+    went (:func:`burst_timeline`)."""
+    answers = []
 
     async def one(prompt, n):
         body = {"input_ids": prompt, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
-        return len((await http_utils.post(url + "/generate", body, max_retries=1))["output_ids"])
+        answer = await http_utils.post(url + "/generate", body, max_retries=1)
+        answers.append((time.time(), answer["meta_info"]))
+        return len(answer["output_ids"])
 
-    try:
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
-        elapsed = time.perf_counter() - start
-    finally:
-        await http_utils.close_client()
+    start_wall, start = time.time(), time.perf_counter()
+    counts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+    elapsed = time.perf_counter() - start
     assert counts == lengths, "engine returned fewer tokens than asked"
-    return sum(counts) / elapsed
+    return sum(counts) / elapsed, burst_timeline(start_wall, answers)
+
+
+def burst_timeline(start: float, answers: list[tuple[float, dict]]) -> dict:
+    """Seconds from the burst's start (client and server share the clock) until: the engine had received
+    every request, admitted the first / the last one, finished the last one, the server had built the last
+    answer, the client had read the last answer. ``answers`` holds (time read, meta_info) per request;
+    admission and finish come from the server's SGLang timestamps and phase durations."""
+    finished = [m["request_finished_ts"] for _, m in answers]
+    admitted = [m["request_finished_ts"] - m["decode_duration"] - m["prefill_duration"] for _, m in answers]
+    return {"last_request_received": max(m["request_received_ts"] for _, m in answers) - start,
+            "first_admission": min(admitted) - start, "last_admission": max(admitted) - start,
+            "first_finish": min(finished) - start, "last_finish": max(finished) - start,
+            "last_answer_built": max(m["response_sent_to_client_ts"] for _, m in answers) - start,
+            "last_answer_read": max(t for t, _ in answers) - start}
 
 
 def server_info(url: str) -> dict:
@@ -342,7 +363,8 @@ def main() -> None:
             # the measured runs then reuse (what a training run's first rollout pays once).
             first = server_info(engine.url)["internal_states"][0]
             first_started = time.perf_counter()
-            asyncio.run(run_engine(engine.url, prompts, lengths))
+            loop = asyncio.new_event_loop()  # one client session for every burst
+            loop.run_until_complete(run_engine(engine.url, prompts, lengths))
             first_burst_seconds = time.perf_counter() - first_started
             first_captures = server_info(engine.url)["internal_states"][0]["cuda_graph_captures"] - first["cuda_graph_captures"]
             if hf is not None:
@@ -351,15 +373,17 @@ def main() -> None:
             engine_runs, hf_runs = [], []
             for _ in range(args.repeats):
                 before = server_info(engine.url)["batch_stats"]
-                tps = asyncio.run(run_engine(engine.url, prompts, lengths))
+                tps, timeline = loop.run_until_complete(run_engine(engine.url, prompts, lengths))
                 info = server_info(engine.url)
                 delta = {k: info["batch_stats"][k] - before[k]
                          for k in ("decode_seconds", "decode_steps", "decode_rows", "decode_kv_tokens", "prefill_seconds",
                                    "prefill_forwards", "prefill_tokens", "busy_seconds", "joins_while_decoding")}
-                engine_runs.append((tps, delta, info))
+                engine_runs.append((tps, delta, info, timeline))
                 if hf is not None:
                     hf_runs.append(hf.run(prompts, lengths))
             disk_update = disk_update_seconds(engine.url, model_path)
+            loop.run_until_complete(http_utils.close_client())
+            loop.close()
         finally:
             engine.stop()
         hf_batch_size = None if hf is None else (hf.batch_size or args.num_requests)
@@ -369,7 +393,7 @@ def main() -> None:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    engine_tps, decode, info = max(engine_runs, key=lambda r: r[0])
+    engine_tps, decode, info, timeline = max(engine_runs, key=lambda r: r[0])
     memory = info["internal_states"][0]["memory_usage"]
     weight_bytes = memory["weight"] * 2**30
     kv_bytes_per_token = memory["kv_bytes_per_token"]
@@ -380,7 +404,12 @@ def main() -> None:
                "prefill_tokens": decode["prefill_tokens"], "joins_while_decoding": decode["joins_while_decoding"],
                "first_burst_seconds": first_burst_seconds, "first_burst_cuda_graph_captures": first_captures,
                "measured_cuda_graph_captures": engine_runs[-1][2]["internal_states"][0]["cuda_graph_captures"]
-               - first["cuda_graph_captures"] - first_captures}  # over all measured runs
+               - first["cuda_graph_captures"] - first_captures,  # over all measured runs
+               **{f"timeline/{key}_s": value for key, value in timeline.items()},
+               # the burst's wall time outside its engine steps: before the last admission (requests arriving,
+               # parsed, gathered) and after the engine's last step (answers built, sent and read)
+               "admission_seconds": timeline["last_admission"],
+               "answer_seconds": timeline["last_answer_read"] - timeline["last_finish"]}
     if hf_runs:
         hf_tps, hf_padded_tps = max(hf_runs)
         metrics.update({"hf_generate_output_tokens_per_s": hf_tps,

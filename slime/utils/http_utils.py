@@ -9,7 +9,8 @@ aiohttp rather than httpx for the rollout's requests: a 128-request burst of 16 
 embedded engine on 2 CPU cores, 2026-12-03) arrived at an httpx.AsyncClient over 0.27-0.42 s after the
 server had sent every answer within 0.05 s (pure-Python HTTP parsing and anyio, request by request),
 and over 0.07-0.08 s at an aiohttp session: the burst took 1.80-2.09 s against 1.54-1.77 s. The
-blocking admin client (:func:`sync_client`) stays httpx.
+blocking admin client (:func:`sync_client`) stays httpx. Bodies are encoded and parsed with orjson (json for
+what orjson refuses): parsing 128 answers of 256 tokens with log-probs took 11 ms with json, 3 ms with orjson.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +92,20 @@ def _decode(body: bytes) -> Any:
     if not body:
         return None
     try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # NaN / Infinity, which Python's json writes and orjson refuses
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         return body.decode("utf-8", errors="replace")
+
+
+def _encode(payload: Any) -> bytes:
+    try:
+        return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:  # e.g. integers beyond 64 bits, which json writes
+        return json.dumps(payload).encode()
 
 
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
@@ -103,9 +116,12 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
     :class:`HTTPRequestError` at once with the server's message.
     """
     last_error: str = ""
+    data = None if payload is None else _encode(payload)  # None: an empty body, as aiohttp's json=None sends
+    if data is not None:
+        headers = {"Content-Type": "application/json", **(headers or {})}
     for attempt in range(1, max_retries + 1):
         try:
-            async with get_client().post(url, json=payload, headers=headers) as response:
+            async with get_client().post(url, data=data, headers=headers) as response:
                 status, body = response.status, await response.read()
         except _TRANSPORT_ERRORS as e:
             last_error = f"{type(e).__name__}: {e}"

@@ -107,6 +107,32 @@ def test_get_parses_json_text_and_empty_bodies():
     assert run(main()) == ({"version": "3"}, "plain words", None)
 
 
+def test_bodies_python_json_writes_and_orjson_refuses_still_parse_and_send():
+    """orjson reads the answers; what only Python's json takes (NaN, Infinity) falls back to it, and a payload
+    orjson cannot write (an integer beyond 64 bits) is sent by json, with its content type either way."""
+    seen = []
+
+    async def nan(request):
+        return web.Response(text='{"logprob": NaN, "low": -Infinity}', content_type="application/json")
+
+    async def echo(request):
+        seen.append((request.content_type, await request.text()))
+        return web.json_response({"ok": True})
+
+    async def main():
+        runner, url = await serve({"/nan": nan, "/echo": echo})
+        try:
+            return (await http_utils.post(url + "/nan", {"x": 1}), await http_utils.post(url + "/echo", {"big": 2**70}),
+                    await http_utils.post(url + "/echo", {"ids": [1, 2]}))
+        finally:
+            await runner.cleanup()
+
+    got, big, small = run(main())
+    assert got["logprob"] != got["logprob"] and got["low"] == float("-inf")
+    assert big == small == {"ok": True}
+    assert seen == [("application/json", '{"big": 1180591620717411303424}'), ("application/json", '{"ids":[1,2]}')]
+
+
 _real_sleep = asyncio.sleep
 
 

@@ -174,8 +174,13 @@ class AsyncEngine:
     def phase_times(seq: Sequence, latency: float) -> dict:
         """Where the request's time went on this server (seconds): queueing (from the HTTP handler's
         submit until the first admission, so waiting for the engine thread counts), prefill up to the
-        first token, decode of the rest (what the trace viewer draws as lanes)."""
-        times = {}
+        first token, decode of the rest (what the trace viewer draws as lanes); and SGLang's unix
+        timestamps of the engine's receipt and finish (``request_received_ts``, ``request_finished_ts``),
+        so a client can place a burst's phases on one clock (bench/engine_decode.py's timeline)."""
+        wall, mono = time.time(), time.monotonic()
+        times = {"request_received_ts": wall - (mono - seq.created)}
+        if seq.finished is not None:
+            times["request_finished_ts"] = wall - (mono - seq.finished)
         if seq.admitted is not None:
             served = (seq.finished or time.monotonic()) - seq.admitted  # prefill + decode
             times["queue_time"] = max(latency - served, seq.admitted - seq.created, 0.0)

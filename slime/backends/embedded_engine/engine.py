@@ -142,18 +142,29 @@ class Engine:
 
     def abort(self, rid: str | None, abort_all: bool = False, message: str | None = None) -> int:
         targets = self.scheduler.select_abort(rid, abort_all)
+        finished = []
         for seq in targets:
             reason = self.scheduler.abort_reason(seq)
             if message:
                 reason["message"] = message
-            self._finish(seq, reason)
+            finished.append((seq, reason))
+        if finished:
+            self._finish_all(finished)
         return len(targets)
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
-        seq.finished = time.monotonic()
-        self._read_routed_experts(seq)
-        self._apply_moves(self.scheduler.finish(seq, reason))
-        seq.on_event(seq, True)
+        self._finish_all([(seq, reason)])
+
+    def _finish_all(self, finished: list[tuple[Sequence, dict]]) -> None:
+        """Finish sequences together: one compaction of the batch for all of them (``Scheduler.finish_all``:
+        no cache moves when the whole batch ends at the same step), then their answers."""
+        now = time.monotonic()
+        for seq, _ in finished:
+            seq.finished = seq.finished or now
+            self._read_routed_experts(seq)  # before its slot is freed or refilled
+        self._apply_moves(self.scheduler.finish_all(finished))
+        for seq, _ in finished:
+            seq.on_event(seq, True)
 
     def _read_routed_experts(self, seq: Sequence) -> None:
         """``return_routed_experts`` on a server with ``--enable-return-routed-experts``: the finished
@@ -270,8 +281,8 @@ class Engine:
             pending = [s for s in pending if s.num_computed < len(s.fill_ids)]
             done += self._copy_shared(done, followers)
             finished = [s for s, _ in done if len(s.output_ids) >= s.max_new_tokens]
-            for seq in finished:
-                self._finish(seq, {"type": "length", "length": seq.max_new_tokens})
+            if finished:
+                self._finish_all([(seq, {"type": "length", "length": seq.max_new_tokens}) for seq in finished])
             ready = [(s, l) for s, l in done if s not in finished]
             if ready:
                 produced += self._sample_and_append([s for s, _ in ready], torch.stack([l for _, l in ready]))
@@ -405,7 +416,7 @@ class Engine:
         """Append each sampled token to its sequence; finish or stream it. Returns the tokens appended: a
         sequence that finishes drops its later results (a stop inside a speculative step's accepted run)."""
         now = time.monotonic()
-        appended = 0
+        appended, finished = 0, []
         for seq, token, logprob in results:
             if seq.finished is not None:
                 continue
@@ -415,9 +426,12 @@ class Engine:
             seq.output_logprobs.append(logprob)
             reason = self._finish_reason(seq)
             if reason is not None:
-                self._finish(seq, reason)
+                seq.finished = now  # its later results are dropped; the slot is freed with the others below
+                finished.append((seq, reason))
             elif seq.request.stream:
                 seq.on_event(seq, False)
+        if finished:
+            self._finish_all(finished)
         self.scheduler.stats.generated_tokens += appended
         return appended
 

@@ -5,7 +5,8 @@ samples, or one). Validation raises :class:`RequestError` carrying the HTTP stat
 400 for invalid values (a ``sampling_params`` value of the wrong JSON type, such as
 ``"max_new_tokens": "5"``, included, naming the field), 500 for unknown keys inside ``sampling_params`` (SGLang splats the dict into
 a struct and the ``TypeError`` escapes). Unknown *top-level* keys are ignored, as SGLang does (the
-router adds some of its own). ``read_json`` reads any route's body as a JSON object.
+router adds some of its own). ``read_json`` reads any route's body as a JSON object; :class:`JSONResponse`
+writes answers with orjson (as SGLang's server does).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import math
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import orjson
+from starlette.responses import JSONResponse as _StarletteJSONResponse
 
 TOP_K_ALL = 1 << 30
 
@@ -38,12 +42,26 @@ async def read_json(request, required: bool = True) -> dict:
             raise RequestError("request body is empty; send a JSON object", shape="openai")
         return {}
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # what orjson refuses and json takes (NaN, Infinity), or the error in json's words
+        body = None
+    try:
+        body = json.loads(raw) if body is None else body
     except json.JSONDecodeError as exc:
         raise RequestError(f"JSON decode error: {exc.msg} at line {exc.lineno} column {exc.colno}", shape="openai")
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", shape="openai")
     return body
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """Starlette's ``JSONResponse`` encoded by orjson: 128 answers of 256 tokens with their log-probs take
+    ~1 ms instead of ~21 ms of ``json.dumps`` on the server's event loop (2-core CPU, 2026-12-04), which
+    the whole burst waits for. As in SGLang (orjson too), NaN and infinities are written as ``null``; numpy
+    arrays and scalars are written as lists and numbers."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
 @dataclass

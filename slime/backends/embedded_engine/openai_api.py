@@ -11,10 +11,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from slime.agent.tool_parser import get_tool_parser
-from slime.backends.embedded_engine.io_struct import GenerateRequest, RequestError, SamplingParams, read_json
+from slime.backends.embedded_engine.io_struct import GenerateRequest, JSONResponse, RequestError, SamplingParams, read_json
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -145,21 +145,36 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: dict) -> list[SlotMove]:
         """Mark ``seq`` finished and free its slot; return the cache move that keeps slots contiguous."""
-        seq.finish_reason = reason
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            return []
-        return self._remove_running(seq)
+        return self.finish_all([(seq, reason)])
 
-    def _remove_running(self, seq: Sequence) -> list[SlotMove]:
-        slot = seq.slot
-        last = self.running.pop()
-        seq.slot = None
-        if last is seq:
+    def finish_all(self, finished: list[tuple[Sequence, dict]]) -> list[SlotMove]:
+        """Mark each sequence finished and free their slots together; return the cache moves that keep the
+        running batch in slots 0..B-1: the survivors beyond the new end fill the freed slots below it, one move
+        each (none when the whole batch ends at one step; freeing the rows one by one would move the last row
+        into each freed slot, half the batch's cache for rows that are about to be freed too)."""
+        leaving = []
+        for seq, reason in finished:
+            seq.finish_reason = reason
+            if seq.slot is None:  # waiting (never ran, or retracted)
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+            else:
+                leaving.append(seq)
+        if not leaving:
             return []
-        self.running[slot] = last
-        last.slot = slot
-        return [SlotMove(src=len(self.running), dst=slot, length=last.num_computed)]
+        end = len(self.running) - len(leaving)
+        gone = {id(seq) for seq in leaving}
+        holes = sorted(seq.slot for seq in leaving if seq.slot < end)
+        movers = [seq for seq in self.running[end:] if id(seq) not in gone]
+        moves = []
+        for hole, seq in zip(holes, movers, strict=True):
+            moves.append(SlotMove(src=seq.slot, dst=hole, length=seq.num_computed))
+            self.running[hole] = seq
+            seq.slot = hole
+        del self.running[end:]
+        for seq in leaving:
+            seq.slot = None
+        return moves
 
     def select_abort(self, rid: str | None, abort_all: bool) -> list[Sequence]:
         """Requests an abort applies to: all, or those whose rid starts with ``rid`` (SGLang semantics)."""

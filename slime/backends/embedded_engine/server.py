@@ -14,13 +14,14 @@ import logging
 import time
 from datetime import datetime, timezone
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from slime.backends.embedded_engine.async_engine import AsyncEngine
 from slime.backends.embedded_engine.config import ServerArgs
 from slime.backends.embedded_engine.engine import Engine
-from slime.backends.embedded_engine.io_struct import RequestError, parse_generate, read_json
+from slime.backends.embedded_engine.io_struct import JSONResponse, RequestError, parse_generate, read_json
 from slime.backends.embedded_engine.profiler import add_profile_routes
 from slime.backends.update_weight import wire_format
 from slime.utils.misc import load_function
@@ -77,7 +78,7 @@ class _Auth:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="slime embedded engine")
+    app = FastAPI(title="slime embedded engine", default_response_class=JSONResponse)
     app.state.server = state
 
     app.add_middleware(_Auth, api_key=state.args.api_key)
@@ -126,7 +127,7 @@ async def _sse(client: AsyncEngine, requests):
             chunk = client.output_dict(seq, latency, snapshot, final=finished)
             if len(requests) > 1:
                 chunk["index"] = index
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     except RequestError as exc:
         error = {"error": {"message": exc.message, "type": "invalid_request_error", "code": exc.status,
                            "retryable": False}}

@@ -205,6 +205,17 @@ def test_concurrent_requests_interleave(http, hf_model):
     assert after["joins_while_decoding"] > before["joins_while_decoding"]  # joined a batch mid-generation
 
 
+def test_answers_place_each_request_on_the_unix_clock(http):
+    """SGLang's request_received_ts / request_finished_ts / response_sent_to_client_ts, in order, inside the
+    client's own window, and consistent with the phase durations (what bench/engine_decode.py's timeline uses)."""
+    sent = time.time()
+    meta = greedy(http, PROMPTS[0], 30)["meta_info"]
+    read = time.time()
+    assert sent <= meta["request_received_ts"] < meta["request_finished_ts"] <= meta["response_sent_to_client_ts"] <= read
+    served = meta["request_finished_ts"] - meta["request_received_ts"]
+    assert served == pytest.approx(meta["queue_time"] + meta["prefill_duration"] + meta["decode_duration"], abs=5e-3)
+
+
 def test_pause_continue_flush_and_memory(http):
     assert http.post("/pause_generation", json={}).json()["status"] == "ok"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
