@@ -21,7 +21,7 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
                          "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend",
-                         "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver",
+                         "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver", "enable-weights-cpu-backup",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
                          "speculative-ngram-max-trie-depth"}

@@ -44,7 +44,8 @@ def build_server(args: ServerArgs):
                          cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend,
                          mla_decode=args.mla_decode, quantization=args.quantization,
                          fp8_gemm_backend=args.fp8_gemm_backend, kv_cache_dtype=args.kv_cache_dtype,
-                         routed_experts=args.enable_return_routed_experts, memory_saver=args.enable_memory_saver)
+                         routed_experts=args.enable_return_routed_experts, memory_saver=args.enable_memory_saver,
+                         weights_cpu_backup=args.enable_weights_cpu_backup)
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
     engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed,
                     speculative=build_speculative(args, runner, prefill), num_threads=threads)

@@ -35,6 +35,7 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"
     enable_return_routed_experts: bool = False
     enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "flag), so the CUDA graphs survive a colocated training step; needs the torch-memory-saver "
                         "package. Without it a released engine moves its weights to host memory and recaptures its "
                         "graphs after the resume. No effect on CPU")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true", default=False,
+                   help="with --enable-memory-saver: keep the parameters' content across a release in pinned host "
+                        "memory (SGLang's flag). Off (the default, as in SGLang), a release drops it and the engine "
+                        "refuses to generate until every parameter was rewritten by a weight update (the colocated "
+                        "cycle pushes all of them after each resume); buffers, a NEXTN layer and FP8 weights are "
+                        "always kept")
     spec = p.add_argument_group("speculative decoding (SGLang's flags; see docs/embedded_engine.md)")
     spec.add_argument("--speculative-algorithm", default=None, type=str.upper,
                       help="NGRAM (prompt lookup: propose the tokens that followed the longest earlier match of the "

@@ -152,6 +152,10 @@ class Engine:
             self._finish_all(finished)
         return len(targets)
 
+    def _refuse_all(self, reason: dict) -> None:
+        self._drain()
+        self._finish_all([(seq, dict(reason)) for seq in self.scheduler.select_abort(None, abort_all=True)])
+
     def _finish(self, seq: Sequence, reason: dict) -> None:
         self._finish_all([(seq, reason)])
 
@@ -208,6 +212,10 @@ class Engine:
         one when nothing could run because waiting requests are being gathered (else 0)."""
         start = time.perf_counter()
         produced = 0
+        if not self.runner.weights_ready:  # released without a host backup and not all pushed since the resume
+            self._refuse_all({"type": "abort", "message": self.runner.unwritten_weights, "status_code": 409,
+                              "err_type": "Conflict"})
+            return 0.0
         if self.scheduler.waiting and self.scheduler.waiting[0].need > self.scheduler.slot_capacity:
             produced += self._grow_cache_when_idle()
         hold = self._admission_hold()

@@ -7,9 +7,16 @@ the next rollout (0.6B on an H200: the rollout took 2.61 s instead of 1.49 s, th
 ``torch-memory-saver`` (the package SGLang uses for the same flag) allocates tensors through CUDA's
 virtual memory API instead: a pause unmaps the physical memory of a tagged region (the device really
 has it free: ``cudaMemGetInfo`` and the trainer see it), a resume maps new physical memory at the
-same virtual addresses, so the graphs replay as captured. The weights are backed up in pinned host
-memory kept between pauses (their content survives); the KV cache is not (nothing runs when it is
-released, and this engine keeps no prefix cache).
+same virtual addresses, so the graphs replay as captured.
+
+Content across a pause, as in SGLang: the KV cache keeps none (nothing runs while it is released, and
+this engine keeps no prefix cache); the model's parameters keep none either unless
+``--enable-weights-cpu-backup`` (SGLang's flag, off by default): the colocated cycle resumes them and
+pushes every weight before the next rollout, so copying 1.2 GB to the host and back would be wasted.
+The runner then tracks which parameters were rewritten since the resume and refuses to generate until
+all were (``ModelRunner.unwritten_weights``). What a weight push does not rewrite is always backed up in
+pinned host memory kept between pauses (tag ``weights_kept``): buffers (rotary tables, ...), a NEXTN
+draft layer, and the FP8 weights and scales of ``--quantization fp8`` (their update path quantizes into them).
 
 Measured on one H200 (torch-memory-saver 0.0.10, 2026-12-03): 1.2 GB of weights paused in 23 ms and
 resumed in 41 ms once the host backup exists (its first allocation took 0.8 s), a 7 GB KV region in
@@ -23,7 +30,8 @@ import itertools
 
 import torch
 
-WEIGHTS = "weights"
+WEIGHTS = "weights"  # the model's parameters: content kept only with --enable-weights-cpu-backup
+WEIGHTS_KEPT = "weights_kept"  # what a weight push does not rewrite: content always kept
 _kv_regions = itertools.count()
 
 
@@ -41,6 +49,7 @@ class MemorySaver:
         self._tms.hook_mode = "torch"  # torch's pluggable allocator: no LD_PRELOAD in the engine's environment
         self._tms.retain_cpu_backup = True  # pinned host backups are allocated once, not at every pause
         self.paused: set[str] = set()
+        self.weight_tags: set[str] = set()  # the weight regions that hold tensors (adopt)
 
     @staticmethod
     def new_kv_tag() -> str:
@@ -60,13 +69,23 @@ class MemorySaver:
             self._tms.resume(tag)
             self.paused.discard(tag)
 
+    def pause_weights(self) -> None:
+        for tag in sorted(self.weight_tags):
+            self.pause(tag)
+
+    def resume_weights(self) -> None:
+        for tag in sorted(self.weight_tags):
+            self.resume(tag)
+
     @torch.no_grad()
-    def adopt(self, modules: list[torch.nn.Module], tag: str = WEIGHTS) -> int:
-        """Move every device parameter and buffer of ``modules`` into the pausable region ``tag`` (content
-        kept across pauses), one tensor at a time, keeping each Parameter object (tied weights stay tied;
-        views are taken from the parameters when needed, never kept). Returns the bytes moved."""
-        moved, seen, copies = 0, set(), {}
-        with self.region(tag, keep_content=True):
+    def adopt(self, modules: list[torch.nn.Module], keep_parameters: bool = True) -> list[torch.Tensor]:
+        """Move every device parameter and buffer of ``modules`` into a pausable region, one tensor at a time,
+        keeping each Parameter object (tied weights stay tied; views are taken from the parameters when
+        needed, never kept): the parameters into ``weights`` (their content kept across pauses only if
+        ``keep_parameters``), buffers into ``weights_kept``. Returns the parameters whose content a pause
+        drops (none when ``keep_parameters``)."""
+        dropped, seen, copies = [], set(), {}
+        with self.region(WEIGHTS if not keep_parameters else WEIGHTS_KEPT, keep_content=keep_parameters):
             for module in modules:
                 for sub in module.modules():
                     for param in sub._parameters.values():
@@ -74,16 +93,22 @@ class MemorySaver:
                             continue
                         seen.add(id(param))
                         param.data = param.data.clone(memory_format=torch.preserve_format)
-                        moved += param.numel() * param.element_size()
+                        if not keep_parameters:
+                            dropped.append(param)
+        with self.region(WEIGHTS_KEPT, keep_content=True):
+            for module in modules:
+                for sub in module.modules():
                     for name, buf in list(sub._buffers.items()):
                         if buf is None or not buf.is_cuda:
                             continue
                         if id(buf) not in copies:  # a buffer two modules share stays shared
                             copies[id(buf)] = (buf, buf.clone(memory_format=torch.preserve_format))
-                            moved += buf.numel() * buf.element_size()
                         sub._buffers[name] = copies[id(buf)][1]
+        if seen:
+            self.weight_tags.add(WEIGHTS if not keep_parameters else WEIGHTS_KEPT)
+        if copies:
+            self.weight_tags.add(WEIGHTS_KEPT)
         copies.clear()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the tensors they replaced
-        return moved
-
+        return dropped

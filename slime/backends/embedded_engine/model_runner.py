@@ -24,7 +24,7 @@ from slime.backends.embedded_engine import attention, fused_projections
 from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
 from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, DecodeCacheView, SlotCacheView,
                                                      SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
-from slime.backends.embedded_engine.memory_saver import WEIGHTS, MemorySaver
+from slime.backends.embedded_engine.memory_saver import MemorySaver
 from slime.backends.embedded_engine.mla_decode import MLA_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class ModelRunner:
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
                  quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 routed_experts: bool = False, memory_saver: bool = False):
+                 routed_experts: bool = False, memory_saver: bool = False, weights_cpu_backup: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -95,11 +95,17 @@ class ModelRunner:
         #: --enable-memory-saver on CUDA (memory_saver.py): weights and KV cache released and resumed at the
         #: same addresses, so a colocated engine keeps its CUDA graphs across training steps
         self.saver = None
+        #: the parameters a release drops (no --enable-weights-cpu-backup), and of those, bytes not yet rewritten
+        #: since the last resume per storage (unwritten_weights); FP8 weights are buffers, always backed up
+        self._dropped_on_release: list[torch.Tensor] = []
+        self._unwritten: dict[int, int] = {}
         if memory_saver and self.device.type == "cuda":
             self.saver = MemorySaver()
-            moved = self.saver.adopt([self.model])
-            logger.info("memory saver: %.1f MB of weights in a pausable region (host backup kept between pauses)",
-                        moved / 2**20)
+            keep = weights_cpu_backup or self.fp8 is not None
+            self._dropped_on_release = self.saver.adopt([self.model], keep_parameters=keep)
+            logger.info("memory saver: %.1f MB of weights in pausable regions (%s)", self.weight_bytes() / 2**20,
+                        "content kept across releases" if keep else
+                        "parameters rewritten by the weight push after each resume; buffers kept")
         self._mtp_adopted = False
         self.max_slots = num_slots
         self._geometry = self._cached_geometry()  # (heads, key width, value width) each layer caches
@@ -513,8 +519,32 @@ class ModelRunner:
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            if self._unwritten:
+                self._mark_written(target)
             count += 1
         return count
+
+    def _mark_written(self, target: torch.Tensor) -> None:
+        key = target.untyped_storage().data_ptr()
+        if key in self._unwritten:
+            self._unwritten[key] -= target.numel() * target.element_size()
+            if self._unwritten[key] <= 0:
+                del self._unwritten[key]
+
+    @property
+    def weights_ready(self) -> bool:
+        return not self._unwritten
+
+    @property
+    def unwritten_weights(self) -> str | None:
+        """Why the weights cannot be used (None when they can): released without a host backup and not all
+        rewritten since the resume (a tensor of a storage counts once all its bytes were written)."""
+        if not self._unwritten:
+            return None
+        names = [name for name, p in self.model.named_parameters() if p.untyped_storage().data_ptr() in self._unwritten]
+        return (f"the weights were released without a host backup and {len(self._unwritten)} parameter(s) were not "
+                f"rewritten since the resume (e.g. {names[:3]}): send every weight after /resume_memory_occupation "
+                "(the colocated update does), or start the engine with --enable-weights-cpu-backup")
 
     def load_from_disk(self, model_path: str) -> int:
         """Load a full HF checkpoint directory (same architecture) into the running model."""
@@ -539,6 +569,8 @@ class ModelRunner:
         """A parameter or persistent buffer (e.g. DeepSeek's expert bias) by HF name; checkpoint-named
         experts read their slice of the fused expert parameters; FP8 weights read dequantized."""
         self._check_weights_mapped("read")
+        if not self.weights_ready:
+            raise RuntimeError(self.unwritten_weights)
         if self.mtp is not None and self.mtp.owns(name):
             return self.mtp.get(name)
         if self.fp8 is not None and self.fp8.owns(name):
@@ -581,10 +613,10 @@ class ModelRunner:
         if self.saver is not None and self.weights_on_device:  # (the saver exists only on CUDA)
             if self.mtp is not None and not self._mtp_adopted:  # the NEXTN layer, added after start-up
                 self.graphs.clear()
-                self.saver.adopt([self.mtp])
+                self.saver.adopt([self.mtp], keep_parameters=True)
                 self._mtp_adopted = True
             torch.cuda.synchronize()
-            self.saver.pause(WEIGHTS)
+            self.saver.pause_weights()
         elif self.device.type == "cuda" and self.weights_on_device:
             self.graphs.clear()  # they point at the parameters' device memory
             self.model.to("cpu", non_blocking=True)  # into pinned host memory, reused by the next release
@@ -596,7 +628,10 @@ class ModelRunner:
 
     def resume_weights(self) -> None:
         if self.saver is not None and not self.weights_on_device:
-            self.saver.resume(WEIGHTS)
+            self.saver.resume_weights()
+            # what the release dropped must be rewritten before the next forward (unwritten_weights)
+            self._unwritten = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                               for p in self._dropped_on_release}
         elif self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()
             self.model.to(self.device, non_blocking=True)  # from the pinned copies

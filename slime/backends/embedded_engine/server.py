@@ -485,7 +485,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request)
         try:
             tensor = runner.get_weight(body.get("name", ""))
-        except KeyError as exc:
+        except (KeyError, RuntimeError) as exc:  # unknown name; released, or not rewritten since the resume
             return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
         truncate = int(body.get("truncate_size", 100))
         return tensor.detach().float().reshape(-1)[:truncate].tolist() if tensor.dim() <= 1 else \

@@ -198,16 +198,18 @@ def test_release_and_resume_memory_occupation(fp32_engine):
 @pytest.fixture(scope="module")
 def saver_engine(tiny_model_dir):
     pytest.importorskip("torch_memory_saver")
-    proc = start_cuda_engine(tiny_model_dir, "--dtype", "float32", "--enable-memory-saver", *BIG_CACHE)
+    proc = start_cuda_engine(tiny_model_dir, "--dtype", "float32", "--enable-memory-saver", "--enable-weights-cpu-backup",
+                             *BIG_CACHE)
     yield proc
     proc.stop()
 
 
 @pytest.mark.gpu
 def test_memory_saver_frees_weights_and_cache_and_keeps_the_graphs(saver_engine, tiny_model_dir, tmp_path):
-    """--enable-memory-saver: a release frees the weights' and the cache's device memory (seen by this
-    process), a resume brings both back at the same addresses: the decode graphs replay (no capture after
-    the resume), the weights are intact (same greedy output, HF's argmax), and an update after the resume lands."""
+    """--enable-memory-saver --enable-weights-cpu-backup: a release frees the weights' and the cache's device
+    memory (seen by this process), a resume brings both back at the same addresses: the decode graphs replay (no
+    capture after the resume), the weights are intact (same greedy output, HF's argmax), and an update after the
+    resume lands."""
     url = saver_engine.url
     generate(url, [[1 + i % 400 for i in range(2030)]], 8)  # slots grow to 2048 tokens: ~2 GiB of KV
     usage = memory_usage(url)
@@ -241,6 +243,44 @@ def test_memory_saver_frees_weights_and_cache_and_keeps_the_graphs(saver_engine,
     model = hf_cuda(moved_dir, torch.float32)
     for prompt, out in zip(PROMPTS, moved):
         check_against_hf(model, prompt, out, 0.0, FP32_TOL)
+
+
+@pytest.mark.gpu
+def test_memory_saver_without_weight_backup_needs_the_push_and_keeps_the_graphs(tiny_model_dir, tmp_path):
+    """SGLang's default (no --enable-weights-cpu-backup): a release frees the weights and the cache, a resume
+    maps fresh memory; generation is refused (409) until every parameter was rewritten, then a full update
+    decodes HF's output of the new weights with the graphs captured before the release."""
+    pytest.importorskip("torch_memory_saver")
+    proc = start_cuda_engine(tiny_model_dir, "--dtype", "float32", "--enable-memory-saver", *BIG_CACHE)
+    try:
+        url = proc.url
+        generate(url, [[1 + i % 400 for i in range(2030)]], 8)
+        usage = memory_usage(url)
+        kv_bytes, weight_bytes = usage["kvcache"] * 2**30, usage["weight"] * 2**30
+        generate(url, PROMPTS, 12)
+        captures = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["cuda_graph_captures"]
+        moved_dir = copy_with_weights(tiny_model_dir, tmp_path / "perturbed", perturbed_state_dict(tiny_model_dir))
+        for round_ in range(2):
+            torch.cuda.synchronize()
+            free_before, _ = torch.cuda.mem_get_info()
+            assert httpx.post(url + "/release_memory_occupation", json={}, timeout=120).json() is None
+            free_released, _ = torch.cuda.mem_get_info()
+            assert free_released - free_before >= 0.95 * (kv_bytes + weight_bytes), (round_, free_before, free_released)
+            assert httpx.post(url + "/resume_memory_occupation", json={}, timeout=120).json() is None
+            refused = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0}}, timeout=120)
+            assert refused.status_code == 409 and "--enable-weights-cpu-backup" in refused.text, refused.text
+            source = moved_dir if round_ == 0 else tiny_model_dir
+            loaded = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(source)}, timeout=120)
+            assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
+            outs = generate(url, PROMPTS, 12)
+            model = hf_cuda(source, torch.float32)
+            for prompt, out in zip(PROMPTS, outs):
+                check_against_hf(model, prompt, out, 0.0, FP32_TOL)
+        info = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+        assert info["cuda_graph_captures"] == captures, "a resume in place keeps the captured graphs"
+    finally:
+        proc.stop()
 
 
 def _second_gpu() -> str:

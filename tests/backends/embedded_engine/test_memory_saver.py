@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+import pytest
 import torch
 
 from slime.backends.embedded_engine.kv_cache import CacheShape, SlotKVCache
@@ -66,3 +67,68 @@ def test_without_a_saver_release_frees_the_buffers():
     assert cache.keys == [] and cache.nbytes() == 0 and not cache.allocated
     cache.allocate()
     assert cache.allocated and len(cache.keys) == 2
+
+
+# ------------------------------------------------------------------ weights released without a host backup
+class WeightSaver(RecordingSaver):
+    def pause_weights(self):
+        self.calls.append(("pause", "weights"))
+
+    def resume_weights(self):
+        self.calls.append(("resume", "weights"))
+
+
+def greedy_answer(engine, prompt, n=6):
+    import threading
+
+    from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+
+    done = threading.Event()
+    request = GenerateRequest(rid=f"g{id(done)}", input_ids=prompt,
+                              params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    seq = engine.call(lambda: engine.add_request(request, lambda s, f: f and done.set())).result(10)
+    assert done.wait(60)
+    return seq
+
+
+def test_weights_released_without_backup_refuse_generation_until_every_parameter_is_rewritten(tiny_model_dir,
+                                                                                               monkeypatch):
+    """No --enable-weights-cpu-backup (SGLang's default): after a resume the parameters hold garbage until the
+    push rewrote all of them. The engine answers 409 naming what is missing (nothing silently decodes from
+    stale memory), a push that leaves out one projection of a fused q/k/v GEMM is not enough, a full one
+    restores HF's greedy output. (The real torch-memory-saver needs CUDA: test_gpu.py runs it.)"""
+    from engine_test_utils import hf_greedy, load_hf
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    runner = ModelRunner(tiny_model_dir, device="cpu", num_slots=2, slot_capacity=64)
+    assert runner.fused_projections["qkv"] > 0
+    hf = load_hf(tiny_model_dir)
+    weights = {name: t.clone() for name, t in hf.state_dict().items()}
+    runner.saver, runner._dropped_on_release = WeightSaver(), list(runner.model.parameters())
+    engine = Engine(runner, chunked_prefill_size=64)
+    engine.start()
+    try:
+        prompt = [5, 9, 33, 2]
+        assert list(greedy_answer(engine, prompt).output_ids) == hf_greedy(hf, prompt, 6)
+        engine.call(runner.release_weights).result(10)
+        engine.call(runner.resume_weights).result(10)
+        with torch.no_grad():
+            for p in runner.model.parameters():
+                p.fill_(0.5)  # what unbacked memory may hold after a resume
+        refused = greedy_answer(engine, prompt)
+        assert refused.finish_reason["status_code"] == 409 and refused.output_ids == []
+        assert "--enable-weights-cpu-backup" in refused.finish_reason["message"]
+        with pytest.raises(RuntimeError, match="not rewritten since the resume"):
+            runner.get_weight("model.norm.weight")
+        left_out = "model.layers.1.self_attn.v_proj.weight"
+        engine.call(lambda: runner.load_named_tensors((n, t) for n, t in weights.items() if n != left_out)).result(10)
+        refused = greedy_answer(engine, prompt)
+        assert refused.finish_reason["status_code"] == 409 and "1 parameter(s)" in refused.finish_reason["message"]
+        assert "layers.1.self_attn" in refused.finish_reason["message"]
+        engine.call(lambda: runner.load_named_tensors([(left_out, weights[left_out])])).result(10)
+        assert list(greedy_answer(engine, prompt).output_ids) == hf_greedy(hf, prompt, 6)
+        assert runner.saver.calls[-2:] == [("pause", "weights"), ("resume", "weights")]
+    finally:
+        engine.stop()
