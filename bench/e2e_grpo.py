@@ -102,6 +102,11 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
         values = [r[f"perf/{key}"] for r in perf if f"perf/{key}" in r]
         if len(values) > args.warmup:
             metrics[key] = mean(steady(values, args.warmup))
+    pushes = [r for r in records if r["kind"] == "perf" and "perf/update_weights_gather_time" in r]
+    for key in ("gather", "admin", "pack", "load", "session"):  # the weight push's phases (train_actor, tensor.py)
+        values = [r[f"perf/update_weights_{key}_time"] for r in pushes if f"perf/update_weights_{key}_time" in r]
+        if len(values) > args.warmup:
+            metrics[f"push_{key}_time"] = mean(steady(values, args.warmup))
     metrics["response_len_mean"] = mean(steady([r["rollout/response_len/mean"] for r in rollouts], args.warmup))
     for key in ("engine_busy_fraction", "engine_decode_time", "engine_prefill_time", "engine_decode_steps",
                 "engine_prefill_forwards"):  # the engine's own account

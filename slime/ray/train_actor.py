@@ -177,13 +177,35 @@ class TrainRayActor:
                 # §2.20: the hook runs on every rank, after rank 0 wrote the files, before engines read them
                 run_post_write_hook(self.args, None, list(getattr(self.args, "rollout_engine_urls", None) or []))
             return {}
+        gather = [0.0]
+
+        def timed(buckets):  # time spent producing each bucket: gathering the shards, casting to the engines' dtype
+            iterator = iter(buckets)
+            while True:
+                begin = time.perf_counter()
+                bucket = next(iterator, None)
+                gather[0] += time.perf_counter() - begin
+                if bucket is None:
+                    return
+                yield bucket
+
+        paused = time.perf_counter()
         self.weight_updater.client.pause()
+        admin = time.perf_counter() - paused
         try:
-            sent = self.weight_updater.update(buckets, str(weight_version))
+            sent = self.weight_updater.update(timed(buckets), str(weight_version))
         finally:
+            resumed = time.perf_counter()
             self.weight_updater.client.resume()
+            admin += time.perf_counter() - resumed
         seconds = time.perf_counter() - start
-        return {"perf/update_weights_bytes": sent, "perf/update_weights_gbytes_per_s": sent / max(seconds, 1e-9) / 1e9}
+        # where the push went: the buckets' production, the engines' pause/flush/continue round trips, and the
+        # transport's own phases (its `timings`: e.g. packing the bucket and the engines' copies)
+        metrics = {"perf/update_weights_bytes": sent, "perf/update_weights_gbytes_per_s": sent / max(seconds, 1e-9) / 1e9,
+                   "perf/update_weights_gather_time": gather[0], "perf/update_weights_admin_time": admin}
+        for phase, value in getattr(self.weight_updater, "timings", {}).items():
+            metrics[f"perf/update_weights_{phase}_time"] = value
+        return metrics
 
     def push_weights_to(self, engine_urls: list[str], engine_gpu_counts: list[int], weight_version: int) -> int:
         """Send the current weights to just ``engine_urls`` (engines the health monitor restarted in the

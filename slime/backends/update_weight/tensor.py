@@ -9,6 +9,8 @@ and serializer, the only ones its unpickler accepts (``wire_format``).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from slime.backends.update_weight.base import EngineClient
@@ -26,6 +28,7 @@ class TensorWeightUpdater:
         self.client = EngineClient(engine_urls)
         self.engine_gpu_counts = engine_gpu_counts
         self._staging: torch.Tensor | None = None  # CPU: one shared-memory buffer reused for every bucket
+        self.timings: dict[str, float] = {}  # the last update's phases (update)
         self.for_sglang = getattr(args, "rollout_backend", "sglang") == "sglang"
         self._metadata = metadata_class(self.for_sglang)  # fails here, at set-up, if SGLang's class is missing
         use_file_system_sharing()
@@ -47,10 +50,17 @@ class TensorWeightUpdater:
         return {"flattened_tensor": self._staging[:total], "metadata": metadata}
 
     def update(self, buckets, weight_version: str) -> int:
-        """Send every bucket; return the number of bytes sent to each engine."""
+        """Send every bucket; return the number of bytes sent to each engine. ``timings`` holds the seconds
+        of its phases: ``pack`` (one flat buffer per bucket and its handle), ``load`` (the engines' answers
+        to the bucket: they open the handle and copy into their weights; on CUDA the packing's device work
+        finishes there too), ``session`` (the calls that open and close the engines' weight-update session)."""
         total = 0
+        self.timings = {"pack": 0.0, "load": 0.0, "session": 0.0}
+        opened = time.perf_counter()
         with self.client.weight_update_session():
+            self.timings["session"] += time.perf_counter() - opened
             for bucket in buckets:
+                begin = time.perf_counter()
                 on_gpu = any(t.is_cuda for _, t in bucket)
                 flat = flatten_tensors(bucket, self.for_sglang) if on_gpu else self._stage_on_cpu(bucket)
                 payload = serialize_for_engine(flat, self.for_sglang)
@@ -59,9 +69,14 @@ class TensorWeightUpdater:
                      "flush_cache": False, "weight_version": weight_version}
                     for count in self.engine_gpu_counts  # a CPU engine counts 0 GPUs: one entry, its one rank
                 ]
+                packed = time.perf_counter()
                 self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer
+                self.timings["pack"] += packed - begin
+                self.timings["load"] += time.perf_counter() - packed
                 total += flat["flattened_tensor"].numel()
                 del flat
+            closing = time.perf_counter()
+        self.timings["session"] += time.perf_counter() - closing
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return total
