@@ -103,7 +103,8 @@ class ModelRunner:
             self.saver = MemorySaver()
             keep = weights_cpu_backup or self.fp8 is not None
             self._dropped_on_release = self.saver.adopt([self.model], keep_parameters=keep)
-            logger.info("memory saver: %.1f MB of weights in pausable regions (%s)", self.weight_bytes() / 2**20,
+            logger.info("memory saver: %.1f MB of parameters in pausable regions (%s)",
+                        sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20,
                         "content kept across releases" if keep else
                         "parameters rewritten by the weight push after each resume; buffers kept")
         self._mtp_adopted = False
