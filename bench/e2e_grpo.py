@@ -97,8 +97,8 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
         metrics[key] = mean(values)
         if key == "step_time":
             metrics["step_time_min"], metrics["step_time_max"] = min(values), max(values)
-    for key in ("offload_rollout_time", "onload_train_time", "onload_rollout_weights_time", "offload_train_time",
-                "onload_rollout_kv_time"):  # colocated offloading's phases (present while it is on)
+    for key in ("offload_rollout_time", "onload_train_time", "release_train_cache_time", "begin_offload_train_time",
+                "onload_rollout_weights_time", "offload_train_time", "onload_rollout_kv_time"):  # colocated offloading's phases (present while it is on)
         values = [r[f"perf/{key}"] for r in perf if f"perf/{key}" in r]
         if len(values) > args.warmup:
             metrics[key] = mean(steady(values, args.warmup))

@@ -211,11 +211,11 @@ class Job:
         # tensors (fp32 parameters and Adam state, 12 bytes a parameter) hold 6x the engines' bf16 weights, so this fits
         # wherever training did, once the trainer has returned the blocks its activations left cached.
         if offload_train and self.args.offload_rollout:
-            self.actor.release_cached_memory()
+            self._timed("release_train_cache", self.actor.release_cached_memory)
         if offload_train:
             # the optimizer state goes to the host (device to host) while the engines bring their weights back (host
             # to device: the two directions at once) and the weights are pushed; its device memory is freed after
-            self.actor.begin_offload()
+            self._timed("begin_offload_train", self.actor.begin_offload)
         if self.args.offload_rollout:
             self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
         self.weight_version += 1

@@ -28,7 +28,7 @@ cache rows of the step, whose padded/unused positions the caller masks out.
 
 from __future__ import annotations
 
-import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +165,7 @@ class SlotKVCache:
         self.device = device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._flat: torch.Tensor | None = None  # under the memory saver: the one allocation keys and values view
         if allocate:
             self.allocate()
 
@@ -178,16 +179,24 @@ class SlotKVCache:
         if self.paused:  # the same addresses, fresh memory: zeroed as a new cache is
             self.saver.resume(self.tag)
             self.paused = False
-            for buf in self.keys + self.values:
-                buf.zero_()
+            self._flat.zero_()
             return
         s = self.shape
         keys = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
         values = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.value_width)
-        region = self.saver.region(self.tag, keep_content=False) if self.saver is not None else contextlib.nullcontext()
-        with region:
+        if self.saver is None:
             self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
             self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+            return
+        # under the memory saver one allocation holds every layer's buffers (views): a release and a resume
+        # unmap / map it in one call each, and the resume zeroes it with one kernel
+        key_numel, value_numel = math.prod(keys), math.prod(values)
+        with self.saver.region(self.tag, keep_content=False):
+            self._flat = torch.zeros(s.num_layers * (key_numel + value_numel), dtype=self.dtype, device=self.device)
+        self.keys = [self._flat[i * key_numel:(i + 1) * key_numel].view(keys) for i in range(s.num_layers)]
+        base = s.num_layers * key_numel
+        self.values = [self._flat[base + i * value_numel:base + (i + 1) * value_numel].view(values)
+                       for i in range(s.num_layers)]
 
     def read(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of layer ``layer``'s buffers as the attention computes with them (FP8: dequantized copies)."""

@@ -10,6 +10,7 @@ uses as-is for both the ``sdpa`` and ``eager`` attention implementations.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import inspect
@@ -96,8 +97,10 @@ class ModelRunner:
         #: same addresses, so a colocated engine keeps its CUDA graphs across training steps
         self.saver = None
         #: the parameters a release drops (no --enable-weights-cpu-backup), and of those, bytes not yet rewritten
-        #: since the last resume per storage (unwritten_weights); FP8 weights are buffers, always backed up
+        #: since the last resume by start address (unwritten_weights); FP8 weights are buffers, always backed up
         self._dropped_on_release: list[torch.Tensor] = []
+        self._dropped_bytes: dict[int, int] = {}  # their start address -> bytes (fixed: resumes map in place)
+        self._unwritten_starts: list[int] = []
         self._unwritten: dict[int, int] = {}
         if memory_saver and self.device.type == "cuda":
             self.saver = MemorySaver()
@@ -526,11 +529,17 @@ class ModelRunner:
         return count
 
     def _mark_written(self, target: torch.Tensor) -> None:
-        key = target.untyped_storage().data_ptr()
-        if key in self._unwritten:
-            self._unwritten[key] -= target.numel() * target.element_size()
-            if self._unwritten[key] <= 0:
-                del self._unwritten[key]
+        """Count ``target``'s bytes (a parameter, or a view into one: a fused projection's part, an expert)
+        against the parameter whose memory holds it."""
+        address = target.data_ptr()
+        i = bisect.bisect_right(self._unwritten_starts, address) - 1
+        if i < 0:
+            return
+        start = self._unwritten_starts[i]
+        if start in self._unwritten and address < start + self._dropped_bytes[start]:
+            self._unwritten[start] -= target.numel() * target.element_size()
+            if self._unwritten[start] <= 0:
+                del self._unwritten[start]
 
     @property
     def weights_ready(self) -> bool:
@@ -542,7 +551,7 @@ class ModelRunner:
         rewritten since the resume (a tensor of a storage counts once all its bytes were written)."""
         if not self._unwritten:
             return None
-        names = [name for name, p in self.model.named_parameters() if p.untyped_storage().data_ptr() in self._unwritten]
+        names = [name for name, p in self.model.named_parameters() if p.data_ptr() in self._unwritten]
         return (f"the weights were released without a host backup and {len(self._unwritten)} parameter(s) were not "
                 f"rewritten since the resume (e.g. {names[:3]}): send every weight after /resume_memory_occupation "
                 "(the colocated update does), or start the engine with --enable-weights-cpu-backup")
@@ -630,9 +639,12 @@ class ModelRunner:
     def resume_weights(self) -> None:
         if self.saver is not None and not self.weights_on_device:
             self.saver.resume_weights()
-            # what the release dropped must be rewritten before the next forward (unwritten_weights)
-            self._unwritten = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                               for p in self._dropped_on_release}
+            # what the release dropped must be rewritten before the next forward (unwritten_weights); the
+            # parameters are views of one allocation, so they are told apart by their address ranges
+            self._dropped_bytes = {p.data_ptr(): p.numel() * p.element_size() for p in self._dropped_on_release
+                                   if p.numel()}
+            self._unwritten_starts = sorted(self._dropped_bytes)
+            self._unwritten = dict(self._dropped_bytes)
         elif self.device.type == "cuda" and not self.weights_on_device:
             self.graphs.clear()
             self.model.to(self.device, non_blocking=True)  # from the pinned copies

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine.kv_cache import CacheShape, SlotKVCache
+from slime.backends.embedded_engine.memory_saver import _flat_copies
 
 
 class RecordingSaver:
@@ -106,7 +107,12 @@ def test_weights_released_without_backup_refuse_generation_until_every_parameter
     assert runner.fused_projections["qkv"] > 0
     hf = load_hf(tiny_model_dir)
     weights = {name: t.clone() for name, t in hf.state_dict().items()}
-    runner.saver, runner._dropped_on_release = WeightSaver(), list(runner.model.parameters())
+    params = list(runner.model.parameters())
+    with torch.no_grad():  # as MemorySaver.adopt lays them out: views of one allocation
+        for param, view in zip(params, _flat_copies([p.data for p in params])):
+            param.data = view
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    runner.saver, runner._dropped_on_release = WeightSaver(), params
     engine = Engine(runner, chunked_prefill_size=64)
     engine.start()
     try:
