@@ -293,6 +293,12 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, evalu
     """The default generator for a whole group (see :func:`batchable_group`): one batched request,
     each answer appended to its sample exactly as :func:`generate` does. Samples whose budgets differ
     (different prompt lengths under a context limit) are sent one by one instead."""
+    first = group[0]
+    if not first.tokens and not first.multimodal_inputs and all(s.prompt == first.prompt and not s.tokens for s in group):
+        # one prompt, n samples (GRPO's group): tokenized once for all of them
+        tokens = _prompt_token_ids(GenerateState(args).tokenizer, first.prompt)
+        for sample in group:
+            sample.tokens = list(tokens)
     budgets = [_request_budget(args, sample, sampling_params, evaluation) for sample in group]
     if len(set(budgets)) != 1:
         return list(await asyncio.gather(*(generate(args, s, sampling_params, evaluation) for s in group)))
