@@ -185,9 +185,13 @@ class Engine:
         seq.routed_experts = experts.read(seq.slot, start, seqlen - 1)
 
     def _apply_moves(self, moves: list[SlotMove]) -> None:
-        for move in moves:
-            self.runner.move_slot(move.src, move.dst, move.length)
-            if self.speculative is not None:  # the draft model's cache keeps the same slot layout
+        if len(moves) > 1:  # one indexed copy per cache buffer for all of them (sources and targets are disjoint:
+            # Scheduler.finish_all moves rows from beyond the new end to below it), not one per row and buffer
+            self.runner.copy_slots([m.src for m in moves], [m.dst for m in moves], max(m.length for m in moves))
+        elif moves:
+            self.runner.move_slot(moves[0].src, moves[0].dst, moves[0].length)
+        if self.speculative is not None:  # the draft model's cache keeps the same slot layout
+            for move in moves:
                 self.speculative.move_slot(move.src, move.dst, move.length)
 
     # ------------------------------------------------------------------ one step
