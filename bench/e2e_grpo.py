@@ -25,7 +25,11 @@ Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
 ``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
 time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``, ``engine_decode_steps``,
-``engine_prefill_forwards``); and ``speedup_vs_trl`` = TRL step time / slime step time.
+``engine_prefill_forwards``), colocated offloading's phases while it is on (``offload_rollout_time``,
+``onload_train_time``, ``release_train_cache_time``, ``begin_offload_train_time``, ``onload_rollout_weights_time``,
+``offload_train_time``, ``onload_rollout_kv_time``) and the weight push's (``push_gather_time``, ``push_admin_time``,
+``push_pack_time``, ``push_load_time``, ``push_session_time``: docs/INTERFACES.md's ``perf/update_weights_*``);
+and ``speedup_vs_trl`` = TRL step time / slime step time.
 
 ``engine_alone/`` is the reference for slime's rollout: the embedded engine by itself (its own
 process, the same device, the same launch flags as the loop's engine) given each step's requests as
