@@ -212,8 +212,12 @@ def test_answers_place_each_request_on_the_unix_clock(http):
     meta = greedy(http, PROMPTS[0], 30)["meta_info"]
     read = time.time()
     assert sent <= meta["request_received_ts"] < meta["request_finished_ts"] <= meta["response_sent_to_client_ts"] <= read
+    # admission placed on the same clock lies between the engine's receipt and its finish (a wrong conversion of the
+    # engine's monotonic stamps would put it seconds away), and the handler's latency covers the engine's span
+    admitted = meta["request_finished_ts"] - meta["decode_duration"] - meta["prefill_duration"]
+    assert meta["request_received_ts"] - 1e-3 <= admitted <= meta["request_finished_ts"]
     served = meta["request_finished_ts"] - meta["request_received_ts"]
-    assert served == pytest.approx(meta["queue_time"] + meta["prefill_duration"] + meta["decode_duration"], abs=5e-3)
+    assert served <= meta["queue_time"] + meta["prefill_duration"] + meta["decode_duration"] + 1e-3
 
 
 def test_pause_continue_flush_and_memory(http):
