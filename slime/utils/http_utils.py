@@ -88,24 +88,32 @@ async def close_client() -> None:
         await session.close()
 
 
+def json_dumps(obj: Any) -> bytes:
+    """JSON bytes by orjson (numpy arrays and scalars as lists and numbers, non-string keys as strings; NaN and
+    infinities as null, as SGLang's orjson answers have them), by json for what orjson refuses (integers beyond
+    64 bits). The engine's answers and the rollout's requests both go through it."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:
+        return json.dumps(obj).encode()
+
+
+def json_loads(raw: bytes | str) -> Any:
+    """Parse JSON by orjson, by json for what only json takes (NaN, Infinity); invalid JSON raises
+    ``json.JSONDecodeError`` in json's words (line and column)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
 def _decode(body: bytes) -> Any:
     if not body:
         return None
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        pass
-    try:  # NaN / Infinity, which Python's json writes and orjson refuses
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        return json_loads(body)
+    except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
         return body.decode("utf-8", errors="replace")
-
-
-def _encode(payload: Any) -> bytes:
-    try:
-        return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
-    except orjson.JSONEncodeError:  # e.g. integers beyond 64 bits, which json writes
-        return json.dumps(payload).encode()
 
 
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
@@ -116,7 +124,7 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
     :class:`HTTPRequestError` at once with the server's message.
     """
     last_error: str = ""
-    data = None if payload is None else _encode(payload)  # None: an empty body, as aiohttp's json=None sends
+    data = None if payload is None else json_dumps(payload)  # None: an empty body, as aiohttp's json=None sends
     if data is not None:
         headers = {"Content-Type": "application/json", **(headers or {})}
     for attempt in range(1, max_retries + 1):

@@ -17,8 +17,9 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import orjson
 from starlette.responses import JSONResponse as _StarletteJSONResponse
+
+from slime.utils.http_utils import json_dumps, json_loads
 
 TOP_K_ALL = 1 << 30
 
@@ -42,11 +43,7 @@ async def read_json(request, required: bool = True) -> dict:
             raise RequestError("request body is empty; send a JSON object", shape="openai")
         return {}
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:  # what orjson refuses and json takes (NaN, Infinity), or the error in json's words
-        body = None
-    try:
-        body = json.loads(raw) if body is None else body
+        body = json_loads(raw)
     except json.JSONDecodeError as exc:
         raise RequestError(f"JSON decode error: {exc.msg} at line {exc.lineno} column {exc.colno}", shape="openai")
     if not isinstance(body, dict):
@@ -61,7 +58,7 @@ class JSONResponse(_StarletteJSONResponse):
     arrays and scalars are written as lists and numbers."""
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+        return json_dumps(content)
 
 
 @dataclass

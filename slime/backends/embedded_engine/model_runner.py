@@ -548,7 +548,7 @@ class ModelRunner:
     @property
     def unwritten_weights(self) -> str | None:
         """Why the weights cannot be used (None when they can): released without a host backup and not all
-        rewritten since the resume (a tensor of a storage counts once all its bytes were written)."""
+        rewritten since the resume (a parameter counts once all its bytes were written)."""
         if not self._unwritten:
             return None
         names = [name for name, p in self.model.named_parameters() if p.data_ptr() in self._unwritten]

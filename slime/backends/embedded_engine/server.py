@@ -14,7 +14,6 @@ import logging
 import time
 from datetime import datetime, timezone
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
@@ -24,6 +23,7 @@ from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import JSONResponse, RequestError, parse_generate, read_json
 from slime.backends.embedded_engine.profiler import add_profile_routes
 from slime.backends.update_weight import wire_format
+from slime.utils.http_utils import json_dumps
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ async def _sse(client: AsyncEngine, requests):
             chunk = client.output_dict(seq, latency, snapshot, final=finished)
             if len(requests) > 1:
                 chunk["index"] = index
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: " + json_dumps(chunk) + b"\n\n"
     except RequestError as exc:
         error = {"error": {"message": exc.message, "type": "invalid_request_error", "code": exc.status,
                            "retryable": False}}

@@ -9,7 +9,6 @@ naming the URL, the attempts and the last failure.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 
@@ -37,11 +36,12 @@ async def remote_rm(args, sample, max_retries: int = 10):
     last_error = ""
     for attempt in range(1, max_retries + 1):
         try:  # the rollout's shared session (slime.utils.http_utils), with this call's own timeout
-            async with http_utils.get_client().post(url, json=payload,
+            async with http_utils.get_client().post(url, data=http_utils.json_dumps(payload),
+                                                    headers={"Content-Type": "application/json"},
                                                     timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
                 status, body = response.status, await response.read()
             if status < 400:
-                return json.loads(body)
+                return http_utils.json_loads(body)
             last_error = f"HTTP {status}: {body[:300].decode('utf-8', errors='replace')}"
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             last_error = f"{type(e).__name__}: {e}"
