@@ -12,7 +12,9 @@ Builds a checkpoint of ``--model`` (``bench/engine_decode.py``'s ``build_checkpo
 weights with the public architecture's shapes) or loads ``--model-path``, puts ``--batch`` rows in
 the KV cache with every row at ``--position`` (its new token at that position, so each row reads
 ``position + 1`` cached tokens) and runs the model runner's decode step, as the engine does (on CUDA
-a replayed CUDA graph of the KV-length bucket). No HTTP, scheduler or sampling: only the forward.
+a replayed CUDA graph of the KV-length bucket). No HTTP or scheduler; no sampling unless ``--sample``
+(``fused``: the sampler's one-read kernel, ``torch``: its torch ops, either in the timed and profiled
+step; ``sample_torch_ms`` / ``sample_fused_ms`` time each path alone on one step's logits).
 
 Metrics:
 
@@ -120,6 +122,10 @@ def main() -> None:
                         help="time a verify step of this many tokens a row instead of a decode step (1: decode)")
     parser.add_argument("--verify-eager", action="store_true",
                         help="with --verify-tokens: through the generic forward (the verify path before the T-token step)")
+    parser.add_argument("--sample", default="none", choices=["none", "fused", "torch"],
+                        help="time each step with the engine's sampling of its logits (temperature 1): the one-read "
+                             "kernel (sampling_kernel.py), or torch's ops (the path before it); sample_torch_ms and "
+                             "sample_fused_ms time both alone")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
                         help="write the result JSON (default folder bench/results, or a .json path)")
     args = parser.parse_args()
@@ -183,12 +189,28 @@ def main() -> None:
                 runner.verify([[5] * width] * args.batch, starts)
     else:
         def step():
-            runner.decode(tokens, positions)
+            logits = runner.decode(tokens, positions)
+            if args.sample != "none":
+                sample_on_device(logits, sample_rows, generator)
+
+    from slime.backends.embedded_engine import sampler
+    from slime.backends.embedded_engine.sampler import RowSampling, sample_on_device
+
+    sampler.FUSED_ON_CUDA = args.sample == "fused"
+    sample_rows, generator = [RowSampling(temperature=1.0)] * args.batch, torch.Generator(device=runner.device).manual_seed(0)
 
     for _ in range(3):  # capture the graph, warm the allocator
         step()
     device = runner.device
     seconds = timed_steps(step, device, args.steps)
+    sample_ms = {}
+    if args.sample != "none" and width == 1:  # the sampling alone on one step's logits, both paths
+        logits = runner.decode(tokens, positions).clone()
+        for path in ("torch", "fused"):
+            sampler.FUSED_ON_CUDA = path == "fused"
+            sample_ms[path] = 1e3 * timed_steps(lambda: sample_on_device(logits, sample_rows, generator), device,
+                                                args.steps)
+        sampler.FUSED_ON_CUDA = args.sample == "fused"
     table = kernel_table(step, device, args.profile_steps)
 
     layers = getattr(runner.config, "text_config", runner.config).num_hidden_layers
@@ -199,6 +221,8 @@ def main() -> None:
     metrics = {"step_ms": seconds * 1e3, "step_bytes": step_bytes, "weight_bytes": weight_bytes,
                "kv_bytes_per_token": kv_bytes_per_token, "kernels_per_step": kernels,
                "kernels_per_layer": kernels / layers, "kernel_us_per_step": sum(row["us"] for row in table),
+               "sample_ms": sample_ms.get(args.sample), "sample_torch_ms": sample_ms.get("torch"),
+               "sample_fused_ms": sample_ms.get("fused"),
                "cuda_graph": runner.graphs.captures > 0, "verify_graph_captures": runner.graphs.verify_captures,
                "top_kernels": [{**row, "us": round(row["us"], 1)} for row in table[:args.top]]}
     if device.type == "cuda":
@@ -206,7 +230,7 @@ def main() -> None:
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
               "kv_cache_dtype": str(runner.kv_cache.dtype), "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
-              "verify_tokens": args.verify_tokens, "verify_eager": args.verify_eager,
+              "verify_tokens": args.verify_tokens, "verify_eager": args.verify_eager, "sample": args.sample,
               "without": args.without, "with": args.with_, "attention_block_n": args.attention_block_n,
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),

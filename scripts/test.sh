@@ -11,7 +11,7 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra --timeout=900 "$@"
 fi
 .venv/bin/python -m pytest -q -ra --timeout=900 tests
-# The fused Triton log-prob kernels and the FP8 GEMM on the CPU, run by Triton's interpreter, and the FP8 GEMM compiled
+# The fused Triton log-prob kernels, the sampler's kernel and the FP8 GEMM on the CPU, run by Triton's interpreter, and the FP8 GEMM compiled
 # for sm_90 by triton's bundled ptxas (no GPU needed) (~20 s). triton is not a
 # dependency: setup-env.sh keeps a copy in .venv/sglang-args, off the import path; this pass sees
 # only that package (a directory holding a link to it), so the main run above stays triton-free.
@@ -46,6 +46,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fused_ops.py::test_qk_norm_rope_interpreted_writes_the_cache_as_the_decode_write_does \
     tests/backends/embedded_engine/test_fused_ops.py::test_decode_with_the_cache_write_in_the_norm_rope_kernel_interpreted_keeps_the_logits \
     tests/backends/embedded_engine/test_small_gemm.py \
+    tests/backends/embedded_engine/test_sampling_kernel.py \
     tests/backends/embedded_engine/test_kernels_compile.py \
     tests/backends/embedded_engine/test_kv_cache_fp8.py::test_cuda_decode_path_interpreted_with_fp8_kv_stays_close
 fi

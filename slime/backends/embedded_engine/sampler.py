@@ -18,15 +18,21 @@ of a 64-row, 591-token step on one core.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from slime.backends.embedded_engine import sampling_kernel
+
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 #: CPU: untruncated, unseeded rows sample by inverse transform (:func:`_draw_inverse_cdf`); False
 #: keeps the exponential race there too (bench A/B switch)
 CPU_INVERSE_CDF = True
+#: CUDA: the fast path (:func:`on_fast_path`) as one read of the logits (``sampling_kernel.py``);
+#: SLIME_FUSED_SAMPLING=0 keeps the torch ops (the A/B of bench/engine_decode.py and decode_step.py)
+FUSED_ON_CUDA = os.environ.get("SLIME_FUSED_SAMPLING", "1") != "0"
 
 
 @dataclass
@@ -78,7 +84,11 @@ def on_fast_path(rows: list[RowSampling], vocab: int) -> bool:
 def sample_on_device(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without the final copy: ``(token ids [rows] int64, log-probs [rows] fp32)`` on the
-    logits' device."""
+    logits' device. On CUDA the fast path runs as two Triton kernels (``sampling_kernel.py``): the same
+    distribution and log-probs, drawn with Philox noise instead of torch's exponential noise."""
+    if (FUSED_ON_CUDA and logits.is_cuda and sampling_kernel.available(logits)
+            and on_fast_path(rows, logits.shape[1])):
+        return sampling_kernel.sample(logits, rows[0].temperature, rows[0].greedy, generator)
     logits = logits.float()
     for i, row in enumerate(rows):
         if row.banned_token_ids:

@@ -3,7 +3,7 @@ interpreter runs Python, so a kernel that only the compiler rejects (a value who
 an ``if``, an unsupported cast) passes the interpreter tests and breaks on the H200. Each variant the
 engine launches is compiled here: bf16 and FP8 caches, with and without the fused cache write, split
 and single-split attention with the in-kernel merge, one query token a row (decode) and a verify step's
-T tokens, the small-M GEMM's prologue/epilogue variants."""
+T tokens, the small-M GEMM's prologue/epilogue variants, the sampler's kernels."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from slime.backends.embedded_engine import fused_ops, small_gemm, triton_attention
+from slime.backends.embedded_engine import fused_ops, sampling_kernel, small_gemm, triton_attention
 
 def compile_one(kernel, types, constexprs, num_warps=4, num_stages=1):
     names = list(kernel.arg_names)
@@ -53,6 +53,15 @@ for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, GATE=gate, HAS_BIAS=True,
                          HAS_RESIDUAL=residual, PRECISION=precision, UPCAST=False), num_stages=4)
         done.append(f"small_gemm/{dtype}/split={split}/gate={gate}")
+for greedy in (False, True):  # the sampler's fast path over fp32 logits (the decode graph's output)
+    types = dict(logits_ptr="*fp32", temperature="fp32", seed_ptr="*i64", max_ptr="*fp32", sum_ptr="*fp32",
+                 score_ptr="*fp32", index_ptr="*i32")
+    compile_one(sampling_kernel._partial_kernel, types, dict(GREEDY=greedy, BLOCK=sampling_kernel.BLOCK))
+    done.append(f"sample_partial/greedy={greedy}")
+types = dict(logits_ptr="*fp32", temperature="fp32", max_ptr="*fp32", sum_ptr="*fp32", score_ptr="*fp32",
+             index_ptr="*i32", tokens_ptr="*i64", logprobs_ptr="*fp32")
+compile_one(sampling_kernel._combine_kernel, types, dict(SPLITS=64), num_warps=1)
+done.append("sample_combine")
 print(json.dumps(done))
 """
 
@@ -66,4 +75,4 @@ def test_decode_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * (2 + 6) + 6, compiled
+    assert len(compiled) == 3 * (2 + 6) + 6 + 3, compiled
