@@ -42,6 +42,7 @@ burst ``verify_forwards``, ``decode_steps``, ``accept_rate`` (accepted / propose
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import shlex
 import shutil
@@ -136,6 +137,13 @@ def measure(model_path: str, engine_args: list[str], prompts, args, env: dict | 
                              # per request and decode step (the first token, from prefill, included)
                              "tokens_per_row_step": delta["generated_tokens"] / max(delta["decode_rows"], 1),
                              "decode_seconds": delta["decode_seconds"]}
+        if args.profile_dir:  # one more repetitive burst under the engine's torch profiler (CPU + GPU, stacks)
+            import httpx
+
+            body = {"output_dir": os.path.abspath(args.profile_dir), "num_steps": args.profile_steps,
+                    "activities": ["CPU", "GPU"], "with_stack": True, "profile_id": "-".join(engine_args[1:2]) or "off"}
+            httpx.post(engine.url + "/start_profile", json=body, timeout=60).raise_for_status()
+            asyncio.run(burst(engine.url, prompts, args.max_new_tokens, WORKLOADS["repetitive"]))
     finally:
         engine.stop()
     return results
@@ -159,6 +167,10 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="extra flags for every engine")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-dir", default=None,
+                        help="after the measured bursts, profile --profile-steps engine steps of one more repetitive "
+                             "burst per engine into this folder (Chrome traces with Python stacks)")
+    parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None)
     args = parser.parse_args()
 
