@@ -28,8 +28,10 @@ time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``,
 ``engine_prefill_forwards``), colocated offloading's phases while it is on (``offload_rollout_time``,
 ``onload_train_time``, ``release_train_cache_time``, ``begin_offload_train_time``, ``onload_rollout_weights_time``,
 ``offload_train_time``, ``onload_rollout_kv_time``) and the weight push's (``push_gather_time``, ``push_admin_time``,
-``push_pack_time``, ``push_load_time``, ``push_session_time``: docs/INTERFACES.md's ``perf/update_weights_*``);
-and ``speedup_vs_trl`` = TRL step time / slime step time.
+``push_pack_time``, ``push_load_time``, ``push_session_time``: docs/INTERFACES.md's ``perf/update_weights_*``),
+the train/rollout mismatch over all steps (``train_rollout_logprob_abs_diff``; with ``--slime-extra --use-tis`` also
+``tis``, ``tis_clipfrac``, ``tis_abs``; ``ppo_kl``, ``pg_clipfrac``: e.g. an FP8 rollout A/B, ``--slime-extra
+--sglang-quantization fp8 [--use-tis]``); and ``speedup_vs_trl`` = TRL step time / slime step time.
 
 ``engine_alone/`` is the reference for slime's rollout: the embedded engine by itself (its own
 process, the same device, the same launch flags as the loop's engine) given each step's requests as
@@ -119,9 +121,11 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
             metrics[key] = mean(steady(values, args.warmup))
     metrics["steps"] = len(perf)
     metrics["process_wall_time"] = wall
-    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in trains if "train/train_rollout_logprob_abs_diff" in r]
-    if diffs:
-        metrics["train_rollout_logprob_abs_diff"] = mean(diffs)
+    # the train/rollout mismatch and, with --use-tis, what the importance weights did (low-precision rollout A/B)
+    for key in ("train_rollout_logprob_abs_diff", "tis", "tis_clipfrac", "tis_abs", "ppo_kl", "pg_clipfrac"):
+        values = [r[f"train/{key}"] for r in trains if f"train/{key}" in r]
+        if values:
+            metrics[key] = mean(values)
     return metrics
 
 
