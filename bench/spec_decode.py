@@ -169,7 +169,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", default=None,
                         help="after the measured bursts, profile --profile-steps engine steps of one more repetitive "
-                             "burst per engine into this folder (Chrome traces with Python stacks)")
+                             "burst per engine into this folder (Chrome traces with Python stacks; tools/summarize_profile.py "
+                             "reads them)")
     parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None)
     args = parser.parse_args()
