@@ -9,8 +9,9 @@ truncation, no per-request seed, no banned ids — the common RL case) computes,
 The Gumbel-max draw is the exponential race the torch path runs (``argmax(log p - log E)`` with
 ``E = -log U``; ``log p`` and ``x`` differ by the row's constant ``logsumexp``), so both draw from
 ``softmax(x)``. In torch that is ~8 passes over a ``[rows, vocab]`` fp32 tensor (scale, log-softmax,
-exponential noise, its log, the difference, argmax, gather): ~0.4 ms for 128 rows of a 152k
-vocabulary on an H200, against ~3 ms for the decode step itself. Here:
+exponential noise, its log, the difference, argmax, gather): 1.6-2.1 ms alone for 128 rows of a 152k
+vocabulary on an H200 (~0.2 ms of each 2.2-3.5 ms decode step inside the engine's run-ahead loop);
+these two kernels take 0.11-0.20 ms (``bench/decode_step.py --sample``). Here:
 
 * :func:`_partial_kernel`, grid ``(rows, splits)``: each program streams one slice of a row once
   and keeps, per lane, the running max and the sum of ``exp(x - max)`` (the online log-sum-exp) and
@@ -23,6 +24,8 @@ Slices: enough programs to fill the GPU (``rows x splits`` >= 4 per SM) with >= 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -123,10 +126,14 @@ def available(logits: torch.Tensor) -> bool:
     return triton is not None and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def splits_for(rows: int, vocab: int, device: torch.device) -> int:
     """Slices per row: >= 4 programs per SM over the batch, each slice >= 4 tiles."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    by_occupancy = -(-4 * sms // rows)
+    by_occupancy = -(-4 * _multiprocessors(device) // max(rows, 1))
     by_length = max(1, vocab // (4 * BLOCK))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -138,6 +145,8 @@ def sample(logits: torch.Tensor, temperature: float, greedy: bool, generator: to
     The noise's seed is drawn from ``generator`` on the logits' device, so a seeded engine repeats."""
     rows, vocab = logits.shape
     device = logits.device
+    if rows == 0:
+        return (torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float32, device=device))
     splits = splits_for(rows, vocab, device)
     chunk = -(-vocab // splits)
     chunk = -(-chunk // BLOCK) * BLOCK

@@ -140,3 +140,11 @@ def test_sample_on_device_uses_the_kernel_on_the_fast_path_only():
     tokens, logprobs = sampler.sample_on_device(logits, truncated, torch.Generator(device="cuda").manual_seed(5))
     assert (logits.topk(5, dim=-1).indices == tokens.view(-1, 1)).any(dim=1).all()
     torch.testing.assert_close(logprobs, reference.gather(1, tokens.view(-1, 1)).view(-1), atol=1e-5, rtol=0)
+
+
+@needs_interpreter
+def test_fused_sampling_interpreted_takes_an_empty_batch():
+    from slime.backends.embedded_engine import sampling_kernel
+
+    tokens, logprobs = sampling_kernel.sample(torch.zeros(0, 5000), 1.0, False)
+    assert tokens.shape == (0,) and tokens.dtype == torch.int64 and logprobs.shape == (0,)
