@@ -191,7 +191,11 @@ def spec_meta_info(seq: "Sequence") -> dict:
 # ---------------------------------------------------------------------- drafters
 def ngram_propose(state: SpecState, tokens: list[int], max_match: int, k: int) -> list[int]:
     """Prompt lookup: the ``k`` tokens that followed the most recent earlier occurrence of the longest
-    suffix of ``tokens`` (up to ``max_match`` tokens long); [] when the last token never occurred."""
+    suffix of ``tokens`` (up to ``max_match`` tokens long); [] when the last token never occurred.
+
+    A match ``p`` tokens back (the text repeating with period ``p < k``, as a looping output does) has only
+    ``p`` tokens after it; the drafts then continue the period (``draft[j] = draft[j - p]``) instead of
+    stopping at the end of the text, so a loop gets ``k`` drafts a step rather than ``p``."""
     for pos in range(state.ngram_indexed, len(tokens) - 1):  # the last token is the query, not a candidate
         state.ngram_index.setdefault(tokens[pos], []).append(pos)
     state.ngram_indexed = max(state.ngram_indexed, len(tokens) - 1)
@@ -205,7 +209,13 @@ def ngram_propose(state: SpecState, tokens: list[int], max_match: int, k: int) -
             best, best_len = cand, length
             if length == max_match:
                 break
-    return tokens[best + 1: best + 1 + k] if best >= 0 else []
+    if best < 0:
+        return []
+    drafts = tokens[best + 1: best + 1 + k]
+    period = last - best
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
 
 
 class ChainDrafter(abc.ABC):

@@ -106,6 +106,15 @@ def test_ngram_proposes_what_followed_the_longest_earlier_match():
     assert ngram_propose(SpecState(), [1, 2, 3], max_match=4, k=2) == []
 
 
+def test_ngram_continues_a_loop_shorter_than_its_drafts():
+    # the text loops with period 3: the match 3 tokens back has 3 tokens after it, the 4th repeats the loop
+    assert ngram_propose(SpecState(), [9, 1, 2, 3, 1, 2, 3, 1, 2], max_match=4, k=4) == [3, 1, 2, 3]
+    assert ngram_propose(SpecState(), [4, 7, 7], max_match=4, k=5) == [7, 7, 7, 7, 7]  # period 1
+    # a loop of period 2 inside a longer text, and a far match that has k tokens after it (no loop)
+    assert ngram_propose(SpecState(), [5, 8, 6, 8, 6, 8], max_match=2, k=3) == [6, 8, 6]
+    assert ngram_propose(SpecState(), [1, 2, 3, 4, 5, 6, 1, 2], max_match=4, k=3) == [3, 4, 5]
+
+
 # ---------------------------------------------------------------------- the acceptance rule
 CHI2_LIMIT = {5: 25.7, 4: 23.5}  # chi-square quantile at p = 1e-4 for 5 and 4 degrees of freedom
 
