@@ -42,8 +42,8 @@ burst ``verify_forwards``, ``decode_steps``, ``accept_rate`` (accepted / propose
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
+import os
 import shlex
 import shutil
 import sys
@@ -104,7 +104,7 @@ async def burst(url: str, prompts, max_new_tokens: int, temperature: float) -> f
     return sum(counts) / elapsed
 
 
-def measure(model_path: str, engine_args: list[str], prompts, args, env: dict | None = None) -> dict:
+def measure(engine_name: str, model_path: str, engine_args: list[str], prompts, args, env: dict | None = None) -> dict:
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 
     context = max(512, max(len(p) for p in prompts) + args.max_new_tokens + 16)
@@ -141,7 +141,7 @@ def measure(model_path: str, engine_args: list[str], prompts, args, env: dict | 
             import httpx
 
             body = {"output_dir": os.path.abspath(args.profile_dir), "num_steps": args.profile_steps,
-                    "activities": ["CPU", "GPU"], "with_stack": True, "profile_id": "-".join(engine_args[1:2]) or "off"}
+                    "activities": ["CPU", "GPU"], "with_stack": True, "profile_id": engine_name}  # <engine>-TP-0.trace.json
             httpx.post(engine.url + "/start_profile", json=body, timeout=60).raise_for_status()
             asyncio.run(burst(engine.url, prompts, args.max_new_tokens, WORKLOADS["repetitive"]))
     finally:
@@ -169,8 +169,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", default=None,
                         help="after the measured bursts, profile --profile-steps engine steps of one more repetitive "
-                             "burst per engine into this folder (Chrome traces with Python stacks; tools/summarize_profile.py "
-                             "reads them)")
+                             "burst per engine into this folder (<engine>-TP-0.trace.json: Chrome traces with Python "
+                             "stacks; tools/summarize_profile.py reads them)")
     parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None)
     args = parser.parse_args()
@@ -210,7 +210,7 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone, nextn "
                              "(or ngram-eager etc.: verify steps through the generic forward)")
-        results = {name: measure(model_path, engines[name], prompts, args,
+        results = {name: measure(name, model_path, engines[name], prompts, args,
                                  env={"SLIME_SPEC_VERIFY_DECODE": "0"} if name.endswith("-eager") else None)
                    for name in wanted}
     finally:

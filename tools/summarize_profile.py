@@ -1,7 +1,7 @@
 """Summarize an engine profile (a Chrome trace from ``/start_profile`` with ``with_stack``): where a step's
 wall time goes on the host and how busy the GPU was.
 
-    python tools/summarize_profile.py /tmp/prof/NGRAM-TP-0.trace.json [--top 40] [--match slime/]
+    python tools/summarize_profile.py /tmp/prof/ngram-TP-0.trace.json [--top 40] [--match slime/]
 
 Prints, as JSON:
 

@@ -59,7 +59,7 @@ def test_summary_reads_steps_functions_and_the_gpu_idle_time():
 
 
 def test_command_line_reads_a_gzip_trace(tmp_path):
-    path = tmp_path / "NGRAM-TP-0.trace.json.gz"
+    path = tmp_path / "ngram-TP-0.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": two_steps()}, f)
     done = subprocess.run([sys.executable, str(TOOL), str(path), "--match", "speculative.py"],

@@ -121,8 +121,8 @@ if triton is not None:
 
 
 def available(logits: torch.Tensor) -> bool:
-    """Whether :func:`sample` can run on ``logits`` (a CUDA tensor, Triton importable; or the CPU under
-    Triton's interpreter, which the tests use)."""
+    """Whether :func:`sample` takes ``logits``: Triton importable, a ``[rows, vocab]`` tensor with unit column
+    stride. The device is the caller's choice (CUDA in the engine; the CPU under Triton's interpreter in tests)."""
     return triton is not None and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0
 
 
@@ -151,7 +151,7 @@ def sample(logits: torch.Tensor, temperature: float, greedy: bool, generator: to
     chunk = -(-vocab // splits)
     chunk = -(-chunk // BLOCK) * BLOCK
     splits = -(-vocab // chunk)
-    partial = torch.empty((4, rows, splits), dtype=torch.float32, device=device)
+    partial = torch.empty((3, rows, splits), dtype=torch.float32, device=device)  # each slice's max, sum, best score
     index = torch.empty((rows, splits), dtype=torch.int32, device=device)
     if greedy:
         seed = index  # not read
