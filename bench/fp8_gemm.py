@@ -1,18 +1,21 @@
-"""The FP8 GEMM alone, one column per path: bf16 ``torch.nn.functional.linear`` (cuBLAS), the fused
-Triton FP8 kernel (activations quantized inside the GEMM), the two-kernel Triton path (a quantize
-kernel, then the GEMM on e4m3 A) and cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm`` after the
-same quantize kernel; where it runs: sm_90, torch with CUDA >= 12.9), on the decoder linear shapes of
-the Qwen3 architectures, per batch size. Prints JSON; one visit shows which path wins where, the data
-``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
+"""The FP8 GEMM alone, one column per path: bf16 ``torch.nn.functional.linear`` (cuBLAS), the
+weight-only Triton kernel (W8A16: bf16 activations, the e4m3 weight dequantized in registers), the
+fused Triton W8A8 kernel (activations quantized inside the GEMM), the two-kernel Triton W8A8 path (a
+quantize kernel, then the GEMM on e4m3 A) and cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``
+after the same quantize kernel; where it runs: sm_90, torch with CUDA >= 12.9), on the decoder linear
+shapes of the Qwen3 architectures, per batch size. Prints JSON; one visit shows which path wins where,
+the data ``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
 
     python bench/fp8_gemm.py --out                         # H200: qwen3-0.6b/1.7b/4b, M in 1,16,64,128,256,2048
-    python bench/fp8_gemm.py --sweep --rows 1,16,64,128 --out bench/results/fp8_gemm-nvidia-h200-$(date +%Y%m%d)-sweep.json
+    python bench/fp8_gemm.py --sweep weight_only --rows 16,64,128 --out bench/results/fp8_gemm-nvidia-h200-$(date +%Y%m%d)-sweep.json
     TRITON_INTERPRET=1 PYTHONPATH=.venv/triton-interpreter python bench/fp8_gemm.py --models tiny --rows 1,16 \\
         --repeats 1                                         # CPU: tiny shapes through Triton's interpreter
 
-Shapes (per decoder layer, ``bench/engine_decode.py``'s ``ARCHITECTURES``): ``q`` [heads·head_dim, H],
-``kv`` [kv_heads·head_dim, H] (k and v: two per layer), ``o`` [H, heads·head_dim], ``gate_up``
-[I, H] (two per layer), ``down`` [H, I]. ``--models tiny`` is a CPU-sized stand-in (H 256, I 512).
+Shapes (per decoder layer, ``bench/engine_decode.py``'s ``ARCHITECTURES``), ``--layout fused`` (the
+default, what the engine runs): ``qkv`` [(heads + 2·kv_heads)·head_dim, H], ``o`` [H, heads·head_dim],
+``gate_up`` [2·I, H], ``down`` [H, I]; ``--layout separate`` (the 2026-12-01 results): ``q``, ``kv``
+(two per layer), ``o``, ``gate_up`` [I, H] (two per layer), ``down``. ``--models tiny`` is a CPU-sized
+stand-in (H 256, I 512).
 
 Timing is what a decode step sees: each measurement replays a CUDA graph of ``copies`` calls, each on
 its own copy of the weight, with enough copies (>= 256 MiB of weights, at most 64) that the weights
@@ -21,21 +24,22 @@ by ``copies``. The quantize kernel of the two-kernel and cuBLASLt paths is insid
 (On the CPU: wall time of the calls, no graph; only a check that the script runs.)
 
 Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``; per FP8 path ``<path>_us`` (path in
-``fused``, ``two_kernel``, ``cublas``; ``cublas`` absent where it does not run), ``<path>_speedup``
-(bf16 / it) and ``<path>_max_rel_err`` (its bf16 output against ``fp8.reference_matmul(quantize_inputs=True)``,
-over the largest output: a sanity check that the timed path computes the right thing; the bf16
-rounding gives up to ~4e-3, a wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``auto_path`` (what
+``weight_only``, ``fused``, ``two_kernel``, ``cublas``; ``cublas`` absent where it does not run),
+``<path>_speedup`` (bf16 / it) and ``<path>_max_rel_err`` (its bf16 output against
+``fp8.reference_matmul``, with quantized activations for the W8A8 paths, over the largest output: a
+sanity check that the timed path computes the right thing; the bf16 rounding gives up to ~4e-3, a
+wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``auto_path`` (what
 ``--fp8-gemm-backend auto`` runs there today) and ``auto_over_best`` (its time over the best's:
-> 1.05 means ``fp8.GEMM_DISPATCH`` should change there); ``fused_tiles`` / ``two_kernel_tiles`` (the
-planned Triton tiles) and ``fused_model_us`` / ``two_kernel_model_us`` (what
-``fp8_triton.estimated_cycles``, the cost model ``plan_tiles`` picks by, predicted); ``bf16_tb_s`` /
+> 1.05 means ``fp8.GEMM_DISPATCH`` should change there); ``weight_only_tiles`` / ``fused_tiles`` /
+``two_kernel_tiles`` (the planned Triton tiles) and ``<path>_model_us`` (what the cost model the plan
+picks by predicted: ``fp8_triton.weight_only_cycles`` / ``estimated_cycles``); ``bf16_tb_s`` /
 ``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
 bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, the H200's HBM3e
-spec). Per ``<model>/layer/M<rows>``: the seven linears of a layer summed, ``bf16_us`` and per path
-``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep``, also
-``fused_sweep_best_us`` / ``fused_sweep_best_tiles`` / ``planned_over_best`` / ``fused_sweep_best_model_us``
-over every launch ``plan_tiles`` chooses from (``fp8_triton.candidate_tiles``) for the fused kernel:
-whether the model ranks them as the GPU does.
+spec). Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
+``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep P`` (P in
+``fused``, ``weight_only``), also ``P_sweep_best_us`` / ``P_sweep_best_tiles`` /
+``P_planned_over_best`` / ``P_sweep_best_model_us`` over every launch the plan chooses from
+(``fp8_triton.candidate_tiles`` / ``weight_only_candidates``): whether the model ranks them as the GPU does.
 """
 
 from __future__ import annotations
@@ -63,10 +67,15 @@ CLOCK_HZ = 1.98e9  # the clock fp8_triton.estimated_cycles assumes
 MAX_COPIES = 64
 
 
-def layer_shapes(arch: dict) -> dict[str, tuple[int, int, int]]:
-    """``name -> (out_features, in_features, linears of this shape per layer)``."""
+def layer_shapes(arch: dict, layout: str = "separate") -> dict[str, tuple[int, int, int]]:
+    """``name -> (out_features, in_features, linears of this shape per layer)``; ``layout`` ``fused``:
+    q/k/v and gate/up as one GEMM each, as the engine runs them (``fused_projections.py``; under FP8
+    where each part is whole 128-row blocks, which every Qwen3 size is)."""
     hidden, inter = arch["hidden_size"], arch["intermediate_size"]
     q, kv = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
+    if layout == "fused":
+        return {"qkv": (q + 2 * kv, hidden, 1), "o": (hidden, q, 1), "gate_up": (2 * inter, hidden, 1),
+                "down": (hidden, inter, 1)}
     return {"q": (q, hidden, 1), "kv": (kv, hidden, 2), "o": (hidden, q, 1), "gate_up": (inter, hidden, 2),
             "down": (hidden, inter, 1)}
 
@@ -104,7 +113,7 @@ def time_us(calls, device: torch.device, repeats: int) -> float:
 def _paths(device: torch.device, out_features: int, in_features: int) -> list[str]:
     from slime.backends.embedded_engine import fp8_cublas
 
-    paths = ["fused", "two_kernel"]
+    paths = ["weight_only", "fused", "two_kernel"]
     if fp8_cublas.available(device) and fp8_cublas.shape_supported(out_features, in_features):
         paths.append("cublas")
     return paths
@@ -115,6 +124,8 @@ def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Te
 
     if path == "cublas":
         return fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
+    if path == "weight_only":
+        return fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)
     return fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16, tiles=tiles,
                                         quantize_first=path == "two_kernel")
 
@@ -140,7 +151,8 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         fp8_bytes = values.numel() + scales.numel() * 4 + moved_in_out
         result = {"bf16_us": time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device,
                                      args.repeats)}
-        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        references = {quantized: fp8.reference_matmul(x, values, scales, quantize_inputs=quantized)
+                      for quantized in (False, True)}
 
         def fp8_calls(path, tiles=None):
             return [lambda v=v, s=s: _fp8_call(path, x, v, s, tiles) for v, s in fp8_weights]
@@ -149,12 +161,17 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             result[f"{path}_us"] = time_us(fp8_calls(path), device, args.repeats)
             result[f"{path}_speedup"] = result["bf16_us"] / result[f"{path}_us"]
             out = _fp8_call(path, x, values, scales).float()
+            reference = references[path != "weight_only"]  # W8A8 paths: against the quantized activations
             result[f"{path}_max_rel_err"] = float((out - reference).abs().max() / reference.abs().max())
         for path in ("fused", "two_kernel"):
             planned = fp8_triton.plan_tiles(rows, out_features, in_features, device, a_quantized=path == "two_kernel")
             result[f"{path}_tiles"] = str(planned)
             result[f"{path}_model_us"] = fp8_triton.estimated_cycles(
                 planned, rows, out_features, in_features, sms, a_quantized=path == "two_kernel") / CLOCK_HZ * 1e6
+        planned = fp8_triton.plan_weight_only(rows, out_features, in_features, device)
+        result["weight_only_tiles"] = str(planned)
+        result["weight_only_model_us"] = fp8_triton.weight_only_cycles(
+            planned, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6
         best = min(paths, key=lambda path: result[f"{path}_us"])
         auto = fp8.gemm_path("auto", rows, out_features, in_features, device)
         result.update({"best_path": best, "auto_path": auto,
@@ -163,18 +180,22 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                        "fp8_tb_s": fp8_bytes / result[f"{best}_us"] / 1e6})
         result["bf16_hbm_fraction"] = result["bf16_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
-        if args.sweep:
+        for swept in args.sweep:
+            candidates = (fp8_triton.weight_only_candidates(rows, in_features) if swept == "weight_only"
+                          else fp8_triton.candidate_tiles(rows, in_features))
             timed = []
-            for tiles in fp8_triton.candidate_tiles(rows, in_features):
+            for tiles in candidates:
                 try:
-                    timed.append((time_us(fp8_calls("fused", tiles), device, args.repeats), tiles))
+                    timed.append((time_us(fp8_calls(swept, tiles), device, args.repeats), tiles))
                 except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
                     print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             best_us, best_tiles = min(timed, key=lambda item: item[0])
-            result.update({"fused_sweep_best_us": best_us, "fused_sweep_best_tiles": str(best_tiles),
-                           "planned_over_best": result["fused_us"] / best_us,
-                           "fused_sweep_best_model_us": fp8_triton.estimated_cycles(
-                               best_tiles, rows, out_features, in_features, sms) / CLOCK_HZ * 1e6})
+            model = (fp8_triton.weight_only_cycles(best_tiles, rows, out_features, in_features, sms)
+                     if swept == "weight_only" else fp8_triton.estimated_cycles(best_tiles, rows, out_features,
+                                                                                in_features, sms))
+            result.update({f"{swept}_sweep_best_us": best_us, f"{swept}_sweep_best_tiles": str(best_tiles),
+                           f"{swept}_planned_over_best": result[f"{swept}_us"] / best_us,
+                           f"{swept}_sweep_best_model_us": model / CLOCK_HZ * 1e6})
         results[rows] = result
         columns = ", ".join(f"{path} {result[f'{path}_us']:.1f} us ({result[f'{path}_speedup']:.2f}x)" for path in paths)
         print(f"[{out_features}x{in_features} M={rows}] bf16 {result['bf16_us']:.1f} us, {columns}; best {best}, "
@@ -189,10 +210,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", default=None, help="batch sizes M (default 1,16,64,128,256,2048 on CUDA, 1,16 on CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate tile (slow: compiles each)")
+    parser.add_argument("--sweep", nargs="?", const="fused", default="",
+                        help="also time every candidate tile of these Triton paths (comma-separated: fused, "
+                             "weight_only; bare --sweep = fused; slow: compiles each)")
+    parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
+                        help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
+                             "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
     parser.add_argument("--out", nargs="?", const="bench/results", default=None,
                         help="write the results file (a directory, or a .json path)")
     args = parser.parse_args(argv)
+    args.sweep = [path for path in args.sweep.split(",") if path]
+    if any(path not in ("fused", "weight_only") for path in args.sweep):
+        parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, weight_only")
     device = torch.device(args.device)
     from slime.backends.embedded_engine import fp8_triton
 
@@ -206,23 +235,24 @@ def main(argv=None) -> dict:
             parser.error(f"--models: unknown {model!r}; choose from tiny, {', '.join(ARCHITECTURES)}")
         arch = TINY if model == "tiny" else ARCHITECTURES[model]
         layer = {rows: {} for rows in rows_list}  # rows -> column -> [time of one layer's linears of each shape]
-        for name, (out_features, in_features, count) in layer_shapes(arch).items():
+        shapes = layer_shapes(arch, args.layout)
+        for name, (out_features, in_features, count) in shapes.items():
             for rows, result in bench_shape(out_features, in_features, rows_list, device, args).items():
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
-                for column in ("bf16", "fused", "two_kernel", "cublas", "auto"):
+                for column in ("bf16", "weight_only", "fused", "two_kernel", "cublas", "auto"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
         for rows, columns in layer.items():
             bf16_us = sum(columns["bf16"])
             metrics[f"{model}/layer/M{rows}/bf16_us"] = bf16_us
             for column, times in columns.items():
-                if column != "bf16" and len(times) == len(layer_shapes(arch)):  # timed on every shape of the layer
+                if column != "bf16" and len(times) == len(shapes):  # timed on every shape of the layer
                     metrics[f"{model}/layer/M{rows}/{column}_us"] = sum(times)
                     metrics[f"{model}/layer/M{rows}/{column}_speedup"] = bf16_us / sum(times)
     config = {"models": args.models, "rows": rows_list, "device": args.device, "repeats": args.repeats,
-              "sweep": args.sweep, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
+              "sweep": ",".join(args.sweep), "layout": args.layout, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
               "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None}
     return write_result("fp8_gemm", config, metrics, args.out)
 

@@ -28,6 +28,10 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes \
     tests/backends/embedded_engine/test_fp8.py::test_planned_tiles_compile_for_h200_without_spilling \
     tests/backends/embedded_engine/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
+    tests/backends/embedded_engine/test_fp8.py::test_weight_only_gemm_interpreted_equals_the_dequantized_matmul \
+    tests/backends/embedded_engine/test_fp8.py::test_weight_only_linear_interpreted_equals_the_dequant_backend \
+    tests/backends/embedded_engine/test_fp8.py::test_weight_only_plan_fills_the_gpu_for_qwen3_decode_shapes \
+    tests/backends/embedded_engine/test_fp8.py::test_weight_only_tiles_compile_for_h200_on_register_fed_wgmma \
     tests/backends/embedded_engine/test_fp8.py::test_activation_quantizer_interpreted_is_bit_exact \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
     tests/backends/embedded_engine/test_fp8.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \

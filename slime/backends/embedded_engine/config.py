@@ -93,13 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "embeddings, lm_head, norms and the KV cache stay in --dtype (SGLang's flag; fp8 is the "
                         "only value the embedded engine implements)")
     p.add_argument("--fp8-gemm-backend", default="auto",
-                   help="with --quantization fp8: triton (CUDA) runs Triton kernels that quantize activations per "
-                        "token and 128-channel group and multiply e4m3 x e4m3 (one fused kernel up to 16 tokens, "
-                        "a quantize kernel + GEMM above); cublas (Hopper, torch built with CUDA >= 12.9) runs "
-                        "cuBLASLt's 1x128/128x128 block-scaled FP8 GEMM (torch._scaled_mm), shapes it refuses on "
-                        "the Triton GEMM; dequant (the default on CPU) dequantizes the weight to --dtype and runs "
-                        "an ordinary matmul; auto (the default) on CUDA: fused Triton up to 16 tokens, cublas "
-                        "above where it runs (an unmeasured default), else Triton")
+                   help="with --quantization fp8: weight_only (CUDA) keeps the activations in --dtype and "
+                        "dequantizes the e4m3 weight tiles in registers inside a Triton GEMM (W8A16: the numbers of "
+                        "dequant, one byte read a weight); triton (CUDA) runs Triton kernels that quantize "
+                        "activations per token and 128-channel group and multiply e4m3 x e4m3 (W8A8, SGLang's "
+                        "block-FP8 recipe; one fused kernel up to 16 tokens, a quantize kernel + GEMM above); "
+                        "cublas (Hopper, torch built with CUDA >= 12.9) runs cuBLASLt's 1x128/128x128 "
+                        "block-scaled FP8 GEMM (torch._scaled_mm, W8A8), shapes it refuses on the Triton GEMM; "
+                        "dequant (the default on CPU) dequantizes the weight to --dtype and runs an ordinary "
+                        "matmul; auto (the default) on CUDA: weight_only up to 256 tokens (decode), cublas above "
+                        "where it runs, else the W8A8 Triton GEMM")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "
@@ -176,9 +179,10 @@ def validate_args(args: ServerArgs) -> None:
         raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
                          "implements fp8 (block-wise, quantized online); use --rollout-backend sglang for SGLang's "
                          "other methods")
-    if args.fp8_gemm_backend not in ("auto", "triton", "cublas", "dequant"):
-        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, triton, cublas or dequant")
-    if args.fp8_gemm_backend in ("triton", "cublas") and args.device != "cuda":
+    if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas or "
+                         "dequant")
+    if args.fp8_gemm_backend in ("weight_only", "triton", "cublas") and args.device != "cuda":
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} runs on --device cuda only; use dequant "
                          "(the default) on CPU")
     if args.kv_cache_dtype != "auto":

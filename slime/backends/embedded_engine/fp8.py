@@ -53,20 +53,25 @@ BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 QUANTIZATIONS = ("fp8",)
-GEMM_BACKENDS = ("auto", "triton", "cublas", "dequant")
-GEMM_PATHS = ("fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
+GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
+GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
 # Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
-# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261201-paths.json (8f30fa2; one
+# None = no upper bound. The W8A8 paths (activations quantized per token and 128 channels, e4m3 x e4m3
+# on the tensor cores), from bench/results/fp8_gemm-nvidia-h200-20261201-paths.json (8f30fa2; one
 # decoder layer's linears of Qwen3-0.6B / 1.7B / 4B, FP8 time over bf16's as speed-up): M = 16 fused
 # 0.87 / 0.91 / 0.99, two-kernel 0.80 / 0.85 / 0.96, cuBLASLt 0.59 / 0.69 / 0.85; M = 64 two-kernel
 # 0.64 / 0.70 / 0.77, cuBLASLt 0.59 / 0.64 / 0.76; M = 128 two-kernel 0.60 / 0.56 / 0.59, cuBLASLt
 # 0.59 / 0.64 / 0.78; M = 256 cuBLASLt 0.61 / 0.69 / 0.85 (best); M = 2048 cuBLASLt 1.01 / 1.26 / 1.31
-# (best; fused 0.34-0.39). No FP8 path beats bf16 at decode sizes from 16 tokens up.
+# (best; fused 0.34-0.39): no W8A8 path beats bf16 at decode sizes. The weight-only path (W8A16:
+# bf16 activations, the weight dequantized in registers, bf16 tensor cores) reads the same one
+# byte a weight without quantizing activations; ``auto`` takes it up to WEIGHT_ONLY_MAX_ROWS tokens.
+WEIGHT_ONLY_MAX_ROWS = 256
 FUSED_MAX_ROWS = 16
 TWO_KERNEL_MAX_ROWS = 64
 GEMM_DISPATCH = {
-    "auto": ((FUSED_MAX_ROWS, "fused"), (TWO_KERNEL_MAX_ROWS, "two_kernel"), (None, "cublas")),
+    "auto": ((WEIGHT_ONLY_MAX_ROWS, "weight_only"), (None, "cublas")),
+    "weight_only": ((None, "weight_only"),),
     "triton": ((FUSED_MAX_ROWS, "fused"), (None, "two_kernel")),
     "cublas": ((None, "cublas"),),
     "dequant": ((None, "dequant"),),
@@ -136,8 +141,8 @@ def reference_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
 
 def resolve_backend(requested: str, device: torch.device) -> str:
     """The backend an engine on ``device`` runs: ``auto`` stays ``auto`` on CUDA with Triton (its
-    :data:`GEMM_DISPATCH` row) and is ``dequant`` elsewhere; ``triton`` / ``cublas`` are refused where
-    they cannot run."""
+    :data:`GEMM_DISPATCH` row) and is ``dequant`` elsewhere; ``weight_only`` / ``triton`` / ``cublas``
+    are refused where they cannot run."""
     from slime.backends.embedded_engine import fp8_cublas, fp8_triton
 
     if requested not in GEMM_BACKENDS:
@@ -148,10 +153,10 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         reason = fp8_cublas.unavailable_reason(device)  # eagerly, before any CUDA graph: checks cuBLASLt once
         if reason is not None:
             logger.info("--fp8-gemm-backend auto: above %d tokens the two-kernel Triton GEMM, not cuBLASLt: %s",
-                        FUSED_MAX_ROWS, reason)
+                        WEIGHT_ONLY_MAX_ROWS, reason)
         return "auto"
-    if requested == "triton" and not fp8_triton.available(device):
-        raise ValueError("--fp8-gemm-backend triton needs --device cuda and the triton package (or, for tests on the "
+    if requested in ("triton", "weight_only") and not fp8_triton.available(device):
+        raise ValueError(f"--fp8-gemm-backend {requested} needs --device cuda and the triton package (or, for tests on the "
                          "CPU, TRITON_INTERPRET=1); use --fp8-gemm-backend dequant")
     if requested == "cublas":
         reason = fp8_cublas.unavailable_reason(device)
@@ -201,7 +206,11 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias
         return nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])
     path = gemm_path(backend, rows.shape[0], values.shape[0], values.shape[1], x.device)
-    if path == "cublas":
+    if path == "weight_only":
+        from slime.backends.embedded_engine import fp8_triton
+
+        out = fp8_triton.weight_only_matmul(rows, values, scales)
+    elif path == "cublas":
         from slime.backends.embedded_engine import fp8_cublas
 
         out = fp8_cublas.block_matmul(rows, values, scales, out_dtype=x.dtype)
@@ -227,9 +236,16 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_fp8", values)
         self.register_buffer("weight_scale_inv", scales)
         self.bias = linear.bias
+        # a fused projection (fused_projections.FusedLinear): its parts' rows, each whole 128-row blocks
+        self.parts = dict(getattr(linear, "parts", {}))
+        self.sizes = list(getattr(linear, "sizes", []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A fused projection's output cut into its parts (``FusedLinear.split``)."""
+        return out.split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks, {self.backend}"
@@ -302,16 +318,26 @@ class Fp8Weights:
     full-precision tensor into them (quantized in place) and reading them back dequantized."""
 
     def __init__(self, linears: dict[str, Fp8Linear], experts: dict[str, Fp8Experts]):
-        self.linears = linears  # "model.layers.0.self_attn.q_proj" -> module
+        self.linears = linears  # "model.layers.0.self_attn.o_proj" (or a fused "...qkv_proj") -> module
         self.experts = experts  # "model.layers.1.mlp.experts" -> module
+        #: the Hugging Face linears inside a fused projection: "...self_attn.k_proj" -> (its module, its rows)
+        self.parts: dict[str, tuple[Fp8Linear, tuple[int, int]]] = {}
+        for fused_name, module in linears.items():
+            parent = fused_name.rpartition(".")[0]
+            for part, rows in module.parts.items():
+                self.parts[f"{parent}.{part}"] = (module, rows)
 
     def __len__(self) -> int:
         return len(self.linears) + len(self.experts)
 
     def _target(self, name: str) -> tuple[object, list[tuple[str, slice | None]], int | None] | None:
-        """(module, [(matrix kind, rows of the incoming tensor)], expert) that ``name`` fills, or None."""
+        """(module, [(matrix kind, rows of the incoming tensor)], expert) that ``name`` fills, or None;
+        for a part of a fused projection the kind is ``("weight", start, end)``, its rows of the storage."""
         if name.endswith(".weight") and name[: -len(".weight")] in self.linears:
             return self.linears[name[: -len(".weight")]], [("weight", None)], None
+        if name.endswith(".weight") and name[: -len(".weight")] in self.parts:
+            module, (start, end) = self.parts[name[: -len(".weight")]]
+            return module, [(("weight", start, end), None)], None
         match = _EXPERT_NAME.match(name)
         if match is None or match.group(1) not in self.experts:
             return None
@@ -330,9 +356,12 @@ class Fp8Weights:
         return self._target(name) is not None
 
     @staticmethod
-    def _storage(module, kind: str, expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _storage(module, kind: str | tuple[str, int, int], expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         if kind == "weight":
             return module.weight_fp8, module.weight_scale_inv
+        if isinstance(kind, tuple):  # rows [start, end) of a fused projection: whole blocks, views of its storage
+            _, start, end = kind
+            return module.weight_fp8[start:end], module.weight_scale_inv[start // BLOCK:end // BLOCK]
         return module.matrix(kind, expert)
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -177,6 +177,78 @@ if triton is not None:
                          mask=out_mask)
                 tl.atomic_xchg(counter_ptr + tile, 0)
 
+    @triton.jit
+    def _round_to_bf16_grid(v, EMULATE: tl.constexpr):
+        """fp32 ``v`` rounded to the nearest bf16 value (ties to even), still fp32, where the cast that
+        follows would not round so (Triton's interpreter truncates); else ``v``."""
+        if EMULATE:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
+        return v
+
+    @triton.jit
+    def _weight_only_gemm_kernel(x_ptr, w_ptr, w_s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+                                 stride_xm, stride_wn, stride_wsn, stride_om,
+                                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+                                 UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """Weight-only FP8 (W8A16): ``out [M, N] = x @ dequant(W)ᵀ`` with ``x`` in its own dtype. The
+        product is computed transposed, ``accᵀ [BLOCK_N, BLOCK_M] = W_tile @ x_tileᵀ`` ("swap AB"): the
+        weight rows are the tensor cores' M side (64 a warp group), so a decode batch of 16-128 tokens
+        is their N side, and the dequantized weight tile, made in registers, is the operand Hopper's
+        wgmma may take from registers. Program ``(pid_m, pid_n, pid_k)``: ``BLOCK_M`` tokens,
+        ``BLOCK_N`` weight rows, the ``pid_k``-th of ``SPLIT_K`` slices of the K steps; split-K
+        partials are summed by the last program of a tile, as in ``_fp8_gemm_kernel``."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_n = offs_n < N
+        in_m = offs_m < M
+        k_steps = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_steps, SPLIT_K)
+        first = pid_k * per_split
+        last = tl.minimum(first + per_split, k_steps)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for kb in range(first, last):
+            k = kb * BLOCK_K + offs_k
+            in_k = k < K
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=in_n[:, None] & in_k[None, :],
+                        other=0.0)
+            w_scale = tl.load(w_s_ptr + (offs_n // SCALE_BLOCK) * stride_wsn + (kb * BLOCK_K) // SCALE_BLOCK,
+                              mask=in_n, other=0.0)
+            # dequantized exactly as fp8.dequantize_weight(values, scales, dtype): the fp32 product, rounded once
+            w = _round_to_bf16_grid(w.to(tl.float32) * w_scale[:, None], ROUND_BF16).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=in_k[:, None] & in_m[None, :],
+                        other=0.0)
+            if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly; 16-bit products are exact in fp32
+                acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc, input_precision=PRECISION)
+        out_mask = in_n[:, None] & in_m[None, :]
+        out_offsets = offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_offsets, _round_to_bf16_grid(acc, ROUND_BF16).to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+        else:
+            # partial_ptr: fp32 [SPLIT_K, M, N]; counter_ptr: one int32 per (row tile, column tile), 0 on entry
+            tile = pid_n * tl.num_programs(0) + pid_m
+            tile_offsets = offs_m[None, :] * N + offs_n[:, None]
+            tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is written before this program signals it (release)
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
+                    total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + out_offsets, _round_to_bf16_grid(total, ROUND_BF16).to(out_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0)
+
 
 def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` (|x| <= 448) rounded onto the e4m3 grid by the kernel's interpreter-side rounding
@@ -342,4 +414,93 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
                            FP8_MAX, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
                            SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, EMULATE_E4M3_CAST=_interpreting(),
                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- weight-only (W8A16)
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyTiles:
+    """One launch configuration of :func:`weight_only_matmul`."""
+
+    block_m: int  # tokens per program (16..128: the tensor cores' N side)
+    block_n: int  # weight rows per program (64 or 128: one or two wgmma row groups)
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+H200_FLOPS_PER_SM_CYCLE = 989e12 / 1.98e9 / 132  # dense bf16 tensor-core FLOPs of one SM a cycle (spec)
+CONVERT_INSTRUCTIONS_PER_W_ELEMENT = 3  # e4m3 -> fp32, times the scale, -> bf16 (per weight element, per program)
+MEMORY_LATENCY_CYCLES = 1000  # an HBM load's round trip: a program with few tiles in flight waits on it
+
+
+def weight_only_candidates(rows: int, in_features: int) -> list[WeightOnlyTiles]:
+    """The launches :func:`plan_weight_only` chooses from: one token tile up to 128 tokens (so each
+    weight element is read and dequantized once), 128-token tiles above; 64 or 128 weight rows; K split
+    1, 2, 3, 4, 6 or 8 ways with at least two K steps a split."""
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    k_steps = triton.cdiv(in_features, BLOCK)
+    return [WeightOnlyTiles(block_m, block_n, split, num_warps=8 if block_n * block_m >= 128 * 128 else 4,
+                            num_stages=2 if block_m >= 128 and block_n >= 128 else 3)
+            for block_n in (64, 128)
+            for split in (1, 2, 3, 4, 6, 8) if split == 1 or k_steps >= 2 * split]
+
+
+def weight_only_cycles(tiles: WeightOnlyTiles, rows: int, out_features: int, in_features: int, sms: int) -> float:
+    """Estimated GPU cycles of one :func:`weight_only_matmul` launch (one program per SM at a time):
+    the waves of programs, each K step the longest of pulling its weight tile into the SM, waiting
+    on memory with ``num_stages - 1`` tiles in flight, its tensor-core work and dequantizing the
+    tile, bounded below by the whole weight over HBM; plus the split-K reduction. The constants of :func:`estimated_cycles`; ``bench/fp8_gemm.py --sweep`` times
+    every candidate against it."""
+    steps = triton.cdiv(triton.cdiv(in_features, BLOCK), tiles.split_k)
+    programs = triton.cdiv(rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n) * tiles.split_k
+    waves = triton.cdiv(programs, sms)
+    step = max(tiles.block_n * BLOCK / SM_BYTES_PER_CYCLE,
+               MEMORY_LATENCY_CYCLES / (tiles.num_stages - 1),  # Little's law: stages - 1 tiles in flight
+               2 * tiles.block_n * tiles.block_m * BLOCK / H200_FLOPS_PER_SM_CYCLE,
+               tiles.block_n * BLOCK * CONVERT_INSTRUCTIONS_PER_W_ELEMENT / 128)
+    memory = out_features * in_features * triton.cdiv(rows, tiles.block_m) / HBM_BYTES_PER_CYCLE
+    cycles = LAUNCH_CYCLES + max(waves * steps * step, memory) + waves * steps * STEP_OVERHEAD_CYCLES
+    if tiles.split_k > 1:
+        cycles += tiles.split_k * tiles.block_m * tiles.block_n * 4 / SM_BYTES_PER_CYCLE + L2_LATENCY_CYCLES
+    return cycles
+
+
+def plan_weight_only(rows: int, out_features: int, in_features: int, device: torch.device) -> WeightOnlyTiles:
+    """The launch of :func:`weight_only_matmul` for these sizes: the candidate with the fewest
+    :func:`weight_only_cycles` (ties: the one listed first, i.e. fewer splits)."""
+    return _planned_weight_only(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned_weight_only(rows: int, out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
+    return min(weight_only_candidates(rows, in_features),
+               key=lambda tiles: weight_only_cycles(tiles, rows, out_features, in_features, sms))
+
+
+def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                       tiles: WeightOnlyTiles | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(weight [N, K])ᵀ -> [M, N]`` in ``x``'s dtype, the weight dequantized tile by
+    tile in registers (``fp8.dequantize_weight``'s numbers, rounded to ``x``'s dtype) and multiplied on
+    the tensor cores in that dtype with fp32 accumulation: the result of ``fp8_linear``'s ``dequant``
+    path up to summation order, reading one byte a weight. ``tiles`` overrides :func:`plan_weight_only`."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != cols:
+        raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {weight.shape[1]}")
+    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    tiles = tiles or plan_weight_only(rows, out_features, cols, x.device)
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
+    counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
+    partials = (torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
+                if tiles.split_k > 1 else out)
+    _weight_only_gemm_kernel[grid](
+        x, weight, weight_scales, out, partials, counters, rows, out_features, cols, x.stride(0), weight.stride(0),
+        weight_scales.stride(0), out.stride(0), BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=BLOCK,
+        SCALE_BLOCK=BLOCK, SPLIT_K=tiles.split_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=_interpreting() and x.dtype != torch.float32, ROUND_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -64,19 +64,21 @@ class FusedLinear(nn.Linear):
         return out.split(self.sizes, dim=-1)
 
 
-def _fusable(linears: list) -> bool:
-    """Plain linears (not FP8 or other replacements) over the same input, all with or without bias."""
+def _fusable(linears: list, row_multiple: int) -> bool:
+    """Plain linears (not FP8 or other replacements) over the same input, all with or without bias, each
+    a whole number of ``row_multiple`` output rows."""
     if not all(type(linear) is nn.Linear for linear in linears):
         return False
     first = linears[0]
     return all(linear.in_features == first.in_features and (linear.bias is None) == (first.bias is None)
+               and linear.out_features % row_multiple == 0
                and linear.weight.dtype == first.weight.dtype and linear.weight.device == first.weight.device
                for linear in linears)
 
 
-def _fuse(module: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+def _fuse(module: nn.Module, names: tuple[str, ...], fused_name: str, row_multiple: int) -> bool:
     linears = [getattr(module, name, None) for name in names]
-    if not _fusable(linears):
+    if not _fusable(linears, row_multiple):
         return False
     fused = FusedLinear(dict(zip(names, linears)))
     for name in names:
@@ -129,20 +131,23 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def install(model: nn.Module) -> dict:
-    """Fuse the q/k/v and gate/up projections of ``model`` in place; return how many of each."""
+def install(model: nn.Module, row_multiple: int = 1) -> dict:
+    """Fuse the q/k/v and gate/up projections of ``model`` in place; return how many of each.
+    ``row_multiple``: fuse a group only where each part is a whole number of that many rows (FP8's
+    128-row weight blocks: then no block straddles two parts, and a part's update by name re-quantizes
+    only its own blocks)."""
     counts = {"qkv": 0, "gate_up": 0}
     for module in model.modules():
         name = type(module).__name__
         if name in ATTENTION_CLASSES and all(hasattr(module, a) for a in ("head_dim", "scaling", "layer_idx", "o_proj")):
-            if _fuse(module, QKV, "qkv_proj"):
+            if _fuse(module, QKV, "qkv_proj", row_multiple):
                 modeling = importlib.import_module(type(module).__module__)
                 forward = functools.partial(_attention_forward, modeling=modeling,
                                             sliding_window=ATTENTION_CLASSES[name])
                 module.forward = types.MethodType(forward, module)
                 counts["qkv"] += 1
         elif name in MLP_CLASSES and hasattr(module, "act_fn") and hasattr(module, "down_proj"):
-            if _fuse(module, GATE_UP, "gate_up_proj"):
+            if _fuse(module, GATE_UP, "gate_up_proj", row_multiple):
                 module.forward = types.MethodType(_mlp_forward, module)
                 counts["gate_up"] += 1
     if any(counts.values()):

@@ -67,9 +67,9 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.weights_on_device = True
         self.attention_backend = self._resolve_attention_backend(attention_backend)
-        # q/k/v and gate/up as one GEMM each (exact: the same dot products); FP8 keeps them separate,
-        # its quantizer and weight-name mapping work per HF linear
-        self.fused_projections = fused_projections.install(self.model) if quantization is None else {}
+        # q/k/v and gate/up as one GEMM each (exact: the same dot products); under FP8 only where each part
+        # is whole 128-row weight blocks (fp8.quantize_model then quantizes the fused weight)
+        self.fused_projections = fused_projections.install(self.model, row_multiple=128 if quantization else 1)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}

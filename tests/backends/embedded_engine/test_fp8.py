@@ -137,6 +137,78 @@ def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_feature
         assert torch.equal(fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=_tiles(*tiles)), out)
 
 
+def _weight_only_reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x @ W_deqᵀ`` with the weight dequantized to ``x``'s dtype (the ``dequant`` path's numbers)."""
+    return x.float() @ fp8.dequantize_weight(values, scales, x.dtype).float().T
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,out_features,in_features,tiles,dtype", [
+    (1, 200, 300, None, torch.float32),  # planned; ragged N and K (a partial block row and column)
+    (17, 130, 257, None, torch.bfloat16),
+    (5, 256, 1024, (16, 64, 4), torch.bfloat16),  # split K: 8 K steps over 4 splits, 4 column tiles
+    (40, 96, 640, (64, 128, 3), torch.float32),  # 5 K steps over 3 splits: 2 + 2 + 1; a tile wider than N
+    (130, 64, 256, (128, 64, 2), torch.bfloat16),  # two token tiles, the second holding 2 rows
+    (3, 200, 256, (16, 64, 4), torch.float32),  # more splits than K steps: two programs add nothing
+])
+def test_weight_only_gemm_interpreted_equals_the_dequantized_matmul(rows, out_features, in_features, tiles, dtype):
+    """The weight-only (W8A16) kernel: the weight dequantized per 128 x 128 block (its scales read per
+    weight row and K step, ragged edges masked), the transposed product stored in ``[M, N]``, split-K
+    partials summed, in the activations' dtype. fp32: the dequant path's product to summation order;
+    bf16: within the output's rounding (a wrong block scale moves outputs by tens of percent)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows + out_features)
+    x = (torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator) * torch.logspace(1, -2, out_features)[:, None]
+    values, scales = fp8.quantize_weight(weight)
+    out = fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles and fp8_triton.WeightOnlyTiles(*tiles))
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    reference = _weight_only_reference(x, values, scales)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    else:  # bf16 products are exact in fp32; the sum is fp32; one rounding to bf16 at the end
+        assert bool(((out.float() - reference).abs() <= reference.abs() * 2.0**-8 + 1e-6).all())
+    if tiles and tiles[2] > 1:  # the last program of each tile reset its counter: the next GEMM starts at 0
+        assert not fp8_triton._split_counters.by_device[x.device].any()
+        again = fp8_triton.weight_only_matmul(x, values, scales, tiles=fp8_triton.WeightOnlyTiles(*tiles))
+        assert torch.equal(again, out)
+
+
+@needs_interpreter
+def test_weight_only_linear_interpreted_equals_the_dequant_backend():
+    """``Fp8Linear`` under ``weight_only`` (bf16, with bias) gives the ``dequant`` backend's output to
+    bf16 rounding: the two serve the same numbers, one reading one byte a weight."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 200, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    assert fp8.gemm_path("weight_only", 15, 200, 256, x.device) == "weight_only"
+    out = fp8.Fp8Linear(linear, "weight_only")(x)
+    expected = fp8.Fp8Linear(linear, "dequant")(x)
+    assert out.shape == (3, 5, 200) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-7)
+
+
+def test_weight_only_plan_fills_the_gpu_for_qwen3_decode_shapes():
+    """The weight-only plan at decode sizes on an H200's 132 SMs: one token tile up to 128 tokens, and
+    up to 16 tokens (where a step only streams the weight) at least half the SMs busy on every (fused)
+    Qwen3 linear, by narrower weight tiles or split K (one wave: 96 programs of 4 K steps beat 144 of 3,
+    which take two waves). From 64 tokens the tensor-core work and the split-K reduction's partials
+    weigh in, and the model may leave more SMs idle."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    if fp8_triton.triton is None:
+        pytest.skip("needs the triton package for its cdiv helpers")
+    for out_features, in_features in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (4096, 2048),
+                                      (12288, 2048), (2048, 6144), (6144, 2560), (2560, 4096), (19456, 2560),
+                                      (2560, 9728)]:
+        for rows in (1, 16, 64, 128):
+            tiles = fp8_triton._planned_weight_only(rows, out_features, in_features, 132)
+            assert tiles.block_m == max(16, 1 << (rows - 1).bit_length()), (rows, tiles)
+            programs = -(-out_features // tiles.block_n) * tiles.split_k
+            assert rows > 16 or programs >= 132 // 2, (rows, out_features, in_features, tiles)
+
+
 def _e4m3_midpoints() -> torch.Tensor:
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     return (grid[:-1] + grid[1:]) / 2
@@ -330,6 +402,76 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
         assert entry["gpu_e4m3_cast"] != bool(entry["tiles"][4]), entry  # the two-kernel GEMM does not quantize
         # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
         assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
+
+
+_WEIGHT_ONLY_SM90_COMPILE = r"""
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fp8_triton
+
+kernel = fp8_triton._weight_only_gemm_kernel
+names = list(kernel.arg_names)
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "PRECISION", "UPCAST", "ROUND_BF16"]
+aligned = ["x_ptr", "w_ptr", "w_s_ptr", "out_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_xm", "stride_wn",
+           "stride_om"]
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+report = []
+seen = set()
+for rows in (16, 64, 128, 256):
+    for tiles in fp8_triton.weight_only_candidates(rows, 4096):
+        key = (tiles.block_m, tiles.block_n, min(tiles.split_k, 2), tiles.num_warps, tiles.num_stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_s_ptr="*fp32", out_ptr="*bf16", partial_ptr="*fp32",
+                     counter_ptr="*i32")
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+        values = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=128, SCALE_BLOCK=128,
+                      SPLIT_K=key[2], PRECISION="tf32", UPCAST=False, ROUND_BF16=False)
+        compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+        path = os.path.join(sys.argv[1], "w%d_%d_%d.cubin" % key[:3])
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True).stdout
+        report.append(dict(tiles=list(key), ttgir_register_a="dot_op<{opIdx = 0" in compiled.asm["ttgir"],
+                           wgmma=sorted(set(re.findall(r"wgmma\.mma_async[\w.]*", compiled.asm["ptx"]))),
+                           shared=compiled.metadata.shared, stack=int(re.search(r"STACK:(\d+)", usage).group(1))))
+print(json.dumps(report))
+"""
+
+
+@needs_interpreter
+def test_weight_only_tiles_compile_for_h200_on_register_fed_wgmma(tmp_path):
+    """Every launch the weight-only plan chooses from, compiled for sm_90 by Triton's own ptxas (no GPU):
+    Hopper's bf16 wgmma with the dequantized weight tile fed from registers (the swapped product's A
+    operand: no shared-memory round trip), no register spills, and shared memory within the H200's
+    227 KB a block."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _WEIGHT_ONLY_SM90_COMPILE, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(report)
+    assert {entry["tiles"][0] for entry in report} == {16, 64, 128}
+    for entry in report:
+        block_m = entry["tiles"][0]
+        assert entry["wgmma"] == [f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16"], entry
+        assert entry["ttgir_register_a"] and entry["stack"] == 0 and entry["shared"] <= 227 * 1024, entry
 
 
 @needs_interpreter
@@ -548,30 +690,33 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
 
 
 def test_gemm_dispatch_table(monkeypatch):
-    """``GEMM_DISPATCH``: every backend's ranges end open; auto and triton take the fused kernel up to
-    16 tokens; auto the two-kernel Triton GEMM up to 64 and above cuBLASLt where it runs and the shape
-    qualifies (every Qwen3 linear does), else the two-kernel GEMM, which triton takes there anyway
-    (the H200's per-path timings, in fp8.py)."""
+    """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the weight-only kernel up to
+    ``WEIGHT_ONLY_MAX_ROWS`` tokens (decode) and above cuBLASLt where it runs and the shape qualifies
+    (every Qwen3 linear does), else the two-kernel W8A8 GEMM; triton the fused W8A8 kernel up to 16
+    tokens and the two-kernel one above (the H200's per-path timings, in fp8.py)."""
     from slime.backends.embedded_engine import fp8_cublas
 
     for backend, ranges in fp8.GEMM_DISPATCH.items():
         assert backend in fp8.GEMM_BACKENDS and ranges[-1][0] is None
         assert all(path in fp8.GEMM_PATHS for _, path in ranges)
-    expected = {"auto": ["fused", "fused", "two_kernel", "two_kernel", "cublas", "cublas"],
-                "triton": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel", "two_kernel"],
-                "cublas": ["cublas"] * 6, "dequant": ["dequant"] * 6}
+    assert set(fp8.GEMM_DISPATCH) == set(fp8.GEMM_BACKENDS)
+    top = fp8.WEIGHT_ONLY_MAX_ROWS
+    sizes = (1, 16, 17, 64, 65, top, top + 1, 2048)
+    expected = {"auto": ["weight_only"] * 6 + ["cublas"] * 2, "weight_only": ["weight_only"] * 8,
+                "triton": ["fused", "fused"] + ["two_kernel"] * 6, "cublas": ["cublas"] * 8,
+                "dequant": ["dequant"] * 8}
     for backend, paths in expected.items():
-        assert [fp8.dispatch_path(backend, rows) for rows in (1, 16, 17, 64, 65, 2048)] == paths, backend
+        assert [fp8.dispatch_path(backend, rows) for rows in sizes] == paths, backend
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_cublas, "available", lambda device: True)
     for out_features, in_features in [(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (1024, 3072),
                                       (4096, 2560), (2560, 4096), (9728, 2560), (2560, 9728), (6144, 2048)]:
-        assert fp8.gemm_path("auto", 128, out_features, in_features, cuda) == "cublas"
-        assert fp8.gemm_path("auto", 8, out_features, in_features, cuda) == "fused"
-    assert fp8.gemm_path("auto", 128, 200, 1024, cuda) == "two_kernel"  # N % 16
-    assert fp8.gemm_path("auto", 128, 1024, 384, cuda) == "two_kernel"  # K % 512
+        assert fp8.gemm_path("auto", 2048, out_features, in_features, cuda) == "cublas"
+        assert fp8.gemm_path("auto", 8, out_features, in_features, cuda) == "weight_only"
+    assert fp8.gemm_path("auto", 2048, 200, 1024, cuda) == "two_kernel"  # N % 16
+    assert fp8.gemm_path("auto", 2048, 1024, 384, cuda) == "two_kernel"  # K % 512
     monkeypatch.setattr(fp8_cublas, "available", lambda device: False)
-    assert fp8.gemm_path("auto", 128, 2048, 1024, cuda) == "two_kernel"
+    assert fp8.gemm_path("auto", 2048, 2048, 1024, cuda) == "two_kernel"
     assert fp8.gemm_path("cublas", 1, 2048, 1024, cuda) == "two_kernel"
     with pytest.raises(ValueError, match=r"--fp8-gemm-backend cublas .* cannot run here: it needs a CUDA device"):
         fp8.resolve_backend("cublas", torch.device("cpu"))
@@ -588,8 +733,13 @@ def runners(tiny_model_dir):
 def test_decoder_linears_are_quantized_the_rest_is_not(runners):
     model = runners["fp8"].model
     kinds = {name.rsplit(".", 1)[-1] for name in runners["fp8"].fp8.linears}
-    assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert len(runners["fp8"].fp8.linears) == 7 * model.config.num_hidden_layers
+    # gate/up (384 rows each: whole 128-row blocks) are one fused FP8 GEMM; q/k/v (k, v: 64 rows) stay apart,
+    # since a block across two parts would make a part's update re-quantize its neighbour's rows
+    assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert len(runners["fp8"].fp8.linears) == 6 * model.config.num_hidden_layers
+    assert runners["fp8"].fused_projections == {"qkv": 0, "gate_up": model.config.num_hidden_layers}
+    assert sorted(runners["fp8"].fp8.parts) == sorted(f"model.layers.{i}.mlp.{p}" for i in
+                                                      range(model.config.num_hidden_layers) for p in ("gate_proj", "up_proj"))
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.float32
@@ -599,13 +749,33 @@ def test_decoder_linears_are_quantized_the_rest_is_not(runners):
     assert 3 * linear_elements * 0.99 < saved < 3 * linear_elements, (saved, linear_elements)
 
 
-def test_get_weight_answers_the_dequantized_weight(runners):
-    name = "model.layers.1.self_attn.k_proj.weight"  # [64, 128]: one ragged row of blocks
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight",  # [64, 128]: one ragged row of blocks
+                                  "model.layers.1.mlp.up_proj.weight"])  # rows 384..768 of the fused gate_up
+def test_get_weight_answers_the_dequantized_weight(runners, name):
     full, quantized = runners[None].get_weight(name), runners["fp8"].get_weight(name)
     assert quantized.shape == full.shape and quantized.dtype == torch.float32
     assert not torch.equal(quantized, full)
     values, scales = fp8.quantize_weight(full)
     assert torch.equal(quantized, fp8.dequantize_weight(values, scales))
+
+
+def test_a_fused_part_updates_only_its_own_blocks(runners):
+    runner = runners["fp8"]
+    fused = runner.fp8.linears["model.layers.0.mlp.gate_up_proj"]
+    values_before, scales_before = fused.weight_fp8.clone(), fused.weight_scale_inv.clone()
+    gate = runner.get_weight("model.layers.0.mlp.gate_proj.weight").clone()
+    new = torch.randn(gate.shape, generator=torch.Generator().manual_seed(7)) * 0.05
+    assert runner.load_named_tensors([("model.layers.0.mlp.gate_proj.weight", new)]) == 1
+    expected_values, expected_scales = fp8.quantize_weight(new)
+    assert torch.equal(fused.weight_fp8[:384].view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(fused.weight_scale_inv[:3], expected_scales)
+    # up_proj's rows and scales are untouched
+    assert torch.equal(fused.weight_fp8[384:].view(torch.uint8), values_before[384:].view(torch.uint8))
+    assert torch.equal(fused.weight_scale_inv[3:], scales_before[3:])
+    # and the layer computes with the new gate: the fused GEMM's gate columns are x @ dequant(new)ᵀ
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(fused(x)[:, :384], x @ fp8.dequantize_weight(expected_values, expected_scales).T)
+    runner.load_named_tensors([("model.layers.0.mlp.gate_proj.weight", gate)])
 
 
 def test_weight_update_quantizes_by_name_and_refuses_bad_names(runners):
@@ -770,6 +940,53 @@ def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 200, 300), (16, 6144, 1024), (77, 3072, 1024),
+                                                           (128, 19456, 2560), (128, 2560, 9728), (300, 64, 384),
+                                                           (2048, 3072, 1024)])
+def test_gpu_weight_only_gemm_equals_the_dequantized_matmul(rows, out_features, in_features):
+    """The compiled weight-only kernel (the planned tiles and a few others, split K included) against
+    the dequant path's product: fp32 output to summation order, bf16 up to its rounding."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
+    values, scales = fp8.quantize_weight(weight)
+    print(rows, out_features, in_features, fp8_triton.plan_weight_only(rows, out_features, in_features,
+                                                                        torch.device("cuda")))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, in_features, generator=generator).cuda().to(dtype)
+        reference = _weight_only_reference(x, values, scales)
+        tiles_list = [None, fp8_triton.WeightOnlyTiles(16, 64, 4), fp8_triton.WeightOnlyTiles(64, 128, 2),
+                      fp8_triton.WeightOnlyTiles(128, 128, 1, 8, 2)]
+        for tiles in tiles_list:
+            out = fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)
+            if dtype == torch.float32:  # fp32 dots in full precision (ieee), not tf32
+                torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+            else:
+                error = (out.float() - reference).abs()
+                assert bool((error <= reference.abs() * 2.0**-8 + 1e-3 * float(reference.abs().max())).all()), tiles
+
+
+@pytest.mark.gpu
+def test_gpu_weight_only_split_k_replays_in_a_cuda_graph():
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(0)
+    values, scales = fp8.quantize_weight((torch.randn(1024, 2048, generator=generator) / 45).cuda())
+    x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
+    tiles = fp8_triton.WeightOnlyTiles(64, 64, 4)
+    fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)  # compile, counters: not in capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)
+    for seed in range(3):
+        x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+        graph.replay()
+        reference = _weight_only_reference(x, values, scales)
+        assert bool(((out.float() - reference).abs() <= reference.abs() * 2.0**-8 + 1e-3).all())
+
+
+@pytest.mark.gpu
 def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
     """A split-K launch captured in a CUDA graph: its counters reset themselves, so every replay (new
     inputs, same buffers) reduces correctly."""
@@ -866,7 +1083,7 @@ def test_gpu_cublas_gemm_replays_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "auto", "dequant"])
+@pytest.mark.parametrize("backend", ["weight_only", "triton", "auto", "dequant"])
 def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
     import httpx
     from engine_test_utils import hf_logprobs, load_hf, perturbed_state_dict

@@ -112,12 +112,16 @@ def test_runner_updates_by_hf_name_reach_the_fused_weights_after_a_move(tiny_mod
         runner.load_named_tensors([(name, new[:-1])])
 
 
-def test_fp8_keeps_the_projections_separate(tiny_model_dir):
+def test_fp8_fuses_only_whole_weight_blocks(tiny_model_dir):
+    """Under FP8 a group is fused only where every part is whole 128-row blocks: the tiny model's
+    gate/up (384 rows each) are, its k/v (64 rows) are not, so q/k/v stay separate."""
     from slime.backends.embedded_engine.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir, num_slots=2, slot_capacity=64, quantization="fp8")
-    assert runner.fused_projections == {}
+    layers = runner.model.config.num_hidden_layers
+    assert runner.fused_projections == {"qkv": 0, "gate_up": layers}
     assert hasattr(runner.model.model.layers[0].self_attn, "q_proj")
+    assert type(runner.model.model.layers[0].mlp.gate_up_proj).__name__ == "Fp8Linear"
 
 
 @pytest.mark.gpu
