@@ -321,7 +321,7 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="extra engine flags, e.g. '--chunked-prefill-size 8192'")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="serve with block-wise FP8 linear layers (the engine's --quantization)")
-    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "triton", "cublas", "dequant"],
+    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "weight_only", "triton", "cublas", "dequant"],
                         help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, cublas above)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
