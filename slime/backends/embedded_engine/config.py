@@ -95,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-gemm-backend", default="auto",
                    help="with --quantization fp8: weight_only (CUDA) keeps the activations in --dtype and "
                         "dequantizes the e4m3 weight tiles in registers inside a Triton GEMM (W8A16: the numbers of "
-                        "dequant, one byte read a weight); triton (CUDA) runs Triton kernels that quantize "
+                        "dequant, one byte read a weight; near bf16's speed up to 16 tokens, slower above: for its "
+                        "smaller train/rollout gap); triton (CUDA) runs Triton kernels that quantize "
                         "activations per token and 128-channel group and multiply e4m3 x e4m3 (W8A8, SGLang's "
                         "block-FP8 recipe; one fused kernel up to 16 tokens, a quantize kernel + GEMM above); "
                         "cublas (Hopper, torch built with CUDA >= 12.9) runs cuBLASLt's 1x128/128x128 "
                         "block-scaled FP8 GEMM (torch._scaled_mm, W8A8), shapes it refuses on the Triton GEMM; "
                         "dequant (the default on CPU) dequantizes the weight to --dtype and runs an ordinary "
-                        "matmul; auto (the default) on CUDA: weight_only up to 256 tokens (decode), cublas above "
-                        "where it runs, else the W8A8 Triton GEMM")
+                        "matmul; auto (the default) on CUDA: the fused W8A8 Triton kernel up to 16 tokens, the "
+                        "two-kernel one up to 64, cublas above where it runs, else Triton")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "

@@ -11,7 +11,8 @@ blocks may be smaller), and block ``(i, j)`` is stored as e4m3 values with one f
 so the round-trip error of an element is at most half an e4m3 spacing of ``|W / s|`` times ``s``:
 ``|W| * 2^-4`` for normal e4m3 values, ``2^-10 * s`` in the subnormal range.
 
-What is quantized: every ``nn.Linear`` inside the decoder layers (attention q/k/v/o and their MLA
+What is quantized: every ``nn.Linear`` inside the decoder layers (attention q/k/v/o, fused into one
+``qkv_proj`` and ``gate_up_proj`` where each part is whole 128-row blocks, and their MLA
 LoRA projections, MLP gate/up/down, shared experts) and the routed experts of transformers' fused
 ``experts`` modules. Embeddings, ``lm_head``, norms, MoE routers (``mlp.gate``) and, under the
 absorbed MLA decode, ``kv_b_proj`` (read as a matrix by that path) stay in the model dtype. The KV
@@ -19,6 +20,12 @@ cache is untouched.
 
 GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (token-count ranges -> path):
 
+* ``weight_only`` (CUDA): W8A16, ``fp8_triton.weight_only_matmul``: the activations stay in the model
+  dtype, each e4m3 weight tile is dequantized in registers (``dequantize_weight``'s numbers) and
+  multiplied on the bf16 tensor cores, so the output is the ``dequant`` path's with one byte read a
+  weight. About bf16's speed up to 16 tokens, 0.4-0.7x from 64 up on the H200 (the dequantization
+  and its register layout cost more than the bytes it saves); its point is the smaller train/rollout
+  log-prob gap (no activation rounding).
 * ``triton`` (CUDA): Triton kernels (``fp8_triton.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
   kernel, which quantizes the activations per token and 128-channel group (``1 x 128`` blocks, the
   same formula) in registers inside the GEMM and multiplies e4m3 by e4m3; above, the two-kernel path:
@@ -28,8 +35,9 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
 * ``cublas`` (Hopper, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through ``torch._scaled_mm``
   (``fp8_cublas.py``), after the same separate activation quantizer; weight shapes it does not take
   fall back to the two-kernel Triton path (a log line once per shape).
-* ``auto`` (the default): on CUDA, the fused kernel up to :data:`FUSED_MAX_ROWS` tokens and cuBLASLt
-  above where it runs (else the two-kernel Triton path); ``dequant`` elsewhere.
+* ``auto`` (the default): on CUDA, the fused kernel up to :data:`FUSED_MAX_ROWS` tokens, the
+  two-kernel path up to :data:`TWO_KERNEL_MAX_ROWS` and cuBLASLt above where it runs (else the
+  two-kernel path); ``dequant`` elsewhere.
 * ``dequant`` (the default on CPU, a reference everywhere): dequantizes the weight to the model dtype
   and runs an ordinary matmul on unquantized activations.
 
@@ -57,20 +65,19 @@ GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
 # Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
-# None = no upper bound. The W8A8 paths (activations quantized per token and 128 channels, e4m3 x e4m3
-# on the tensor cores), from bench/results/fp8_gemm-nvidia-h200-20261201-paths.json (8f30fa2; one
-# decoder layer's linears of Qwen3-0.6B / 1.7B / 4B, FP8 time over bf16's as speed-up): M = 16 fused
-# 0.87 / 0.91 / 0.99, two-kernel 0.80 / 0.85 / 0.96, cuBLASLt 0.59 / 0.69 / 0.85; M = 64 two-kernel
-# 0.64 / 0.70 / 0.77, cuBLASLt 0.59 / 0.64 / 0.76; M = 128 two-kernel 0.60 / 0.56 / 0.59, cuBLASLt
-# 0.59 / 0.64 / 0.78; M = 256 cuBLASLt 0.61 / 0.69 / 0.85 (best); M = 2048 cuBLASLt 1.01 / 1.26 / 1.31
-# (best; fused 0.34-0.39): no W8A8 path beats bf16 at decode sizes. The weight-only path (W8A16:
-# bf16 activations, the weight dequantized in registers, bf16 tensor cores) reads the same one
-# byte a weight without quantizing activations; ``auto`` takes it up to WEIGHT_ONLY_MAX_ROWS tokens.
-WEIGHT_ONLY_MAX_ROWS = 256
+# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261204-fused-layout-s19.json
+# (f604ee6; one decoder layer's linears of Qwen3-0.6B / 1.7B / 4B as the engine runs them, q/k/v and
+# gate/up fused; the layer's time in bf16 over each path's): M = 16 weight-only 0.88 / 0.89 / 1.03,
+# fused W8A8 0.84 / 0.95 / 1.07, cuBLASLt 0.61 / 0.83 / 0.99; M = 64 two-kernel 0.69 / 0.73 / 0.84,
+# cuBLASLt 0.62 / 0.75 / 0.85, weight-only 0.66 / 0.64 / 0.69; M = 128 two-kernel 0.64 / 0.71 / 0.69,
+# cuBLASLt 0.60 / 0.78 / 0.85, weight-only 0.47 / 0.45 / 0.38; M = 256 cuBLASLt 0.67 / 0.79 / 0.98;
+# M = 2048 cuBLASLt 1.11 / 1.35 / 1.40. ``auto`` keeps the W8A8 recipe (SGLang's block FP8) at every
+# size; the weight-only path (W8A16: the numbers of ``dequant``) is a backend of its own, for its
+# smaller train/rollout gap, not its speed (docs/embedded_engine.md).
 FUSED_MAX_ROWS = 16
 TWO_KERNEL_MAX_ROWS = 64
 GEMM_DISPATCH = {
-    "auto": ((WEIGHT_ONLY_MAX_ROWS, "weight_only"), (None, "cublas")),
+    "auto": ((FUSED_MAX_ROWS, "fused"), (TWO_KERNEL_MAX_ROWS, "two_kernel"), (None, "cublas")),
     "weight_only": ((None, "weight_only"),),
     "triton": ((FUSED_MAX_ROWS, "fused"), (None, "two_kernel")),
     "cublas": ((None, "cublas"),),
@@ -153,7 +160,7 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         reason = fp8_cublas.unavailable_reason(device)  # eagerly, before any CUDA graph: checks cuBLASLt once
         if reason is not None:
             logger.info("--fp8-gemm-backend auto: above %d tokens the two-kernel Triton GEMM, not cuBLASLt: %s",
-                        WEIGHT_ONLY_MAX_ROWS, reason)
+                        TWO_KERNEL_MAX_ROWS, reason)
         return "auto"
     if requested in ("triton", "weight_only") and not fp8_triton.available(device):
         raise ValueError(f"--fp8-gemm-backend {requested} needs --device cuda and the triton package (or, for tests on the "

@@ -690,29 +690,28 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
 
 
 def test_gemm_dispatch_table(monkeypatch):
-    """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the weight-only kernel up to
-    ``WEIGHT_ONLY_MAX_ROWS`` tokens (decode) and above cuBLASLt where it runs and the shape qualifies
-    (every Qwen3 linear does), else the two-kernel W8A8 GEMM; triton the fused W8A8 kernel up to 16
-    tokens and the two-kernel one above (the H200's per-path timings, in fp8.py)."""
+    """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the fused W8A8 kernel up to 16
+    tokens, the two-kernel one up to 64 and above cuBLASLt where it runs and the shape qualifies (every
+    Qwen3 linear does), else the two-kernel GEMM; weight_only is weight-only at every size (the H200's
+    per-path timings, in fp8.py)."""
     from slime.backends.embedded_engine import fp8_cublas
 
     for backend, ranges in fp8.GEMM_DISPATCH.items():
         assert backend in fp8.GEMM_BACKENDS and ranges[-1][0] is None
         assert all(path in fp8.GEMM_PATHS for _, path in ranges)
     assert set(fp8.GEMM_DISPATCH) == set(fp8.GEMM_BACKENDS)
-    top = fp8.WEIGHT_ONLY_MAX_ROWS
-    sizes = (1, 16, 17, 64, 65, top, top + 1, 2048)
-    expected = {"auto": ["weight_only"] * 6 + ["cublas"] * 2, "weight_only": ["weight_only"] * 8,
-                "triton": ["fused", "fused"] + ["two_kernel"] * 6, "cublas": ["cublas"] * 8,
-                "dequant": ["dequant"] * 8}
+    expected = {"auto": ["fused", "fused", "two_kernel", "two_kernel", "cublas", "cublas"],
+                "weight_only": ["weight_only"] * 6,
+                "triton": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel", "two_kernel"],
+                "cublas": ["cublas"] * 6, "dequant": ["dequant"] * 6}
     for backend, paths in expected.items():
-        assert [fp8.dispatch_path(backend, rows) for rows in sizes] == paths, backend
+        assert [fp8.dispatch_path(backend, rows) for rows in (1, 16, 17, 64, 65, 2048)] == paths, backend
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_cublas, "available", lambda device: True)
     for out_features, in_features in [(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (1024, 3072),
                                       (4096, 2560), (2560, 4096), (9728, 2560), (2560, 9728), (6144, 2048)]:
         assert fp8.gemm_path("auto", 2048, out_features, in_features, cuda) == "cublas"
-        assert fp8.gemm_path("auto", 8, out_features, in_features, cuda) == "weight_only"
+        assert fp8.gemm_path("auto", 8, out_features, in_features, cuda) == "fused"
     assert fp8.gemm_path("auto", 2048, 200, 1024, cuda) == "two_kernel"  # N % 16
     assert fp8.gemm_path("auto", 2048, 1024, 384, cuda) == "two_kernel"  # K % 512
     monkeypatch.setattr(fp8_cublas, "available", lambda device: False)
