@@ -3,6 +3,7 @@
     python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --out     # H200
     python bench/decode_step.py --model qwen3-0.6b --batch 16 --position 383 --out
     python bench/decode_step.py --model qwen3-0.6b --batch 128 --position 511 --kv-cache-dtype fp8_e4m3 --out
+    python bench/decode_step.py --model qwen3-4b --batch 128 --position 143 --quantization fp8 --out  # FP8 weights
     python bench/decode_step.py --model tiny --device cpu --steps 3                      # smoke run
     python bench/decode_step.py ... --without qk_norm_rope --without mlp_residual_gemm   # A/B of a fusion
     python bench/decode_step.py --model qwen3-0.6b --batch 32 --position 383 --verify-tokens 5 --out
@@ -103,6 +104,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= --dtype), bf16, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="serve with block-wise FP8 linear layers (the engine's --quantization)")
+    parser.add_argument("--fp8-gemm-backend", default="auto",
+                        choices=["auto", "weight_only", "triton", "cublas", "dequant"],
+                        help="with --quantization fp8: the engine's FP8 GEMM (--fp8-gemm-backend)")
     parser.add_argument("--batch", type=int, default=128, help="rows in the decode step")
     parser.add_argument("--position", type=int, default=511, help="every row's position (it reads position + 1 tokens)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -141,7 +147,8 @@ def main() -> None:
 
     path = args.model_path or build_checkpoint(args.model, tempfile.mkdtemp(prefix="decode_step_"))
     runner = ModelRunner(path, device=args.device, dtype=args.dtype, num_slots=args.batch,
-                         slot_capacity=args.position + 1, kv_cache_dtype=args.kv_cache_dtype)
+                         slot_capacity=args.position + 1, kv_cache_dtype=args.kv_cache_dtype,
+                         quantization=args.quantization, fp8_gemm_backend=args.fp8_gemm_backend)
     runner.grow_cache(args.position + 1)
     if "qk_norm_rope" in args.without:
         for module in runner.model.modules():
@@ -228,7 +235,8 @@ def main() -> None:
     if device.type == "cuda":
         metrics["hbm_fraction"] = step_bytes / seconds / H200_HBM_BYTES_PER_S
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
-              "kv_cache_dtype": str(runner.kv_cache.dtype), "batch": args.batch, "position": args.position, "steps": args.steps,
+              "kv_cache_dtype": str(runner.kv_cache.dtype), "quantization": args.quantization,
+              "fp8_gemm_backend": args.fp8_gemm_backend if args.quantization else None, "batch": args.batch, "position": args.position, "steps": args.steps,
               "profile_steps": args.profile_steps, "attention_backend": runner.attention_backend,
               "verify_tokens": args.verify_tokens, "verify_eager": args.verify_eager, "sample": args.sample,
               "without": args.without, "with": args.with_, "attention_block_n": args.attention_block_n,
