@@ -32,14 +32,19 @@ wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``au
 ``--fp8-gemm-backend auto`` runs there today) and ``auto_over_best`` (its time over the best's:
 > 1.05 means ``fp8.GEMM_DISPATCH`` should change there); ``weight_only_tiles`` / ``fused_tiles`` /
 ``two_kernel_tiles`` (the planned Triton tiles) and ``<path>_model_us`` (what the cost model the plan
-picks by predicted: ``fp8_triton.weight_only_cycles`` / ``estimated_cycles``); ``bf16_tb_s`` /
+picks by predicted: ``fp8_triton.weight_only_cycles`` / ``estimated_cycles``; not for the two-kernel
+GEMM where it loads by TMA, whose tiles come from ``fp8_triton.plan_tma_tiles``' rule);
+``two_kernel_tma`` (whether the two-kernel GEMM loaded by TMA) and, where it did,
+``two_kernel_pointer_us`` (the same GEMM with pointer loads and the cost model's tiles, the kernel
+before session 20); ``bf16_tb_s`` /
 ``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
 bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, the H200's HBM3e
 spec). Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
 ``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep P`` (P in
-``fused``, ``weight_only``), also ``P_sweep_best_us`` / ``P_sweep_best_tiles`` /
+``fused``, ``two_kernel``, ``weight_only``), also ``P_sweep_best_us`` / ``P_sweep_best_tiles`` /
 ``P_planned_over_best`` / ``P_sweep_best_model_us`` over every launch the plan chooses from
-(``fp8_triton.candidate_tiles`` / ``weight_only_candidates``): whether the model ranks them as the GPU does.
+(``fp8_triton.candidate_tiles`` / ``tma_candidates`` / ``weight_only_candidates``): whether the plan
+picks as the GPU ranks them.
 """
 
 from __future__ import annotations
@@ -163,7 +168,16 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             out = _fp8_call(path, x, values, scales).float()
             reference = references[path != "weight_only"]  # W8A8 paths: against the quantized activations
             result[f"{path}_max_rel_err"] = float((out - reference).abs().max() / reference.abs().max())
-        for path in ("fused", "two_kernel"):
+        tma = fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
+        result["two_kernel_tma"] = tma
+        if tma:  # the same GEMM with pointer loads and the cost model's tiles (before session 20)
+            fp8_triton.USE_TMA = False
+            try:
+                result["two_kernel_pointer_us"] = time_us(fp8_calls("two_kernel"), device, args.repeats)
+            finally:
+                fp8_triton.USE_TMA = True
+            result["two_kernel_tiles"] = str(fp8_triton.plan_tma_tiles(rows, out_features, in_features, device))
+        for path in ("fused", "two_kernel") if not tma else ("fused",):
             planned = fp8_triton.plan_tiles(rows, out_features, in_features, device, a_quantized=path == "two_kernel")
             result[f"{path}_tiles"] = str(planned)
             result[f"{path}_model_us"] = fp8_triton.estimated_cycles(
@@ -182,6 +196,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         for swept in args.sweep:
             candidates = (fp8_triton.weight_only_candidates(rows, in_features) if swept == "weight_only"
+                          else fp8_triton.tma_candidates(rows, in_features) if swept == "two_kernel" and tma
                           else fp8_triton.candidate_tiles(rows, in_features))
             timed = []
             for tiles in candidates:
@@ -190,12 +205,13 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                 except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
                     print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             best_us, best_tiles = min(timed, key=lambda item: item[0])
-            model = (fp8_triton.weight_only_cycles(best_tiles, rows, out_features, in_features, sms)
-                     if swept == "weight_only" else fp8_triton.estimated_cycles(best_tiles, rows, out_features,
-                                                                                in_features, sms))
             result.update({f"{swept}_sweep_best_us": best_us, f"{swept}_sweep_best_tiles": str(best_tiles),
-                           f"{swept}_planned_over_best": result[f"{swept}_us"] / best_us,
-                           f"{swept}_sweep_best_model_us": model / CLOCK_HZ * 1e6})
+                           f"{swept}_planned_over_best": result[f"{swept}_us"] / best_us})
+            if swept != "two_kernel" or not tma:
+                model = (fp8_triton.weight_only_cycles(best_tiles, rows, out_features, in_features, sms)
+                         if swept == "weight_only" else fp8_triton.estimated_cycles(
+                             best_tiles, rows, out_features, in_features, sms, a_quantized=swept == "two_kernel"))
+                result[f"{swept}_sweep_best_model_us"] = model / CLOCK_HZ * 1e6
         results[rows] = result
         columns = ", ".join(f"{path} {result[f'{path}_us']:.1f} us ({result[f'{path}_speedup']:.2f}x)" for path in paths)
         print(f"[{out_features}x{in_features} M={rows}] bf16 {result['bf16_us']:.1f} us, {columns}; best {best}, "
@@ -212,6 +228,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", nargs="?", const="fused", default="",
                         help="also time every candidate tile of these Triton paths (comma-separated: fused, "
+                             "two_kernel (its TMA launches, fp8_triton.tma_candidates, where TMA runs), "
                              "weight_only; bare --sweep = fused; slow: compiles each)")
     parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
@@ -220,8 +237,8 @@ def main(argv=None) -> dict:
                         help="write the results file (a directory, or a .json path)")
     args = parser.parse_args(argv)
     args.sweep = [path for path in args.sweep.split(",") if path]
-    if any(path not in ("fused", "weight_only") for path in args.sweep):
-        parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, weight_only")
+    if any(path not in ("fused", "two_kernel", "weight_only") for path in args.sweep):
+        parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, two_kernel, weight_only")
     device = torch.device(args.device)
     from slime.backends.embedded_engine import fp8_triton
 
@@ -241,7 +258,7 @@ def main(argv=None) -> dict:
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
-                for column in ("bf16", "weight_only", "fused", "two_kernel", "cublas", "auto"):
+                for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
         for rows, columns in layer.items():

@@ -34,6 +34,8 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_weight_only_tiles_compile_for_h200_on_register_fed_wgmma \
     tests/backends/embedded_engine/test_fp8.py::test_activation_quantizer_interpreted_is_bit_exact \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_by_tma_equals_pointer_loads \
+    tests/backends/embedded_engine/test_fp8.py::test_tma_usable_needs_16_byte_rows \
     tests/backends/embedded_engine/test_fp8.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \
     tests/backends/embedded_engine/test_fp8.py::test_cublas_check_gemm_catches_a_refused_or_misread_recipe \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \

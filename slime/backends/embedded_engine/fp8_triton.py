@@ -55,6 +55,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the dequantize path of fp8.py is used
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side tensor descriptors: the two-kernel GEMM uses pointer loads
+    TensorDescriptor = None
 
 
 def _interpreting() -> bool:
@@ -122,11 +126,11 @@ if triton is not None:
         tl.store(s_ptr + kb * stride_sk + offs_m, scale, mask=out_rows)
 
     @triton.jit
-    def _fp8_gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
+    def _fp8_gemm_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
                          stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, A_QUANTIZED: tl.constexpr,
-                         EMULATE_E4M3_CAST: tl.constexpr):
+                         TMA: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -143,15 +147,21 @@ if triton is not None:
         for kb in range(first, last):
             k = kb * BLOCK_K + offs_k
             in_k = k < K
-            if A_QUANTIZED:  # two-kernel path: e4m3 A and its group-major scales, from _quantize_activation_kernel
-                a_q = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
-                              other=0.0)
+            if TMA:  # two-kernel path, tiles by the tensor memory accelerator (out-of-bounds elements read 0)
+                a_q = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
-            else:  # fused path: quantize this A tile in registers (again in every column-tile program)
-                a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
-                            other=0.0).to(tl.float32)
-                a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
-            b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
+                b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+            else:
+                if A_QUANTIZED:  # two-kernel path: e4m3 A and its group-major scales, from _quantize_activation_kernel
+                    a_q = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :],
+                                  mask=in_m[:, None] & in_k[None, :], other=0.0)
+                    a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
+                else:  # fused path: quantize this A tile in registers (again in every column-tile program)
+                    a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
+                                other=0.0).to(tl.float32)
+                    a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
+                b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :],
+                            other=0.0)
             if BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
                 scale = a_scale * tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
                 acc = tl.fma(tl.dot(a_q, b), scale[:, None], acc)
@@ -354,6 +364,72 @@ def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int, a_q
                key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms, a_quantized))
 
 
+# The two-kernel GEMM loads its tiles by TMA (``TensorDescriptor``) where it can: on the H200 that
+# made it 1.0-1.7x the pointer-load kernel on Qwen3-4B's linears at 128 tokens (session 20; the
+# pointer kernel waits on each K step's scaled dot before its loads move on) and faster than
+# cuBLASLt's block-scaled GEMM there. False: pointer loads everywhere (A/B runs, bench/fp8_gemm.py).
+USE_TMA = True
+
+
+def tma_usable(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the two-kernel GEMM can load e4m3 ``a [M, K]`` and ``weight [N, K]`` by TMA: a Triton with
+    tensor descriptors, a Hopper-or-newer GPU (or the interpreter), row strides and base addresses
+    16-byte aligned (TMA's rule), unit column strides."""
+    if TensorDescriptor is None or not USE_TMA:
+        return False
+    if a.device.type == "cuda":
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(index)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, weight))
+
+
+TMA_MAX_STEPS_PER_SPLIT = 40
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_tma_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
+    """The launch of the two-kernel GEMM with TMA loads, a rule fitted to the H200 sweep of session 20
+    (``bench/fp8_gemm.py --sweep two_kernel``: Qwen3-4B's linears at 128 and 256 tokens; rule within
+    ~10% of the best of 60 launches per shape there): 4 warps, 128 output columns, 64 rows (fewer
+    for fewer tokens); K split 1, 2, 4 or 8 ways, the fewest that give >= half as many programs as SMs
+    with <= 40 K steps each (and >= 2 a split); 4 pipeline stages while two programs fit an SM
+    side by side cover the grid (<= 2 per SM), else 3 (three fit)."""
+    return _planned_tma_tiles(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned_tma_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
+    block_m = min(64, max(16, 1 << max(0, rows - 1).bit_length()))
+    block_n = 128
+    tiles = _cdiv(rows, block_m) * _cdiv(out_features, block_n)
+    k_steps = _cdiv(in_features, BLOCK)
+    split = 1
+    for candidate in (1, 2, 4, 8):
+        if candidate > 1 and k_steps < 2 * candidate:
+            break
+        split = candidate
+        if tiles * candidate >= sms // 2 and _cdiv(k_steps, candidate) <= TMA_MAX_STEPS_PER_SPLIT:
+            break
+    stages = 4 if tiles * split <= 2 * sms else 3
+    return Tiles(block_m, block_n, split, num_warps=4, num_stages=stages)
+
+
+def tma_candidates(rows: int, in_features: int) -> list[Tiles]:
+    """The launches ``bench/fp8_gemm.py --sweep two_kernel`` times against :func:`plan_tma_tiles`."""
+    block_ms = sorted({min(64, max(16, triton.next_power_of_2(rows))), 64})
+    k_steps = triton.cdiv(in_features, BLOCK)
+    return [Tiles(block_m, block_n, split, num_warps=4, num_stages=stages)
+            for block_m in block_ms for block_n in (64, 128)
+            for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split
+            for stages in (3, 4, 5)]
+
+
 _split_counters = Tickets("fp8 GEMM split-K counters")
 
 
@@ -395,7 +471,15 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    tiles = tiles or plan_tiles(rows, out_features, cols, x.device, a_quantized=quantize_first)
+    if quantize_first:
+        a, a_scales = quantize_activation(x)
+        a_scale_stride = a_scales.stride(1)
+        tma = tma_usable(a, weight)
+    else:
+        a, a_scales, a_scale_stride, tma = x, x, 0, False  # a_scales not read by the fused kernel
+    if tiles is None:
+        tiles = (plan_tma_tiles(rows, out_features, cols, x.device) if tma
+                 else plan_tiles(rows, out_features, cols, x.device, a_quantized=quantize_first))
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
     # fetched on every call, so the first (eager) GEMM on a device allocates them: a CUDA graph captured
     # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
@@ -404,15 +488,14 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
         partials = torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
     else:
         partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
-    if quantize_first:
-        a, a_scales = quantize_activation(x)
-        a_scale_stride = a_scales.stride(1)
-    else:
-        a, a_scales, a_scale_stride = x, x, 0  # a_scales not read by the fused kernel
-    _fp8_gemm_kernel[grid](a, a_scales, weight, weight_scales, out, partials, counters, rows, out_features, cols,
+    a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, BLOCK]) if tma else a  # else: not read
+    b_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, BLOCK]) if tma else weight
+    _fp8_gemm_kernel[grid](a, a_desc, a_scales, weight, b_desc, weight_scales, out, partials, counters, rows,
+                           out_features, cols,
                            a.stride(0), a_scale_stride, weight.stride(0), weight_scales.stride(0), out.stride(0),
                            FP8_MAX, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
-                           SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, EMULATE_E4M3_CAST=_interpreting(),
+                           SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, TMA=tma,
+                           EMULATE_E4M3_CAST=_interpreting(),
                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

@@ -325,27 +325,30 @@ from slime.backends.embedded_engine import fp8_triton
 
 kernel = fp8_triton._fp8_gemm_kernel
 names = list(kernel.arg_names)
-constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "EMULATE_E4M3_CAST"]
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "TMA", "EMULATE_E4M3_CAST"]
 aligned = ["a_ptr", "a_s_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am",
            "stride_bn", "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
 attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = []
-for block_m, block_n, split_k, num_warps, a_quantized in json.loads(sys.argv[1]):
+for block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages in json.loads(sys.argv[1]):
     types = dict(a_ptr="*fp8e4nv" if a_quantized else "*bf16", a_s_ptr="*fp32", b_ptr="*fp8e4nv", b_s_ptr="*fp32",
                  c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", fp8_max="fp32")
+    types["a_desc"] = f"tensordesc<fp8e4nv[{block_m}, 128]>" if tma else types["a_ptr"]
+    types["b_desc"] = f"tensordesc<fp8e4nv[{block_n}, 128]>" if tma else types["b_ptr"]
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
     values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
-                  A_QUANTIZED=bool(a_quantized), EMULATE_E4M3_CAST=False)
+                  A_QUANTIZED=bool(a_quantized), TMA=bool(tma), EMULATE_E4M3_CAST=False)
     compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=3))
-    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}.cubin")
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}_{tma}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     ptx = compiled.asm["ptx"]
-    report.append(dict(tiles=[block_m, block_n, split_k, num_warps, a_quantized],
+    report.append(dict(tiles=[block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages],
                        fp8_wgmma=bool(re.search(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
+                       tma_loads="cp.async.bulk.tensor" in ptx, shared=compiled.metadata.shared,
                        mma_sync="mma.sync.aligned" in ptx,
                        gpu_e4m3_cast="cvt.rn.satfinite.e4m3x2.f32" in ptx,
                        registers=int(re.search(r"REG:(\\d+)", usage).group(1)),
@@ -375,7 +378,9 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     """The compiled kernel (not the interpreter) for sm_90, without a GPU: Triton's own ptxas builds
     the planned launches of the Qwen3 shapes (one of each kind: few rows, split K, 256 columns, a
     128-row prefill tile; fused, and the two-kernel GEMM on e4m3 A), each with tensor-core
-    instructions, the GPU's own fp32 -> e4m3 cast where it quantizes and no register spills."""
+    instructions, the GPU's own fp32 -> e4m3 cast where it quantizes and no register spills; the
+    two-kernel GEMM's TMA launches (the planned 64 x 128 tiles, 3 and 4 stages) load by
+    ``cp.async.bulk.tensor`` and fit three / two programs an SM in shared memory."""
     import json
     import subprocess
     import sys
@@ -385,8 +390,9 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
     if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
                                        "ptxas")):
         pytest.skip("this triton has no bundled ptxas")
-    tiles = [(16, 32, 4, 4, 0), (64, 128, 4, 8, 0), (64, 256, 1, 8, 0), (128, 128, 1, 8, 0), (64, 128, 2, 8, 1),
-             (128, 128, 1, 8, 1)]
+    tiles = [(16, 32, 4, 4, 0, 0, 3), (64, 128, 4, 8, 0, 0, 3), (64, 256, 1, 8, 0, 0, 3), (128, 128, 1, 8, 0, 0, 3),
+             (64, 128, 2, 8, 1, 0, 3), (128, 128, 1, 8, 1, 0, 3), (64, 128, 1, 4, 1, 1, 3), (64, 128, 2, 4, 1, 1, 4),
+             (16, 128, 4, 4, 1, 1, 4)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
@@ -402,6 +408,9 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
         assert entry["gpu_e4m3_cast"] != bool(entry["tiles"][4]), entry  # the two-kernel GEMM does not quantize
         # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
         assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
+        assert entry["tma_loads"] == bool(entry["tiles"][5]), entry
+        if entry["tiles"][5] and entry["tiles"][0] == 64:  # programs an SM by shared memory (228 KiB, 1 KiB each reserved)
+            assert (232448 // (entry["shared"] + 1024)) >= (3 if entry["tiles"][6] == 3 else 2), entry
 
 
 _WEIGHT_ONLY_SM90_COMPILE = r"""
@@ -597,6 +606,79 @@ def test_two_kernel_gemm_interpreted_equals_reference(rows, out_features, in_fea
                                        quantize_first=True)
     reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,out_features,in_features,tiles", [
+    (20, 200, 640, None),  # planned TMA tiles, ragged N, rows fewer than the tile
+    (40, 96, 640, (64, 32, 3)),  # 5 K steps over 3 splits
+    (130, 40, 256, (128, 256)),  # two row tiles, one ragged; one tile wider than the weight
+    (70, 384, 1024, (64, 128, 2)),  # three rows of weight blocks, split K
+])
+def test_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_features, in_features, tiles):
+    """The two-kernel GEMM loading its tiles by TMA descriptors (out-of-bounds rows and columns read as
+    zeros) gives the pointer-load kernel's bits and the reference's numbers."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    values, scales = fp8.quantize_weight(weight)
+    assert fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
+    tiles = tiles and _tiles(*tiles)
+    by_tma = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles, quantize_first=True)
+    monkeypatch.setattr(fp8_triton, "USE_TMA", False)
+    by_pointers = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32,
+                                               tiles=tiles or fp8_triton.plan_tma_tiles(rows, out_features,
+                                                                                        in_features, x.device),
+                                               quantize_first=True)
+    assert torch.equal(by_tma, by_pointers)
+    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    torch.testing.assert_close(by_tma, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+
+
+def test_tma_usable_needs_16_byte_rows():
+    """TMA reads rows whose byte stride and base are multiples of 16: K = 300 e4m3 channels are not, so
+    that GEMM keeps pointer loads (it still runs: the interpreted reference test above has K = 300)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    if fp8_triton.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    aligned = torch.zeros(4, 320, dtype=fp8.FP8_DTYPE)
+    ragged = torch.zeros(4, 300, dtype=fp8.FP8_DTYPE)
+    interpreting = fp8_triton._interpreting()
+    assert fp8_triton.tma_usable(aligned, aligned) is interpreting  # a CPU tensor: only under the interpreter
+    assert not fp8_triton.tma_usable(ragged, ragged)
+    assert not fp8_triton.tma_usable(aligned, ragged)
+
+
+def test_tma_tiles_plan_matches_the_h200_sweep():
+    """``plan_tma_tiles`` on Qwen3-4B's fused linears at 128 and 256 tokens picks what the session-20 H200
+    sweep found best or within ~10% of it (4 warps, 64 x 128 tiles; split K only where the grid is
+    small and K long; 3 stages where many programs share an SM), and on every Qwen3 shape fills half the
+    SMs with at most 40 K steps a split where the K steps allow."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    plan = fp8_triton._planned_tma_tiles
+    assert plan(128, 6144, 2560, 132) == fp8_triton.Tiles(64, 128, 1, 4, 4)  # qkv (best 10.4 us, this 10.9)
+    assert plan(128, 2560, 4096, 132) == fp8_triton.Tiles(64, 128, 2, 4, 4)  # o (best 11.7, this 12.1)
+    assert plan(128, 19456, 2560, 132) == fp8_triton.Tiles(64, 128, 1, 4, 3)  # gate_up (the best, 21.9)
+    assert plan(128, 2560, 9728, 132) == fp8_triton.Tiles(64, 128, 2, 4, 4)  # down (best 18.8, this 20.5)
+    assert plan(256, 2560, 9728, 132) == fp8_triton.Tiles(64, 128, 2, 4, 4)  # down (the best, 25.1)
+    assert plan(256, 2560, 4096, 132) == fp8_triton.Tiles(64, 128, 1, 4, 4)  # o (best 13.4, this 13.8)
+    assert plan(8, 1024, 1024, 132).block_m == 16
+    for hidden, intermediate, q_out, kv_out in [(1024, 3072, 2048, 1024), (2048, 6144, 2048, 1024),
+                                                (2560, 9728, 4096, 1024)]:
+        for out_features, in_features in [(q_out + 2 * kv_out, hidden), (hidden, q_out), (2 * intermediate, hidden),
+                                          (hidden, intermediate)]:
+            for rows in (17, 64, 128, 256, 512):
+                tiles = plan(rows, out_features, in_features, 132)
+                steps = -(-in_features // 128)
+                programs = -(-rows // tiles.block_m) * -(-out_features // 128) * tiles.split_k
+                assert tiles.split_k == 1 or steps >= 2 * tiles.split_k, tiles
+                assert (programs >= 66 and -(-steps // tiles.split_k) <= 40) or tiles.split_k == 8 \
+                    or steps < 4 * tiles.split_k, (rows, out_features, in_features, tiles)
+                assert tiles.num_stages == (4 if programs <= 264 else 3)
 
 
 def _strict_scaled_mm(calls: list):
@@ -983,6 +1065,37 @@ def test_gpu_weight_only_split_k_replays_in_a_cuda_graph():
         graph.replay()
         reference = _weight_only_reference(x, values, scales)
         assert bool(((out.float() - reference).abs() <= reference.abs() * 2.0**-8 + 1e-3).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,out_features,in_features", [(128, 6144, 2560), (128, 2560, 9728), (77, 3072, 1024),
+                                                           (256, 19456, 2560), (20, 200, 640)])
+def test_gpu_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_features, in_features):
+    """Compiled: the TMA two-kernel GEMM (its planned tiles, split K where planned, replayed in a CUDA
+    graph on new inputs) gives the pointer-load kernel's bits for the same tiles, within the tensor
+    cores' accumulation error of the reference."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(rows)
+    values, scales = fp8.quantize_weight((torch.randn(out_features, in_features, generator=generator)
+                                          / in_features**0.5).cuda())
+    x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
+    assert fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
+    tiles = fp8_triton.plan_tma_tiles(rows, out_features, in_features, x.device)
+    fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, quantize_first=True)  # compile, counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, quantize_first=True)
+    for seed in range(2):
+        x.copy_(torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+        graph.replay()
+        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales))
+        with monkeypatch.context() as patch:
+            patch.setattr(fp8_triton, "USE_TMA", False)
+            by_pointers = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles,
+                                                       quantize_first=True)
+        assert torch.equal(out, by_pointers), tiles
 
 
 @pytest.mark.gpu
