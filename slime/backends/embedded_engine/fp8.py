@@ -31,7 +31,8 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
   same formula) in registers inside the GEMM and multiplies e4m3 by e4m3; above, the two-kernel path:
   the activations quantized once by a separate kernel, then the GEMM on e4m3 A and its scales (the
   fused kernel re-quantizes each A tile in every column-tile program, which is what made it 0.37-0.54x
-  of bf16 from 64 tokens up on the H200).
+  of bf16 from 64 tokens up on the H200). The two-kernel GEMM loads its tiles by TMA where the rows are
+  16-byte aligned (``fp8_triton.tma_usable``; all Qwen3 shapes), pointer loads elsewhere.
 * ``cublas`` (Hopper, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through ``torch._scaled_mm``
   (``fp8_cublas.py``), after the same separate activation quantizer; weight shapes it does not take
   fall back to the two-kernel Triton path (a log line once per shape).
@@ -65,17 +66,18 @@ GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
 # Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
-# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261204-fused-layout-s19.json
-# (f604ee6; one decoder layer's linears of Qwen3-0.6B / 1.7B / 4B as the engine runs them, q/k/v and
-# gate/up fused; the layer's time in bf16 over each path's): M = 16 weight-only 0.88 / 0.89 / 1.03,
-# fused W8A8 0.84 / 0.95 / 1.07, cuBLASLt 0.61 / 0.83 / 0.99; M = 64 two-kernel 0.69 / 0.73 / 0.84,
-# cuBLASLt 0.62 / 0.75 / 0.85, weight-only 0.66 / 0.64 / 0.69; M = 128 two-kernel 0.64 / 0.71 / 0.69,
-# cuBLASLt 0.60 / 0.78 / 0.85, weight-only 0.47 / 0.45 / 0.38; M = 256 cuBLASLt 0.67 / 0.79 / 0.98;
-# M = 2048 cuBLASLt 1.11 / 1.35 / 1.40. ``auto`` keeps the W8A8 recipe (SGLang's block FP8) at every
-# size; the weight-only path (W8A16: the numbers of ``dequant``) is a backend of its own, for its
-# smaller train/rollout gap, not its speed (docs/embedded_engine.md).
+# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261204-tma-s20.json (one decoder
+# layer's linears of Qwen3-0.6B / 1.7B / 4B as the engine runs them, q/k/v and gate/up fused; the
+# layer's time in bf16 over each path's), after the two-kernel GEMM moved to TMA loads: M = 16 fused
+# W8A8 0.84 / 0.94 / 1.10, two-kernel 0.73 / 0.99 / 1.21; M = 64 two-kernel 0.55 / 0.79 / 1.13, cuBLASLt
+# 0.62 / 0.74 / 0.85; M = 128 two-kernel 0.57 / 0.87 / 1.01, cuBLASLt 0.61 / 0.79 / 0.84; M = 256
+# two-kernel 0.72 / 0.92 / 1.01, cuBLASLt 0.68 / 0.81 / 0.97; M = 512 cuBLASLt 0.75 / 1.08 / 1.18,
+# two-kernel 0.79 / 1.06 / 1.06; weight-only 0.89 / 0.90 / 1.02 at 16, <= 0.85 from 32 up. ``auto`` keeps
+# the W8A8 recipe (SGLang's block FP8) at every size, chosen for the larger models (FP8 does not pay on
+# 0.6B at any size); the weight-only path (W8A16: the numbers of ``dequant``) is a backend of its own,
+# for its smaller train/rollout gap, not its speed (docs/embedded_engine.md).
 FUSED_MAX_ROWS = 16
-TWO_KERNEL_MAX_ROWS = 64
+TWO_KERNEL_MAX_ROWS = 256
 GEMM_DISPATCH = {
     "auto": ((FUSED_MAX_ROWS, "fused"), (TWO_KERNEL_MAX_ROWS, "two_kernel"), (None, "cublas")),
     "weight_only": ((None, "weight_only"),),

@@ -773,7 +773,7 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
 
 def test_gemm_dispatch_table(monkeypatch):
     """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the fused W8A8 kernel up to 16
-    tokens, the two-kernel one up to 64 and above cuBLASLt where it runs and the shape qualifies (every
+    tokens, the two-kernel one up to 256 and above cuBLASLt where it runs and the shape qualifies (every
     Qwen3 linear does), else the two-kernel GEMM; weight_only is weight-only at every size (the H200's
     per-path timings, in fp8.py)."""
     from slime.backends.embedded_engine import fp8_cublas
@@ -782,12 +782,12 @@ def test_gemm_dispatch_table(monkeypatch):
         assert backend in fp8.GEMM_BACKENDS and ranges[-1][0] is None
         assert all(path in fp8.GEMM_PATHS for _, path in ranges)
     assert set(fp8.GEMM_DISPATCH) == set(fp8.GEMM_BACKENDS)
-    expected = {"auto": ["fused", "fused", "two_kernel", "two_kernel", "cublas", "cublas"],
-                "weight_only": ["weight_only"] * 6,
-                "triton": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel", "two_kernel"],
-                "cublas": ["cublas"] * 6, "dequant": ["dequant"] * 6}
+    expected = {"auto": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel", "cublas", "cublas"],
+                "weight_only": ["weight_only"] * 7,
+                "triton": ["fused", "fused", "two_kernel", "two_kernel", "two_kernel", "two_kernel", "two_kernel"],
+                "cublas": ["cublas"] * 7, "dequant": ["dequant"] * 7}
     for backend, paths in expected.items():
-        assert [fp8.dispatch_path(backend, rows) for rows in (1, 16, 17, 64, 65, 2048)] == paths, backend
+        assert [fp8.dispatch_path(backend, rows) for rows in (1, 16, 17, 128, 256, 257, 2048)] == paths, backend
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_cublas, "available", lambda device: True)
     for out_features, in_features in [(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (1024, 3072),
