@@ -411,6 +411,56 @@ def _is_fused_experts(module: nn.Module) -> bool:
             and hasattr(module, "act_fn") and not getattr(module, "has_bias", False))
 
 
+WARM_UP_MAX_ROWS = 4096  # token counts whose Triton launches fp8.warm_up compiles before serving
+
+
+@torch.no_grad()
+def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int, float]:
+    """Compile, before the engine serves, every Triton GEMM launch the dense FP8 linears of ``weights``
+    can take for 1..``max_rows`` tokens: one GEMM on zeros per distinct :func:`fp8_triton.launch_key`
+    (tiles and TMA; the token count is not specialized on), so no decode step or prefill stalls on a
+    first-use compile (~1 s each) — the engine captures CUDA graphs lazily per batch bucket, and a
+    bucket whose tiles were new used to compile inside the rollout. Also allocates the split-K
+    counters. Where the Triton kernels run (CUDA; the CPU only under Triton's interpreter, where the
+    engine does not call it); the routed experts' GEMMs are not covered.
+    Returns (launches compiled or loaded from Triton's cache, seconds)."""
+    import time
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    start = time.perf_counter()
+    seen: set[tuple] = set()
+    shapes = {}  # one module per (shape, dtype, backend): the launches depend on nothing else
+    for module in weights.linears.values():
+        shapes.setdefault((*module.weight_fp8.shape, module.dtype, module.backend, str(module.weight_fp8.device)),
+                          module)
+    for module in shapes.values():
+        values, scales = module.weight_fp8, module.weight_scale_inv
+        if module.backend == "dequant" or not fp8_triton.available(values.device):
+            continue
+        out_features, in_features = values.shape
+        tma = fp8_triton.tma_usable_for(values)
+        for rows in range(1, max_rows + 1):
+            path = gemm_path(module.backend, rows, out_features, in_features, values.device)
+            if path == "cublas":
+                key = (path, out_features, in_features)  # no Triton tiles: the quantizer and cuBLASLt, once per shape
+            else:
+                key = (out_features, in_features, *fp8_triton.launch_key(path, rows, out_features, in_features,
+                                                                         values.device, tma))
+            if key in seen:
+                continue
+            seen.add(key)
+            fp8_linear(torch.zeros((rows, in_features), dtype=module.dtype, device=values.device), values, scales,
+                       None, module.backend)
+    if seen and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if seen:
+        logger.info("fp8: warmed up %d GEMM launches (shapes x tiles) for 1-%d tokens in %.1f s", len(seen),
+                    max_rows, seconds)
+    return len(seen), seconds
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = ()) -> Fp8Weights:
     """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place.

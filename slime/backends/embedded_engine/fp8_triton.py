@@ -108,7 +108,7 @@ if triton is not None:
             q = _round_to_e4m3_grid(q)
         return q.to(tl.float8e4nv), scale
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "M_OUT"])  # row counts vary per batch: one compile for all
     def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk, fp8_max,
                                     BLOCK_M: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         """Program ``(pid_m, kb)``: rows ``[pid_m · BLOCK_M, +BLOCK_M)`` of channel group ``kb`` -> e4m3
@@ -125,7 +125,7 @@ if triton is not None:
         tl.store(q_ptr + offs_m[:, None] * stride_qm + k[None, :], q, mask=out_rows[:, None] & in_k[None, :])
         tl.store(s_ptr + kb * stride_sk + offs_m, scale, mask=out_rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the token count varies per batch: one compile for all
     def _fp8_gemm_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
                          stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -197,7 +197,7 @@ if triton is not None:
             v = bits.to(tl.float32, bitcast=True)
         return v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _weight_only_gemm_kernel(x_ptr, w_ptr, w_s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
                                  stride_xm, stride_wn, stride_wsn, stride_om,
                                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -399,13 +399,14 @@ def plan_tma_tiles(rows: int, out_features: int, in_features: int, device: torch
     ~10% of the best of 60 launches per shape there): 4 warps, 128 output columns, 64 rows (fewer
     for fewer tokens); K split 1, 2, 4 or 8 ways, the fewest that give >= half as many programs as SMs
     with <= 40 K steps each (and >= 2 a split); 4 pipeline stages while two programs fit an SM
-    side by side cover the grid (<= 2 per SM), else 3 (three fit)."""
+    side by side cover the grid (<= 2 per SM), else 3 (three fit). 64 rows from 17 tokens on (the
+    sweep's best at 128 and 256; fewer tile variants also mean fewer compiles, :func:`launch_key`)."""
     return _planned_tma_tiles(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
 
 
 @functools.lru_cache(maxsize=4096)
 def _planned_tma_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
-    block_m = min(64, max(16, 1 << max(0, rows - 1).bit_length()))
+    block_m = 16 if rows <= 16 else 64  # above 16 tokens Hopper's fp8 wgmma (64 rows); few launch variants
     block_n = 128
     tiles = _cdiv(rows, block_m) * _cdiv(out_features, block_n)
     k_steps = _cdiv(in_features, BLOCK)
@@ -422,7 +423,7 @@ def _planned_tma_tiles(rows: int, out_features: int, in_features: int, sms: int)
 
 def tma_candidates(rows: int, in_features: int) -> list[Tiles]:
     """The launches ``bench/fp8_gemm.py --sweep two_kernel`` times against :func:`plan_tma_tiles`."""
-    block_ms = sorted({min(64, max(16, triton.next_power_of_2(rows))), 64})
+    block_ms = sorted({16 if rows <= 16 else 64, 64})
     k_steps = triton.cdiv(in_features, BLOCK)
     return [Tiles(block_m, block_n, split, num_warps=4, num_stages=stages)
             for block_m in block_ms for block_n in (64, 128)
@@ -454,6 +455,26 @@ def quantize_activation(x: torch.Tensor, row_align: int = 1) -> tuple[torch.Tens
             x, values, scales, rows, padded, cols, x.stride(0), values.stride(0), scales.stride(0), FP8_MAX,
             BLOCK_M=QUANTIZE_BLOCK_M, EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
     return values, scales.t()
+
+
+def launch_key(path: str, rows: int, out_features: int, in_features: int, device: torch.device,
+               tma: bool) -> tuple:
+    """What decides which compiled kernel a GEMM of ``path`` (``fused`` / ``two_kernel`` / ``weight_only``)
+    on ``rows`` tokens launches: its tiles (and for the two-kernel GEMM whether it loads by TMA, given
+    as ``tma``); the token count itself is not specialized on (``do_not_specialize``). GEMMs with
+    equal keys share one compile (``fp8.warm_up`` compiles each key once)."""
+    if path == "weight_only":
+        return path, plan_weight_only(rows, out_features, in_features, device)
+    if path == "two_kernel" and tma:
+        return path, True, plan_tma_tiles(rows, out_features, in_features, device)
+    return path, False, plan_tiles(rows, out_features, in_features, device, a_quantized=path == "two_kernel")
+
+
+def tma_usable_for(weight: torch.Tensor) -> bool:
+    """:func:`tma_usable` of the two-kernel GEMM on ``weight``: its quantized activations (a fresh
+    ``[M, K]`` e4m3 tensor) are aligned when ``K`` is a multiple of 16."""
+    probe = torch.empty((1, weight.shape[1]), dtype=FP8_DTYPE, device=weight.device)
+    return tma_usable(probe, weight)
 
 
 def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,

@@ -156,6 +156,7 @@ class ModelRunner:
         weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else ())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
+            fp8.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
         return weights
 
     def _resolve_kv_cache(self, name: str) -> tuple[torch.dtype, tuple[list[float], list[float]] | None]:

@@ -771,6 +771,39 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
         assert "differs from fp8.reference_matmul" in fp8_cublas.check_block_matmul(cpu), name
 
 
+def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypatch):
+    """``fp8.warm_up`` runs one GEMM per distinct compiled launch (shape x path x tiles) of the dense
+    linears, once per shape however many layers share it, and after it every token count up to the
+    limit maps to a launch it ran — so no decode bucket or prefill compiles mid-rollout; far fewer
+    GEMMs than token counts (the token count is not specialized on)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    if fp8_triton.triton is None:
+        pytest.skip("needs triton (the tile planners)")
+    calls = []
+    monkeypatch.setattr(fp8_triton, "available", lambda device: True)
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, values, scales, bias, backend: calls.append((x.shape[0], *values.shape)))
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False)})
+        for _ in range(3))})
+    weights = fp8.quantize_model(model, "triton")
+    count, _ = fp8.warm_up(weights, max_rows=600)
+    assert count == len(calls) and len({(rows, n, k) for rows, n, k in calls}) == len(calls)
+    assert {(n, k) for _, n, k in calls} == {(1024, 256), (256, 1024)}
+    cpu = torch.device("cpu")
+    tma = fp8_triton.tma_usable_for(weights.linears["layers.0.up"].weight_fp8)  # under the interpreter: TMA
+    for n, k in [(1024, 256), (256, 1024)]:
+        ran = {fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, tma)
+               for rows, cn, ck in calls if (cn, ck) == (n, k)}
+        needed = {fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, tma)
+                  for rows in range(1, 601)}
+        assert needed == ran
+        assert len(ran) < 60
+    calls.clear()
+    monkeypatch.setattr(fp8_triton, "available", lambda device: False)  # no Triton path: nothing to compile
+    assert fp8.warm_up(weights, max_rows=600)[0] == 0 and not calls
+
+
 def test_gemm_dispatch_table(monkeypatch):
     """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the fused W8A8 kernel up to 16
     tokens, the two-kernel one up to 256 and above cuBLASLt where it runs and the shape qualifies (every
