@@ -322,7 +322,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="serve with block-wise FP8 linear layers (the engine's --quantization)")
     parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "weight_only", "triton", "cublas", "dequant"],
-                        help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, cublas above)")
+                        help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, two-kernel triton up to 256, cublas above)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seed", type=int, default=0)
