@@ -804,6 +804,28 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
     assert fp8.warm_up(weights, max_rows=600)[0] == 0 and not calls
 
 
+@needs_interpreter
+def test_warm_up_interpreted_runs_the_real_gemms():
+    """Unmocked, under Triton's interpreter: ``warm_up`` launches the real kernels (fused up to 16
+    tokens, the TMA two-kernel GEMM above, split K where planned) once per launch, shared by the
+    layers of one shape, and the model computes the same afterwards."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.ModuleDict({"up": nn.Linear(256, 384, bias=False), "down": nn.Linear(384, 256, bias=False)})
+        for _ in range(2))})
+    x = torch.randn(70, 256)
+    weights = fp8.quantize_model(model, "triton")
+    before = model["layers"][1]["down"](model["layers"][0]["up"](x))
+    count, _ = fp8.warm_up(weights, max_rows=80)
+    cpu = torch.device("cpu")
+    expected = {(n, k, *fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, True))
+                for n, k in [(384, 256), (256, 384)] for rows in range(1, 81)}
+    assert count == len(expected) and 4 <= count <= 8  # per shape: the fused launch and one or two TMA launches
+    assert torch.equal(model["layers"][1]["down"](model["layers"][0]["up"](x)), before)
+
+
 def test_gemm_dispatch_table(monkeypatch):
     """``GEMM_DISPATCH``: every backend's ranges end open; auto takes the fused W8A8 kernel up to 16
     tokens, the two-kernel one up to 256 and above cuBLASLt where it runs and the shape qualifies (every
