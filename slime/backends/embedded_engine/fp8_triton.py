@@ -8,7 +8,9 @@
   registers and feeds the e4m3 tile to the dot; one launch, no e4m3 copy of the activations, but every
   column-tile program re-quantizes the same rows. Two-kernel (``A_QUANTIZED`` on): ``_quantize_activation_kernel``
   writes e4m3 A and its scales once (scales group-major, ``[ceil(K/128), M]``, the layout cuBLASLt's
-  1 x 128 scaling also reads), then the GEMM loads them. Both quantize with ``_quantize_rows``.
+  1 x 128 scaling also reads), then the GEMM loads them — its A and B tiles by TMA (host
+  ``TensorDescriptor``s, :func:`tma_usable`, tiles from :func:`plan_tma_tiles`) where rows are 16-byte
+  aligned on Hopper, else by pointers. Both quantize with ``_quantize_rows``.
 * ``B [N, K]`` is the weight, quantized once per update in 128 x 128 blocks with scales
   ``b_scales [ceil(N/128), ceil(K/128)]`` (``fp8.quantize_weight``).
 * ``_fp8_gemm_kernel``: program ``(pid_m, pid_n, pid_k)`` owns ``BLOCK_M`` rows, ``BLOCK_N`` output
