@@ -110,7 +110,7 @@ if triton is not None:
             q = _round_to_e4m3_grid(q)
         return q.to(tl.float8e4nv), scale
 
-    @triton.jit(do_not_specialize=["M", "M_OUT"])  # row counts vary per batch: one compile for all
+    @triton.jit(do_not_specialize=["M", "M_OUT", "stride_sk"])  # row counts vary per batch: one compile for all
     def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk, fp8_max,
                                     BLOCK_M: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         """Program ``(pid_m, kb)``: rows ``[pid_m · BLOCK_M, +BLOCK_M)`` of channel group ``kb`` -> e4m3
@@ -127,7 +127,9 @@ if triton is not None:
         tl.store(q_ptr + offs_m[:, None] * stride_qm + k[None, :], q, mask=out_rows[:, None] & in_k[None, :])
         tl.store(s_ptr + kb * stride_sk + offs_m, scale, mask=out_rows)
 
-    @triton.jit(do_not_specialize=["M"])  # the token count varies per batch: one compile for all
+    # the token count varies per batch (and so does the stride of the group-major activation scales, M):
+    # not specialized on, one compile for every batch size
+    @triton.jit(do_not_specialize=["M", "stride_ask"])
     def _fp8_gemm_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
                          stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -1154,6 +1154,35 @@ def test_gpu_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton", "weight_only"])
+def test_gpu_warm_up_leaves_nothing_to_compile(backend):
+    """After ``fp8.warm_up``, a GEMM of any token count up to the limit finds its kernel compiled: the
+    JIT caches of the FP8 kernels do not grow (an argument that varies with the batch, specialized
+    on, would add a compile mid-rollout)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    kernels = [fp8_triton._fp8_gemm_kernel, fp8_triton._quantize_activation_kernel,
+               fp8_triton._weight_only_gemm_kernel]
+    if not all(hasattr(kernel, "device_caches") for kernel in kernels):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.ModuleDict({"up": nn.Linear(1024, 3072, bias=False), "down": nn.Linear(3072, 1024, bias=False)})
+        for _ in range(2))}).cuda().to(torch.bfloat16)
+    weights = fp8.quantize_model(model, fp8.resolve_backend(backend, torch.device("cuda")))
+    fp8.warm_up(weights, max_rows=300)
+    before = compiled()
+    layer = model["layers"][0]
+    for rows in range(1, 301):
+        layer["down"](layer["up"](torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)))
+    assert compiled() == before
+
+
+@pytest.mark.gpu
 def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
     """A split-K launch captured in a CUDA graph: its counters reset themselves, so every replay (new
     inputs, same buffers) reduces correctly."""
