@@ -416,13 +416,13 @@ WARM_UP_MAX_ROWS = 4096  # token counts whose Triton launches fp8.warm_up compil
 
 @torch.no_grad()
 def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int, float]:
-    """Compile, before the engine serves, every Triton GEMM launch the dense FP8 linears of ``weights``
-    can take for 1..``max_rows`` tokens: one GEMM on zeros per distinct :func:`fp8_triton.launch_key`
+    """Compile, before the engine serves, every Triton GEMM launch the FP8 linears and routed experts of
+    ``weights`` can take for 1..``max_rows`` tokens: one GEMM on zeros per distinct :func:`fp8_triton.launch_key`
     (tiles and TMA; the token count is not specialized on), so no decode step or prefill stalls on a
     first-use compile (~1 s each) — the engine captures CUDA graphs lazily per batch bucket, and a
     bucket whose tiles were new used to compile inside the rollout. Also allocates the split-K
     counters. Where the Triton kernels run (CUDA; the CPU only under Triton's interpreter, where the
-    engine does not call it); the routed experts' GEMMs are not covered.
+    engine does not call it).
     Returns (launches compiled or loaded from Triton's cache, seconds)."""
     import time
 
@@ -430,28 +430,30 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
 
     start = time.perf_counter()
     seen: set[tuple] = set()
-    shapes = {}  # one module per (shape, dtype, backend): the launches depend on nothing else
-    for module in weights.linears.values():
-        shapes.setdefault((*module.weight_fp8.shape, module.dtype, module.backend, str(module.weight_fp8.device)),
-                          module)
-    for module in shapes.values():
-        values, scales = module.weight_fp8, module.weight_scale_inv
-        if module.backend == "dequant" or not fp8_triton.available(values.device):
+    shapes = {}  # one matrix per (shape, dtype, backend, device): the launches depend on nothing else
+    matrices = [(module.weight_fp8, module.weight_scale_inv, module.dtype, module.backend)
+                for module in weights.linears.values()]
+    matrices += [(*module.matrix(kind, 0), module.dtype, module.backend)  # every expert's matrices share a shape
+                 for module in weights.experts.values() for kind in ("gate", "up", "down")]
+    for values, scales, dtype, backend in matrices:
+        shapes.setdefault((*values.shape, dtype, backend, str(values.device)), (values, scales, dtype, backend))
+    for values, scales, dtype, backend in shapes.values():
+        if backend == "dequant" or not fp8_triton.available(values.device):
             continue
         out_features, in_features = values.shape
         tma = fp8_triton.tma_usable_for(values)
         for rows in range(1, max_rows + 1):
-            path = gemm_path(module.backend, rows, out_features, in_features, values.device)
+            path = gemm_path(backend, rows, out_features, in_features, values.device)
             if path == "cublas":
-                key = (path, out_features, in_features)  # no Triton tiles: the quantizer and cuBLASLt, once per shape
+                key = (path, out_features, in_features, dtype)  # no Triton tiles: the quantizer and cuBLASLt
             else:
-                key = (out_features, in_features, *fp8_triton.launch_key(path, rows, out_features, in_features,
+                key = (out_features, in_features, dtype, *fp8_triton.launch_key(path, rows, out_features, in_features,
                                                                          values.device, tma))
             if key in seen:
                 continue
             seen.add(key)
-            fp8_linear(torch.zeros((rows, in_features), dtype=module.dtype, device=values.device), values, scales,
-                       None, module.backend)
+            fp8_linear(torch.zeros((rows, in_features), dtype=dtype, device=values.device), values, scales, None,
+                       backend)
     if seen and torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

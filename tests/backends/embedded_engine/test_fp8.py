@@ -772,8 +772,9 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
 
 
 def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypatch):
-    """``fp8.warm_up`` runs one GEMM per distinct compiled launch (shape x path x tiles) of the dense
-    linears, once per shape however many layers share it, and after it every token count up to the
+    """``fp8.warm_up`` runs one GEMM per distinct compiled launch (shape x path x tiles) of the
+    linears and routed experts, once per shape however many layers or experts share it (an expert's
+    gate and up are one shape), and after it every token count up to the
     limit maps to a launch it ran — so no decode bucket or prefill compiles mid-rollout; far fewer
     GEMMs than token counts (the token count is not specialized on)."""
     from slime.backends.embedded_engine import fp8_triton
@@ -783,16 +784,26 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
     calls = []
     monkeypatch.setattr(fp8_triton, "available", lambda device: True)
     monkeypatch.setattr(fp8, "fp8_linear", lambda x, values, scales, bias, backend: calls.append((x.shape[0], *values.shape)))
+    class Experts(nn.Module):  # transformers' fused routed-experts layout: 4 experts, I = 384, H = 256
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 768, 256) / 16)
+            self.down_proj = nn.Parameter(torch.randn(4, 256, 384) / 16)
+            self.act_fn = nn.SiLU()
+
     model = nn.ModuleDict({"layers": nn.ModuleList(
-        nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False)})
+        nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False),
+                       "experts": Experts()})
         for _ in range(3))})
     weights = fp8.quantize_model(model, "triton")
+    assert len(weights.experts) == 3
     count, _ = fp8.warm_up(weights, max_rows=600)
     assert count == len(calls) and len({(rows, n, k) for rows, n, k in calls}) == len(calls)
-    assert {(n, k) for _, n, k in calls} == {(1024, 256), (256, 1024)}
+    shapes = [(1024, 256), (256, 1024), (384, 256), (256, 384)]  # linears; experts' gate = up, down
+    assert {(n, k) for _, n, k in calls} == set(shapes)
     cpu = torch.device("cpu")
     tma = fp8_triton.tma_usable_for(weights.linears["layers.0.up"].weight_fp8)  # under the interpreter: TMA
-    for n, k in [(1024, 256), (256, 1024)]:
+    for n, k in shapes:
         ran = {fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, tma)
                for rows, cn, ck in calls if (cn, ck) == (n, k)}
         needed = {fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, tma)
