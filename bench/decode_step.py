@@ -115,7 +115,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (the kernel table averages them)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
     parser.add_argument("--without", action="append", default=[],
-                        choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_early_v"],
+                        choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_early_v",
+                                 "fp8_quant_in_producer"],
                         help="run without this fusion (repeatable), for an A/B of it in one visit")
     parser.add_argument("--with", dest="with_", action="append", default=[],
                         choices=["small_m_gemm", "attention_merge_in_split"],
@@ -170,6 +171,10 @@ def main() -> None:
         from slime.backends.embedded_engine import fused_ops
 
         fused_ops.KV_WRITE_IN_NORM_ROPE = False
+    if "fp8_quant_in_producer" in args.without:
+        from slime.backends.embedded_engine import fused_ops
+
+        fused_ops.FP8_QUANT_IN_PRODUCER = False
     if "mlp_residual_gemm" in args.without:
         from slime.backends.embedded_engine import fused_ops
 

@@ -208,13 +208,28 @@ def gemm_path(backend: str, rows: int, out_features: int, in_features: int, devi
 
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-               backend: str) -> torch.Tensor:
+               backend: str, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+               accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ Wᵀ (+ bias)`` with ``W`` block-quantized, in ``x``'s dtype, on the path
-    :func:`gemm_path` picks for ``backend`` and this many tokens."""
+    :func:`gemm_path` picks for ``backend`` and this many tokens. ``quantized``: ``x``'s e4m3
+    activations already made by its producer (used where the path is the two-kernel GEMM, whose
+    quantize launch it replaces; ignored elsewhere). ``accumulate_into``: a tensor of the output's
+    shape and dtype the product is added to in place (the residual add; inside the two-kernel GEMM's
+    epilogue where that is the path, else a separate add), returned."""
     if backend == "dequant":
-        return nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
+        out = nn.functional.linear(x, dequantize_weight(values, scales, x.dtype), bias)
+        return out if accumulate_into is None else accumulate_into.add_(out)
     rows = x.reshape(-1, x.shape[-1])
     path = gemm_path(backend, rows.shape[0], values.shape[0], values.shape[1], x.device)
+    if path == "two_kernel" and bias is None and (quantized is not None or accumulate_into is not None):
+        from slime.backends.embedded_engine import fp8_triton
+
+        target = None if accumulate_into is None else accumulate_into.view(-1, values.shape[0])
+        out = fp8_triton.w8a8_block_matmul(rows, values, scales, out_dtype=x.dtype, quantize_first=True,
+                                           quantized=quantized, accumulate_into=target)
+        return accumulate_into if accumulate_into is not None else out.view(*x.shape[:-1], values.shape[0])
+    if accumulate_into is not None:
+        return accumulate_into.add_(fp8_linear(x, values, scales, bias, backend))
     if path == "weight_only":
         from slime.backends.embedded_engine import fp8_triton
 
@@ -249,8 +264,26 @@ class Fp8Linear(nn.Module):
         self.parts = dict(getattr(linear, "parts", {}))
         self.sizes = list(getattr(linear, "sizes", []))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend)
+        #: (input, its e4m3 values and scales) handed over by the kernel that produced the input (offer)
+        self._offered: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def offer(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The producer of this layer's next input ``x`` (an RMSNorm or SiLU gate of ``fused_ops``) has
+        quantized it already: the next call with this very tensor uses those values instead of quantizing
+        again (any other call drops them)."""
+        self._offered = (x, quantized)
+
+    def takes_quantized(self, rows: int, device: torch.device) -> bool:
+        """Whether a GEMM of ``rows`` tokens would use offered e4m3 activations (the two-kernel path,
+        whole 128-channel groups, no bias)."""
+        return (self.bias is None and self.in_features % BLOCK == 0
+                and gemm_path(self.backend, rows, self.out_features, self.in_features, device) == "two_kernel")
+
+    def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+        offered, self._offered = self._offered, None
+        quantized = offered[1] if offered is not None and offered[0] is x else None
+        return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend, quantized=quantized,
+                          accumulate_into=accumulate_into)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A fused projection's output cut into its parts (``FusedLinear.split``)."""
@@ -452,8 +485,11 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
             if key in seen:
                 continue
             seen.add(key)
-            fp8_linear(torch.zeros((rows, in_features), dtype=dtype, device=values.device), values, scales, None,
-                       backend)
+            zeros = torch.zeros((rows, in_features), dtype=dtype, device=values.device)
+            fp8_linear(zeros, values, scales, None, backend)
+            if path == "two_kernel":  # and its epilogue-add variant (fused_ops: the MLP's residual in the down GEMM)
+                fp8_linear(zeros, values, scales, None, backend,
+                           accumulate_into=torch.zeros((rows, out_features), dtype=dtype, device=values.device))
     if seen and torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

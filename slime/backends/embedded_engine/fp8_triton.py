@@ -110,6 +110,20 @@ if triton is not None:
             q = _round_to_e4m3_grid(q)
         return q.to(tl.float8e4nv), scale
 
+    @triton.jit
+    def _quantize_store_groups(y, row, first_col, n_cols, q_ptr, s_ptr, stride_qm, stride_sg, fp8_max,
+                               BLOCK: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+        """Quantize ``y [BLOCK]`` (fp32: columns ``first_col ..`` of ``row``, ``first_col`` a multiple of 128)
+        per 128-channel group with ``_quantize_rows`` — the numbers of ``quantize_activation`` — and store
+        the e4m3 values at ``q_ptr + row · stride_qm + column`` and each group's scale group-major at
+        ``s_ptr + group · stride_sg + row``: for the producing kernel (RMSNorm, SiLU gate) to hand the
+        next FP8 GEMM its activations already quantized."""
+        q, scale = _quantize_rows(tl.reshape(y, (BLOCK // 128, 128)), fp8_max, EMULATE_E4M3_CAST)
+        cols = first_col + tl.arange(0, BLOCK)
+        tl.store(q_ptr + row * stride_qm + cols, tl.reshape(q, (BLOCK,)), mask=cols < n_cols)
+        groups = first_col // 128 + tl.arange(0, BLOCK // 128)
+        tl.store(s_ptr + groups * stride_sg + row, scale, mask=groups * 128 < n_cols)
+
     @triton.jit(do_not_specialize=["M", "M_OUT", "stride_sk"])  # row counts vary per batch: one compile for all
     def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk, fp8_max,
                                     BLOCK_M: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
@@ -134,7 +148,7 @@ if triton is not None:
                          stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, A_QUANTIZED: tl.constexpr,
-                         TMA: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+                         TMA: tl.constexpr, ACCUMULATE: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -174,6 +188,9 @@ if triton is not None:
                 acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
         out_mask = in_m[:, None] & in_n[None, :]
         if SPLIT_K == 1:
+            if ACCUMULATE:  # C += A @ Bᵀ: the sum in fp32, rounded once (a residual add in the epilogue)
+                acc += tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], mask=out_mask,
+                               other=0.0).to(tl.float32)
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
         else:
             # partial_ptr: fp32 [SPLIT_K, M, N]; counter_ptr: one int32 per (row tile, column tile), 0 on entry
@@ -187,6 +204,9 @@ if triton is not None:
                 for split in tl.static_range(SPLIT_K):  # unrolled: all partial loads in flight at once
                     total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
                                      cache_modifier=".cg")
+                if ACCUMULATE:
+                    total += tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], mask=out_mask,
+                                     other=0.0).to(tl.float32)
                 tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], total.to(c_ptr.dtype.element_ty),
                          mask=out_mask)
                 tl.atomic_xchg(counter_ptr + tile, 0)
@@ -482,21 +502,39 @@ def tma_usable_for(weight: torch.Tensor) -> bool:
 
 
 def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
-                      out_dtype: torch.dtype, tiles: Tiles | None = None, quantize_first: bool = False) -> torch.Tensor:
+                      out_dtype: torch.dtype, tiles: Tiles | None = None, quantize_first: bool = False,
+                      quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (any float dtype) times the block-quantized ``weight [N, K]`` transposed -> ``[M, N]``
     in ``out_dtype``. The activations are quantized per token and 128 channels inside the GEMM (the
     fused kernel) or, with ``quantize_first``, once by :func:`quantize_activation` before it (the
-    two-kernel path: each column tile then loads e4m3 A instead of re-quantizing it). ``tiles``
-    overrides :func:`plan_tiles` (tests, ``bench/fp8_gemm.py --sweep``)."""
+    two-kernel path: each column tile then loads e4m3 A instead of re-quantizing it). ``quantized``:
+    ``x``'s e4m3 values and group-major scales, already made by the kernel that produced ``x`` (an
+    RMSNorm or SiLU gate of ``fused_ops``, the numbers of :func:`quantize_activation`): the two-kernel
+    GEMM without its quantize launch. ``accumulate_into``: an ``[M, N]`` tensor of ``out_dtype`` the
+    product is added to in place (in fp32, rounded once: a residual add in the epilogue) and returned.
+    ``tiles`` overrides :func:`plan_tiles` (tests, ``bench/fp8_gemm.py --sweep``)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     out_features = weight.shape[0]
     if weight.shape[1] != cols:
         raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {weight.shape[1]}")
-    out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
+    if accumulate_into is not None:
+        if accumulate_into.shape != (rows, out_features) or accumulate_into.dtype != out_dtype \
+                or accumulate_into.stride(1) != 1:
+            raise ValueError(f"fp8 GEMM: accumulate_into must be a row-major [{rows}, {out_features}] {out_dtype} "
+                             f"tensor, got {tuple(accumulate_into.shape)} {accumulate_into.dtype}")
+        out = accumulate_into
+    else:
+        out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    if quantize_first:
+    if quantized is not None:
+        quantize_first = True
+        a, a_scales = quantized
+        a_scale_stride = a_scales.stride(1)
+        tma = tma_usable(a, weight)
+    elif quantize_first:
         a, a_scales = quantize_activation(x)
         a_scale_stride = a_scales.stride(1)
         tma = tma_usable(a, weight)
@@ -520,7 +558,7 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
                            a.stride(0), a_scale_stride, weight.stride(0), weight_scales.stride(0), out.stride(0),
                            FP8_MAX, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
                            SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, TMA=tma,
-                           EMULATE_E4M3_CAST=_interpreting(),
+                           ACCUMULATE=accumulate_into is not None, EMULATE_E4M3_CAST=_interpreting(),
                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

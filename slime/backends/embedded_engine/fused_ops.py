@@ -38,6 +38,9 @@ except ImportError:
 from slime.backends.embedded_engine import small_gemm
 from slime.backends.embedded_engine.kv_cache import FP8_DTYPES
 
+if triton is not None:
+    from slime.backends.embedded_engine.fp8_triton import _interpreting, _quantize_store_groups
+
 logger = logging.getLogger(__name__)
 
 RMSNORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
@@ -49,12 +52,17 @@ ROPE_MODULES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection's GEMM (bench A/B switch)
 SMALL_M_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # small_gemm.py's linears (decode-sized inputs)
 KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k norm + rotary kernel (A/B switch)
+# FP8 projections on the two-kernel GEMM take their e4m3 activations from the RMSNorm / SiLU gate that
+# produced them, and the MLP's residual add runs in the down GEMM's epilogue (A/B switch; session 20,
+# not yet timed on the GPU: the 4B decode step spent 0.23 ms in quantize launches and 0.065 ms in adds)
+FP8_QUANT_IN_PRODUCER = True
 
 
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_sg, n_cols, eps, fp8_max,
+                        BLOCK: tl.constexpr, QUANT: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < n_cols
@@ -62,12 +70,16 @@ if triton is not None:
         variance = tl.sum(x * x, axis=0) / n_cols
         normed = (x * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)  # HF casts back first
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-        tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(
-            out_ptr.dtype.element_ty), mask=inside)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=inside)
+        if QUANT:  # and the e4m3 activations of the FP8 GEMM that reads this output (fp8_triton)
+            _quantize_store_groups(y.to(tl.float32), row, 0, n_cols, q_ptr, s_ptr, n_cols, stride_sg, fp8_max,
+                                   BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n_cols, eps,
-                            BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_sg,
+                            n_cols, eps, fp8_max, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                            EMULATE_E4M3_CAST: tl.constexpr):
         # sum = x + residual, rounded to the activations' dtype as HF's add does; out = rmsnorm(sum)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -80,8 +92,11 @@ if triton is not None:
         variance = tl.sum(h * h, axis=0) / n_cols
         normed = (h * tl.math.rsqrt(variance + eps)).to(sum_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(
-            out_ptr.dtype.element_ty), mask=inside)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=inside)
+        if QUANT:
+            _quantize_store_groups(y.to(tl.float32), row, 0, n_cols, q_ptr, s_ptr, n_cols, stride_sg, fp8_max,
+                                   BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -92,14 +107,20 @@ if triton is not None:
         tl.store(out_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _silu_mul_packed_kernel(gu_ptr, out_ptr, stride_gu, width, BLOCK: tl.constexpr):
+    def _silu_mul_packed_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_sg, width, fp8_max,
+                                BLOCK: tl.constexpr, QUANT: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         # row of [gate | up] (2 * width) -> row of silu(gate) * up (width)
         row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        first = tl.program_id(1) * BLOCK
+        cols = first + tl.arange(0, BLOCK)
         inside = cols < width
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=inside, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * width + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=inside)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * width + cols, y, mask=inside)
+        if QUANT:
+            _quantize_store_groups(y.to(tl.float32), row, first, width, q_ptr, s_ptr, width, stride_sg, fp8_max,
+                                   BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq,
@@ -190,22 +211,48 @@ if triton is not None:
             tl.store(out_row + HALF + d, r2)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _quantized_outputs(rows: int, cols: int, out: torch.Tensor, quantize: bool):
+    """(e4m3 values ``[rows, cols]``, fp32 scales ``[ceil(cols/128), rows]``) for a producing kernel to fill
+    (``quantize``), else ``out`` twice: a valid pointer the kernel does not touch."""
+    from slime.backends.embedded_engine.fp8 import FP8_DTYPE
+
+    device = out.device
+    if not quantize:
+        return out, out
+    return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=device),
+            torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=device))
+
+
+def _check_quantizable(cols: int, block: int) -> None:
+    if cols % 128 or block % 128:
+        raise ValueError(f"quantize: {cols} channels (a {block}-wide block) are not whole 128-channel groups")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
+    """HF's RMSNorm in one kernel. ``quantize``: also the output's e4m3 activations for an FP8 GEMM,
+    quantized per token and 128-channel group with ``fp8.quantize_activation``'s numbers; returns
+    ``(out, (values [M, K], scales [M, K/128] group-major))``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
-    _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), shape[-1], eps,
-                                      BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 2048 else 8)
-    return out.view(shape)
+    block = triton.next_power_of_2(shape[-1])
+    if quantize:
+        _check_quantizable(shape[-1], block)
+    values, scales = _quantized_outputs(rows.shape[0], shape[-1], out, quantize)
+    _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, values, scales, rows.stride(0), out.stride(0),
+                                      scales.stride(0) if quantize else 0, shape[-1], eps, 448.0, BLOCK=block,
+                                      QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
+                                      num_warps=4 if shape[-1] <= 2048 else 8)
+    return (out.view(shape), (values, scales.t())) if quantize else out.view(shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
     """``h = x + residual`` and ``rmsnorm(h) * weight`` in one kernel; returns ``(normed, h)``, each as
-    HF's ``residual + x`` followed by its RMSNorm module rounds them."""
+    HF's ``residual + x`` followed by its RMSNorm module rounds them (``quantize``: and the e4m3
+    activations of ``normed``, as :func:`rms_norm`: ``(normed, h, (values, scales))``)."""
     shape = x.shape
     rows, res = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
@@ -214,9 +261,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         res = res.contiguous()
     total = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype), device=x.device)
-    _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0), shape[-1], eps,
-                                          BLOCK=triton.next_power_of_2(shape[-1]),
+    block = triton.next_power_of_2(shape[-1])
+    if quantize:
+        _check_quantizable(shape[-1], block)
+    values, scales = _quantized_outputs(rows.shape[0], shape[-1], out, quantize)
+    _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, values, scales, rows.stride(0), res.stride(0),
+                                          scales.stride(0) if quantize else 0, shape[-1], eps, 448.0, BLOCK=block,
+                                          QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
                                           num_warps=4 if shape[-1] <= 2048 else 8)
+    if quantize:
+        return out.view(shape), total.view(shape), (values, scales.t())
     return out.view(shape), total.view(shape)
 
 
@@ -228,9 +282,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_packed(gate_up: torch.Tensor, quantize: bool = False):
     """``[..., 2·I]`` holding ``[gate | up]`` (the fused gate/up projection's output) -> ``silu(gate) * up``
-    ``[..., I]``, read in place (no split copies)."""
+    ``[..., I]``, read in place (no split copies). ``quantize``: also its e4m3 activations for the FP8
+    down projection, as :func:`rms_norm`: ``(out, (values, scales))``."""
     shape = gate_up.shape
     width = shape[-1] // 2
     rows = gate_up.reshape(-1, shape[-1])
@@ -238,9 +293,14 @@ def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width))
-    _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, rows.stride(0), width, BLOCK=block,
-                                                                        num_warps=4)
-    return out.view(*shape[:-1], width)
+    if quantize:
+        _check_quantizable(width, block)
+    values, scales = _quantized_outputs(rows.shape[0], width, out, quantize)
+    _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](
+        rows, out, values, scales, rows.stride(0), scales.stride(0) if quantize else 0, width, 448.0, BLOCK=block,
+        QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
+    out = out.view(*shape[:-1], width)
+    return (out, (values, scales.t())) if quantize else out
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -363,15 +423,47 @@ def _small_m_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+def _fp8_consumer(linear, rows: int, device: torch.device):
+    """``linear`` when it is an FP8 linear (``fp8.Fp8Linear``) whose GEMM of ``rows`` tokens takes its
+    activations quantized by their producer (:data:`FP8_QUANT_IN_PRODUCER`), else None."""
+    if not FP8_QUANT_IN_PRODUCER or not hasattr(linear, "takes_quantized"):
+        return None
+    return linear if linear.takes_quantized(rows, device) else None
+
+
 def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
-    residual) with the first residual add and the post-attention RMSNorm as one kernel."""
+    residual) with the first residual add and the post-attention RMSNorm as one kernel. Under FP8
+    (``fp8.Fp8Linear`` projections on the two-kernel GEMM's token counts) the RMSNorms and the SiLU
+    gate also write the e4m3 activations of the projection they feed (no quantize launch), and the
+    MLP's residual add happens in the down projection's epilogue."""
     residual = hidden_states
-    attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    tokens = hidden_states.numel() // hidden_states.shape[-1]
+    device = hidden_states.device
+    norm = self.input_layernorm
+    qkv = _fp8_consumer(getattr(self.self_attn, "qkv_proj", None), tokens, device)
+    if qkv is not None and type(norm).__name__ in RMSNORM_CLASSES:
+        attention_input, quantized = rms_norm(hidden_states, norm.weight, norm.variance_epsilon, quantize=True)
+        qkv.offer(attention_input, quantized)
+    else:
+        attention_input = norm(hidden_states)
+    attended, _ = self.self_attn(hidden_states=attention_input, **kwargs)
     norm = self.post_attention_layernorm
-    normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
     mlp = self.mlp
     down = getattr(mlp, "down_proj", None)
+    packed = getattr(mlp.forward, "__func__", None) is _packed_mlp_forward
+    gate_up = _fp8_consumer(getattr(mlp, "gate_up_proj", None), tokens, device) if packed else None
+    if gate_up is not None:
+        normed, residual, quantized = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon,
+                                                   quantize=True)
+        gate_up.offer(normed, quantized)
+    else:
+        normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
+    fp8_down = _fp8_consumer(down, tokens, device) if packed else None
+    if fp8_down is not None and residual.is_contiguous():
+        act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=True)
+        fp8_down.offer(act, quantized)
+        return fp8_down(act, accumulate_into=residual)  # the residual add in the GEMM's epilogue
     if MLP_RESIDUAL_IN_GEMM and getattr(mlp.forward, "__func__", None) is _packed_mlp_forward \
             and type(down) is torch.nn.Linear \
             and down.bias is None and down.weight.dtype == residual.dtype:

@@ -325,7 +325,8 @@ from slime.backends.embedded_engine import fp8_triton
 
 kernel = fp8_triton._fp8_gemm_kernel
 names = list(kernel.arg_names)
-constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "TMA", "EMULATE_E4M3_CAST"]
+constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "TMA", "ACCUMULATE",
+              "EMULATE_E4M3_CAST"]
 aligned = ["a_ptr", "a_s_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am",
            "stride_bn", "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
 attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -338,7 +339,8 @@ for block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages in json.l
     types["b_desc"] = f"tensordesc<fp8e4nv[{block_n}, 128]>" if tma else types["b_ptr"]
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
     values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
-                  A_QUANTIZED=bool(a_quantized), TMA=bool(tma), EMULATE_E4M3_CAST=False)
+                  A_QUANTIZED=bool(a_quantized), TMA=bool(tma), ACCUMULATE=bool(tma and split_k > 1),
+                  EMULATE_E4M3_CAST=False)
     compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}_{tma}.cubin")
@@ -783,7 +785,9 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
         pytest.skip("needs triton (the tile planners)")
     calls = []
     monkeypatch.setattr(fp8_triton, "available", lambda device: True)
-    monkeypatch.setattr(fp8, "fp8_linear", lambda x, values, scales, bias, backend: calls.append((x.shape[0], *values.shape)))
+    accumulating = []  # the two-kernel launches' epilogue-add variant (fused_ops' residual in the down GEMM)
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, values, scales, bias, backend, accumulate_into=None: (
+        accumulating if accumulate_into is not None else calls).append((x.shape[0], *values.shape)))
     class Experts(nn.Module):  # transformers' fused routed-experts layout: 4 experts, I = 384, H = 256
         def __init__(self):
             super().__init__()
@@ -810,6 +814,9 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
                   for rows in range(1, 601)}
         assert needed == ran
         assert len(ran) < 60
+        two_kernel = {(rows, cn, ck) for rows, cn, ck in calls
+                      if (cn, ck) == (n, k) and fp8.gemm_path("triton", rows, n, k, cpu) == "two_kernel"}
+        assert two_kernel and two_kernel == {call for call in accumulating if call[1:] == (n, k)}
     calls.clear()
     monkeypatch.setattr(fp8_triton, "available", lambda device: False)  # no Triton path: nothing to compile
     assert fp8.warm_up(weights, max_rows=600)[0] == 0 and not calls
@@ -1381,3 +1388,116 @@ def test_gpu_fp8_moe_engine_decodes_through_cuda_graphs(tiny_deepseek_v3_dir):
     mean_gap = sum(gaps) / len(gaps)
     print(f"DeepSeek-V3 fp8 on CUDA: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
     assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer(dtype):
+    """``fused_ops``' RMSNorm, residual add + RMSNorm and SiLU gate with ``quantize=True`` return the same
+    output and, beside it, exactly ``fp8.quantize_activation`` of that output (values and group-major
+    scales): the FP8 GEMM that reads them computes what it would after its own quantize launch."""
+    from slime.backends.embedded_engine import fp8_triton, fused_ops
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 384, generator=generator) * torch.logspace(-2, 2, 384)).to(dtype)
+    residual = torch.randn(5, 384, generator=generator).to(dtype)
+    weight = torch.randn(384, generator=generator).to(dtype)
+
+    def assert_quantized(out, quantized):
+        values, scales = quantized
+        want_values, want_scales = fp8_triton.quantize_activation(out)  # the quantize launch it replaces
+        assert scales.shape == want_scales.shape and scales.stride() == want_scales.stride()  # group-major
+        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+        assert torch.equal(scales, want_scales)
+        torch_values, torch_scales = fp8.quantize_activation(out)  # and torch's numbers (-0.0 comes out +0.0)
+        assert torch.equal(values.float(), torch_values.float()) and torch.equal(scales, torch_scales)
+
+    out, quantized = fused_ops.rms_norm(x, weight, 1e-6, quantize=True)
+    assert torch.equal(out, fused_ops.rms_norm(x, weight, 1e-6))
+    assert_quantized(out, quantized)
+    normed, total, quantized = fused_ops.add_rms_norm(x, residual, weight, 1e-6, quantize=True)
+    want_normed, want_total = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(normed, want_normed) and torch.equal(total, want_total)
+    assert_quantized(normed, quantized)
+    gate_up = torch.randn(5, 2 * 1280, generator=generator).to(dtype)  # 1280 = one full and one partial block
+    act, quantized = fused_ops.silu_mul_packed(gate_up, quantize=True)
+    assert torch.equal(act, fused_ops.silu_mul_packed(gate_up))
+    assert_quantized(act, quantized)
+    with pytest.raises(ValueError, match="128-channel groups"):
+        fused_ops.rms_norm(x[:, :320], weight[:320], 1e-6, quantize=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tiles", [None, (64, 128, 3)])
+def test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epilogue(tiles):
+    """``w8a8_block_matmul(quantized=...)`` equals the two-kernel GEMM that quantizes first (bit for
+    bit), and ``accumulate_into`` adds the product to the given tensor in place — the fp32 sum of the
+    product and the old values (split K included: the last program adds them once)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 768, generator=generator)
+    values, scales = fp8.quantize_weight(torch.randn(256, 768, generator=generator) / 28)
+    tiles = tiles and _tiles(*tiles)
+    plain = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles, quantize_first=True)
+    given = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles,
+                                         quantized=fp8_triton.quantize_activation(x))
+    assert torch.equal(given, plain)
+    residual = torch.randn(40, 256, generator=generator)
+    target = residual.clone()
+    out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles, quantize_first=True,
+                                       accumulate_into=target)
+    assert out is target and torch.equal(target, plain + residual)
+    with pytest.raises(ValueError, match="accumulate_into"):
+        fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, accumulate_into=residual[:, :128])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [20, 6])
+def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monkeypatch, tokens):
+    """A tiny Qwen3 under FP8 (``triton`` backend, fp32) through ``fused_ops``' decoder-layer forward:
+    with ``FP8_QUANT_IN_PRODUCER`` the RMSNorms and the SiLU gate hand each projection its e4m3
+    activations and the MLP's residual add runs in the down GEMM's epilogue — the logits are the same
+    bits as without (20 tokens: the two-kernel GEMM; 6: the fused kernel, where nothing is handed over)."""
+    import types
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from slime.backends.embedded_engine import fused_ops, fused_projections
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert fused_projections.install(model, row_multiple=128) == {"qkv": 2, "gate_up": 2}
+    weights = fp8.quantize_model(model, "triton")
+    for module in model.modules():  # fused_ops.install's swaps (it installs on CUDA only)
+        name = type(module).__name__
+        if name in fused_ops.DECODER_LAYER_CLASSES:
+            module.forward = types.MethodType(fused_ops._decoder_layer_forward, module)
+        elif name in fused_ops.RMSNORM_CLASSES:
+            module.forward = types.MethodType(fused_ops._rmsnorm_forward, module)
+        elif name in fused_ops.MLP_CLASSES:
+            module.forward = types.MethodType(fused_ops._packed_mlp_forward, module)
+    offered, epilogue = [], []
+    linear_forward = fp8.Fp8Linear.forward
+
+    def spy(self, x, accumulate_into=None):
+        offered.append(self._offered is not None and self._offered[0] is x)
+        epilogue.append(accumulate_into is not None)
+        return linear_forward(self, x, accumulate_into=accumulate_into)
+
+    monkeypatch.setattr(fp8.Fp8Linear, "forward", spy)
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = model(ids).logits
+        handed, added = sum(offered), sum(epilogue)
+        monkeypatch.setattr(fused_ops, "FP8_QUANT_IN_PRODUCER", False)
+        offered.clear(), epilogue.clear()
+        plain = model(ids).logits
+    assert sum(offered) == 0 and sum(epilogue) == 0
+    # per layer: q/k/v, gate/up and down take handed-over activations, down adds the residual (o does not)
+    assert (handed, added) == ((6, 2) if tokens > 16 else (0, 0))
+    assert len(weights.linears) == 8
+    assert torch.equal(fused, plain)
