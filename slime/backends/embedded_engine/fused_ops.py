@@ -20,6 +20,11 @@ is. Every kernel follows the Hugging Face formula, with fp32 arithmetic in regis
   ``fused_projections.py`` has fused the two projections).
 
 Results equal HF's to rounding (tests compare them in fp32 and bf16).
+
+Under FP8 (``fp8.Fp8Linear`` projections whose GEMM at this token count is the two-kernel one) the
+RMSNorms and the SiLU gate can also write their output's e4m3 activations (``quantize=True``: the
+numbers of ``fp8_triton.quantize_activation``), which the decoder layer hands to the projection they
+feed, and the MLP's residual add runs in the down GEMM's epilogue (:data:`FP8_QUANT_IN_PRODUCER`).
 """
 
 from __future__ import annotations
