@@ -41,6 +41,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epilogue \
     tests/backends/embedded_engine/test_fp8.py::test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path \
+    tests/backends/embedded_engine/test_fp8.py::test_producer_quantizing_kernels_compile_for_h200 \
     tests/backends/embedded_engine/test_fp8.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \
     tests/backends/embedded_engine/test_fp8.py::test_cublas_check_gemm_catches_a_refused_or_misread_recipe \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \

@@ -1501,3 +1501,57 @@ def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monke
     assert (handed, added) == ((6, 2) if tokens > 16 else (0, 0))
     assert len(weights.linears) == 8
     assert torch.equal(fused, plain)
+
+
+_PRODUCERS_SM90_COMPILE = r"""
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fused_ops
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+out = []
+cases = [("_rmsnorm_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
+         ("_add_rmsnorm_kernel", dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
+         ("_silu_mul_packed_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4)]
+for name, types, block, warps in cases:
+    kernel = getattr(fused_ops, name)
+    names = list(kernel.arg_names)
+    consts = ["BLOCK", "QUANT", "EMULATE_E4M3_CAST"]
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    for quant in (False, True):
+        c = triton.compile(ASTSource(kernel, sig, dict(BLOCK=block, QUANT=quant, EMULATE_E4M3_CAST=False), {}),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        path = os.path.join(sys.argv[1], f"{name}_{quant}.cubin")
+        open(path, "wb").write(c.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        out.append(dict(kernel=name, quant=quant, cast="cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"],
+                        regs=int(re.search(r"REG:(\d+)", usage).group(1)), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                        shared=c.metadata.shared))
+print(json.dumps(out))
+"""
+
+
+@needs_interpreter
+def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
+    """The RMSNorm, residual add + RMSNorm and SiLU gate kernels with ``QUANT`` (their output's e4m3
+    activations for the FP8 GEMM), compiled for sm_90 by Triton's own ptxas without a GPU, at the 4B
+    model's widths: the GPU's own e4m3 cast, no register spills; without ``QUANT`` no cast at all."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _PRODUCERS_SM90_COMPILE, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    for entry in report:
+        assert entry["stack"] == 0 and entry["cast"] == entry["quant"], entry
