@@ -480,8 +480,8 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
             if path == "cublas":
                 key = (path, out_features, in_features, dtype)  # no Triton tiles: the quantizer and cuBLASLt
             else:
-                key = (out_features, in_features, dtype, *fp8_triton.launch_key(path, rows, out_features, in_features,
-                                                                         values.device, tma))
+                launch = fp8_triton.launch_key(path, rows, out_features, in_features, values.device, tma)
+                key = (out_features, in_features, dtype, *launch)
             if key in seen:
                 continue
             seen.add(key)

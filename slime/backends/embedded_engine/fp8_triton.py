@@ -529,13 +529,9 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
         out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    if quantized is not None:
+    if quantized is not None or quantize_first:
         quantize_first = True
-        a, a_scales = quantized
-        a_scale_stride = a_scales.stride(1)
-        tma = tma_usable(a, weight)
-    elif quantize_first:
-        a, a_scales = quantize_activation(x)
+        a, a_scales = quantized if quantized is not None else quantize_activation(x)
         a_scale_stride = a_scales.stride(1)
         tma = tma_usable(a, weight)
     else:

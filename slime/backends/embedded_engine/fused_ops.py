@@ -44,7 +44,7 @@ from slime.backends.embedded_engine import small_gemm
 from slime.backends.embedded_engine.kv_cache import FP8_DTYPES
 
 if triton is not None:
-    from slime.backends.embedded_engine.fp8_triton import _interpreting, _quantize_store_groups
+    from slime.backends.embedded_engine.fp8_triton import FP8_MAX, _interpreting, _quantize_store_groups
 
 logger = logging.getLogger(__name__)
 
@@ -216,21 +216,18 @@ if triton is not None:
             tl.store(out_row + HALF + d, r2)
 
 
-def _quantized_outputs(rows: int, cols: int, out: torch.Tensor, quantize: bool):
-    """(e4m3 values ``[rows, cols]``, fp32 scales ``[ceil(cols/128), rows]``) for a producing kernel to fill
-    (``quantize``), else ``out`` twice: a valid pointer the kernel does not touch."""
+def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quantize: bool):
+    """(e4m3 values ``[rows, cols]``, fp32 scales ``[ceil(cols/128), rows]``) for a producing kernel that
+    handles ``block`` columns a program to fill (``quantize``: whole 128-channel groups only), else
+    ``out`` twice: a valid pointer the kernel does not touch."""
     from slime.backends.embedded_engine.fp8 import FP8_DTYPE
 
-    device = out.device
     if not quantize:
         return out, out
-    return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=device),
-            torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=device))
-
-
-def _check_quantizable(cols: int, block: int) -> None:
     if cols % 128 or block % 128:
         raise ValueError(f"quantize: {cols} channels (a {block}-wide block) are not whole 128-channel groups")
+    return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=out.device),
+            torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=out.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
@@ -244,11 +241,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(shape[-1])
-    if quantize:
-        _check_quantizable(shape[-1], block)
-    values, scales = _quantized_outputs(rows.shape[0], shape[-1], out, quantize)
+    values, scales = _quantized_outputs(rows.shape[0], shape[-1], block, out, quantize)
     _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, values, scales, rows.stride(0), out.stride(0),
-                                      scales.stride(0) if quantize else 0, shape[-1], eps, 448.0, BLOCK=block,
+                                      scales.stride(0) if quantize else 0, shape[-1], eps, FP8_MAX, BLOCK=block,
                                       QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
                                       num_warps=4 if shape[-1] <= 2048 else 8)
     return (out.view(shape), (values, scales.t())) if quantize else out.view(shape)
@@ -267,11 +262,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     total = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype), device=x.device)
     block = triton.next_power_of_2(shape[-1])
-    if quantize:
-        _check_quantizable(shape[-1], block)
-    values, scales = _quantized_outputs(rows.shape[0], shape[-1], out, quantize)
+    values, scales = _quantized_outputs(rows.shape[0], shape[-1], block, out, quantize)
     _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, values, scales, rows.stride(0), res.stride(0),
-                                          scales.stride(0) if quantize else 0, shape[-1], eps, 448.0, BLOCK=block,
+                                          scales.stride(0) if quantize else 0, shape[-1], eps, FP8_MAX, BLOCK=block,
                                           QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
                                           num_warps=4 if shape[-1] <= 2048 else 8)
     if quantize:
@@ -298,11 +291,9 @@ def silu_mul_packed(gate_up: torch.Tensor, quantize: bool = False):
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width))
-    if quantize:
-        _check_quantizable(width, block)
-    values, scales = _quantized_outputs(rows.shape[0], width, out, quantize)
+    values, scales = _quantized_outputs(rows.shape[0], width, block, out, quantize)
     _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](
-        rows, out, values, scales, rows.stride(0), scales.stride(0) if quantize else 0, width, 448.0, BLOCK=block,
+        rows, out, values, scales, rows.stride(0), scales.stride(0) if quantize else 0, width, FP8_MAX, BLOCK=block,
         QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
     out = out.view(*shape[:-1], width)
     return (out, (values, scales.t())) if quantize else out
