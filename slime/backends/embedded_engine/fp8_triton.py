@@ -20,7 +20,9 @@
 
   With ``SPLIT_K == 1`` it writes ``acc`` in the output dtype. With ``SPLIT_K > 1`` (decode-sized M,
   where a few wide tiles would leave most SMs idle; :func:`plan_tiles` chooses) each program writes
-  its fp32 partial to a workspace and bumps a per-tile counter; the program that arrives last sums the partials in split
+  its fp32 partial to a workspace (tile-major: a tile's partial is contiguous, so its addresses do not
+  depend on the unspecialized M and load and store 16 bytes a thread) and bumps a per-tile counter; the
+  program that arrives last sums the partials in split
   order (deterministic: the same bits whichever program is last), writes the output and resets the
   counter to 0, so the counters never need clearing (one launch, capturable in a CUDA graph).
   Ragged edges (M, N, K not multiples of the tiles) are masked loads of zeros, which add nothing.
@@ -193,16 +195,18 @@ if triton is not None:
                                other=0.0).to(tl.float32)
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
         else:
-            # partial_ptr: fp32 [SPLIT_K, M, N]; counter_ptr: one int32 per (row tile, column tile), 0 on entry
+            # partial_ptr: fp32 [SPLIT_K, tiles, BLOCK_M · BLOCK_N], each tile's partial contiguous (offsets that do
+            # not depend on the unspecialized M: 16-byte stores and loads); counter_ptr: one int32 a tile, 0 on entry
             tile = pid_m * tl.num_programs(1) + pid_n
-            tile_offsets = offs_m[:, None] * N + offs_n[None, :]
-            tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=out_mask)
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            tile_offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(partial_ptr + (pid_k * tiles + tile) * (BLOCK_M * BLOCK_N) + tile_offsets, acc)
             tl.debug_barrier()  # every thread's partial is written before this program signals it (release)
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for split in tl.static_range(SPLIT_K):  # unrolled: all partial loads in flight at once
-                    total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
+                    total += tl.load(partial_ptr + (split * tiles + tile) * (BLOCK_M * BLOCK_N) + tile_offsets,
                                      cache_modifier=".cg")
                 if ACCUMULATE:
                     total += tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], mask=out_mask,
@@ -268,16 +272,17 @@ if triton is not None:
             tl.store(out_ptr + out_offsets, _round_to_bf16_grid(acc, ROUND_BF16).to(out_ptr.dtype.element_ty),
                      mask=out_mask)
         else:
-            # partial_ptr: fp32 [SPLIT_K, M, N]; counter_ptr: one int32 per (row tile, column tile), 0 on entry
+            # partial_ptr: fp32 [SPLIT_K, tiles, BLOCK_N · BLOCK_M], as in _fp8_gemm_kernel; counter_ptr: one int32 a tile
             tile = pid_n * tl.num_programs(0) + pid_m
-            tile_offsets = offs_m[None, :] * N + offs_n[:, None]
-            tl.store(partial_ptr + pid_k * M * N + tile_offsets, acc, mask=out_mask)
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            tile_offsets = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(partial_ptr + (pid_k * tiles + tile) * (BLOCK_N * BLOCK_M) + tile_offsets, acc)
             tl.debug_barrier()  # every thread's partial is written before this program signals it (release)
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
                 total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 for split in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
-                    total += tl.load(partial_ptr + split * M * N + tile_offsets, mask=out_mask, other=0.0,
+                    total += tl.load(partial_ptr + (split * tiles + tile) * (BLOCK_N * BLOCK_M) + tile_offsets,
                                      cache_modifier=".cg")
                 tl.store(out_ptr + out_offsets, _round_to_bf16_grid(total, ROUND_BF16).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
@@ -544,7 +549,8 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
     counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
     if tiles.split_k > 1:
-        partials = torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
+        partials = torch.empty((tiles.split_k, grid[0] * grid[1], tiles.block_m * tiles.block_n),
+                               dtype=torch.float32, device=x.device)
     else:
         partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
     a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, BLOCK]) if tma else a  # else: not read
@@ -637,8 +643,8 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: tor
     tiles = tiles or plan_weight_only(rows, out_features, cols, x.device)
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
     counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
-    partials = (torch.empty((tiles.split_k, rows, out_features), dtype=torch.float32, device=x.device)
-                if tiles.split_k > 1 else out)
+    partials = (torch.empty((tiles.split_k, grid[0] * grid[1], tiles.block_m * tiles.block_n), dtype=torch.float32,
+                            device=x.device) if tiles.split_k > 1 else out)
     _weight_only_gemm_kernel[grid](
         x, weight, weight_scales, out, partials, counters, rows, out_features, cols, x.stride(0), weight.stride(0),
         weight_scales.stride(0), out.stride(0), BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=BLOCK,
