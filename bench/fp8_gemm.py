@@ -42,7 +42,8 @@ bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, t
 spec). Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
 ``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep P`` (P in
 ``fused``, ``two_kernel``, ``weight_only``), also ``P_sweep_best_us`` / ``P_sweep_best_tiles`` /
-``P_planned_over_best`` / ``P_sweep_best_model_us`` over every launch the plan chooses from
+``P_planned_over_best`` / ``P_sweep_best_model_us`` and ``P_sweep_us`` (every launch's time, keyed
+``"<block_m>x<block_n> split<k> w<warps> s<stages>"``: the table a tile rule is fitted to) over every launch the plan chooses from
 (``fp8_triton.candidate_tiles`` / ``tma_candidates`` / ``weight_only_candidates``): whether the plan
 picks as the GPU ranks them.
 """
@@ -50,6 +51,7 @@ picks as the GPU ranks them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -135,6 +137,12 @@ def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Te
                                         quantize_first=path == "two_kernel")
 
 
+def _tiles_label(tiles) -> str:
+    """``Tiles(64, 128, 2, 4, 4)`` -> ``"64x128 split2 w4 s4"`` (a key of the sweep's table)."""
+    fields = dataclasses.astuple(tiles)
+    return f"{fields[0]}x{fields[1]} split{fields[2]} w{fields[3]} s{fields[4]}"
+
+
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
     from slime.backends.embedded_engine import fp8_triton
 
@@ -205,6 +213,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                 except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
                     print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             best_us, best_tiles = min(timed, key=lambda item: item[0])
+            result[f"{swept}_sweep_us"] = {_tiles_label(tiles): round(us, 2) for us, tiles in timed}
             result.update({f"{swept}_sweep_best_us": best_us, f"{swept}_sweep_best_tiles": str(best_tiles),
                            f"{swept}_planned_over_best": result[f"{swept}_us"] / best_us})
             if swept != "two_kernel" or not tma:

@@ -415,7 +415,7 @@ def tma_usable(a: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, weight))
 
 
-TMA_MAX_STEPS_PER_SPLIT = 40
+TMA_DECODE_MAX_ROWS = 128  # plan_tma_tiles: the decode-sized rule up to here, session 20's above
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -423,30 +423,41 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_tma_tiles(rows: int, out_features: int, in_features: int, device: torch.device) -> Tiles:
-    """The launch of the two-kernel GEMM with TMA loads, a rule fitted to the H200 sweep of session 20
-    (``bench/fp8_gemm.py --sweep two_kernel``: Qwen3-4B's linears at 128 and 256 tokens; rule within
-    ~10% of the best of 60 launches per shape there): 4 warps, 128 output columns, 64 rows (fewer
-    for fewer tokens); K split 1, 2, 4 or 8 ways, the fewest that give >= half as many programs as SMs
-    with <= 40 K steps each (and >= 2 a split); 4 pipeline stages while two programs fit an SM
-    side by side cover the grid (<= 2 per SM), else 3 (three fit). 64 rows from 17 tokens on (the
-    sweep's best at 128 and 256; fewer tile variants also mean fewer compiles, :func:`launch_key`)."""
+    """The launch of the two-kernel GEMM with TMA loads: a rule fitted to H200 sweeps of every
+    candidate launch (``bench/fp8_gemm.py --sweep two_kernel``; :func:`tma_candidates`). Always 4
+    warps and 64 rows (16 up to 16 tokens: few launch variants, fewer compiles, :func:`launch_key`).
+    Up to 128 tokens (session 21: Qwen3-0.6B/1.7B/4B at 32/64/128, split-K partials vectorized):
+    64 output columns unless 128-column tiles alone give >= 0.7 programs an SM (the MLP's gate/up
+    on 1.7B/4B), then K split 1, 2, 4 or 8 ways, the fewest giving >= a quarter as many programs as
+    SMs with <= 20 K steps each; 5 pipeline stages without a split, else 4 (the sweep's best tile
+    in 26 of 36 shapes). Above 128 tokens (session 20: Qwen3-4B at 128/256): 128 columns, the
+    fewest split giving >= half as many programs as SMs with <= 40 K steps, 4 stages while <= 2
+    programs share an SM, else 3. A split needs >= 2 K steps each."""
     return _planned_tma_tiles(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
 
 
 @functools.lru_cache(maxsize=4096)
 def _planned_tma_tiles(rows: int, out_features: int, in_features: int, sms: int) -> Tiles:
     block_m = 16 if rows <= 16 else 64  # above 16 tokens Hopper's fp8 wgmma (64 rows); few launch variants
-    block_n = 128
-    tiles = _cdiv(rows, block_m) * _cdiv(out_features, block_n)
+    row_tiles = _cdiv(rows, block_m)
     k_steps = _cdiv(in_features, BLOCK)
+    if rows <= TMA_DECODE_MAX_ROWS:
+        block_n = 128 if row_tiles * _cdiv(out_features, 128) >= 0.7 * sms else 64
+        min_programs, max_steps = sms // 4, 20
+    else:
+        block_n, min_programs, max_steps = 128, sms // 2, 40
+    tiles = row_tiles * _cdiv(out_features, block_n)
     split = 1
     for candidate in (1, 2, 4, 8):
         if candidate > 1 and k_steps < 2 * candidate:
             break
         split = candidate
-        if tiles * candidate >= sms // 2 and _cdiv(k_steps, candidate) <= TMA_MAX_STEPS_PER_SPLIT:
+        if tiles * candidate >= min_programs and _cdiv(k_steps, candidate) <= max_steps:
             break
-    stages = 4 if tiles * split <= 2 * sms else 3
+    if block_n == 64:  # 16 KiB a stage: five fit twice in an SM's shared memory
+        stages = 5 if split == 1 else 4
+    else:
+        stages = 4 if tiles * split <= 2 * sms else 3
     return Tiles(block_m, block_n, split, num_warps=4, num_stages=stages)
 
 
