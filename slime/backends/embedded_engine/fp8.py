@@ -97,10 +97,46 @@ def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
+def _triton_quantizes(weight: torch.Tensor) -> bool:
+    """Whether :func:`quantize_weight` runs ``fp8_triton``'s one-pass kernel on ``weight``: on CUDA with
+    Triton (the CPU keeps the torch version, the reference the kernel is tested against)."""
+    if not weight.is_cuda or weight.dim() > 3:
+        return False
+    from slime.backends.embedded_engine import fp8_triton
+
+    return fp8_triton.available(weight.device)
+
+
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [..., N, K]`` -> (e4m3 values ``[..., N, K]``, fp32 scales ``[..., ceil(N/128), ceil(K/128)]``).
-    Leading dimensions (experts) are quantized independently."""
+    Leading dimensions (experts) are quantized independently. On CUDA one Triton launch
+    (``fp8_triton.quantize_weight_into``, the same numbers), elsewhere :func:`_quantize_weight_torch`."""
+    if _triton_quantizes(weight):
+        *lead, rows, cols = weight.shape
+        values = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        scales = torch.empty((*lead, _blocks(rows), _blocks(cols)), dtype=torch.float32, device=weight.device)
+        quantize_weight_into(weight, values, scales)
+        return values, scales
+    return _quantize_weight_torch(weight)
+
+
+@torch.no_grad()
+def quantize_weight_into(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """:func:`quantize_weight` into existing storage (a weight update: captured CUDA graphs keep
+    reading the same buffers); on CUDA without an intermediate copy."""
+    if _triton_quantizes(weight) and values.stride(-1) == 1 and scales.stride(-1) == 1:
+        from slime.backends.embedded_engine import fp8_triton
+
+        fp8_triton.quantize_weight_into(weight, values, scales)
+        return
+    new_values, new_scales = _quantize_weight_torch(weight)
+    values.copy_(new_values)
+    scales.copy_(new_scales)
+
+
+def _quantize_weight_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight` in torch ops (the reference; the CPU's path)."""
     *lead, rows, cols = weight.shape
     w = weight.float().reshape(-1, rows, cols)
     nb, kb = _blocks(rows), _blocks(cols)
@@ -423,9 +459,7 @@ class Fp8Weights:
         for kind, rows in parts:
             values, scales = self._storage(module, kind, expert)
             part = tensor if rows is None else tensor[:, rows]
-            new_values, new_scales = quantize_weight(part.to(device=values.device))
-            values.copy_(new_values)
-            scales.copy_(new_scales)
+            quantize_weight_into(part.to(device=values.device), values, scales)
 
     def dequantized(self, name: str) -> torch.Tensor:
         module, parts, expert = self._target(name)

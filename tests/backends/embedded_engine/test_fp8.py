@@ -589,6 +589,76 @@ def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
     assert not values[rows:].float().any() and bool((scales[rows:] == 1).all())
 
 
+def _weight_blocks(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A weight whose first 128 rows (of each matrix) are e4m3 ties and their fp32 neighbours on even rows
+    (``_ties_and_random_rows``: each block's scale ~1, the cast's rounding decides) and whose other blocks
+    hold e4m3 ties and neighbours times a random scale per block, decades apart, led by 448 times it
+    (in fp32, ``w / s`` lands next to a tie: the division's rounding decides)."""
+    generator = torch.Generator().manual_seed(seed)
+    *lead, rows, cols = shape
+    ties = _e4m3_ties()
+    weight = ties[torch.randint(len(ties), shape, generator=generator)]
+    weight[..., ::128, ::128] = 448.0
+    blocks = torch.rand((*lead, -(-rows // 128), -(-cols // 128)), generator=generator) * 10.0 ** torch.randint(
+        -4, 3, (*lead, -(-rows // 128), -(-cols // 128)), generator=generator).float()
+    weight *= blocks.repeat_interleave(128, -2)[..., :rows, :].repeat_interleave(128, -1)[..., :cols]
+    weight[..., :128, :] = _ties_and_random_rows(min(rows, 128), cols, seed)
+    return weight
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape,dtype", [((200, 300), torch.float32), ((256, 384), torch.bfloat16),
+                                         ((3, 130, 257), torch.bfloat16), ((2, 256, 384), torch.float32)])
+def test_weight_quantizer_interpreted_is_bit_exact(shape, dtype):
+    """``fp8_triton.quantize_weight_into`` (one launch, the FP8 weight update's quantizer on CUDA) writes
+    ``fp8.quantize_weight``'s torch numbers: ragged edges (zero padding: the amax of the block's real
+    values), all-zero blocks (scale 1), e4m3 ties, scales far from 1 (where ``w · (1/s)`` instead of a
+    correctly rounded ``w / s`` would differ: checked to differ on this data), stacked experts."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    weight = _weight_blocks(shape, seed=sum(shape)).to(dtype)
+    weight[..., 128:, :128] = 0  # an all-zero block (where there are rows past 128)
+    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
+    values = torch.empty_like(expected_values)
+    scales = torch.full_like(expected_scales, float("nan"))
+    fp8_triton.quantize_weight_into(weight, values, scales)
+    assert torch.equal(values.float(), expected_values.float())  # (the interpreter's rounding writes -0 as +0)
+    assert torch.equal(scales, expected_scales)
+    if shape[-2] > 128:
+        assert bool((scales[..., 1, 0] == 1).all())
+    if dtype == torch.float32:  # the data tells a correctly rounded division from a product with 1 / s
+        blocks = scales.repeat_interleave(128, -2)[..., :shape[-2], :].repeat_interleave(128, -1)[..., :shape[-1]]
+        approximate = (weight * (1 / blocks)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert not torch.equal(approximate.float(), expected_values.float())
+
+
+@needs_interpreter
+def test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows():
+    """A weight update quantizes straight into the engine's storage: a fused projection's rows (a row
+    slice of values and scales) and one expert's matrix (an index into a stack), from an incoming tensor
+    with a row stride (a column slice of a wider one). Only the target's elements change."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    wide = _weight_blocks((256, 640), seed=3)
+    weight = wide[:, 64:64 + 384]  # row stride 640
+    assert weight.stride() == (640, 1)
+    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
+    storage = torch.full((512, 384), 3.0).to(torch.float8_e4m3fn)
+    storage_scales = torch.full((4, 3), 7.0)
+    fp8_triton.quantize_weight_into(weight, storage[128:384], storage_scales[1:3])
+    assert torch.equal(storage[128:384].float(), expected_values.float())
+    assert torch.equal(storage_scales[1:3], expected_scales)
+    assert bool((storage[:128].float() == 3).all() and (storage[384:].float() == 3).all())
+    assert bool((storage_scales[0] == 7).all() and (storage_scales[3] == 7).all())
+    experts = torch.zeros((3, 256, 384), dtype=torch.float8_e4m3fn)
+    expert_scales = torch.zeros((3, 2, 3))
+    fp8_triton.quantize_weight_into(weight, experts[1], expert_scales[1])
+    assert torch.equal(experts[1].float(), expected_values.float()) and torch.equal(expert_scales[1], expected_scales)
+    assert not experts[0].float().any() and not experts[2].float().any()
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8_triton.quantize_weight_into(weight, storage[:200], storage_scales[:2])
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rows,out_features,in_features,tiles", [
     (20, 200, 300, None),  # planned tiles, ragged N and K
@@ -1261,6 +1331,75 @@ def test_gpu_activation_quantizer_is_bit_exact():
         assert bool((same_bits | both_zero).all()), int((~(same_bits | both_zero)).sum())
         assert int(same_bits.sum()) > 0.99 * got.numel()
         assert torch.equal(scales[:77], expected_scales)
+
+
+_WEIGHT_QUANTIZER_SM90_COMPILE = r"""
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from slime.backends.embedded_engine import fp8_triton
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+kernel = fp8_triton._quantize_weight_kernel
+out = []
+for dtype in ("bf16", "fp32"):
+    types = dict(w_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32")
+    sig = {n: "constexpr" if n in ("CHUNK", "EMULATE_E4M3_CAST") else types.get(n, "i32") for n in kernel.arg_names}
+    consts = dict(CHUNK=fp8_triton.WEIGHT_QUANTIZE_CHUNK, EMULATE_E4M3_CAST=False)
+    c = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=fp8_triton.WEIGHT_QUANTIZE_WARPS))
+    path = os.path.join(sys.argv[1], f"quantize_weight_{dtype}.cubin")
+    open(path, "wb").write(c.asm["cubin"])
+    usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    ptx = c.asm["ptx"]
+    out.append(dict(dtype=dtype, cast="cvt.rn.satfinite.e4m3x2.f32" in ptx, div_rn="div.rn.f32" in ptx,
+                    regs=int(re.search(r"REG:(\d+)", usage).group(1)), stack=int(re.search(r"STACK:(\d+)", usage).group(1))))
+print(json.dumps(out))
+"""
+
+
+@needs_interpreter
+def test_weight_quantizer_compiles_for_h200(tmp_path):
+    """The weight quantizer compiled for sm_90 by Triton's own ptxas without a GPU (bf16 and fp32
+    weights): the GPU's e4m3 cast, the correctly rounded division, no spills, and few enough registers
+    that >= 4 programs (16 warps) share an SM (a bandwidth-bound kernel needs loads in flight)."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _WEIGHT_QUANTIZER_SM90_COMPILE, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(report)
+    assert [entry["dtype"] for entry in report] == ["bf16", "fp32"]
+    for entry in report:
+        assert entry["cast"] and entry["div_rn"] and entry["stack"] == 0, entry
+        assert 65536 // (entry["regs"] * 32 * fp8_triton.WEIGHT_QUANTIZE_WARPS) >= 4, entry
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [((19456, 2560), torch.bfloat16), ((2560, 9728), torch.bfloat16),
+                                         ((1000, 1000), torch.float32), ((8, 768, 2048), torch.bfloat16)])
+def test_gpu_weight_quantizer_is_bit_exact(shape, dtype):
+    """The compiled weight quantizer (``fp8.quantize_weight`` on CUDA, every FP8 weight update) writes
+    the bits of the torch version (the GPU's own e4m3 cast; in fp32 next to ties, its division):
+    Qwen3-4B's gate_up and down, a ragged matrix, a stack of experts."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    weight = _weight_blocks(shape, seed=len(shape)).to(dtype).cuda()
+    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
+    values, scales = fp8.quantize_weight(weight)  # dispatches to the kernel on CUDA
+    assert fp8._triton_quantizes(weight) and fp8_triton.available(weight.device)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(scales, expected_scales)
 
 
 def _needs_cublas():
