@@ -39,7 +39,10 @@ GEMM where it loads by TMA, whose tiles come from ``fp8_triton.plan_tma_tiles``'
 before session 20); ``bf16_tb_s`` /
 ``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
 bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, the H200's HBM3e
-spec). Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
+spec). Per ``<model>/<shape>``: ``quantize_weight_torch_us`` / ``quantize_weight_triton_us`` (the FP8 weight
+update's quantization of that matrix, from bf16: the torch version plus its copy into the storage, and
+the one-launch kernel into the storage) and ``quantize_weight_triton_tb_s`` (3 bytes a weight over its
+time); per ``<model>/layer``, both summed over a layer. Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
 ``<path>_us`` / ``<path>_speedup``, and ``auto_us`` / ``auto_speedup``. With ``--sweep P`` (P in
 ``fused``, ``two_kernel``, ``weight_only``), also ``P_sweep_best_us`` / ``P_sweep_best_tiles`` /
 ``P_planned_over_best`` / ``P_sweep_best_model_us`` and ``P_sweep_us`` (every launch's time, keyed
@@ -135,6 +138,41 @@ def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Te
         return fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)
     return fp8_triton.w8a8_block_matmul(x, values, scales, torch.bfloat16, tiles=tiles,
                                         quantize_first=path == "two_kernel")
+
+
+def bench_weight_quantize(out_features: int, in_features: int, device: torch.device, repeats: int) -> dict:
+    """One weight's quantization (an FP8 weight update's cost per matrix): the torch version
+    (``fp8._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
+    one-launch kernel writing into the storage (``fp8_triton.quantize_weight_into``); bf16 weight."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    weight = torch.randn(out_features, in_features, device=device).to(torch.bfloat16)
+    values, scales = fp8._quantize_weight_torch(weight)
+
+    def torch_update():
+        new_values, new_scales = fp8._quantize_weight_torch(weight)
+        values.copy_(new_values)
+        scales.copy_(new_scales)
+
+    result = {}
+    for name, call in (("torch", torch_update), ("triton", lambda: fp8_triton.quantize_weight_into(weight, values, scales))):
+        call()
+        times = []
+        for _ in range(max(1, repeats // 4) if device.type == "cuda" else 1):
+            start = time.perf_counter()
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                call()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(begin.elapsed_time(end) * 1e3)
+            else:
+                call()
+                times.append((time.perf_counter() - start) * 1e6)
+        result[f"quantize_weight_{name}_us"] = statistics.median(times)
+    result["quantize_weight_triton_tb_s"] = weight.numel() * 3 / result["quantize_weight_triton_us"] / 1e6
+    return result
 
 
 def _tiles_label(tiles) -> str:
@@ -262,7 +300,11 @@ def main(argv=None) -> dict:
         arch = TINY if model == "tiny" else ARCHITECTURES[model]
         layer = {rows: {} for rows in rows_list}  # rows -> column -> [time of one layer's linears of each shape]
         shapes = layer_shapes(arch, args.layout)
+        quantize = {}
         for name, (out_features, in_features, count) in shapes.items():
+            for key, value in bench_weight_quantize(out_features, in_features, device, args.repeats).items():
+                metrics[f"{model}/{name}/{key}"] = value
+                quantize[key] = quantize.get(key, 0.0) + count * value
             for rows, result in bench_shape(out_features, in_features, rows_list, device, args).items():
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
@@ -270,6 +312,8 @@ def main(argv=None) -> dict:
                 for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
+        for key in ("quantize_weight_torch_us", "quantize_weight_triton_us"):  # one layer's update
+            metrics[f"{model}/layer/{key}"] = quantize[key]
         for rows, columns in layer.items():
             bf16_us = sum(columns["bf16"])
             metrics[f"{model}/layer/M{rows}/bf16_us"] = bf16_us
