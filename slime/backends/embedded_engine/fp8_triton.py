@@ -542,6 +542,8 @@ def quantize_weight_into(weight: torch.Tensor, values: torch.Tensor, scales: tor
     row stride) once and writes each value once, where the torch version makes three fp32 copies of the
     matrix (an FP8 weight update's cost). Same numbers (bit-exact under the interpreter and on the H200)."""
     *lead, rows, cols = weight.shape
+    if len(lead) > 1:
+        raise ValueError(f"fp8 weight quantization: a matrix or a stack of experts, got {tuple(weight.shape)}")
     if tuple(values.shape) != tuple(weight.shape) or tuple(scales.shape) != (*lead, triton.cdiv(rows, BLOCK),
                                                                           triton.cdiv(cols, BLOCK)):
         raise ValueError(f"fp8 weight quantization: storage {tuple(values.shape)} / {tuple(scales.shape)} does not "
@@ -552,8 +554,6 @@ def quantize_weight_into(weight: torch.Tensor, values: torch.Tensor, scales: tor
         raise ValueError("fp8 weight quantization: the storage's last dimension must be contiguous")
     if weight.numel() == 0:
         return
-    if len(lead) > 1:
-        raise ValueError(f"fp8 weight quantization: a matrix or a stack of experts, got {tuple(weight.shape)}")
     weight3, values3, scales3 = (t if lead else t.unsqueeze(0) for t in (weight, values, scales))
     _quantize_weight_kernel[(triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK), weight3.shape[0])](
         weight3, values3, scales3, rows, cols, weight3.stride(0), weight3.stride(1), values3.stride(0),
