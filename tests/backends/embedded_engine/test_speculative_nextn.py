@@ -281,3 +281,35 @@ def test_weight_updates_reach_the_mtp_layer(markov_dirs, tmp_path):
             runner.load_named_tensors([("model.layers.4.mlp.nonsense.weight", exact)])
     finally:
         engine.stop()
+
+
+def test_fp8_engine_drafts_with_its_unquantized_mtp_layer_and_updates_reach_it(markov_dirs):
+    """``--quantization fp8`` quantizes the target's decoder layers only: the MTP layer (``model.layers.4.*``,
+    past the decoder) stays in the model dtype — no FP8 storage claims its names — so an update by
+    checkpoint name or from disk still reaches it: the off-by-one layer's drafts are rejected, the exact
+    one's (read from disk into the FP8 engine) all accepted, and /get_weights_by_name reads its exact values."""
+    from safetensors.torch import load_file
+
+    runner = ModelRunner(markov_dirs["wrong"], device="cpu", num_slots=8, quantization="fp8")
+    assert runner.fp8 is not None and runner.fp8.owns("model.layers.0.self_attn.o_proj.weight")
+    assert not any(runner.fp8.owns(f"model.layers.4.{name}") for name in
+                   ("eh_proj.weight", "self_attn.o_proj.weight", "mlp.experts.0.down_proj.weight"))
+    engine = Engine(runner, speculative=SpeculativeDecoder(SpeculativeConfig("NEXTN", 4), NextNDrafter(runner, 256)),
+                    seed=1)
+    engine.start()
+
+    def rate():
+        before = dict(vars(engine.scheduler.stats))
+        generate_in_engine(engine, PROMPTS[:2], [greedy(13)] * 2)
+        after = vars(engine.scheduler.stats)
+        return (after["spec_accepted_drafts"] - before["spec_accepted_drafts"]) / \
+            (after["spec_proposed_drafts"] - before["spec_proposed_drafts"])
+
+    try:
+        assert rate() < 0.5
+        engine.call(lambda: runner.load_from_disk(markov_dirs["exact"])).result(60)
+        assert rate() == 1.0
+        exact = load_file(f"{markov_dirs['exact']}/model.safetensors")["model.layers.4.eh_proj.weight"]
+        assert torch.equal(runner.get_weight("model.layers.4.eh_proj.weight"), exact)
+    finally:
+        engine.stop()
