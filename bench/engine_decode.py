@@ -65,6 +65,9 @@ picks the GEMM; docs/embedded_engine.md) and adds the weight-update cost: ``weig
 quantized into the FP8 blocks, or copied as-is without ``--quantization``), measured in this process
 after the engine stopped, and ``disk_update_seconds`` (``/update_weights_from_disk`` of the same
 checkpoint, file reading included). Compare a run with and without the flag at the same workload.
+``engine_start_seconds`` (any run): from spawning the engine to its first healthy answer — imports,
+loading, FP8 quantization and ``fp8.warm_up``'s GEMM compiles (cached by Triton on disk after the
+first start on a machine), the cache allocation.
 
 ``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
 """
@@ -355,9 +358,11 @@ def main() -> None:
             "--context-length", str(context), "--kv-cache-dtype", args.kv_cache_dtype, *quantization,
             *shlex.split(args.engine_args)])
         hf = None if args.skip_hf else HFBaseline(model_path, args.device, args.hf_batch_size)
+        started = time.perf_counter()
         engine.start()
         try:
             engine.wait_healthy(timeout=600)
+            start_seconds = time.perf_counter() - started  # spawn, load, quantize (+ FP8 warm-up), cache, health
             # The first burst of the workload is its warm-up: it captures the decode CUDA graphs of every
             # (batch, KV-length) bucket the burst visits and compiles the Triton kernels' variants, which
             # the measured runs then reuse (what a training run's first rollout pays once).
@@ -402,6 +407,8 @@ def main() -> None:
                "engine_busy_fraction": decode["busy_seconds"] / burst_seconds,
                "prefill_seconds": decode["prefill_seconds"], "prefill_forwards": decode["prefill_forwards"],
                "prefill_tokens": decode["prefill_tokens"], "joins_while_decoding": decode["joins_while_decoding"],
+               # from spawning the engine to healthy: imports, load, FP8 quantization and GEMM warm-up, cache
+               "engine_start_seconds": start_seconds,
                "first_burst_seconds": first_burst_seconds, "first_burst_cuda_graph_captures": first_captures,
                "measured_cuda_graph_captures": engine_runs[-1][2]["internal_states"][0]["cuda_graph_captures"]
                - first["cuda_graph_captures"] - first_captures,  # over all measured runs
