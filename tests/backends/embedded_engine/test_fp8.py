@@ -655,6 +655,14 @@ def test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows()
     fp8_triton.quantize_weight_into(weight, experts[1], expert_scales[1])
     assert torch.equal(experts[1].float(), expected_values.float()) and torch.equal(expert_scales[1], expected_scales)
     assert not experts[0].float().any() and not experts[2].float().any()
+    # transformers' fused experts [E, 2I, H]: the up half of every expert at once (the update of
+    # ...experts.gate_up_proj), a 3-d input whose experts lie 2I rows apart
+    fused = _weight_blocks((3, 2 * 130, 257), seed=4)
+    up = fused[:, 130:]
+    expected_values, expected_scales = fp8._quantize_weight_torch(up)
+    up_values, up_scales = torch.empty_like(expected_values), torch.empty_like(expected_scales)
+    fp8_triton.quantize_weight_into(up, up_values, up_scales)
+    assert torch.equal(up_values.float(), expected_values.float()) and torch.equal(up_scales, expected_scales)
     with pytest.raises(ValueError, match="does not fit"):
         fp8_triton.quantize_weight_into(weight, storage[:200], storage_scales[:2])
 
