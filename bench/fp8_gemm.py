@@ -159,7 +159,6 @@ def bench_weight_quantize(out_features: int, in_features: int, device: torch.dev
         call()
         times = []
         for _ in range(max(1, repeats // 4) if device.type == "cuda" else 1):
-            start = time.perf_counter()
             if device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
@@ -168,6 +167,7 @@ def bench_weight_quantize(out_features: int, in_features: int, device: torch.dev
                 torch.cuda.synchronize()
                 times.append(begin.elapsed_time(end) * 1e3)
             else:
+                start = time.perf_counter()
                 call()
                 times.append((time.perf_counter() - start) * 1e6)
         result[f"quantize_weight_{name}_us"] = statistics.median(times)

@@ -147,8 +147,8 @@ if triton is not None:
     def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qn, stride_se,
                                 stride_sn, fp8_max, CHUNK: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
         """Program ``(nb, kb, e)``: the 128 x 128 block ``(nb, kb)`` of matrix ``e`` (rows / columns past
-        ``N`` / ``K`` read as zeros, as ``fp8.quantize_weight``'s zero padding) -> its e4m3 values and
-        fp32 scale, the numbers of ``fp8.quantize_weight``: ``s = amax / 448`` (1 for an all-zero block),
+        ``N`` / ``K`` read as zeros, as the torch version's zero padding) -> its e4m3 values and
+        fp32 scale, the numbers of ``fp8._quantize_weight_torch``: ``s = amax / 448`` (1 for an all-zero block),
         ``e4m3(clamp(w / s, ±448))`` with ``w / s`` correctly rounded (torch divides by a tensor so).
         Two passes of ``CHUNK`` rows at a time (the amax, then the values; the second reads the block
         from cache): few registers a thread, so several programs share an SM."""
@@ -536,11 +536,12 @@ WEIGHT_QUANTIZE_CHUNK = 32  # rows of the block a pass holds: 32 fp32 values a t
 
 
 def quantize_weight_into(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """``fp8.quantize_weight(weight)`` written into existing storage — e4m3 ``values [..., N, K]`` and fp32
+    """``fp8._quantize_weight_torch(weight)`` written into existing storage — e4m3 ``values [..., N, K]`` and fp32
     ``scales [..., ceil(N/128), ceil(K/128)]`` (views with unit last stride: a fused projection's rows,
     one expert) — by one launch, one program a 128 x 128 block: reads ``weight`` (any float dtype, any
     row stride) once and writes each value once, where the torch version makes three fp32 copies of the
-    matrix (an FP8 weight update's cost). Same numbers (bit-exact under the interpreter and on the H200)."""
+    matrix (an FP8 weight update's cost). Same numbers: bit-exact under the interpreter
+    (``test_gpu_weight_quantizer_is_bit_exact`` checks the compiled kernel on a GPU)."""
     *lead, rows, cols = weight.shape
     if len(lead) > 1:
         raise ValueError(f"fp8 weight quantization: a matrix or a stack of experts, got {tuple(weight.shape)}")
