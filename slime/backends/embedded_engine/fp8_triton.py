@@ -449,7 +449,8 @@ def tma_usable(a: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, weight))
 
 
-TMA_DECODE_MAX_ROWS = 128  # plan_tma_tiles: the decode-sized rule up to here, session 20's above
+TMA_DECODE_MAX_ROWS = 128  # plan_tma_tiles: <= 20 K steps a program up to here
+TMA_MID_MAX_ROWS = 256  # <= 40 K steps up to here (same column and split rule); session 20's above
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -464,9 +465,12 @@ def plan_tma_tiles(rows: int, out_features: int, in_features: int, device: torch
     64 output columns unless 128-column tiles alone give >= 0.7 programs an SM (the MLP's gate/up
     on 1.7B/4B), then K split 1, 2, 4 or 8 ways, the fewest giving >= a quarter as many programs as
     SMs with <= 20 K steps each; 5 pipeline stages without a split, else 4 (the sweep's best tile
-    in 26 of 36 shapes). Above 128 tokens (session 20: Qwen3-4B at 128/256): 128 columns, the
-    fewest split giving >= half as many programs as SMs with <= 40 K steps, 4 stages while <= 2
-    programs share an SM, else 3. A split needs >= 2 K steps each."""
+    in 26 of 36 shapes). From 129 to 256 tokens (session 22's sweep at 256) the same rule with
+    <= 40 K steps a program: the three models' layer sums come within 1-2.4% of the best launches
+    (session 20's rule was 13% / 6% / 1% over on 0.6B / 1.7B / 4B, its 128-column output
+    projections worst). Above 256 tokens (session 20: Qwen3-4B at 128/256, not swept beyond): 128
+    columns, the fewest split giving >= half as many programs as SMs with <= 40 K steps. With
+    128 columns 4 stages while <= 2 programs share an SM, else 3. A split needs >= 2 K steps each."""
     return _planned_tma_tiles(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
 
 
@@ -475,9 +479,9 @@ def _planned_tma_tiles(rows: int, out_features: int, in_features: int, sms: int)
     block_m = 16 if rows <= 16 else 64  # above 16 tokens Hopper's fp8 wgmma (64 rows); few launch variants
     row_tiles = _cdiv(rows, block_m)
     k_steps = _cdiv(in_features, BLOCK)
-    if rows <= TMA_DECODE_MAX_ROWS:
+    if rows <= TMA_MID_MAX_ROWS:
         block_n = 128 if row_tiles * _cdiv(out_features, 128) >= 0.7 * sms else 64
-        min_programs, max_steps = sms // 4, 20
+        min_programs, max_steps = sms // 4, (20 if rows <= TMA_DECODE_MAX_ROWS else 40)
     else:
         block_n, min_programs, max_steps = 128, sms // 2, 40
     tiles = row_tiles * _cdiv(out_features, block_n)

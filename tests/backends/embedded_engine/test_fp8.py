@@ -736,8 +736,9 @@ def test_tma_tiles_plan_matches_the_h200_sweeps():
     """``plan_tma_tiles`` picks what the H200 sweeps found best, or the launches measured next to it:
     up to 128 tokens session 21's sweep of every candidate on Qwen3-0.6B/1.7B/4B (64-column tiles
     unless 128-column ones fill the GPU, K split only where too few programs or > 20 K steps, 5 stages
-    unsplit); above, session 20's on 4B at 256 (128 columns). On every Qwen3 shape: the split's
-    programs and K steps as the rule says, never more splits than K steps allow."""
+    unsplit); to 256 the same with <= 40 K steps (session 22's sweep at 256); above, session 20's
+    (128 columns). On every Qwen3 shape: the split's programs and K steps as the rule says, never
+    more splits than K steps allow."""
     from slime.backends.embedded_engine import fp8_triton
 
     plan, tiles = fp8_triton._planned_tma_tiles, fp8_triton.Tiles
@@ -752,9 +753,16 @@ def test_tma_tiles_plan_matches_the_h200_sweeps():
     assert plan(32, 2560, 4096, 132) == tiles(64, 64, 2, 4, 4)  # 4B o: 12.2 (12.6)
     assert plan(128, 2560, 9728, 132) == tiles(64, 64, 4, 4, 4)  # 4B down: 20.6 (22.8)
     assert plan(128, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 23.7, session 20's plan
-    # above 128 tokens: session 20's rule (4B at 256: down best 25.1 us as planned, o 13.8 against 13.4)
-    assert plan(256, 2560, 9728, 132) == tiles(64, 128, 2, 4, 4)
-    assert plan(256, 2560, 4096, 132) == tiles(64, 128, 1, 4, 4)
+    # 129-256 tokens (bench/results/fp8_gemm-nvidia-h200-20261204-sweep-s22.json at 256; session 20's
+    # rule in brackets): the output projection unsplit in 64 columns, the MLP's down split in two
+    assert plan(256, 1024, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 0.6B o: 8.4 us, the best (11.0)
+    assert plan(256, 2048, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 1.7B o: 9.1, the best (11.4)
+    assert plan(256, 2048, 6144, 132) == tiles(64, 64, 2, 4, 4)  # 1.7B down: 17.5, the best (18.0)
+    assert plan(256, 6144, 2560, 132) == tiles(64, 128, 1, 4, 4)  # 4B qkv: 14.4, the best (as planned)
+    assert plan(256, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 36.0, the best (as planned)
+    # above 256 tokens: session 20's rule, 128 columns
+    assert plan(512, 2560, 9728, 132) == tiles(64, 128, 2, 4, 3)
+    assert plan(512, 2560, 4096, 132) == tiles(64, 128, 1, 4, 4)
     assert plan(8, 1024, 1024, 132).block_m == 16
     for hidden, intermediate, q_out, kv_out in [(1024, 3072, 2048, 1024), (2048, 6144, 2048, 1024),
                                                 (2560, 9728, 4096, 1024)]:
@@ -762,14 +770,14 @@ def test_tma_tiles_plan_matches_the_h200_sweeps():
                                           (hidden, intermediate)]:
             for rows in (17, 64, 128, 256, 512):
                 planned = plan(rows, out_features, in_features, 132)
-                decode = rows <= fp8_triton.TMA_DECODE_MAX_ROWS
+                decode = rows <= fp8_triton.TMA_MID_MAX_ROWS
                 steps = -(-in_features // 128)
                 row_tiles = -(-rows // planned.block_m)
                 programs = row_tiles * -(-out_features // planned.block_n) * planned.split_k
                 wide = row_tiles * -(-out_features // 128) >= 0.7 * 132
                 assert planned.block_n == (128 if wide or not decode else 64), (rows, out_features, planned)
                 assert planned.split_k == 1 or steps >= 2 * planned.split_k, planned
-                enough, most = (33, 20) if decode else (66, 40)
+                enough, most = ((33, 20 if rows <= fp8_triton.TMA_DECODE_MAX_ROWS else 40) if decode else (66, 40))
                 assert (programs >= enough and -(-steps // planned.split_k) <= most) or planned.split_k == 8 \
                     or steps < 4 * planned.split_k, (rows, out_features, in_features, planned)
                 if planned.split_k > 1:  # the split before it was not enough
