@@ -25,6 +25,16 @@ def _buckets(limit: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def kv_length_bucket(need: int, smallest: int = 128) -> int:
+    """The KV length a graph reads for rows needing ``need`` positions: from ``smallest`` in four steps
+    per octave (128, 160, 192, 224, 256, 320, ...), so at most 25% more than needed."""
+    length = smallest
+    while length < need:
+        octave = 1 << (length.bit_length() - 1)
+        length += octave // 4
+    return length
+
+
 class DecodeGraphs:
     """CUDA graphs of the decode forward, captured lazily per (batch bucket, KV-length bucket).
 
@@ -71,10 +81,7 @@ class DecodeGraphs:
         if not self.enabled or batch > self.batch_buckets[-1] or batch > self.runner.kv_cache.shape.num_slots:
             return None
         capacity = self.runner.kv_cache.shape.slot_capacity
-        length = self.MIN_KV_BUCKET
-        while length < need:  # four steps per octave: 128, 160, 192, 224, 256, 320, ...
-            octave = 1 << (length.bit_length() - 1)
-            length += octave // 4
+        length = kv_length_bucket(need, self.MIN_KV_BUCKET)
         slots = self.runner.kv_cache.shape.num_slots  # padding rows use free slots: never more than there are
         return min(next(b for b in self.batch_buckets if b >= batch), slots), min(length, capacity)
 

@@ -41,6 +41,8 @@ the dense reference in fp32).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from slime.backends.embedded_engine.tickets import Tickets
@@ -204,12 +206,35 @@ def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> tuple[
     """``(splits, split_len)`` for a call: more splits when the batch is small, none shorter than a block."""
     blocks = triton.cdiv(kv_length, block)
     splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
-    split_len = triton.cdiv(blocks, splits) * block
+    return split_length(kv_length, block, splits)
+
+
+def split_length(kv_length: int, block: int, splits: int) -> tuple[int, int]:
+    """``(splits, split_len)`` for at most ``splits`` splits of whole blocks (fewer where the blocks run out)."""
+    blocks = triton.cdiv(kv_length, block)
+    split_len = triton.cdiv(blocks, max(1, min(splits, blocks))) * block
     return triton.cdiv(kv_length, split_len), split_len
 
 
+class Launch(NamedTuple):
+    """One launch of the flash-decoding kernel: positions per inner step, splits of each row (at most;
+    whole blocks each), and the kernel's warps and pipeline stages. ``bench/decode_attention.py --sweep``
+    times these against the plan."""
+    block_n: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def plan_launch(batch: int, kv_heads: int, kv_length: int, dim: int) -> Launch:
+    """The launch :func:`decode_attention` makes by default."""
+    block = block_n(dim)
+    return Launch(block, plan_splits(batch, kv_heads, kv_length, block)[0])
+
+
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     kv_length: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     kv_length: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     launch: Launch | None = None) -> torch.Tensor:
     """``query [B, H, D]`` against cache rows ``keys/values [>=B, Hkv, capacity, D]`` (row b = slot b),
     each row attending to its first ``lengths[b]`` (<= ``kv_length``) positions -> ``[B, H, D]``. The
     cache may be FP8 (any dtype the query's converts from): its values count ``k_scale``/``v_scale`` times.
@@ -218,7 +243,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     ``T`` tokens per row, already in the cache as the row's last ``T`` positions (``lengths[b]`` counts
     them): token ``t`` attends to positions ``< lengths[b] - (T - 1 - t)`` -> ``[B, T, H, D]``. One program
     per (row, KV head, split) loads all ``T * G`` queries of its KV head, so the row's cache is read once
-    for its ``T`` tokens."""
+    for its ``T`` tokens. ``launch`` overrides the planned one (:func:`plan_launch`; for sweeps)."""
     if query.dim() == 3:
         batch, heads, dim = query.shape
         tokens, stride_qt = 1, 0
@@ -235,8 +260,9 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         raise ValueError(f"decode_attention: the query's last dim must be contiguous, got strides {query.stride()}")
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    block = block_n(dim)
-    splits, split_len = plan_splits(batch, kv_heads, kv_length, block)
+    launch = launch or plan_launch(batch, kv_heads, kv_length, dim)
+    block = launch.block_n
+    splits, split_len = split_length(kv_length, block, launch.splits)
     parts = torch.empty((batch * tokens, heads, splits, dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((batch * tokens, heads, splits), dtype=torch.float32, device=query.device)
     merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
@@ -249,7 +275,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         scale * k_scale, v_scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group * tokens)), HEAD_DIM=dim,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
-        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, num_warps=4, num_stages=2)
+        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     if splits > 1 and not merge_here:
         flat = out.view(batch * tokens, heads, dim)  # the (row, token) pairs in order: parts' first dim
         _merge_kernel[(batch * tokens, heads)](

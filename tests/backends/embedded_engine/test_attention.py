@@ -175,6 +175,31 @@ def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, 
     torch.testing.assert_close(one_split, first, atol=1e-6, rtol=1e-6)
 
 
+@needs_interpreter
+def test_triton_decode_attention_interpreted_every_launch_matches_reference():
+    """Every launch a sweep may pick (``triton_attention.Launch``: 32-128 positions a step, one split to
+    more splits than blocks, 4/8 warps, 1-3 stages) computes the same attention: rows of different
+    lengths (one key, one past a block, several blocks), against the dense reference."""
+    from slime.backends.embedded_engine import triton_attention
+
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, kv_heads, dim, capacity = 3, 8, 2, 64, 320
+    keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen)
+    values = torch.randn(batch, kv_heads, capacity, dim, generator=gen)
+    positions = torch.tensor([0, 64, 300])
+    length = 320  # the graphs' KV-length bucket for 301 positions: splits past a row's end weigh nothing
+    query = torch.randn(batch, heads, dim, generator=gen)
+    expected = reference(query[:, :, None], keys, values, positions.tolist(), dim ** -0.5)[:, 0]
+    assert triton_attention.split_length(length, 64, 16) == (5, 64)  # more splits than blocks: one block each
+    assert triton_attention.split_length(length, 32, 4) == (4, 96)
+    for launch in [triton_attention.Launch(32, 1, 4, 1), triton_attention.Launch(32, 4, 8, 3),
+                   triton_attention.Launch(64, 16, 4, 2), triton_attention.Launch(128, 2, 8, 1),
+                   triton_attention.Launch(128, 1, 4, 3)]:
+        out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5,
+                                                launch=launch)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=lambda m: f"{launch}: {m}")
+
+
 def reference_tokens(query, keys, values, lengths, scale):
     """``query [B, H, T, D]``: token t of row b at position ``lengths[b] - T + t`` attends to the row's
     cache up to and including that position -> ``[B, T, H, D]`` (the dense reference, token by token)."""
