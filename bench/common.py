@@ -29,11 +29,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_result(benchmark: str, config: dict, metrics: dict, out: str | None) -> dict:
+def write_result(benchmark: str, config: dict, metrics: dict, out: str | None, echo: bool = True) -> dict:
+    """The results file (``echo``: printed too; a long bench writes its partial results quietly as it goes)."""
     today = datetime.date.today()
     result = {"benchmark": benchmark, "date": today.isoformat(), "machine": machine_name(),
               "command": "python " + " ".join(sys.argv), "git_commit": git_commit(), "config": config, "metrics": metrics}
-    print(json.dumps(result, indent=2))
+    if echo:
+        print(json.dumps(result, indent=2))
     if out:
         path = out if out.endswith(".json") else os.path.join(out, f"{benchmark}-{result['machine']}-{today:%Y%m%d}.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -171,6 +171,8 @@ def main() -> None:
     for kv_dtype in args.kv_dtypes.split(","):
         if kv_dtype not in KV_DTYPES:
             parser.error(f"--kv-dtypes: unknown {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
+    config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,
+              "sweep": args.sweep, "repeats": args.repeats, "device": str(device)}
     metrics = {}
     for model in models:
         arch = TINY if model == "tiny" else ARCHITECTURES[model]
@@ -183,8 +185,8 @@ def main() -> None:
                           + (f"; best {result['sweep_best_us']:.1f} ({result['sweep_best_launch']})" if args.sweep else ""),
                           file=sys.stderr)
                     metrics.update({f"{key}/{name}": value for name, value in result.items()})
-    config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,
-              "sweep": args.sweep, "repeats": args.repeats, "device": str(device)}
+                    if args.out:  # what is done survives a timeout
+                        write_result("decode_attention", {**config, "partial": True}, metrics, args.out, echo=False)
     write_result("decode_attention", config, metrics, args.out)
 
 
