@@ -291,7 +291,7 @@ def main() -> None:
         trl_worker(json.load(open(sys.argv[2])))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="tiny | small | qwen3-0.6b | qwen3-1.7b")
+    parser.add_argument("--model", default="small", help="tiny | small | qwen3-0.6b | qwen3-1.7b | qwen3-4b (bench/engine_decode.py ARCHITECTURES)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
