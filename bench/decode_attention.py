@@ -150,8 +150,9 @@ def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    qwen3 = ", ".join(name for name in ARCHITECTURES if name.startswith("qwen3"))
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,qwen3-4b",
-                        help=f"comma-separated: tiny (CPU) or {', '.join(k for k in ARCHITECTURES if k.startswith('qwen3'))}")
+                        help=f"comma-separated: tiny (CPU) or {qwen3}")
     parser.add_argument("--batch", default="128", help="comma-separated rows per call")
     parser.add_argument("--positions", default="143,511,2047", help="comma-separated: every row's position")
     parser.add_argument("--kv-dtypes", default="bf16", help=f"comma-separated: {', '.join(KV_DTYPES)}")
@@ -181,8 +182,8 @@ def main() -> None:
                 for kv_dtype in args.kv_dtypes.split(","):
                     result = measure(arch, batch, position, kv_dtype, device, args.repeats, args.sweep)
                     key = f"{model}/B{batch}/P{position}/{kv_dtype}"
-                    print(f"{key}: {result['us']:.1f} us ({result['launch']}), {result['tb_s']:.2f} TB/s"
-                          + (f"; best {result['sweep_best_us']:.1f} ({result['sweep_best_launch']})" if args.sweep else ""),
+                    best = f"; best {result['sweep_best_us']:.1f} ({result['sweep_best_launch']})" if args.sweep else ""
+                    print(f"{key}: {result['us']:.1f} us ({result['launch']}), {result['tb_s']:.2f} TB/s{best}",
                           file=sys.stderr)
                     metrics.update({f"{key}/{name}": value for name, value in result.items()})
                     if args.out:  # what is done survives a timeout
