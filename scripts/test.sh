@@ -10,7 +10,7 @@ export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra --timeout=900 "$@"
 fi
-.venv/bin/python -m pytest -q -ra --timeout=900 tests
+.venv/bin/python -m pytest -q -ra --timeout=900 --durations=25 tests
 # The fused Triton log-prob kernels, the sampler's kernel and the FP8 GEMM on the CPU, run by Triton's interpreter, and the FP8 GEMM compiled
 # for sm_90 by triton's bundled ptxas (no GPU needed) (~20 s). triton is not a
 # dependency: setup-env.sh keeps a copy in .venv/sglang-args, off the import path; this pass sees
