@@ -292,6 +292,9 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="tiny | small | qwen3-0.6b | qwen3-1.7b | qwen3-4b (bench/engine_decode.py ARCHITECTURES)")
+    parser.add_argument("--model-path", default=None,
+                        help="an existing HF directory of --model (e.g. one build_checkpoint made before: saves its "
+                             "build on every run); the run's data is still built fresh")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -313,7 +316,7 @@ def main() -> None:
     from slime.utils.tiny_task import build_task_data
 
     with tempfile.TemporaryDirectory() as root:
-        model_dir = build_checkpoint(args.model, os.path.join(root, "model"))
+        model_dir = args.model_path or build_checkpoint(args.model, os.path.join(root, "model"))
         data = build_task_data(os.path.join(root, "data"), num_train=max(256, args.prompts * args.steps), num_eval=8, num_sft=8)
         metrics: dict[str, float] = {}
         sides = ("slime", "trl", "engine") if args.side == "both" else (args.side,)
@@ -326,7 +329,7 @@ def main() -> None:
         if args.side == "both":
             metrics["speedup_vs_trl"] = metrics["trl/step_time"] / metrics["slime/step_time"]
             metrics["slime/rollout_over_engine_alone"] = metrics["slime/rollout_time"] / metrics["engine_alone/rollout_time"]
-    config = {"model": args.model, "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
+    config = {"model": args.model, "model_path": args.model_path, "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
               "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
     if "trl" in (args.side, "both"):
