@@ -103,3 +103,17 @@ def test_colocated_offloading_gpu_engines_get_the_memory_saver_when_it_is_instal
     assert "--enable-memory-saver" not in embedded_engine_argv(apart, gpu=True)
     monkeypatch.setattr(engine_actor, "memory_saver_installed", lambda: False)  # the copy path, with a warning-free start
     assert "--enable-memory-saver" not in embedded_engine_argv(colocated, gpu=True)
+
+
+def test_adaptive_speculation_flags_reach_the_engine(tmp_path):
+    """``--sglang-speculative-adaptive`` (and its config) reach the embedded engine, which parses them."""
+    from slime.backends.embedded_engine.config import parse_args as parse_server_args, speculative_config
+
+    config = tmp_path / "adaptive.json"
+    config.write_text('{"1": {"candidate_steps": [0, 2]}}')
+    argv = embedded_engine_argv(parse_args(BASE + ["--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-adaptive",
+                                                   "--sglang-speculative-adaptive-config", str(config)]), gpu=False)
+    assert "--speculative-adaptive" in argv
+    assert argv[argv.index("--speculative-adaptive-config") + 1] == str(config)
+    resolved = speculative_config(parse_server_args(["--model-path", "/tmp", *argv]))
+    assert resolved.adaptive and resolved.adaptive_config == str(config)

@@ -94,7 +94,8 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
                                    attention_backend=args.attention_backend, mla_decode=args.mla_decode,
                                    kv_cache_dtype=args.kv_cache_dtype)  # SGLang: the draft caches like the target
         draft = DraftModel(draft_runner, runner, prefill_tokens)
-    return SpeculativeDecoder(config, draft)
+    graphs = getattr(runner, "graphs", None)  # adaptive slots pick by the decode graphs' batch sizes, as SGLang's
+    return SpeculativeDecoder(config, draft, batch_buckets=graphs.batch_buckets if graphs is not None else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,6 +42,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_ngram_max_trie_depth: int = 18
+    speculative_adaptive: bool = False
+    speculative_adaptive_config: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -145,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drafts per step form one chain: only 1 is accepted")
     spec.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18,
                       help="NGRAM: longest suffix of prompt + output matched against its earlier text")
+    spec.add_argument("--speculative-adaptive", action="store_true",
+                      help="choose the drafts a step proposes at run time, per batch size, from the drafts accepted "
+                           "(SGLang's adaptive speculation; 0 = plain decode steps, e.g. for large batches). "
+                           "--speculative-num-steps is the starting count")
+    spec.add_argument("--speculative-adaptive-config", default=None,
+                      help="with --speculative-adaptive: JSON of batch sizes -> candidate_steps and tuning knobs "
+                           "(SGLang's format; default 1 row: 1/3/5/7 drafts, 8: 0/1/3, 32: 0/1, 64 and up: none)")
     return p
 
 
@@ -209,4 +218,5 @@ def speculative_config(args: ServerArgs):
 
     return resolve_config(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                           args.speculative_num_draft_tokens, args.speculative_eagle_topk,
-                          args.speculative_ngram_max_trie_depth, args.model_path)
+                          args.speculative_ngram_max_trie_depth, args.model_path, args.speculative_adaptive,
+                          args.speculative_adaptive_config)

@@ -84,6 +84,8 @@ class SpeculativeConfig:
     num_draft_tokens: int  # verified tokens per step: the last token + num_draft_tokens - 1 drafts
     draft_model_path: str | None = None
     ngram_max_match: int = 18  # --speculative-ngram-max-trie-depth
+    adaptive: bool = False  # --speculative-adaptive: the drafts a step follow acceptance and batch size
+    adaptive_config: str | None = None  # --speculative-adaptive-config (JSON; None: SGLang's defaults)
 
     @property
     def max_drafts(self) -> int:
@@ -92,9 +94,14 @@ class SpeculativeConfig:
 
 def resolve_config(algorithm: str | None, draft_model_path: str | None, num_steps: int | None,
                    num_draft_tokens: int | None, eagle_topk: int | None, ngram_max_trie_depth: int,
-                   model_path: str | None = None) -> SpeculativeConfig | None:
+                   model_path: str | None = None, adaptive: bool = False,
+                   adaptive_config: str | None = None) -> SpeculativeConfig | None:
     """The engine's speculative settings from SGLang's flags (None: speculation off); raises with the
     flag names for values the engine does not implement."""
+    if adaptive_config is not None and not adaptive:
+        raise ValueError(f"--speculative-adaptive-config {adaptive_config} needs --speculative-adaptive")
+    if algorithm is None and adaptive:
+        raise ValueError("--speculative-adaptive needs --speculative-algorithm (NGRAM, STANDALONE or NEXTN)")
     if algorithm is None:
         for flag, value in (("--speculative-draft-model-path", draft_model_path), ("--speculative-num-steps", num_steps),
                             ("--speculative-num-draft-tokens", num_draft_tokens)):
@@ -132,7 +139,12 @@ def resolve_config(algorithm: str | None, draft_model_path: str | None, num_step
     tokens = num_draft_tokens or (num_steps + 1 if num_steps is not None else DEFAULT_DRAFT_TOKENS[name])
     if ngram_max_trie_depth < 1:
         raise ValueError(f"--speculative-ngram-max-trie-depth must be >= 1, got {ngram_max_trie_depth}")
-    return SpeculativeConfig(name, tokens, draft_model_path if name == "STANDALONE" else None, ngram_max_trie_depth)
+    if adaptive:
+        from slime.backends.embedded_engine.speculative_adaptive import load_config
+
+        load_config(adaptive_config)  # a malformed file fails at start, naming itself
+    return SpeculativeConfig(name, tokens, draft_model_path if name == "STANDALONE" else None, ngram_max_trie_depth,
+                             adaptive, adaptive_config)
 
 
 @dataclass
@@ -351,12 +363,24 @@ class SpeculativeDecoder:
     ``grow_cache``, and where the drafter reads the target's hidden states (``needs_hidden``, NEXTN)
     ``record_hidden`` after each prefill forward and ``share_prefill`` for requests sharing one."""
 
-    def __init__(self, config: SpeculativeConfig, draft: ChainDrafter | None = None):
+    def __init__(self, config: SpeculativeConfig, draft: ChainDrafter | None = None,
+                 batch_buckets: list[int] | None = None):
         if (config.algorithm != "NGRAM") != (draft is not None):
             raise ValueError(f"{config.algorithm} speculation needs its drafter (STANDALONE: a draft model, NEXTN: "
                              "the MTP layer), NGRAM none")
         self.config = config
         self.draft = draft
+        # --speculative-adaptive: drafts a step per batch size, moved by acceptance (batch_buckets: the
+        # decode graphs' batch sizes a batch is rounded up to before it picks its slot, as in SGLang)
+        self.adaptive = None
+        if config.adaptive:
+            from slime.backends.embedded_engine.speculative_adaptive import AdaptiveSteps
+
+            self.adaptive = AdaptiveSteps(config.max_drafts, config.adaptive_config, batch_buckets)
+
+    def max_drafts(self, batch: int) -> int:
+        """Drafts a row may propose in a step of ``batch`` rows (adaptive: that batch size's count now)."""
+        return self.config.max_drafts if self.adaptive is None else self.adaptive.steps(batch)
 
     @property
     def needs_hidden(self) -> bool:
@@ -399,7 +423,9 @@ class SpeculativeDecoder:
         """Whether this decode step goes through :meth:`step`; False when every row's NGRAM lookup is
         paused: the engine then runs its ordinary step, which may start before the previous one is read
         (a speculative step needs the previous tokens on the host)."""
-        return self.needs_hidden or any(self._drafting(seq) for seq in running)
+        if self.needs_hidden:
+            return True
+        return self.max_drafts(len(running)) > 0 and any(self._drafting(seq) for seq in running)
 
     def count_plain_step(self, running: list["Sequence"]) -> None:
         """An ordinary step the engine ran instead of :meth:`step` (counted as a verify step without drafts)."""
@@ -407,6 +433,8 @@ class SpeculativeDecoder:
             if seq.spec is None:
                 seq.spec = SpecState()
             seq.spec.count_step(0, 0)
+        if self.adaptive is not None and running:
+            self.adaptive.observe(len(running), [])
 
     def step(self, engine: "Engine", running: list["Sequence"]) -> int | None:
         """Draft, verify and emit for ``running`` (no step in flight); None when no row has a draft
@@ -415,7 +443,8 @@ class SpeculativeDecoder:
             if seq.spec is None:
                 seq.spec = SpecState()
         capacity = engine.runner.kv_cache.shape.slot_capacity
-        ks = [self._budget(seq, capacity) if self._drafting(seq) else 0 for seq in running]
+        most = self.max_drafts(len(running))
+        ks = [min(most, self._budget(seq, capacity)) if self._drafting(seq) else 0 for seq in running]
         # a draft model samples its drafts with them; NGRAM's are built after the verify step is launched
         settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)] if self.draft is not None else None
         draft_probs = None
@@ -437,13 +466,16 @@ class SpeculativeDecoder:
         if not any(drafts) and not self.needs_hidden:  # NEXTN verifies anyway: the MTP layer needs every hidden state
             for seq in running:
                 seq.spec.count_step(0, 0)
+            if self.adaptive is not None:
+                self.adaptive.observe(len(running), [])
             return None
         return self._verify(engine, running, drafts, draft_probs, settings)
 
     def _budget(self, seq: "Sequence", slot_capacity: int) -> int:
         """Drafts this row may verify: the step emits up to k + 1 tokens, within max_new_tokens and the slot."""
         room = min(seq.max_new_tokens - len(seq.output_ids), slot_capacity - seq.num_computed)
-        return max(0, min(self.config.max_drafts, room - 1))
+        most = self.config.max_drafts if self.adaptive is None else self.adaptive.max_steps
+        return max(0, min(most, room - 1))
 
     @staticmethod
     def _run_settings(engine: "Engine", seq: "Sequence", k: int) -> list[RowSampling]:
@@ -555,4 +587,6 @@ class SpeculativeDecoder:
         produced += engine._append(batch)
         stats.spec_proposed_drafts += sum(len(d) for d in drafts)
         stats.spec_accepted_drafts += sum(result.accepted)
+        if self.adaptive is not None:  # the drafts accepted per request that drafted
+            self.adaptive.observe(len(running), [a for a, d in zip(result.accepted, drafts) if d])
         return produced
