@@ -17,6 +17,8 @@ Engines (one server each, started in turn on the same checkpoint, same flags oth
 * ``ngram-eager``, ``standalone-eager``, ``nextn-eager``: the same engines with
   ``SLIME_SPEC_VERIFY_DECODE=0``: verify steps through the generic (eager, prefill-style) forward
   instead of the T-token decode step and its CUDA graphs (the A/B of the verify step);
+* ``ngram-adaptive``, ``standalone-adaptive``, ``nextn-adaptive``: the same engines with
+  ``--speculative-adaptive`` (SGLang's default config: the drafts a step per batch size, none from 64 rows);
 * ``nextn``: ``--speculative-algorithm NEXTN --speculative-num-steps --nextn-steps``, the model's own
   MTP layer (DeepSeek-V3 architectures: ``--model deepseek-v3-1b``, or a ``--model-path`` checkpoint
   that carries its MTP layer). With ``--model``, one is written into the checkpoint before any engine
@@ -206,10 +208,13 @@ def main() -> None:
                                      "--speculative-num-steps", str(args.draft_steps)]
         for name in list(engines):  # the A/B: verify steps through the generic forward, as before the verify step
             engines[f"{name}-eager"] = engines[name]
+            if name != "off":  # the drafts a step chosen per batch size from the drafts accepted (SGLang's defaults)
+                engines[f"{name}-adaptive"] = engines[name] + ["--speculative-adaptive"]
         unknown = set(wanted) - set(engines)
         if unknown:
             raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from off, ngram, standalone, nextn "
-                             "(or ngram-eager etc.: verify steps through the generic forward)")
+                             "(or ngram-eager etc.: verify steps through the generic forward; ngram-adaptive etc.: "
+                             "with --speculative-adaptive)")
         results = {name: measure(name, model_path, engines[name], prompts, args,
                                  env={"SLIME_SPEC_VERIFY_DECODE": "0"} if name.endswith("-eager") else None)
                    for name in wanted}
