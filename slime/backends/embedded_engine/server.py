@@ -179,7 +179,11 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                                     "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures,
                                     "cuda_graph_verify_captures": runner.graphs.verify_captures,
                                     "attention_backend": runner.attention_backend, "fused_ops": runner.fused_ops,
-                                    "fused_projections": runner.fused_projections}]
+                                    "fused_projections": runner.fused_projections,
+                                    # --speculative-adaptive: per batch-size slot, the drafts a step now
+                                    "speculative_adaptive": (engine.speculative.adaptive.state() if
+                                                             engine.speculative is not None and
+                                                             engine.speculative.adaptive is not None else None)}]
         return info
 
     app.get("/server_info")(server_info)

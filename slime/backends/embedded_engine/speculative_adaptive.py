@@ -18,7 +18,8 @@ exponential moving average of the drafts accepted per request (verify steps only
 every ``update_interval`` steps it moves down while the average is at or below the next lower
 candidate minus a half (or 0.5 to reach 0) plus ``down_hysteresis``, else up while it is above the
 current candidate minus a half plus ``up_hysteresis``; from 0 drafts it probes the next candidate up.
-``ceiling_coeff`` > 0 caps a step that is not up at ``ceil(average · ceiling_coeff)``.
+``ceiling_coeff`` > 0 caps a step that is not up at ``ceil(average · ceiling_coeff)``. The slots'
+state is in ``/get_server_info`` (``internal_states[0].speculative_adaptive``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class StepSlot:
         self.steps = initial_steps if initial_steps in self.candidates else self.candidates[len(self.candidates) // 2]
         self.accepted = float(self.steps - 1)  # the average starts neutral: one below the drafts proposed
         self.batches = 0
+        self.changes = 0
 
     def observe(self, accepted: list[int]) -> bool:
         """A step of this slot: the drafts accepted per request of a verify step (none for a step without
@@ -137,8 +139,11 @@ class StepSlot:
         target = self.candidates[index]
         if target == self.steps:
             return False
-        logger.info("adaptive speculation: %d -> %d drafts a step (average accepted %.2f)", self.steps, target,
-                    self.accepted)
+        # debug: a slot whose drafts are rarely accepted probes 0 -> 1 -> 0 every few intervals, hundreds of
+        # steps a second on a GPU (/get_server_info's speculative_adaptive shows the counts now)
+        logger.debug("adaptive speculation: %d -> %d drafts a step (average accepted %.2f)", self.steps, target,
+                     self.accepted)
+        self.changes += 1
         self.steps = target
         return True
 
@@ -168,3 +173,8 @@ class AdaptiveSteps:
 
     def observe(self, batch: int, accepted: list[int]) -> bool:
         return self.slot(batch).observe(accepted)
+
+    def state(self) -> dict:
+        """Per slot (its batch size): the drafts a step now, the average accepted, steps seen, changes."""
+        return {str(size): {"steps": slot.steps, "accepted_ema": round(slot.accepted, 4), "batches": slot.batches,
+                            "changes": slot.changes} for size, slot in self.slots.items()}

@@ -138,9 +138,14 @@ def generate(model_dir, params, algorithm=None, num_draft_tokens=4, adaptive=Non
     engine.start()
     try:
         seqs = generate_in_engine(engine, prompts, params)
+        if speculative is not None and speculative.adaptive is not None:
+            adaptive_state.append(speculative.adaptive.state())
         return [s.output_ids for s in seqs], dict(vars(engine.scheduler.stats)), steps
     finally:
         engine.stop()
+
+
+adaptive_state = []  # generate(): the adaptive slots' state at the end of each adaptive run
 
 
 def greedy(max_new_tokens):
@@ -188,3 +193,27 @@ def test_accepted_drafts_raise_the_count(tiny_model_dir, tmp_path):
     assert [d for _, d in steps][:3] == [1, 3, 3]
     assert stats["spec_accepted_drafts"] == stats["spec_proposed_drafts"]
     assert stats["spec_verify_forwards"] < fixed_stats["spec_verify_forwards"]
+    state = adaptive_state[-1]["1"]  # what /get_server_info shows
+    assert state["steps"] == 3 and state["changes"] == 1 and state["batches"] == stats["spec_verify_forwards"]
+
+
+def test_the_server_reports_each_slots_count(tiny_model_dir, tmp_path):
+    """A served engine with the flags: its outputs and ``/get_server_info``'s per-slot state after a
+    copy-heavy request (the 1-row slot starts at 1 draft and climbs with every draft accepted)."""
+    import httpx
+
+    from slime.backends.embedded_engine.launch import running_engine
+
+    config = write_config(tmp_path, {"ema_alpha": 1.0, "1": {"candidate_steps": [1, 3], "warmup_batches": 0,
+                                                               "update_interval": 1}, "4": {"candidate_steps": [0]}})
+    args = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "1", "--speculative-adaptive",
+            "--speculative-adaptive-config", config]
+    with running_engine(tiny_model_dir, extra_args=args) as server:
+        body = {"input_ids": PROMPTS[4], "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}}
+        out = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+        state = httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]["speculative_adaptive"]
+    plain, _, _ = generate(tiny_model_dir, [greedy(24)], prompts=PROMPTS[4:])
+    assert out["output_ids"] == plain[0]
+    assert out["meta_info"]["spec_num_proposed_drafts"] > 0
+    assert state["4"] == {"steps": 0, "accepted_ema": -1.0, "batches": 0, "changes": 0}
+    assert state["1"]["batches"] == out["meta_info"]["spec_verify_ct"] and state["1"]["changes"] >= 1  # it climbed
