@@ -491,13 +491,15 @@ class SpeculativeDecoder:
 
     def _windows(self, runner: ModelRunner, running: list["Sequence"], rows: list[ForwardRow]
                  ) -> tuple[list[list[int]], list[int], list[int]] | None:
-        """The T tokens (T = ``--speculative-num-draft-tokens``) each row feeds a verify decode step, where
+        """The T tokens (T = ``--speculative-num-draft-tokens``; adaptive: 1 + the batch's draft count now,
+        so a verify step costs what its drafts need) each row feeds a verify decode step, where
         they start and where its real tokens (last token + drafts) begin among them; None where the step
         does not apply (:meth:`ModelRunner.can_verify`). A row with fewer drafts is padded after its real
         tokens (they never see the padding; its outputs are not read; its keys/values land past the row's
         length, as rejected drafts' do) — or, where that padding would pass the slot's end, before them
         with the row's own previous tokens at their positions (their keys/values recomputed in place)."""
-        width = self.config.num_draft_tokens
+        width = self.config.num_draft_tokens if self.adaptive is None else 1 + self.max_drafts(len(running))
+        width = max(width, max(len(row.tokens) for row in rows))  # never narrower than a row's tokens
         capacity = runner.kv_cache.shape.slot_capacity
         tokens, starts, offsets = [], [], []
         for seq, row in zip(running, rows):

@@ -217,3 +217,15 @@ def test_the_server_reports_each_slots_count(tiny_model_dir, tmp_path):
     assert out["meta_info"]["spec_num_proposed_drafts"] > 0
     assert state["4"] == {"steps": 0, "accepted_ema": -1.0, "batches": 0, "changes": 0}
     assert state["1"]["batches"] == out["meta_info"]["spec_verify_ct"] and state["1"]["changes"] >= 1  # it climbed
+
+
+def test_counts_above_the_flags_verify_in_windows_of_their_own_width(tiny_model_dir, tmp_path):
+    """``--speculative-num-draft-tokens 2`` with an adaptive count of 3: rows of 0-3 drafts verify together
+    in windows of 1 + 3 tokens (the T-token decode step), with plain decoding's outputs."""
+    params = [greedy(16 + 2 * i) for i in range(4)]
+    plain, _, _ = generate(tiny_model_dir, params, prompts=PROMPTS[1:])
+    config = write_config(tmp_path, {"1": {"candidate_steps": [3]}})
+    outputs, stats, steps = generate(tiny_model_dir, params, "NGRAM", 2, config, prompts=PROMPTS[1:])
+    assert outputs == plain
+    assert any(drafts > rows for rows, drafts in steps)  # some row proposed more than the flags' 1 draft
+    assert stats["spec_verify_decode_steps"] == stats["spec_verify_forwards"] > 0
