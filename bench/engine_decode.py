@@ -173,6 +173,41 @@ async def run_engine(url: str, prompts, lengths) -> tuple[float, dict]:
     return sum(counts) / elapsed, burst_timeline(start_wall, answers)
 
 
+async def sample_outputs(url: str, prompts, lengths) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, output ids, the engine's log-probs of them) for each request, sampled at temperature 1."""
+
+    async def one(prompt, n):
+        body = {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
+        answer = await http_utils.post(url + "/generate", body, max_retries=1)
+        return prompt, answer["output_ids"], [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+
+    return list(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths))))
+
+
+@torch.inference_mode()
+def logprob_gap(model_path: str, device: str, samples) -> dict:
+    """The train/rollout mismatch of these samples as a trainer would see it before any update: each output
+    token's log-prob under the checkpoint in HF (bf16 on CUDA, fp32 on the CPU; temperature 1) against the
+    engine's — what ``train/train_rollout_logprob_abs_diff`` measures at a loop's first step, without
+    the loop (TIS reweights the loss and leaves this gap as it is)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    diffs = []
+    for prompt, output, engine_logprobs in samples:
+        ids = torch.tensor([prompt + output], device=device)
+        logits = model(ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(output)].float()
+        ours = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(output, device=device)[:, None])[:, 0]
+        diffs.append((ours.cpu() - torch.tensor(engine_logprobs)).abs())
+    diff = torch.cat(diffs)
+    del model
+    return {"logprob_gap_mean_abs": float(diff.mean()), "logprob_gap_p99_abs": float(diff.quantile(0.99)),
+            "logprob_gap_max_abs": float(diff.max()), "logprob_gap_tokens": diff.numel(),
+            "logprob_gap_reference": f"HF {str(dtype).removeprefix('torch.')}"}
+
+
 def burst_timeline(start: float, answers: list[tuple[float, dict]]) -> dict:
     """Seconds from the burst's start (client and server share the clock) until: the engine had received
     every request, admitted the first / the last one, finished the last one, the server had built the last
@@ -331,6 +366,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each after a first, unmeasured burst of the same workload; the best is reported")
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")
+    parser.add_argument("--logprob-gap", type=int, default=0, metavar="N",
+                        help="after the timed runs, sample the first N requests once more and report the mean / p99 / "
+                             "max |log-prob| between the engine and HF on the checkpoint (logprob_gap_*: the "
+                             "rollout/trainer mismatch of e.g. --quantization fp8 before any training)")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
                         help="write engine_decode-<machine>-<date>.json into this folder (default bench/results) "
                              "or to this .json path")
@@ -387,6 +426,8 @@ def main() -> None:
                 if hf is not None:
                     hf_runs.append(hf.run(prompts, lengths))
             disk_update = disk_update_seconds(engine.url, model_path)
+            samples = (loop.run_until_complete(sample_outputs(engine.url, prompts[: args.logprob_gap],
+                                                              lengths[: args.logprob_gap])) if args.logprob_gap else [])
             loop.run_until_complete(http_utils.close_client())
             loop.close()
         finally:
@@ -394,6 +435,7 @@ def main() -> None:
         hf_batch_size = None if hf is None else (hf.batch_size or args.num_requests)
         hf = None  # free its device memory before the in-process weight-update timing
         update = weight_update_seconds(model_path, args.device, args.quantization)
+        gap = logprob_gap(model_path, args.device, samples) if samples else {}
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -421,7 +463,7 @@ def main() -> None:
         hf_tps, hf_padded_tps = max(hf_runs)
         metrics.update({"hf_generate_output_tokens_per_s": hf_tps,
                         "hf_generate_padded_batch_tokens_per_s": hf_padded_tps, "speedup_vs_hf": engine_tps / hf_tps})
-    metrics.update({"weight_update_seconds": update, "disk_update_seconds": disk_update})
+    metrics.update({"weight_update_seconds": update, "disk_update_seconds": disk_update, **gap})
     steps = decode["decode_steps"]
     metrics.update({"decode_seconds": decode["decode_seconds"], "decode_steps": steps,
                     "decode_steps_per_s": steps / decode["decode_seconds"],
@@ -438,7 +480,7 @@ def main() -> None:
     config = {"model": args.model_path or (args.model + (" (slime.utils.tiny_model, seed 0)" if args.model in
                                                           ("tiny", "small") else " architecture, random bf16 weights, tiny tokenizer")),
               "device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
-              "num_requests": args.num_requests,
+              "num_requests": args.num_requests, "logprob_gap_requests": args.logprob_gap,
               "prompt_len": args.prompt_len or "8-64", "output_len": args.max_new_tokens or "16-128",
               "total_output_tokens": sum(lengths), "temperature": 1.0, "ignore_eos": True, "repeats": args.repeats,
               "context_length": context, "engine_args": args.engine_args,
