@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 
 def machine_name() -> str:
@@ -42,3 +44,37 @@ def write_result(benchmark: str, config: dict, metrics: dict, out: str | None, e
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def time_us(calls, device, repeats: int) -> float:
+    """Median microseconds of one of ``calls`` (a list of closures, each on its own copy of the data it
+    reads, so that together they come from HBM and not from L2): on CUDA one graph of all of them replayed
+    between events, elsewhere their wall time. The first round is a warm-up (compiles, allocations)."""
+    import torch
+
+    for call in calls:
+        call()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            times.append((time.perf_counter() - start) / len(calls) * 1e6)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)

@@ -13,9 +13,9 @@ the planned one — the table the launch plan is fitted to.
 The call is what the engine's decode graphs make: every row at ``position`` (it reads position + 1
 keys), ``kv_length`` the graph's KV-length bucket (``cuda_graphs.kv_length_bucket``: 160 for 144
 positions), the cache ``[rows, kv_heads, capacity, head_dim]`` in the cache dtype (FP8: e4m3 / e5m2
-values with scale 1). Timing as ``bench/fp8_gemm.py``: a CUDA graph of ``copies`` calls, each on its
-own cache (>= 256 MiB of KV in all, so the reads come from HBM, not the 50 MiB L2), CUDA events
-around the replay, median of ``--repeats``, divided by ``copies``.
+values with scale 1). Timing: ``bench.common.time_us`` (as ``bench/fp8_gemm.py``), a CUDA graph of
+``copies`` calls, each on its own cache (>= 256 MiB of KV in all, so the reads come from HBM, not the
+50 MiB L2), CUDA events around the replay, median of ``--repeats``, divided by ``copies``.
 
 Metrics per ``<model>/B<batch>/P<position>/<kv dtype>``: ``us`` (the planned launch), ``kv_bytes`` (the
 keys and values the rows must read: rows x (position + 1) x kv_heads x head_dim x 2 x bytes),
@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_result  # noqa: E402
+from bench.common import time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES, H200_HBM_BYTES_PER_S  # noqa: E402
 
 TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
@@ -72,36 +70,6 @@ def candidates(kv_length: int, dim: int) -> list:
     return launches
 
 
-def time_us(call, copies: int, device: torch.device, repeats: int) -> float:
-    """Median microseconds of one ``call(i)`` over caches ``i < copies``."""
-    for i in range(copies):  # compiles, and the first launch of each cache
-        call(i)
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for i in range(copies):
-                call(i)
-            times.append((time.perf_counter() - start) / copies * 1e6)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    del graph
-    return statistics.median(times)
-
-
 def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.device, repeats: int,
             sweep: bool) -> dict:
     from slime.backends.embedded_engine import triton_attention
@@ -126,22 +94,24 @@ def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.
     lengths = torch.full((batch,), need, dtype=torch.long, device=device)
     scale = dim ** -0.5
 
-    def run(launch):
-        return lambda i: triton_attention.decode_attention(query, keys[i], values[i], lengths, kv_length, scale,
-                                                           launch=launch)
+    def run(launch, i=0):
+        return triton_attention.decode_attention(query, keys[i], values[i], lengths, kv_length, scale, launch=launch)
+
+    def calls(launch):  # one per cache copy
+        return [lambda i=i: run(launch, i) for i in range(copies)]
 
     planned = triton_attention.plan_launch(batch, kv_heads, kv_length, dim)
-    us = time_us(run(planned), copies, device, repeats)
+    us = time_us(calls(planned), device, repeats)
     kv_bytes = 2 * batch * need * kv_heads * dim * element
     result = {"us": us, "kv_bytes": kv_bytes, "tb_s": kv_bytes / us / 1e6,
               "hbm_fraction": kv_bytes / (us * 1e-6) / H200_HBM_BYTES_PER_S, "launch": launch_name(planned),
               "kv_length": kv_length, "copies": copies, "step_ms": us * arch["num_hidden_layers"] / 1e3}
     if sweep:
-        reference = run(planned)(0).float()
+        reference = run(planned).float()
         times, worst = {}, 0.0
         for launch in candidates(kv_length, dim):
-            worst = max(worst, float((run(launch)(0).float() - reference).abs().max()))
-            times[launch_name(launch)] = round(time_us(run(launch), copies, device, repeats), 2)
+            worst = max(worst, float((run(launch).float() - reference).abs().max()))
+            times[launch_name(launch)] = round(time_us(calls(launch), device, repeats), 2)
         best = min(times, key=times.get)
         result.update(sweep_us=times, sweep_best_us=times[best], sweep_best_launch=best,
                       planned_over_best=us / times[best], sweep_max_abs_diff=worst)

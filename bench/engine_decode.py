@@ -152,6 +152,12 @@ def make_workload(n: int, vocab: int, seed: int, prompt_len: int | None, max_new
     return prompts, lengths
 
 
+def generate_body(prompt: list[int], max_new_tokens: int) -> dict:
+    """The /generate request of a workload's prompt: sampled at temperature 1, exactly this many tokens."""
+    return {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}}
+
+
 async def run_engine(url: str, prompts, lengths) -> tuple[float, dict]:
     """Every request at once through slime's own HTTP client (``slime.utils.http_utils``: one aiohttp
     session, what the rollout's requests go through, kept across the bursts of one event loop as the
@@ -160,9 +166,7 @@ async def run_engine(url: str, prompts, lengths) -> tuple[float, dict]:
     answers = []
 
     async def one(prompt, n):
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
-        answer = await http_utils.post(url + "/generate", body, max_retries=1)
+        answer = await http_utils.post(url + "/generate", generate_body(prompt, n), max_retries=1)
         answers.append((time.time(), answer["meta_info"]))
         return len(answer["output_ids"])
 
@@ -177,9 +181,7 @@ async def sample_outputs(url: str, prompts, lengths) -> list[tuple[list[int], li
     """(prompt, output ids, the engine's log-probs of them) for each request, sampled at temperature 1."""
 
     async def one(prompt, n):
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
-        answer = await http_utils.post(url + "/generate", body, max_retries=1)
+        answer = await http_utils.post(url + "/generate", generate_body(prompt, n), max_retries=1)
         return prompt, answer["output_ids"], [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
 
     return list(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths))))

@@ -65,7 +65,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_result  # noqa: E402
+from bench.common import time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
 from slime.backends.embedded_engine import fp8  # noqa: E402
 
@@ -88,36 +88,6 @@ def layer_shapes(arch: dict, layout: str = "separate") -> dict[str, tuple[int, i
                 "down": (hidden, inter, 1)}
     return {"q": (q, hidden, 1), "kv": (kv, hidden, 2), "o": (hidden, q, 1), "gate_up": (inter, hidden, 2),
             "down": (hidden, inter, 1)}
-
-
-def time_us(calls, device: torch.device, repeats: int) -> float:
-    """Median microseconds of one of ``calls`` (a list of closures, each on its own weight copy)."""
-    for call in calls:  # warm-up: compiles, allocates the split-K counters
-        call()
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for call in calls:
-                call()
-            times.append((time.perf_counter() - start) / len(calls) * 1e6)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 def _paths(device: torch.device, out_features: int, in_features: int) -> list[str]:

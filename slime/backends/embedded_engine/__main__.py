@@ -94,8 +94,8 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
                                    attention_backend=args.attention_backend, mla_decode=args.mla_decode,
                                    kv_cache_dtype=args.kv_cache_dtype)  # SGLang: the draft caches like the target
         draft = DraftModel(draft_runner, runner, prefill_tokens)
-    graphs = getattr(runner, "graphs", None)  # adaptive slots pick by the decode graphs' batch sizes, as SGLang's
-    return SpeculativeDecoder(config, draft, batch_buckets=graphs.batch_buckets if graphs is not None else None)
+    # adaptive slots pick by the decode graphs' batch sizes (none without graphs), as SGLang's by its own
+    return SpeculativeDecoder(config, draft, batch_buckets=runner.graphs.batch_buckets)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -444,7 +444,7 @@ class SpeculativeDecoder:
                 seq.spec = SpecState()
         capacity = engine.runner.kv_cache.shape.slot_capacity
         most = self.max_drafts(len(running))
-        ks = [min(most, self._budget(seq, capacity)) if self._drafting(seq) else 0 for seq in running]
+        ks = [self._budget(seq, capacity, most) if self._drafting(seq) else 0 for seq in running]
         # a draft model samples its drafts with them; NGRAM's are built after the verify step is launched
         settings = [self._run_settings(engine, seq, k) for seq, k in zip(running, ks)] if self.draft is not None else None
         draft_probs = None
@@ -471,10 +471,11 @@ class SpeculativeDecoder:
             return None
         return self._verify(engine, running, drafts, draft_probs, settings)
 
-    def _budget(self, seq: "Sequence", slot_capacity: int) -> int:
-        """Drafts this row may verify: the step emits up to k + 1 tokens, within max_new_tokens and the slot."""
+    @staticmethod
+    def _budget(seq: "Sequence", slot_capacity: int, most: int) -> int:
+        """Drafts this row may verify (at most ``most``): the step emits up to k + 1 tokens, within
+        max_new_tokens and the slot."""
         room = min(seq.max_new_tokens - len(seq.output_ids), slot_capacity - seq.num_computed)
-        most = self.config.max_drafts if self.adaptive is None else self.adaptive.max_steps
         return max(0, min(most, room - 1))
 
     @staticmethod

@@ -117,7 +117,8 @@ def write_config(tmp_path, config: dict) -> str:
 
 
 def generate(model_dir, params, algorithm=None, num_draft_tokens=4, adaptive=None, draft_dir=None, prompts=PROMPTS):
-    """Outputs, the engine's counters and each verify step's (rows, drafts proposed)."""
+    """Outputs, the engine's counters (with ``adaptive``: the slots' state at the end, as /get_server_info
+    shows it) and each verify step's (rows, drafts proposed)."""
     runner = ModelRunner(model_dir, device="cpu", num_slots=8)
     speculative = None
     if algorithm is not None:
@@ -138,14 +139,12 @@ def generate(model_dir, params, algorithm=None, num_draft_tokens=4, adaptive=Non
     engine.start()
     try:
         seqs = generate_in_engine(engine, prompts, params)
+        stats = dict(vars(engine.scheduler.stats))
         if speculative is not None and speculative.adaptive is not None:
-            adaptive_state.append(speculative.adaptive.state())
-        return [s.output_ids for s in seqs], dict(vars(engine.scheduler.stats)), steps
+            stats["adaptive"] = speculative.adaptive.state()
+        return [s.output_ids for s in seqs], stats, steps
     finally:
         engine.stop()
-
-
-adaptive_state = []  # generate(): the adaptive slots' state at the end of each adaptive run
 
 
 def greedy(max_new_tokens):
@@ -193,7 +192,7 @@ def test_accepted_drafts_raise_the_count(tiny_model_dir, tmp_path):
     assert [d for _, d in steps][:3] == [1, 3, 3]
     assert stats["spec_accepted_drafts"] == stats["spec_proposed_drafts"]
     assert stats["spec_verify_forwards"] < fixed_stats["spec_verify_forwards"]
-    state = adaptive_state[-1]["1"]  # what /get_server_info shows
+    state = stats["adaptive"]["1"]  # what /get_server_info shows
     assert state["steps"] == 3 and state["changes"] == 1 and state["batches"] == stats["spec_verify_forwards"]
 
 
