@@ -100,7 +100,7 @@ def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.
     def calls(launch):  # one per cache copy
         return [lambda i=i: run(launch, i) for i in range(copies)]
 
-    planned = triton_attention.plan_launch(batch, kv_heads, kv_length, dim)
+    planned = triton_attention.plan_launch(batch, kv_heads, kv_length, dim, element)
     us = time_us(calls(planned), device, repeats)
     kv_bytes = 2 * batch * need * kv_heads * dim * element
     result = {"us": us, "kv_bytes": kv_bytes, "tb_s": kv_bytes / us / 1e6,

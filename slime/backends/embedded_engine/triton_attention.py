@@ -185,7 +185,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-TARGET_PROGRAMS = 2048  # enough programs to fill an H100/H200 several times over
+# Splits until there are this many (row, KV head, split) programs: ~8 per SM of an H100/H200. Was 2048 until
+# session 23's sweep (bench/results/decode_attention-nvidia-h200-20261204-sweep-*-s23.json): at 128 rows x 8 KV
+# heads one split beat two at every launch shape (4B at 143: 27.3 vs 32.5 us, at 511: 70.5 vs 79.5 us).
+TARGET_PROGRAMS = 1024
 # The last split program of a (row, kv_head) merging the splits itself, instead of a second kernel.
 # Measured on the H200 (Qwen3-0.6B decode step, bench/results/decode_step-nvidia-h200-20261202-*): B=16 at
 # 383 1.439 ms with it vs 1.440 without (the launch saved = the merge's own time), B=128 at 511 3.398 vs
@@ -196,10 +199,11 @@ _tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (
 
 
 def block_n(dim: int) -> int:
-    """Positions per inner step: 128 for heads up to 128 wide (H200, Qwen3-0.6B, B=128 rows at 512:
-    3.65 vs 3.71 ms a decode step with 64; equal at B=16), 64 for wider heads (two 128 x 256 bf16
-    key/value tiles, double-buffered, would not fit in shared memory)."""
-    return 128 if dim <= 128 else 64
+    """Positions per inner step: 64. On the H200 (bench/decode_attention.py --sweep, 128 rows of Qwen3-4B / 0.6B,
+    8 KV heads of 128) 64 beat 128 at every split count and KV dtype: one split at 143 positions 27.3 vs 32.1 us,
+    at 511 70.5 vs 72.5; 32 was within 3-10% at 143 and 20% slower at 511. Heads wider than 128 need it too (two
+    128 x 256 bf16 key/value tiles, double-buffered, would not fit in shared memory)."""
+    return 64
 
 
 def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> tuple[int, int]:
@@ -226,10 +230,13 @@ class Launch(NamedTuple):
     num_stages: int = 2
 
 
-def plan_launch(batch: int, kv_heads: int, kv_length: int, dim: int) -> Launch:
-    """The launch :func:`decode_attention` makes by default."""
+def plan_launch(batch: int, kv_heads: int, kv_length: int, dim: int, kv_element_bytes: int = 2) -> Launch:
+    """The launch :func:`decode_attention` makes by default. An FP8 cache (``kv_element_bytes`` 1) gets three
+    pipeline stages: its one-split launches at 128 rows took 26.0 / 60.5 us at 143 / 511 positions with three vs
+    28.6 / 68.3 with two on the H200; a bf16 cache 27.3 / 72.2 with two vs 28.5 / 70.5 with three (a wash)."""
     block = block_n(dim)
-    return Launch(block, plan_splits(batch, kv_heads, kv_length, block)[0])
+    return Launch(block, plan_splits(batch, kv_heads, kv_length, block)[0], num_warps=4,
+                  num_stages=3 if kv_element_bytes == 1 else 2)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -260,7 +267,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         raise ValueError(f"decode_attention: the query's last dim must be contiguous, got strides {query.stride()}")
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    launch = launch or plan_launch(batch, kv_heads, kv_length, dim)
+    launch = launch or plan_launch(batch, kv_heads, kv_length, dim, keys.element_size())
     block = launch.block_n
     splits, split_len = split_length(kv_length, block, launch.splits)
     parts = torch.empty((batch * tokens, heads, splits, dim), dtype=torch.float32, device=query.device)
