@@ -51,6 +51,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_attention_interpreted_matches_reference \
     tests/backends/embedded_engine/test_attention.py::test_triton_decode_attention_interpreted_every_launch_matches_reference \
     tests/backends/embedded_engine/test_attention.py::test_triton_verify_attention_interpreted_matches_reference \
+    tests/backends/embedded_engine/test_attention.py::test_plan_launch_picks_the_h200_sweeps_best_launches \
     tests/backends/embedded_engine/test_verify_step.py::test_verify_step_on_the_cuda_path_interpreted_equals_the_generic_forward \
     tests/backends/embedded_engine/test_kv_cache_fp8.py::test_triton_decode_kv_write_interpreted_saturates_and_scales \
     tests/backends/embedded_engine/test_kv_cache_fp8.py::test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_reference \

@@ -185,10 +185,14 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-# Splits until there are this many (row, KV head, split) programs: ~8 per SM of an H100/H200. Was 2048 until
-# session 23's sweep (bench/results/decode_attention-nvidia-h200-20261204-sweep-*-s23.json): at 128 rows x 8 KV
-# heads one split beat two at every launch shape (4B at 143: 27.3 vs 32.5 us, at 511: 70.5 vs 79.5 us).
-TARGET_PROGRAMS = 1024
+# Splits until there are this many (row, KV head, split) programs. Was 2048 (~16 per SM of an H100/H200) until
+# session 23's sweeps of Qwen3-4B's shapes on the H200 (8 KV heads of 128; bench/results/
+# decode_attention-nvidia-h200-20261204-sweep-*-s23.json): fewer, longer splits won at every batch measured.
+# 128 rows (1024 programs at one split): one split 27.3 / 70.5 us at 143 / 511 positions vs 32.5 / 79.5 with two;
+# 64 rows: one split 38.5 / 130.8 us at 511 / 2047 vs 43.7 / 141.0 with two; 16 rows (128 programs): two splits
+# 14.5 / 41.0 (bf16) and 13.5 / 37.4 (FP8 cache) vs eight 15.5 / 44.6 and 14.8 / 37.6, where one split of an FP8
+# cache falls behind at 2047 (49.8: too few programs to hide the dequantization).
+TARGET_PROGRAMS = 256
 # The last split program of a (row, kv_head) merging the splits itself, instead of a second kernel.
 # Measured on the H200 (Qwen3-0.6B decode step, bench/results/decode_step-nvidia-h200-20261202-*): B=16 at
 # 383 1.439 ms with it vs 1.440 without (the launch saved = the merge's own time), B=128 at 511 3.398 vs
@@ -231,12 +235,15 @@ class Launch(NamedTuple):
 
 
 def plan_launch(batch: int, kv_heads: int, kv_length: int, dim: int, kv_element_bytes: int = 2) -> Launch:
-    """The launch :func:`decode_attention` makes by default. An FP8 cache (``kv_element_bytes`` 1) gets three
-    pipeline stages: its one-split launches at 128 rows took 26.0 / 60.5 us at 143 / 511 positions with three vs
-    28.6 / 68.3 with two on the H200; a bf16 cache 27.3 / 72.2 with two vs 28.5 / 70.5 with three (a wash)."""
+    """The launch :func:`decode_attention` makes by default. Three pipeline stages for an FP8 cache
+    (``kv_element_bytes`` 1) and for launches of fewer than 512 programs, two otherwise. H200, 4 warps, 64
+    positions a step: FP8 at 128 rows, one split, 26.0 / 60.5 us at 143 / 511 positions with three vs 28.6 / 68.3
+    with two; bf16 at 16 rows, two splits, 14.5 / 41.0 us at 511 / 2047 with three vs 16.1 / 44.4; bf16 at 64 rows,
+    one split (512 programs), 38.5 / 130.8 with two vs 42.9 / 146.6 (at 128 rows a wash: 27.3 / 72.2 vs 28.5 / 70.5)."""
     block = block_n(dim)
-    return Launch(block, plan_splits(batch, kv_heads, kv_length, block)[0], num_warps=4,
-                  num_stages=3 if kv_element_bytes == 1 else 2)
+    splits = plan_splits(batch, kv_heads, kv_length, block)[0]
+    deep = kv_element_bytes == 1 or batch * kv_heads * splits < 512
+    return Launch(block, splits, num_warps=4, num_stages=3 if deep else 2)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
