@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--positions", default="143,511,2047", help="comma-separated: every row's position")
     parser.add_argument("--kv-dtypes", default="bf16", help=f"comma-separated: {', '.join(KV_DTYPES)}")
     parser.add_argument("--sweep", action="store_true", help="time every launch (triton_attention.Launch) too")
+    parser.add_argument("--fp8-dots", choices=("fp16", "bf16"), default="fp16",
+                        help="the dots' dtype over an FP8 cache under a bf16 query (triton_attention.FP8_DOTS_IN_FP16; "
+                             "bf16 for the A/B)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", nargs="?", const=str(ROOT / "bench" / "results"), default=None,
@@ -142,8 +145,11 @@ def main() -> None:
     for kv_dtype in args.kv_dtypes.split(","):
         if kv_dtype not in KV_DTYPES:
             parser.error(f"--kv-dtypes: unknown {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
+    from slime.backends.embedded_engine import triton_attention
+
+    triton_attention.FP8_DOTS_IN_FP16 = args.fp8_dots == "fp16"
     config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,
-              "sweep": args.sweep, "repeats": args.repeats, "device": str(device)}
+              "fp8_dots": args.fp8_dots, "sweep": args.sweep, "repeats": args.repeats, "device": str(device)}
     metrics = {}
     for model in models:
         arch = TINY if model == "tiny" else ARCHITECTURES[model]

@@ -55,6 +55,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_verify_step.py::test_verify_step_on_the_cuda_path_interpreted_equals_the_generic_forward \
     tests/backends/embedded_engine/test_kv_cache_fp8.py::test_triton_decode_kv_write_interpreted_saturates_and_scales \
     tests/backends/embedded_engine/test_kv_cache_fp8.py::test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_reference \
+    tests/backends/embedded_engine/test_kv_cache_fp8.py::test_triton_decode_attention_interpreted_over_fp8_with_a_bf16_query_dots_in_fp16 \
     tests/backends/embedded_engine/test_fused_ops.py::test_packed_silu_gate_interpreted_equals_torch \
     tests/backends/embedded_engine/test_fused_ops.py::test_add_rms_norm_interpreted_matches_hf \
     tests/backends/embedded_engine/test_fused_ops.py::test_decoder_layer_with_fused_add_norm_interpreted_keeps_the_logits \

@@ -29,9 +29,11 @@ write ``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the 
 sync and is capturable.
 
 An FP8 cache (``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2``) is read as it is stored, one byte per value:
-each block is converted to the query's dtype as it is loaded (exact: every e4m3/e5m2 value is a bf16
-value), the layer's ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output,
-which equals attention over the dequantized cache ``stored · scale``.
+each block is converted as it is loaded (exact: every e4m3/e5m2 value is an fp16 and a bf16 value) to fp16
+under a 16-bit query (:data:`FP8_DOTS_IN_FP16`: the query, pre-multiplied by the softmax scale, and the
+probabilities go to fp16 for the two dots; fp32 accumulation as always), to the query's dtype otherwise; the
+layer's ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output, which equals
+attention over the dequantized cache ``stored · scale``.
 
 fp32 caches multiply in full fp32 (``input_precision="ieee"``, not TF32), so an fp32 engine matches
 an fp32 reference to rounding. Layout: ``query [B, H, D]``, cache ``[slots, Hkv, capacity, D]`` (row b is slot b), ``D`` a power of
@@ -66,7 +68,8 @@ if triton is not None:
                       stride_vn, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_ft,
                       stride_fh, scale, v_scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr, TOKENS: tl.constexpr):
+                      SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr, TOKENS: tl.constexpr,
+                      DOT_F16: tl.constexpr):
         # GROUP_PAD covers the program's TOKENS * GROUP query rows, token-major: query row r is token
         # r // GROUP of the row (its position length - TOKENS + r // GROUP) and head kv_head * GROUP + r % GROUP.
         # TOKENS == 1 (a decode step) compiles to the one-token kernel: every TOKENS branch below is static.
@@ -97,6 +100,11 @@ if triton is not None:
             in_group = offs_g < GROUP * TOKENS
             limit = length - (TOKENS - 1) + token  # query t sees positions < length - (TOKENS - 1 - t)
         q = tl.load(q_base + heads[:, None] * stride_qh + offs_d[None, :], mask=in_group[:, None], other=0.0)
+        if DOT_F16:  # an FP8 cache: the dots in fp16 (see FP8_DOTS_IN_FP16), the softmax scale folded into q
+            q = (q.to(tl.float32) * scale).to(tl.float16)
+            qk_scale = 1.0
+        else:
+            qk_scale = scale
         k_base = k_ptr + row * stride_kb + kv_head * stride_kh
         v_base = v_ptr + row * stride_vb + kv_head * stride_vh
 
@@ -110,7 +118,7 @@ if triton is not None:
             if EARLY_V:  # both loads in flight before the first dot: one memory round trip a block, not two
                 v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None],
                             other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if TOKENS == 1:
                 scores = tl.where(valid[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -198,6 +206,14 @@ TARGET_PROGRAMS = 256
 # 383 1.439 ms with it vs 1.440 without (the launch saved = the merge's own time), B=128 at 511 3.398 vs
 # 3.225 ms (slower: the merging programs run after the others as a serial tail). Off; kept for the A/B.
 MERGE_IN_SPLIT_KERNEL = False
+# An FP8 cache's blocks convert to fp16 for the dots, the query too (scaled by the softmax scale first, so a
+# query element only overflows fp16's 65504 past ~7e5 at 128-wide heads), and the probabilities: sm_90 turns two
+# e4m3/e5m2 values into fp16 with one instruction (cvt.rn.f16x2.e4m3x2) and needs a second per value for bf16
+# (cvt.bf16.f16: 128 more a thread per 64-position block of a 128-wide head, 3714 -> 3010 PTX lines). fp16's
+# 10-bit mantissa also holds every FP8 value and rounds the query and probabilities less than bf16's 7. Measured
+# before it (session 23, 4B at 128 rows): an FP8 cache read at 1.5-2.4 TB/s where bf16 reads at 2.8-4.3. False
+# gives the bf16 dots (the A/B).
+FP8_DOTS_IN_FP16 = True
 EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
 _tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (row, kv_head)
 
@@ -281,6 +297,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     lse = torch.empty((batch * tokens, heads, splits), dtype=torch.float32, device=query.device)
     merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
     counters = _tickets.get(query.device, batch * kv_heads) if merge_here else lse
+    dot_f16 = FP8_DOTS_IN_FP16 and keys.element_size() == 1 and query.dtype in (torch.bfloat16, torch.float16)
     _split_kernel[(batch, kv_heads, splits)](
         query, keys, values, lengths, parts, lse, out, counters,
         q_strides[0], stride_qt, q_strides[1], keys.stride(0), keys.stride(1), keys.stride(2),
@@ -289,7 +306,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         scale * k_scale, v_scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group * tokens)), HEAD_DIM=dim,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
-        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, num_warps=launch.num_warps,
+        MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, DOT_F16=dot_f16, num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     if splits > 1 and not merge_here:
         flat = out.view(batch * tokens, heads, dim)  # the (row, token) pairs in order: parts' first dim

@@ -43,7 +43,8 @@ for cache, saturate in (("bf16", False), ("fp8e4nv", True), ("fp8e5", True)):
                      lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32", v_scale="fp32")
         compile_one(triton_attention._split_kernel, types,
                     dict(SPLIT_LEN=128, BLOCK_N=triton_attention.block_n(128), GROUP=2, GROUP_PAD=pad, HEAD_DIM=128,
-                         PRECISION="tf32", SPLITS=splits, MERGE_HERE=merge, EARLY_V=True, TOKENS=tokens),
+                         PRECISION="tf32", SPLITS=splits, MERGE_HERE=merge, EARLY_V=True, TOKENS=tokens,
+                         DOT_F16=cache != "bf16"),
                     num_stages=2 if cache == "bf16" and splits == 1 else 3)  # plan_launch's two depths
         done.append(f"split/{cache}/tokens={tokens}/splits={splits}/merge={merge}")
 for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):

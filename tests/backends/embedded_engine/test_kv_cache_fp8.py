@@ -390,9 +390,48 @@ def test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_ref
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_decode_attention_interpreted_over_fp8_with_a_bf16_query_dots_in_fp16(dtype):
+    """A bf16 query over an FP8 cache: the kernel's dots run in fp16 (``FP8_DOTS_IN_FP16``; the query is scaled
+    by the softmax scale before it is rounded to fp16). Every output within ~one bf16 rounding of the fp32
+    reference over the dequantized cache (outputs ~0.6), and a query past fp16's range (2e5, a bf16 value) still gives finite,
+    correct outputs. (The bf16-dot path is checked on the GPU only: the interpreter's e4m3 -> bf16 conversion
+    is wrong.)"""
+    from slime.backends.embedded_engine import triton_attention
+    from test_attention import reference
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, dim, length = 3, 8, 2, 64, 200
+    keys = kv.quantize(torch.randn(batch, kv_heads, length, dim, generator=gen), dtype, SCALE)
+    values = kv.quantize(torch.randn(batch, kv_heads, length, dim, generator=gen), dtype, 2 * SCALE)
+    positions = torch.tensor([0, 64, length - 1])
+    query = (torch.randn(batch, heads, dim, generator=gen) * 4).to(torch.bfloat16)
+
+    def attend(q, scale):
+        return triton_attention.decode_attention(q, keys, values, positions + 1, length, scale, SCALE, 2 * SCALE)
+
+    def expected(q, scale):
+        return reference(q.float()[:, :, None], keys.float() * SCALE, values.float() * (2 * SCALE),
+                         positions.tolist(), scale)[:, 0]
+
+    out, want = attend(query, 0.125), expected(query, 0.125)
+    assert out.dtype == torch.bfloat16
+    err = (out.float() - want).abs()  # the output's bf16 rounding (2^-9 relative) + the fp16 dots' (<= 4.8e-3 seen)
+    assert (err <= want.abs() * 2 ** -8 + 6e-3).all() and err.mean() < 1.5e-3
+
+    huge = query.clone()
+    huge[:, :, :4] = 2e5  # x 0.01 = 2e3 in fp16; unscaled it would overflow to inf and the softmax to NaN
+    out = attend(huge, 0.01)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expected(huge, 0.01), atol=3e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,heads,kv_heads", [(1, 16, 8), (128, 16, 8), (33, 4, 4)])
-def test_triton_decode_attention_over_fp8_matches_reference_on_cuda(batch, heads, kv_heads):
+def test_triton_decode_attention_over_fp8_matches_reference_on_cuda(batch, heads, kv_heads, monkeypatch):
+    """Compiled, a bf16 query over an FP8 cache, with the dots in fp16 (the default) and in bf16: both match the
+    fp32 reference, and the fp16 dots are no less accurate on average."""
     from slime.backends.embedded_engine import triton_attention
     from test_attention import reference
 
@@ -405,11 +444,16 @@ def test_triton_decode_attention_over_fp8_matches_reference_on_cuda(batch, heads
     length = int(positions.max()) + 1
     keys, values = cache.keys[0][:batch, :, :length], cache.values[0][:batch, :, :length]
     query = torch.randn(batch, heads, 1, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-    out = triton_attention.decode_attention(query.reshape(batch, heads, 128), keys, values, positions + 1, length,
-                                            0.088, SCALE, 2 * SCALE)
     expected = reference(query.float(), keys.float() * SCALE, values.float() * (2 * SCALE), positions.tolist(),
                          0.088)[:, 0]
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    errors = {}
+    for fp16_dots in (True, False):
+        monkeypatch.setattr(triton_attention, "FP8_DOTS_IN_FP16", fp16_dots)
+        out = triton_attention.decode_attention(query.reshape(batch, heads, 128), keys, values, positions + 1,
+                                                length, 0.088, SCALE, 2 * SCALE)
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+        errors[fp16_dots] = float((out.float() - expected).abs().mean())
+    assert errors[True] <= errors[False] * 1.05
 
 
 @pytest.mark.gpu
