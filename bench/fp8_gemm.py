@@ -49,6 +49,15 @@ time); per ``<model>/layer``, both summed over a layer. Per ``<model>/layer/M<ro
 ``"<block_m>x<block_n> split<k> w<warps> s<stages>"``: the table a tile rule is fitted to) over every launch the plan chooses from
 (``fp8_triton.candidate_tiles`` / ``tma_candidates`` / ``weight_only_candidates``): whether the plan
 picks as the GPU ranks them.
+
+``--rowwise`` (CUDA, sm_90) adds a probe column that is not an engine path: the GEMM SGLang runs for an online
+``--quantization fp8`` of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of the weight, here one
+per token of the activations; ``torch._scaled_mm`` with row-wise scales, CUTLASS), whose scales apply once in
+the epilogue instead of at every 128-wide K group. ``rowwise_gemm_us`` times the GEMM alone on activations
+quantized beforehand (an engine would quantize them in the producing norm / SiLU kernel, as it does today),
+``rowwise_speedup`` is bf16 over it; ``rowwise_quant_err`` / ``block_quant_err`` are each scheme's mean |error|
+against the fp32 product of the unquantized bf16 operands, over the mean |output| (what the coarser scales cost
+in accuracy; random weights have no outlier channels, real ones do).
 """
 
 from __future__ import annotations
@@ -151,6 +160,32 @@ def _tiles_label(tiles) -> str:
     return f"{fields[0]}x{fields[1]} split{fields[2]} w{fields[3]} s{fields[4]}"
 
 
+def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One e4m3 scale per row: ``(values [R, C] e4m3, scales [R, 1] fp32)`` with ``scale = amax / 448``."""
+    amax = matrix.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    scales = amax / torch.finfo(torch.float8_e4m3fn).max
+    return (matrix.float() / scales).to(torch.float8_e4m3fn), scales
+
+
+def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                  device: torch.device, repeats: int, copies: int) -> dict:
+    """The ``--rowwise`` columns (see the module doc)."""
+    x8, x_scales = quantize_rows(x)
+    w8, w_scales = quantize_rows(weight)
+    weights = [(w8, w_scales)] + [(w8.clone(), w_scales.clone()) for _ in range(copies - 1)]
+
+    def gemm(w8, w_scales):  # b = the weight transposed (column-major), its scales [1, N]
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scales, scale_b=w_scales.t(), out_dtype=torch.bfloat16)
+
+    us = time_us([lambda w=w, s=s: gemm(w, s) for w, s in weights], device, repeats)
+    exact = x.float() @ weight.float().t()
+    scale = exact.abs().mean()
+    rowwise = gemm(w8, w_scales).float()
+    block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
+    return {"rowwise_gemm_us": us, "rowwise_quant_err": float((rowwise - exact).abs().mean() / scale),
+            "block_quant_err": float((block - exact).abs().mean() / scale)}
+
+
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
     from slime.backends.embedded_engine import fp8_triton
 
@@ -184,6 +219,9 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             out = _fp8_call(path, x, values, scales).float()
             reference = references[path != "weight_only"]  # W8A8 paths: against the quantized activations
             result[f"{path}_max_rel_err"] = float((out - reference).abs().max() / reference.abs().max())
+        if args.rowwise:
+            result.update(rowwise_probe(x, weight, values, scales, device, args.repeats, copies))
+            result["rowwise_speedup"] = result["bf16_us"] / result["rowwise_gemm_us"]
         tma = fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
         result["two_kernel_tma"] = tma
         if tma:  # the same GEMM with pointer loads and the cost model's tiles (before session 20)
@@ -250,6 +288,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
                              "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
+    parser.add_argument("--rowwise", action="store_true",
+                        help="also time the per-channel x per-token FP8 GEMM (torch._scaled_mm row-wise; CUDA sm_90): "
+                             "a probe, not an engine path")
     parser.add_argument("--out", nargs="?", const="bench/results", default=None,
                         help="write the results file (a directory, or a .json path)")
     args = parser.parse_args(argv)
@@ -257,6 +298,8 @@ def main(argv=None) -> dict:
     if any(path not in ("fused", "two_kernel", "weight_only") for path in args.sweep):
         parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, two_kernel, weight_only")
     device = torch.device(args.device)
+    if args.rowwise and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
+        parser.error("--rowwise: torch._scaled_mm's row-wise FP8 GEMM runs on sm_90 (H100/H200) only")
     from slime.backends.embedded_engine import fp8_triton
 
     if not fp8_triton.available(device):
@@ -279,7 +322,8 @@ def main(argv=None) -> dict:
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
-                for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto"):
+                for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto",
+                               "rowwise_gemm"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
         for key in ("quantize_weight_torch_us", "quantize_weight_triton_us"):  # one layer's update
@@ -292,7 +336,7 @@ def main(argv=None) -> dict:
                     metrics[f"{model}/layer/M{rows}/{column}_us"] = sum(times)
                     metrics[f"{model}/layer/M{rows}/{column}_speedup"] = bf16_us / sum(times)
     config = {"models": args.models, "rows": rows_list, "device": args.device, "repeats": args.repeats,
-              "sweep": ",".join(args.sweep), "layout": args.layout, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
+              "sweep": ",".join(args.sweep), "layout": args.layout, "rowwise": args.rowwise, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
               "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None}
     return write_result("fp8_gemm", config, metrics, args.out)
 
