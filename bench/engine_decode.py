@@ -7,6 +7,8 @@
         --max-new-tokens 512 --skip-hf --quantization fp8 --out                                  # FP8 rollout
     python bench/engine_decode.py --model qwen3-0.6b --num-requests 128 --prompt-len 256 \
         --max-new-tokens 512 --skip-hf --quantization fp8 --kv-cache-dtype fp8_e4m3 --out        # + FP8 KV cache
+    python bench/engine_decode.py --model-path /tmp/q4 --num-requests 128 --prompt-len 16 \
+        --max-new-tokens 256 --skip-hf --quantization w8a8_fp8 --out                             # per-channel FP8
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
@@ -311,7 +313,8 @@ def weight_update_seconds(model_path: str, device: str, quantization: str | None
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     source = [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
-    weights = fp8.quantize_model(model, "dequant") if quantization else None
+    weights = (fp8.quantize_model(model, "dequant", per_channel=quantization == "w8a8_fp8") if quantization
+               else None)
     params = dict(model.named_parameters(remove_duplicate=False))
     best = float("inf")
     with torch.inference_mode():
@@ -359,8 +362,9 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate in chunks of this many prompts (default: all in one batch)")
     parser.add_argument("--engine-args", default="", help="extra engine flags, e.g. '--chunked-prefill-size 8192'")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="serve with block-wise FP8 linear layers (the engine's --quantization)")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "w8a8_fp8"],
+                        help="serve with FP8 linear layers (the engine's --quantization): fp8 block-wise, w8a8_fp8 "
+                             "per channel")
     parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "weight_only", "triton", "cublas", "dequant"],
                         help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, two-kernel triton up to 256, cublas above)")
     parser.add_argument("--kv-cache-dtype", default="auto",

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None,
                    help="fp8: serve the decoder's linear layers (attention, MLP, experts) as block-wise FP8 e4m3 "
                         "with one fp32 scale per 128x128 block, quantized at load and at every weight update; "
-                        "embeddings, lm_head, norms and the KV cache stay in --dtype (SGLang's flag; fp8 is the "
-                        "only value the embedded engine implements)")
+                        "w8a8_fp8: one scale per output channel and the activations per token (SGLang's W8A8 FP8, "
+                        "its online form on Hopper; dense models); embeddings, lm_head, norms and the KV cache stay "
+                        "in --dtype (SGLang's flag; these two are the values the embedded engine implements)")
     p.add_argument("--fp8-gemm-backend", default="auto",
                    help="with --quantization fp8: weight_only (CUDA) keeps the activations in --dtype and "
                         "dequantizes the e4m3 weight tiles in registers inside a Triton GEMM (W8A16: the numbers of "
@@ -185,10 +186,14 @@ def validate_args(args: ServerArgs) -> None:
                          "(or bind 127.0.0.1)")
     if args.attention_backend == "triton" and args.device != "cuda":
         raise SystemExit("--attention-backend triton runs on --device cuda only; use torch_native on CPU")
-    if args.quantization is not None and args.quantization != "fp8":
+    if args.quantization is not None and args.quantization not in ("fp8", "w8a8_fp8"):
         raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
-                         "implements fp8 (block-wise, quantized online); use --rollout-backend sglang for SGLang's "
-                         "other methods")
+                         "implements fp8 (block-wise) and w8a8_fp8 (per channel), quantized online; use "
+                         "--rollout-backend sglang for SGLang's other methods")
+    if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} is a block-wise (--quantization fp8) kernel; "
+                         "with --quantization w8a8_fp8 choose auto (torch._scaled_mm's row-wise GEMM on sm_90) or "
+                         "dequant")
     if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "dequant"):
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas or "
                          "dequant")

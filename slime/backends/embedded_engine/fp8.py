@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in fp8_channel.py
 GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
@@ -435,6 +435,11 @@ class Fp8Weights:
 
     @staticmethod
     def _storage(module, kind: str | tuple[str, int, int], expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from slime.backends.embedded_engine.fp8_channel import ChannelFp8Linear
+
+        if isinstance(module, ChannelFp8Linear):  # per channel: any rows are their own scales' rows
+            start, end = (kind[1], kind[2]) if isinstance(kind, tuple) else (0, module.out_features)
+            return module.weight_fp8[start:end], module.weight_scale[start:end]
         if kind == "weight":
             return module.weight_fp8, module.weight_scale_inv
         if isinstance(kind, tuple):  # rows [start, end) of a fused projection: whole blocks, views of its storage
@@ -456,14 +461,21 @@ class Fp8Weights:
         expected = self.shape(name)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(tensor.shape)}")
+        from slime.backends.embedded_engine import fp8_channel
+
+        quantize = fp8_channel.quantize_rows_into if isinstance(module, fp8_channel.ChannelFp8Linear) else \
+            quantize_weight_into
         for kind, rows in parts:
             values, scales = self._storage(module, kind, expert)
             part = tensor if rows is None else tensor[:, rows]
-            quantize_weight_into(part.to(device=values.device), values, scales)
+            quantize(part.to(device=values.device), values, scales)
 
     def dequantized(self, name: str) -> torch.Tensor:
+        from slime.backends.embedded_engine import fp8_channel
+
         module, parts, expert = self._target(name)
-        matrices = [dequantize_weight(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
+        dequantize = fp8_channel.dequantize if isinstance(module, fp8_channel.ChannelFp8Linear) else dequantize_weight
+        matrices = [dequantize(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
         return matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
 
 
@@ -499,7 +511,11 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     seen: set[tuple] = set()
     shapes = {}  # one matrix per (shape, dtype, backend, device): the launches depend on nothing else
     matrices = [(module.weight_fp8, module.weight_scale_inv, module.dtype, module.backend)
-                for module in weights.linears.values()]
+                for module in weights.linears.values() if isinstance(module, Fp8Linear)]
+    for module in weights.linears.values():  # per channel: the token quantizer (one compile for every count)
+        if not isinstance(module, Fp8Linear) and module.backend != "dequant" and not seen:
+            module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
+            seen.add(("w8a8_fp8",))
     matrices += [(*module.matrix(kind, 0), module.dtype, module.backend)  # every expert's matrices share a shape
                  for module in weights.experts.values() for kind in ("gate", "up", "down")]
     for values, scales, dtype, backend in matrices:
@@ -534,9 +550,13 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = ()) -> Fp8Weights:
-    """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place.
-    ``keep``: module-name suffixes left in the model dtype (besides routers, embeddings and the head)."""
+def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = (), per_channel: bool = False) -> Fp8Weights:
+    """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place: 128 x 128
+    blocks (``--quantization fp8``), or one scale per output channel (``per_channel``: ``--quantization
+    w8a8_fp8``, ``fp8_channel.py``; ``backend`` is then one of its backends). ``keep``: module-name suffixes
+    left in the model dtype (besides routers, embeddings and the head)."""
+    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Linear
+
     linears, experts = {}, {}
     for name, module in list(model.named_modules()):
         if ".layers." not in f".{name}." or (keep and name.endswith(keep)):
@@ -545,15 +565,19 @@ def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = ()) -
         if isinstance(module, nn.Linear):
             if leaf == "gate":  # the MoE router: its logits pick the experts, kept exact
                 continue
-            replacement = linears[name] = Fp8Linear(module, backend)
+            replacement = linears[name] = (ChannelFp8Linear if per_channel else Fp8Linear)(module, backend)
         elif _is_fused_experts(module):
+            if per_channel:
+                raise ValueError(f"--quantization w8a8_fp8: the routed experts of {name} are not implemented per "
+                                 "channel in the embedded engine; use --quantization fp8 (block-wise) for this model")
             replacement = experts[name] = Fp8Experts(module, backend)
         else:
             continue
         setattr(model.get_submodule(parent_name), leaf, replacement)
+    method = "w8a8_fp8" if per_channel else "fp8"
     if not linears:
-        raise ValueError(f"--quantization fp8: {type(model).__name__} has no nn.Linear inside its decoder layers "
-                         "to quantize")
-    logger.info("fp8: %d linear layers and %d expert groups quantized (128x128 blocks, %s GEMM)",
-                len(linears), len(experts), backend)
+        raise ValueError(f"--quantization {method}: {type(model).__name__} has no nn.Linear inside its decoder "
+                         "layers to quantize")
+    logger.info("%s: %d linear layers and %d expert groups quantized (%s, %s GEMM)", method, len(linears),
+                len(experts), "one scale per output channel" if per_channel else "128x128 blocks", backend)
     return Fp8Weights(linears, experts)

@@ -69,7 +69,7 @@ class ModelRunner:
         self.attention_backend = self._resolve_attention_backend(attention_backend)
         # q/k/v and gate/up as one GEMM each (exact: the same dot products); under FP8 only where each part
         # is whole 128-row weight blocks (fp8.quantize_model then quantizes the fused weight)
-        self.fused_projections = fused_projections.install(self.model, row_multiple=128 if quantization else 1)
+        self.fused_projections = fused_projections.install(self.model, row_multiple=128 if quantization == "fp8" else 1)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}
@@ -143,7 +143,8 @@ class ModelRunner:
         return DTYPES[dtype]
 
     def _quantize(self, quantization: str | None, gemm_backend: str):
-        """``--quantization fp8``: the decoder's linear layers become block-wise FP8 (``fp8.py``)."""
+        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise (``fp8.py``) or
+        per channel (``fp8_channel.py``)."""
         if quantization is None:
             return None
         from slime.backends.embedded_engine import fp8
@@ -151,9 +152,16 @@ class ModelRunner:
         if quantization not in fp8.QUANTIZATIONS:
             raise ValueError(f"--quantization {quantization!r} is not supported by the embedded engine; choose "
                              f"{' or '.join(fp8.QUANTIZATIONS)} (or run SGLang for its other methods)")
-        backend = fp8.resolve_backend(gemm_backend, self.device)
+        per_channel = quantization == "w8a8_fp8"
+        if per_channel:
+            from slime.backends.embedded_engine import fp8_channel
+
+            backend = fp8_channel.resolve_backend(gemm_backend, self.device)
+        else:
+            backend = fp8.resolve_backend(gemm_backend, self.device)
         # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype
-        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else ())
+        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
+                                     per_channel=per_channel)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
             fp8.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout

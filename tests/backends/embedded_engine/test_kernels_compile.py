@@ -3,7 +3,7 @@ interpreter runs Python, so a kernel that only the compiler rejects (a value who
 an ``if``, an unsupported cast) passes the interpreter tests and breaks on the H200. Each variant the
 engine launches is compiled here: bf16 and FP8 caches, with and without the fused cache write, split
 and single-split attention with the in-kernel merge, one query token a row (decode) and a verify step's
-T tokens, the small-M GEMM's prologue/epilogue variants, the sampler's kernels."""
+T tokens, the small-M GEMM's prologue/epilogue variants, the sampler's kernels, the per-token FP8 quantizer."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from slime.backends.embedded_engine import fused_ops, sampling_kernel, small_gemm, triton_attention
+from slime.backends.embedded_engine import fp8_channel, fused_ops, sampling_kernel, small_gemm, triton_attention
 
 def compile_one(kernel, types, constexprs, num_warps=4, num_stages=1):
     names = list(kernel.arg_names)
@@ -64,6 +64,11 @@ types = dict(logits_ptr="*fp32", temperature="fp32", max_ptr="*fp32", sum_ptr="*
              index_ptr="*i32", tokens_ptr="*i64", logprobs_ptr="*fp32")
 compile_one(sampling_kernel._combine_kernel, types, dict(SPLITS=64), num_warps=1)
 done.append("sample_combine")
+for dtype in ("bf16", "fp32"):  # --quantization w8a8_fp8's per-token activation quantizer (the GPU's e4m3 cast)
+    compile_one(fp8_channel._quantize_tokens_kernel, dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                          fp8_max="fp32"),
+                dict(BLOCK=fp8_channel.QUANTIZE_BLOCK, EMULATE_E4M3_CAST=False))
+    done.append(f"quantize_tokens/{dtype}")
 print(json.dumps(done))
 """
 
@@ -77,4 +82,4 @@ def test_decode_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * (2 + 6) + 6 + 3, compiled
+    assert len(compiled) == 3 * (2 + 6) + 6 + 3 + 2, compiled
