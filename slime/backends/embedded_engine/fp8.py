@@ -283,23 +283,35 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias
     return out if bias is None else out + bias
 
 
-class Fp8Linear(nn.Module):
-    """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale_inv
-    [ceil(N/128), ceil(K/128)]`` (DeepSeek-V3's name for the per-block scale); bias in the model dtype."""
+class QuantizedLinear(nn.Module):
+    """What an FP8 ``nn.Linear`` keeps of the one it replaces: its sizes, dtype, bias, GEMM backend and, for a
+    fused projection (``fused_projections.FusedLinear``), its parts' rows; e4m3 ``weight_fp8 [N, K]`` and the
+    scales (``scales_name``: per block here, per channel in ``fp8_channel.ChannelFp8Linear``) as buffers."""
 
-    def __init__(self, linear: nn.Linear, backend: str):
+    def __init__(self, linear: nn.Linear, backend: str, values: torch.Tensor, scales: torch.Tensor,
+                 scales_name: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         self.backend = backend
-        values, scales = quantize_weight(linear.weight)
         self.register_buffer("weight_fp8", values)
-        self.register_buffer("weight_scale_inv", scales)
+        self.register_buffer(scales_name, scales)
         self.bias = linear.bias
-        # a fused projection (fused_projections.FusedLinear): its parts' rows, each whole 128-row blocks
         self.parts = dict(getattr(linear, "parts", {}))
         self.sizes = list(getattr(linear, "sizes", []))
 
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A fused projection's output cut into its parts (``FusedLinear.split``)."""
+        return out.split(self.sizes, dim=-1)
+
+
+class Fp8Linear(QuantizedLinear):
+    """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale_inv
+    [ceil(N/128), ceil(K/128)]`` (DeepSeek-V3's name for the per-block scale); bias in the model dtype. A fused
+    projection's parts are whole 128-row blocks each."""
+
+    def __init__(self, linear: nn.Linear, backend: str):
+        super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale_inv")
         #: (input, its e4m3 values and scales) handed over by the kernel that produced the input (offer)
         self._offered: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -320,10 +332,6 @@ class Fp8Linear(nn.Module):
         quantized = offered[1] if offered is not None and offered[0] is x else None
         return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend, quantized=quantized,
                           accumulate_into=accumulate_into)
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A fused projection's output cut into its parts (``FusedLinear.split``)."""
-        return out.split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks, {self.backend}"

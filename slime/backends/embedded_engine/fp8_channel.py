@@ -28,7 +28,7 @@ import logging
 import torch
 from torch import nn
 
-from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, _scales_from_amax
+from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, QuantizedLinear, _scales_from_amax
 
 logger = logging.getLogger(__name__)
 
@@ -180,28 +180,16 @@ def channel_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
     return out if bias is None else out + bias
 
 
-class ChannelFp8Linear(nn.Module):
+class ChannelFp8Linear(QuantizedLinear):
     """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale [N, 1]``; bias in
-    the model dtype. A fused projection (``fused_projections.FusedLinear``) keeps its parts' rows."""
+    the model dtype. A fused projection's parts may have any row counts."""
 
     def __init__(self, linear: nn.Linear, backend: str):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
-        self.backend = backend
-        values, scales = quantize_rows(linear.weight)
-        self.register_buffer("weight_fp8", values)
-        self.register_buffer("weight_scale", scales)
-        self.bias = linear.bias
-        self.parts = dict(getattr(linear, "parts", {}))
-        self.sizes = list(getattr(linear, "sizes", []))
+        super().__init__(linear, backend, *quantize_rows(linear.weight), scales_name="weight_scale")
 
     def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
         out = channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend)
         return out if accumulate_into is None else accumulate_into.add_(out)
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return out.split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 per channel, {self.backend}"

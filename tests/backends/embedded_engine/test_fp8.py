@@ -1471,20 +1471,21 @@ def test_gpu_cublas_gemm_replays_in_a_cuda_graph():
         assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales), output_rounding=2.0**-8)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["weight_only", "triton", "auto", "dequant"])
-def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
+def check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(model_dir, tmp_path, quantization, backend):
+    """A CUDA engine serving ``model_dir`` with ``--quantization`` / ``--fp8-gemm-backend``: greedy log-probs
+    within twice the CPU bound of HF fp32's, before and after an update from disk — which lands in place, so
+    the decode CUDA graphs captured before it serve the new weights."""
     import httpx
-    from engine_test_utils import hf_logprobs, load_hf, perturbed_state_dict
+    from engine_test_utils import copy_with_weights, hf_logprobs, load_hf, perturbed_state_dict
     from slime.backends.embedded_engine.launch import running_engine
 
-    hf = load_hf(tiny_model_dir)
-    state = perturbed_state_dict(tiny_model_dir, seed=3)
-    perturbed = load_hf(tiny_model_dir)
+    hf = load_hf(model_dir)
+    state = perturbed_state_dict(model_dir, seed=3)
+    perturbed = load_hf(model_dir)
     perturbed.load_state_dict(state)
-    with running_engine(tiny_model_dir, extra_args=["--device", "cuda", "--context-length", "256",
-                                                    "--max-running-requests", "8", "--quantization", "fp8",
-                                                    "--fp8-gemm-backend", backend]) as proc, \
+    with running_engine(model_dir, extra_args=["--device", "cuda", "--context-length", "256",
+                                               "--max-running-requests", "8", "--quantization", quantization,
+                                               "--fp8-gemm-backend", backend]) as proc, \
             httpx.Client(base_url=proc.url, timeout=120) as http:
         for model in (hf, perturbed):
             gaps = []
@@ -1492,15 +1493,18 @@ def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny
                 tokens, logprobs = _greedy(http, prompt)
                 gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(model, prompt, tokens, 1.0))]
             mean_gap = sum(gaps) / len(gaps)
-            print(f"{backend}: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
+            print(f"{quantization} {backend}: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
             assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap  # bf16 activations on top of fp8 weights
-            # the update lands in place, so the decode CUDA graphs captured above serve the new weights
-            new_dir = tmp_path / "perturbed"
             if model is hf:
-                from engine_test_utils import copy_with_weights
+                copy_with_weights(model_dir, tmp_path / "perturbed", state)
+                assert http.post("/update_weights_from_disk",
+                                 json={"model_path": str(tmp_path / "perturbed")}).json()["success"]
 
-                copy_with_weights(tiny_model_dir, new_dir, state)
-                assert http.post("/update_weights_from_disk", json={"model_path": str(new_dir)}).json()["success"]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["weight_only", "triton", "auto", "dequant"])
+def test_gpu_fp8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
+    check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, "fp8", backend)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine import fp8_channel
-from test_fp8 import MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy, _greedy
+from test_fp8 import (MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
+                      check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs)
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -173,31 +174,8 @@ def test_gpu_scaled_mm_equals_reference_and_replays_in_a_cuda_graph(rows, out_fe
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "dequant"])
 def test_gpu_w8a8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
-    import httpx
-    from engine_test_utils import copy_with_weights, hf_logprobs, load_hf, perturbed_state_dict
-    from slime.backends.embedded_engine.launch import running_engine
-
     _needs_sm90()
-    hf = load_hf(tiny_model_dir)
-    state = perturbed_state_dict(tiny_model_dir, seed=3)
-    perturbed = load_hf(tiny_model_dir)
-    perturbed.load_state_dict(state)
-    with running_engine(tiny_model_dir, extra_args=["--device", "cuda", "--context-length", "256",
-                                                    "--max-running-requests", "8", "--quantization", "w8a8_fp8",
-                                                    "--fp8-gemm-backend", backend]) as proc, \
-            httpx.Client(base_url=proc.url, timeout=120) as http:
-        for model in (hf, perturbed):
-            gaps = []
-            for prompt in PROMPTS:
-                tokens, logprobs = _greedy(http, prompt)
-                gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(model, prompt, tokens, 1.0))]
-            mean_gap = sum(gaps) / len(gaps)
-            print(f"w8a8_fp8 {backend}: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
-            assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap
-            if model is hf:  # in place: the decode graphs captured above serve the new weights
-                copy_with_weights(tiny_model_dir, tmp_path / "perturbed", state)
-                assert http.post("/update_weights_from_disk",
-                                 json={"model_path": str(tmp_path / "perturbed")}).json()["success"]
+    check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, "w8a8_fp8", backend)
 
 
 def test_calls_the_rowwise_gemm_cannot_take_use_the_dequantized_weight(monkeypatch):
