@@ -53,10 +53,11 @@ def test_engine_decodes_a_whole_rollout_step_at_once_unless_told():
 def test_fp8_flags_reach_the_engine_and_the_exact_weight_check_is_refused():
     import pytest
 
-    argv = embedded_engine_argv(parse_args(BASE + ["--sglang-quantization", "fp8", "--sglang-fp8-gemm-backend",
-                                                   "dequant"]), gpu=True)
-    assert argv[argv.index("--quantization") + 1] == "fp8"
-    assert argv[argv.index("--fp8-gemm-backend") + 1] == "dequant"
+    for quantization in ("fp8", "w8a8_fp8"):
+        argv = embedded_engine_argv(parse_args(BASE + ["--sglang-quantization", quantization,
+                                                       "--sglang-fp8-gemm-backend", "dequant"]), gpu=True)
+        assert argv[argv.index("--quantization") + 1] == quantization
+        assert argv[argv.index("--fp8-gemm-backend") + 1] == "dequant"
     with pytest.raises(ValueError, match="--check-weight-update-equal .* --sglang-quantization fp8"):
         parse_args(BASE + ["--sglang-quantization", "fp8", "--check-weight-update-equal"])
 

@@ -187,16 +187,17 @@ def test_async_keep_old_actor_pi_old_is_the_rollout_policy(tiny_model_dir, tiny_
 
 
 @pytest.mark.slow
-def test_fp8_rollout_mismatch_is_reported_and_tis_corrects_it(tiny_model_dir, tiny_task_data, tmp_path):
-    """--sglang-quantization fp8: the engine samples from FP8 weights (quantized when the first sync
-    lands), so the trainer's recomputed log-probs differ from the engine's by more than the 1e-3 the
-    full-precision runs above stay under, the metric shows it, and TIS reweights the loss. One step:
-    the update path's re-quantization is covered in tests/backends/embedded_engine/test_fp8.py."""
-    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--sglang-quantization", "fp8",
+@pytest.mark.parametrize("quantization", ["fp8", "w8a8_fp8"])
+def test_fp8_rollout_mismatch_is_reported_and_tis_corrects_it(tiny_model_dir, tiny_task_data, tmp_path, quantization):
+    """--sglang-quantization fp8 (block-wise) / w8a8_fp8 (per channel): the engine samples from FP8 weights
+    (quantized when the first sync lands), so the trainer's recomputed log-probs differ from the engine's by
+    more than the 1e-3 the full-precision runs above stay under, the metric shows it, and TIS reweights the
+    loss. One step: the update path's re-quantization is covered in tests/backends/embedded_engine/test_fp8*.py."""
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--sglang-quantization", quantization,
                         "--use-tis", steps=1))
     records = read_metrics(tmp_path / "run")
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
-    print(f"fp8 train/rollout log-prob gap {diffs}, tis {by_kind(records, 'train', 'train/tis')}")
+    print(f"{quantization} train/rollout log-prob gap {diffs}, tis {by_kind(records, 'train', 'train/tis')}")
     assert len(diffs) == 1 and 1e-3 < diffs[0] < 0.1, diffs
     tis = by_kind(records, "train", "train/tis")
     assert len(tis) == 1 and tis[0] != 1.0 and abs(tis[0] - 1) < 0.1, tis
