@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "block-scaled FP8 GEMM (torch._scaled_mm, W8A8), shapes it refuses on the Triton GEMM; "
                         "dequant (the default on CPU) dequantizes the weight to --dtype and runs an ordinary "
                         "matmul; auto (the default) on CUDA: the fused W8A8 Triton kernel up to 16 tokens, the "
-                        "two-kernel one (TMA loads on Hopper) up to 256, cublas above where it runs, else Triton")
+                        "two-kernel one (TMA loads on Hopper) up to 256, cublas above where it runs, else Triton. "
+                        "With --quantization w8a8_fp8: auto (torch._scaled_mm's row-wise FP8 GEMM on sm_90, after a "
+                        "check at start; dequant elsewhere) or dequant")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "
