@@ -299,6 +299,14 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.parts = dict(getattr(linear, "parts", {}))
         self.sizes = list(getattr(linear, "sizes", []))
+        #: (input, its e4m3 values and scales) handed over by the kernel that produced the input (offer)
+        self._offered: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def offer(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The producer of this layer's next input ``x`` (an RMSNorm or SiLU gate of ``fused_ops``) has
+        quantized it already (as :attr:`activation_scaling` says): the next call with this very tensor uses
+        those values instead of quantizing again (any other call drops them)."""
+        self._offered = (x, quantized)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A fused projection's output cut into its parts (``FusedLinear.split``)."""
@@ -310,16 +318,11 @@ class Fp8Linear(QuantizedLinear):
     [ceil(N/128), ceil(K/128)]`` (DeepSeek-V3's name for the per-block scale); bias in the model dtype. A fused
     projection's parts are whole 128-row blocks each."""
 
+    #: how a producer quantizes this layer's input for it (``fused_ops``: per token and 128-channel group)
+    activation_scaling = "group"
+
     def __init__(self, linear: nn.Linear, backend: str):
         super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale_inv")
-        #: (input, its e4m3 values and scales) handed over by the kernel that produced the input (offer)
-        self._offered: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def offer(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The producer of this layer's next input ``x`` (an RMSNorm or SiLU gate of ``fused_ops``) has
-        quantized it already: the next call with this very tensor uses those values instead of quantizing
-        again (any other call drops them)."""
-        self._offered = (x, quantized)
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
         """Whether a GEMM of ``rows`` tokens would use offered e4m3 activations (the two-kernel path,

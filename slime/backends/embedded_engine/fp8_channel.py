@@ -66,12 +66,36 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 if triton is not None:
     from slime.backends.embedded_engine.fp8_triton import _round_to_e4m3_grid
 
+    @triton.jit
+    def _quantize_token(x, peak, fp8_max, EMULATE_E4M3_CAST: tl.constexpr):
+        """fp32 ``x`` (any shape) of one token whose ``|x|`` peaks at ``peak`` -> (e4m3 values, the token's
+        scale): the numbers of :func:`quantize_rows` (``div_rn`` for the scale, an fma-corrected reciprocal
+        product for the values, as ``fp8_triton._quantize_rows``; ``|x| <= peak`` keeps ``|q| <= 448`` up to an
+        ulp, which rounds to 448)."""
+        scale = tl.where(peak > 0, tl.div_rn(peak, fp8_max), 1.0)
+        inverse = tl.div_rn(1.0, scale)
+        q = x * inverse
+        q = tl.fma(tl.fma(-q, scale, x), inverse, q)
+        if EMULATE_E4M3_CAST:
+            q = _round_to_e4m3_grid(q)
+        return q.to(tl.float8e4nv), scale
+
+    @triton.jit
+    def _quantize_store_token(y, row, n_cols, q_ptr, s_ptr, fp8_max, BLOCK: tl.constexpr,
+                              EMULATE_E4M3_CAST: tl.constexpr):
+        """A whole row ``y [BLOCK]`` (fp32; columns past ``n_cols`` zero) -> its e4m3 values at ``q_ptr + row ·
+        n_cols`` and its scale at ``s_ptr + row``: for a producing kernel that holds the row (an RMSNorm) to hand
+        a ``--quantization w8a8_fp8`` GEMM its activations."""
+        q, scale = _quantize_token(y, tl.max(tl.abs(y), axis=0), fp8_max, EMULATE_E4M3_CAST)
+        cols = tl.arange(0, BLOCK)
+        tl.store(q_ptr + row * n_cols + cols, q, mask=cols < n_cols)
+        tl.store(s_ptr + row, scale)
+
     @triton.jit(do_not_specialize=["M"])
     def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, fp8_max,
                                 BLOCK: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
-        """Program ``m``: row ``m`` of ``x`` -> its e4m3 values and scale, the numbers of :func:`quantize_rows`
-        (the division correctly rounded: ``div_rn`` for the scale, an fma-corrected reciprocal product
-        for the values, as ``fp8_triton._quantize_rows``)."""
+        """Program ``m``: row ``m`` of ``x`` -> its e4m3 values and scale (:func:`_quantize_token`), reading the
+        row twice (its peak, then the values)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -79,17 +103,12 @@ if triton is not None:
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         peak = tl.max(amax, axis=0)
-        scale = tl.where(peak > 0, tl.div_rn(peak, fp8_max), 1.0)
-        inverse = tl.div_rn(1.0, scale)
-        tl.store(s_ptr + row, scale)
         for start in range(0, K, BLOCK):
             in_k = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=in_k, other=0.0).to(tl.float32)
-            q = x * inverse
-            q = tl.fma(tl.fma(-q, scale, x), inverse, q)  # |x| <= amax: |q| <= 448 up to an ulp, which rounds to 448
-            if EMULATE_E4M3_CAST:
-                q = _round_to_e4m3_grid(q)
-            tl.store(q_ptr + row * stride_qm + start + cols, q.to(tl.float8e4nv), mask=in_k)
+            q, _ = _quantize_token(x, peak, fp8_max, EMULATE_E4M3_CAST)
+            tl.store(q_ptr + row * stride_qm + start + cols, q, mask=in_k)
+        tl.store(s_ptr + row, tl.where(peak > 0, tl.div_rn(peak, fp8_max), 1.0))  # _quantize_token's scale
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +129,11 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x [M, K]`` (quantized here per token) ``@ (values · scales)ᵀ`` on ``torch._scaled_mm``'s row-wise path."""
-    x8, x_scales = quantize_tokens(x)
+def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype,
+              quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x [M, K]`` (quantized here per token, unless its producer did: ``quantized``) ``@ (values · scales)ᵀ``
+    on ``torch._scaled_mm``'s row-wise path."""
+    x8, x_scales = quantized if quantized is not None else quantize_tokens(x)
     return torch._scaled_mm(x8, values.t(), scale_a=x_scales, scale_b=scales.t(), out_dtype=out_dtype)
 
 
@@ -170,13 +191,14 @@ def rowwise_runs(x: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def channel_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                   backend: str) -> torch.Tensor:
+                   backend: str, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x [..., K] @ Wᵀ (+ bias)`` in ``x``'s dtype, ``W`` per-channel FP8 (the dequant path where the
-    row-wise GEMM does not take the call: :func:`rowwise_runs`)."""
+    row-wise GEMM does not take the call: :func:`rowwise_runs`). ``quantized``: ``x``'s per-token e4m3
+    activations made by its producer (``[M, K]``, ``[M, 1]``), used on the row-wise path."""
     if backend == "dequant" or not rowwise_runs(x, values):
         return nn.functional.linear(x, dequantize(values, scales, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = scaled_mm(rows, values, scales, x.dtype).view(*x.shape[:-1], values.shape[0])
+    out = scaled_mm(rows, values, scales, x.dtype, quantized).view(*x.shape[:-1], values.shape[0])
     return out if bias is None else out + bias
 
 
@@ -184,11 +206,21 @@ class ChannelFp8Linear(QuantizedLinear):
     """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale [N, 1]``; bias in
     the model dtype. A fused projection's parts may have any row counts."""
 
+    #: how a producer quantizes this layer's input for it (``fused_ops``: per token, the whole row)
+    activation_scaling = "token"
+
     def __init__(self, linear: nn.Linear, backend: str):
         super().__init__(linear, backend, *quantize_rows(linear.weight), scales_name="weight_scale")
 
+    def takes_quantized(self, rows: int, device: torch.device) -> bool:
+        """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (the row-wise path)."""
+        return (self.backend == "scaled_mm" and self.dtype == torch.bfloat16 and rows > 0
+                and self.out_features % 16 == 0 and self.in_features % 16 == 0)
+
     def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
-        out = channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend)
+        offered, self._offered = self._offered, None
+        quantized = offered[1] if offered is not None and offered[0] is x else None
+        out = channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, quantized)
         return out if accumulate_into is None else accumulate_into.add_(out)
 
     def extra_repr(self) -> str:

@@ -44,6 +44,7 @@ from slime.backends.embedded_engine import small_gemm
 from slime.backends.embedded_engine.kv_cache import FP8_DTYPES
 
 if triton is not None:
+    from slime.backends.embedded_engine.fp8_channel import _quantize_store_token
     from slime.backends.embedded_engine.fp8_triton import FP8_MAX, _interpreting, _quantize_store_groups
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,11 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_out + cols, y, mask=inside)
-        if QUANT:  # and the e4m3 activations of the FP8 GEMM that reads this output (fp8_triton)
+        if QUANT == 1:  # and the e4m3 activations of the FP8 GEMM that reads this output (fp8_triton)
             _quantize_store_groups(y.to(tl.float32), row, 0, n_cols, q_ptr, s_ptr, n_cols, stride_sg, fp8_max,
                                    BLOCK, EMULATE_E4M3_CAST)
+        elif QUANT == 2:  # per token (fp8_channel, --quantization w8a8_fp8)
+            _quantize_store_token(y.to(tl.float32), row, n_cols, q_ptr, s_ptr, fp8_max, BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_sg,
@@ -99,9 +102,11 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * n_cols + cols, y, mask=inside)
-        if QUANT:
+        if QUANT == 1:
             _quantize_store_groups(y.to(tl.float32), row, 0, n_cols, q_ptr, s_ptr, n_cols, stride_sg, fp8_max,
                                    BLOCK, EMULATE_E4M3_CAST)
+        elif QUANT == 2:
+            _quantize_store_token(y.to(tl.float32), row, n_cols, q_ptr, s_ptr, fp8_max, BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -123,7 +128,7 @@ if triton is not None:
         u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=inside, other=0.0).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * width + cols, y, mask=inside)
-        if QUANT:
+        if QUANT == 1:
             _quantize_store_groups(y.to(tl.float32), row, first, width, q_ptr, s_ptr, width, stride_sg, fp8_max,
                                    BLOCK, EMULATE_E4M3_CAST)
 
@@ -216,24 +221,34 @@ if triton is not None:
             tl.store(out_row + HALF + d, r2)
 
 
-def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quantize: bool):
-    """(e4m3 values ``[rows, cols]``, fp32 scales ``[ceil(cols/128), rows]``) for a producing kernel that
-    handles ``block`` columns a program to fill (``quantize``: whole 128-channel groups only), else
-    ``out`` twice: a valid pointer the kernel does not touch."""
+QUANT_MODES = {False: 0, True: 1, "group": 1, "token": 2}  # a producer's quantize= -> its kernels' QUANT
+
+
+def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quantize):
+    """(e4m3 values ``[rows, cols]``, fp32 scales) for a producing kernel that handles ``block`` columns a
+    program to fill: ``quantize`` True / "group" per 128-channel group (whole groups only; scales
+    ``[ceil(cols/128), rows]``), "token" per token (the kernel holds the whole row; scales ``[rows, 1]``);
+    else ``out`` twice: a valid pointer the kernel does not touch."""
     from slime.backends.embedded_engine.fp8 import FP8_DTYPE
 
     if not quantize:
         return out, out
+    if quantize == "token":
+        if block < cols:
+            raise ValueError(f"quantize='token': a program holds {block} of the row's {cols} channels")
+        return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=out.device),
+                torch.empty((rows, 1), dtype=torch.float32, device=out.device))
     if cols % 128 or block % 128:
         raise ValueError(f"quantize: {cols} channels (a {block}-wide block) are not whole 128-channel groups")
     return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=out.device),
             torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=out.device))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool | str = False):
     """HF's RMSNorm in one kernel. ``quantize``: also the output's e4m3 activations for an FP8 GEMM,
-    quantized per token and 128-channel group with ``fp8.quantize_activation``'s numbers; returns
-    ``(out, (values [M, K], scales [M, K/128] group-major))``."""
+    quantized per token and 128-channel group with ``fp8.quantize_activation``'s numbers (True / "group"),
+    or per token with ``fp8_channel.quantize_rows``' ("token"); returns ``(out, (values [M, K], scales))``,
+    the scales ``[M, K/128]`` group-major or ``[M, 1]``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
@@ -244,12 +259,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
     values, scales = _quantized_outputs(rows.shape[0], shape[-1], block, out, quantize)
     _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, values, scales, rows.stride(0), out.stride(0),
                                       scales.stride(0) if quantize else 0, shape[-1], eps, FP8_MAX, BLOCK=block,
-                                      QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
+                                      QUANT=QUANT_MODES[quantize], EMULATE_E4M3_CAST=_interpreting(),
                                       num_warps=4 if shape[-1] <= 2048 else 8)
-    return (out.view(shape), (values, scales.t())) if quantize else out.view(shape)
+    if not quantize:
+        return out.view(shape)
+    return out.view(shape), (values, scales if quantize == "token" else scales.t())
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool | str = False):
     """``h = x + residual`` and ``rmsnorm(h) * weight`` in one kernel; returns ``(normed, h)``, each as
     HF's ``residual + x`` followed by its RMSNorm module rounds them (``quantize``: and the e4m3
     activations of ``normed``, as :func:`rms_norm`: ``(normed, h, (values, scales))``)."""
@@ -265,10 +283,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     values, scales = _quantized_outputs(rows.shape[0], shape[-1], block, out, quantize)
     _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, values, scales, rows.stride(0), res.stride(0),
                                           scales.stride(0) if quantize else 0, shape[-1], eps, FP8_MAX, BLOCK=block,
-                                          QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(),
+                                          QUANT=QUANT_MODES[quantize], EMULATE_E4M3_CAST=_interpreting(),
                                           num_warps=4 if shape[-1] <= 2048 else 8)
     if quantize:
-        return out.view(shape), total.view(shape), (values, scales.t())
+        return out.view(shape), total.view(shape), (values, scales if quantize == "token" else scales.t())
     return out.view(shape), total.view(shape)
 
 
@@ -294,7 +312,7 @@ def silu_mul_packed(gate_up: torch.Tensor, quantize: bool = False):
     values, scales = _quantized_outputs(rows.shape[0], width, block, out, quantize)
     _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](
         rows, out, values, scales, rows.stride(0), scales.stride(0) if quantize else 0, width, FP8_MAX, BLOCK=block,
-        QUANT=quantize, EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
+        QUANT=QUANT_MODES[bool(quantize)], EMULATE_E4M3_CAST=_interpreting(), num_warps=4)
     out = out.view(*shape[:-1], width)
     return (out, (values, scales.t())) if quantize else out
 
@@ -419,10 +437,13 @@ def _small_m_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _fp8_consumer(linear, rows: int, device: torch.device):
-    """``linear`` when it is an FP8 linear (``fp8.Fp8Linear``) whose GEMM of ``rows`` tokens takes its
-    activations quantized by their producer (:data:`FP8_QUANT_IN_PRODUCER`), else None."""
+def _fp8_consumer(linear, rows: int, device: torch.device, per_token: bool = True):
+    """``linear`` when it is an FP8 linear (``fp8.Fp8Linear``, ``fp8_channel.ChannelFp8Linear``) whose GEMM of
+    ``rows`` tokens takes its activations quantized by their producer (:data:`FP8_QUANT_IN_PRODUCER`), else
+    None. ``per_token``: whether this producer can quantize per token (a kernel holding whole rows)."""
     if not FP8_QUANT_IN_PRODUCER or not hasattr(linear, "takes_quantized"):
+        return None
+    if linear.activation_scaling == "token" and not per_token:
         return None
     return linear if linear.takes_quantized(rows, device) else None
 
@@ -439,7 +460,8 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     norm = self.input_layernorm
     qkv = _fp8_consumer(getattr(self.self_attn, "qkv_proj", None), tokens, device)
     if qkv is not None and type(norm).__name__ in RMSNORM_CLASSES:
-        attention_input, quantized = rms_norm(hidden_states, norm.weight, norm.variance_epsilon, quantize=True)
+        attention_input, quantized = rms_norm(hidden_states, norm.weight, norm.variance_epsilon,
+                                              quantize=qkv.activation_scaling)
         qkv.offer(attention_input, quantized)
     else:
         attention_input = norm(hidden_states)
@@ -451,11 +473,12 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     gate_up = _fp8_consumer(getattr(mlp, "gate_up_proj", None), tokens, device) if packed else None
     if gate_up is not None:
         normed, residual, quantized = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon,
-                                                   quantize=True)
+                                                   quantize=gate_up.activation_scaling)
         gate_up.offer(normed, quantized)
     else:
         normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
-    fp8_down = _fp8_consumer(down, tokens, device) if packed else None
+    fp8_down = _fp8_consumer(down, tokens, device, per_token=False) if packed else None  # the SiLU gate's
+    # programs hold 1024-channel slices of a row: 128-channel groups only
     if fp8_down is not None and residual.is_contiguous():
         act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=True)
         fp8_down.offer(act, quantized)

@@ -1631,6 +1631,22 @@ def test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epil
         fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, accumulate_into=residual[:, :128])
 
 
+def swap_in_fused_layer_forwards(model) -> None:
+    """``fused_ops.install``'s forward swaps (decoder layer, RMSNorm, packed MLP), which it makes on CUDA only."""
+    import types
+
+    from slime.backends.embedded_engine import fused_ops
+
+    for module in model.modules():
+        name = type(module).__name__
+        if name in fused_ops.DECODER_LAYER_CLASSES:
+            module.forward = types.MethodType(fused_ops._decoder_layer_forward, module)
+        elif name in fused_ops.RMSNORM_CLASSES:
+            module.forward = types.MethodType(fused_ops._rmsnorm_forward, module)
+        elif name in fused_ops.MLP_CLASSES:
+            module.forward = types.MethodType(fused_ops._packed_mlp_forward, module)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("tokens", [20, 6])
 def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monkeypatch, tokens):
@@ -1638,8 +1654,6 @@ def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monke
     with ``FP8_QUANT_IN_PRODUCER`` the RMSNorms and the SiLU gate hand each projection its e4m3
     activations and the MLP's residual add runs in the down GEMM's epilogue — the logits are the same
     bits as without (20 tokens: the two-kernel GEMM; 6: the fused kernel, where nothing is handed over)."""
-    import types
-
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from slime.backends.embedded_engine import fused_ops, fused_projections
@@ -1651,14 +1665,7 @@ def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monke
     model = AutoModelForCausalLM.from_config(config).eval()
     assert fused_projections.install(model, row_multiple=128) == {"qkv": 2, "gate_up": 2}
     weights = fp8.quantize_model(model, "triton")
-    for module in model.modules():  # fused_ops.install's swaps (it installs on CUDA only)
-        name = type(module).__name__
-        if name in fused_ops.DECODER_LAYER_CLASSES:
-            module.forward = types.MethodType(fused_ops._decoder_layer_forward, module)
-        elif name in fused_ops.RMSNORM_CLASSES:
-            module.forward = types.MethodType(fused_ops._rmsnorm_forward, module)
-        elif name in fused_ops.MLP_CLASSES:
-            module.forward = types.MethodType(fused_ops._packed_mlp_forward, module)
+    swap_in_fused_layer_forwards(model)
     offered, epilogue = [], []
     linear_forward = fp8.Fp8Linear.forward
 
@@ -1698,7 +1705,7 @@ for name, types, block, warps in cases:
     names = list(kernel.arg_names)
     consts = ["BLOCK", "QUANT", "EMULATE_E4M3_CAST"]
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    for quant in (False, True):
+    for quant in ((0, 1) if "silu" in name else (0, 1, 2)):  # none, per 128-channel group, per token (norms)
         c = triton.compile(ASTSource(kernel, sig, dict(BLOCK=block, QUANT=quant, EMULATE_E4M3_CAST=False), {}),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         path = os.path.join(sys.argv[1], f"{name}_{quant}.cubin")
@@ -1714,8 +1721,9 @@ print(json.dumps(out))
 @needs_interpreter
 def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
     """The RMSNorm, residual add + RMSNorm and SiLU gate kernels with ``QUANT`` (their output's e4m3
-    activations for the FP8 GEMM), compiled for sm_90 by Triton's own ptxas without a GPU, at the 4B
-    model's widths: the GPU's own e4m3 cast, no register spills; without ``QUANT`` no cast at all."""
+    activations for the FP8 GEMM: per 128-channel group, and for the norms per token, ``w8a8_fp8``), compiled
+    for sm_90 by Triton's own ptxas without a GPU, at the 4B model's widths: the GPU's own e4m3 cast, no
+    register spills; without ``QUANT`` no cast at all."""
     import json
     import subprocess
     import sys
@@ -1731,6 +1739,6 @@ def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 8
     for entry in report:
-        assert entry["stack"] == 0 and entry["cast"] == entry["quant"], entry
+        assert entry["stack"] == 0 and entry["cast"] == (entry["quant"] > 0), entry

@@ -13,7 +13,7 @@ import torch
 
 from slime.backends.embedded_engine import fp8_channel
 from test_fp8 import (MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
-                      check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs)
+                      check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs, swap_in_fused_layer_forwards)
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -202,3 +202,70 @@ def test_calls_the_rowwise_gemm_cannot_take_use_the_dequantized_weight(monkeypat
     assert calls == [(torch.float8_e4m3fn, (3, 32), (1, 32), (3, 1), (1, 48), torch.bfloat16)]
     torch.testing.assert_close(out[0].float(), fp8_channel.reference_matmul(x.bfloat16(), values, scales),
                                atol=2e-2, rtol=2e-2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_kernels_quantize_per_token_like_the_quantizer(dtype):
+    """``fused_ops``' RMSNorm and residual add + RMSNorm with ``quantize="token"`` return the same output and,
+    beside it, exactly :func:`fp8_channel.quantize_tokens` of it (values and ``[M, 1]`` scales): the row-wise
+    GEMM that reads them computes what it would after its own quantize launch."""
+    from slime.backends.embedded_engine import fused_ops
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 384, generator=generator) * torch.logspace(-2, 2, 384)).to(dtype)
+    x[3] = 0  # a zero row: scale 1
+    residual = torch.randn(5, 384, generator=generator).to(dtype)
+    residual[3] = 0
+    weight = torch.randn(384, generator=generator).to(dtype)
+
+    def assert_quantized(out, quantized):
+        values, scales = quantized
+        want_values, want_scales = fp8_channel.quantize_tokens(out)
+        assert scales.shape == (5, 1) and torch.equal(scales, want_scales) and scales[3] == 1.0
+        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+
+    out, quantized = fused_ops.rms_norm(x, weight, 1e-6, quantize="token")
+    assert torch.equal(out, fused_ops.rms_norm(x, weight, 1e-6))
+    assert_quantized(out, quantized)
+    normed, total, quantized = fused_ops.add_rms_norm(x, residual, weight, 1e-6, quantize="token")
+    want_normed, want_total = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(normed, want_normed) and torch.equal(total, want_total)
+    assert_quantized(normed, quantized)
+
+
+@needs_interpreter
+def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatch):
+    """A tiny bf16 Qwen3 under ``w8a8_fp8`` on the row-wise path (``torch._scaled_mm`` runs row-wise scales on
+    the CPU too) through ``fused_ops``' decoder-layer forward: with ``FP8_QUANT_IN_PRODUCER`` the two RMSNorms
+    hand q/k/v and gate/up their per-token e4m3 activations (the SiLU gate does not: its programs hold slices of
+    a row, so the down projection quantizes its own) — the logits are the same bits as without."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from slime.backends.embedded_engine import fp8, fused_ops, fused_projections
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    assert fused_projections.install(model, row_multiple=1) == {"qkv": 2, "gate_up": 2}
+    fp8.quantize_model(model, "scaled_mm", per_channel=True)
+    swap_in_fused_layer_forwards(model)
+    offered = []
+    linear_forward = fp8_channel.ChannelFp8Linear.forward
+
+    def spy(self, x, accumulate_into=None):
+        offered.append(self._offered is not None and self._offered[0] is x)
+        return linear_forward(self, x, accumulate_into=accumulate_into)
+
+    monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward", spy)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = model(ids).logits
+        handed = sum(offered)
+        monkeypatch.setattr(fused_ops, "FP8_QUANT_IN_PRODUCER", False)
+        offered.clear()
+        plain = model(ids).logits
+    assert handed == 4 and sum(offered) == 0  # per layer: q/k/v and gate/up
+    assert torch.equal(fused, plain)
