@@ -52,9 +52,16 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
+def quantize_weight(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's :func:`quantize_rows`: on CUDA by :func:`quantize_tokens`' one launch (the same numbers),
+    elsewhere by torch."""
+    return quantize_tokens(matrix) if matrix.is_cuda else quantize_rows(matrix)
+
+
+@torch.no_grad()
 def quantize_rows_into(matrix: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """:func:`quantize_rows` written into existing storage (views: a fused projection's rows)."""
-    q, s = quantize_rows(matrix.to(device=values.device))
+    """:func:`quantize_weight` written into existing storage (views: a fused projection's rows)."""
+    q, s = quantize_weight(matrix.to(device=values.device))
     values.copy_(q)
     scales.copy_(s)
 
@@ -210,7 +217,7 @@ class ChannelFp8Linear(QuantizedLinear):
     activation_scaling = "token"
 
     def __init__(self, linear: nn.Linear, backend: str):
-        super().__init__(linear, backend, *quantize_rows(linear.weight), scales_name="weight_scale")
+        super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale")
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
         """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (the row-wise path)."""
