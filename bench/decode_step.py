@@ -104,8 +104,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= --dtype), bf16, fp8_e4m3, fp8_e5m2")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="serve with block-wise FP8 linear layers (the engine's --quantization)")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "w8a8_fp8"],
+                        help="serve with FP8 linear layers (the engine's --quantization: fp8 block-wise, w8a8_fp8 "
+                             "per channel)")
     parser.add_argument("--fp8-gemm-backend", default="auto",
                         choices=["auto", "weight_only", "triton", "cublas", "dequant"],
                         help="with --quantization fp8: the engine's FP8 GEMM (--fp8-gemm-backend)")
