@@ -10,10 +10,11 @@ instead rescales at every 128-wide K group, which the Triton GEMM pays for on sm
 each group); here the scales stay out of the main loop.
 
 Paths (``--fp8-gemm-backend``): ``auto`` is ``scaled_mm`` where it runs — ``torch._scaled_mm`` with
-row-wise scales (``scale_a [M, 1]``, ``scale_b [1, N]``, PyTorch's CUTLASS row-wise kernel on sm_90),
-the activations quantized by one Triton launch (:func:`quantize_tokens`) — after an eager check against
-the reference at start; ``dequant`` (and ``auto`` elsewhere: the CPU) multiplies ``x`` by the dequantized
-weight in ``x``'s dtype (the weights' rounding only, like ``fp8.py``'s ``dequant``).
+row-wise scales (``scale_a [M, 1]``, ``scale_b [1, N]``, PyTorch's CUTLASS row-wise kernel on sm_90), the
+activations quantized by one Triton launch (:func:`quantize_tokens`) or already by the RMSNorm that produced them
+(``fused_ops``, ``quantize="token"``: q/k/v and gate/up; :meth:`ChannelFp8Linear.takes_quantized`), after an eager
+check against the reference at start; ``dequant`` (and ``auto`` elsewhere: the CPU) multiplies ``x`` by the
+dequantized weight in ``x``'s dtype (the weights' rounding only, like ``fp8.py``'s ``dequant``).
 
 Weights live in the module as ``weight_fp8 [N, K]`` and ``weight_scale [N, 1]`` (SGLang's names). Any rows
 of a fused projection are a part's own channels, so a weight update quantizes a part into its rows without
