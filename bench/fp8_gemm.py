@@ -50,11 +50,11 @@ time); per ``<model>/layer``, both summed over a layer. Per ``<model>/layer/M<ro
 (``fp8_triton.candidate_tiles`` / ``tma_candidates`` / ``weight_only_candidates``): whether the plan
 picks as the GPU ranks them.
 
-``--rowwise`` (CUDA, sm_90) adds a probe column that is not an engine path: the GEMM SGLang runs for an online
-``--quantization fp8`` of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of the weight, here one
-per token of the activations; ``torch._scaled_mm`` with row-wise scales, CUTLASS), whose scales apply once in
+``--rowwise`` (CUDA, sm_90) adds the GEMM of ``--quantization w8a8_fp8`` (``fp8_channel.scaled_mm``), which is
+what SGLang runs for an online FP8 of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of the weight,
+one per token of the activations; ``torch._scaled_mm`` with row-wise scales, CUTLASS), whose scales apply once in
 the epilogue instead of at every 128-wide K group. ``rowwise_gemm_us`` times the GEMM alone on activations
-quantized beforehand (an engine would quantize them in the producing norm / SiLU kernel, as it does today),
+quantized beforehand (as the RMSNorms hand them to q/k/v and gate/up),
 ``rowwise_speedup`` is bf16 over it; ``rowwise_quant_err`` / ``block_quant_err`` are each scheme's mean |error|
 against the fp32 product of the unquantized bf16 operands, over the mean |output| (what the coarser scales cost
 in accuracy; random weights have no outlier channels, real ones do).
@@ -160,22 +160,17 @@ def _tiles_label(tiles) -> str:
     return f"{fields[0]}x{fields[1]} split{fields[2]} w{fields[3]} s{fields[4]}"
 
 
-def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One e4m3 scale per row: ``(values [R, C] e4m3, scales [R, 1] fp32)`` with ``scale = amax / 448``."""
-    amax = matrix.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    scales = amax / torch.finfo(torch.float8_e4m3fn).max
-    return (matrix.float() / scales).to(torch.float8_e4m3fn), scales
-
-
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   device: torch.device, repeats: int, copies: int) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
-    x8, x_scales = quantize_rows(x)
-    w8, w_scales = quantize_rows(weight)
+    from slime.backends.embedded_engine import fp8_channel
+
+    quantized = fp8_channel.quantize_rows(x)
+    w8, w_scales = fp8_channel.quantize_rows(weight)
     weights = [(w8, w_scales)] + [(w8.clone(), w_scales.clone()) for _ in range(copies - 1)]
 
-    def gemm(w8, w_scales):  # b = the weight transposed (column-major), its scales [1, N]
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_scales, scale_b=w_scales.t(), out_dtype=torch.bfloat16)
+    def gemm(w8, w_scales):  # the engine's call with the activations quantized beforehand (by their producer)
+        return fp8_channel.scaled_mm(x, w8, w_scales, torch.bfloat16, quantized=quantized)
 
     us = time_us([lambda w=w, s=s: gemm(w, s) for w, s in weights], device, repeats)
     exact = x.float() @ weight.float().t()
@@ -289,8 +284,8 @@ def main(argv=None) -> dict:
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
                              "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
     parser.add_argument("--rowwise", action="store_true",
-                        help="also time the per-channel x per-token FP8 GEMM (torch._scaled_mm row-wise; CUDA sm_90): "
-                             "a probe, not an engine path")
+                        help="also time the per-channel x per-token FP8 GEMM of --quantization w8a8_fp8 "
+                             "(torch._scaled_mm row-wise; CUDA sm_90)")
     parser.add_argument("--out", nargs="?", const="bench/results", default=None,
                         help="write the results file (a directory, or a .json path)")
     args = parser.parse_args(argv)

@@ -296,6 +296,7 @@ class QuantizedLinear(nn.Module):
         self.backend = backend
         self.register_buffer("weight_fp8", values)
         self.register_buffer(scales_name, scales)
+        self.scales_name = scales_name
         self.bias = linear.bias
         self.parts = dict(getattr(linear, "parts", {}))
         self.sizes = list(getattr(linear, "sizes", []))
@@ -312,6 +313,10 @@ class QuantizedLinear(nn.Module):
         """A fused projection's output cut into its parts (``FusedLinear.split``)."""
         return out.split(self.sizes, dim=-1)
 
+    @property
+    def scales(self) -> torch.Tensor:
+        return getattr(self, self.scales_name)
+
 
 class Fp8Linear(QuantizedLinear):
     """A ``nn.Linear`` whose weight lives as e4m3 ``weight_fp8 [N, K]`` + fp32 ``weight_scale_inv
@@ -320,9 +325,16 @@ class Fp8Linear(QuantizedLinear):
 
     #: how a producer quantizes this layer's input for it (``fused_ops``: per token and 128-channel group)
     activation_scaling = "group"
+    #: how the weight-update path (:class:`Fp8Weights`) writes and reads this layer's storage
+    quantize_into = staticmethod(quantize_weight_into)
+    dequantize = staticmethod(dequantize_weight)
 
     def __init__(self, linear: nn.Linear, backend: str):
         super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale_inv")
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows ``[start, end)`` (a fused projection's part: whole 128-row blocks) and their scales."""
+        return self.weight_fp8[start:end], self.weight_scale_inv[start // BLOCK:end // BLOCK]
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
         """Whether a GEMM of ``rows`` tokens would use offered e4m3 activations (the two-kernel path,
@@ -344,6 +356,9 @@ class Fp8Experts(nn.Module):
     """transformers' fused routed experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, a
     ``forward(hidden_states, top_k_index, top_k_weights)``) with each expert's gate, up and down
     matrices block-quantized separately (so a checkpoint-named update of one touches only its own blocks)."""
+
+    quantize_into = staticmethod(quantize_weight_into)
+    dequantize = staticmethod(dequantize_weight)
 
     def __init__(self, experts: nn.Module, backend: str):
         super().__init__()
@@ -446,16 +461,10 @@ class Fp8Weights:
 
     @staticmethod
     def _storage(module, kind: str | tuple[str, int, int], expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        from slime.backends.embedded_engine.fp8_channel import ChannelFp8Linear
-
-        if isinstance(module, ChannelFp8Linear):  # per channel: any rows are their own scales' rows
-            start, end = (kind[1], kind[2]) if isinstance(kind, tuple) else (0, module.out_features)
-            return module.weight_fp8[start:end], module.weight_scale[start:end]
         if kind == "weight":
-            return module.weight_fp8, module.weight_scale_inv
-        if isinstance(kind, tuple):  # rows [start, end) of a fused projection: whole blocks, views of its storage
-            _, start, end = kind
-            return module.weight_fp8[start:end], module.weight_scale_inv[start // BLOCK:end // BLOCK]
+            return module.weight_fp8, module.scales
+        if isinstance(kind, tuple):  # rows [start, end) of a fused projection: views of its storage
+            return module.rows(kind[1], kind[2])
         return module.matrix(kind, expert)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -472,21 +481,14 @@ class Fp8Weights:
         expected = self.shape(name)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(tensor.shape)}")
-        from slime.backends.embedded_engine import fp8_channel
-
-        quantize = fp8_channel.quantize_rows_into if isinstance(module, fp8_channel.ChannelFp8Linear) else \
-            quantize_weight_into
         for kind, rows in parts:
             values, scales = self._storage(module, kind, expert)
             part = tensor if rows is None else tensor[:, rows]
-            quantize(part.to(device=values.device), values, scales)
+            module.quantize_into(part.to(device=values.device), values, scales)
 
     def dequantized(self, name: str) -> torch.Tensor:
-        from slime.backends.embedded_engine import fp8_channel
-
         module, parts, expert = self._target(name)
-        dequantize = fp8_channel.dequantize if isinstance(module, fp8_channel.ChannelFp8Linear) else dequantize_weight
-        matrices = [dequantize(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
+        matrices = [module.dequantize(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
         return matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
 
 
@@ -523,10 +525,12 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     shapes = {}  # one matrix per (shape, dtype, backend, device): the launches depend on nothing else
     matrices = [(module.weight_fp8, module.weight_scale_inv, module.dtype, module.backend)
                 for module in weights.linears.values() if isinstance(module, Fp8Linear)]
-    for module in weights.linears.values():  # per channel: the token quantizer (one compile for every count)
-        if not isinstance(module, Fp8Linear) and module.backend != "dequant" and not seen:
-            module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
-            seen.add(("w8a8_fp8",))
+    per_channel = [module for module in weights.linears.values()
+                   if not isinstance(module, Fp8Linear) and module.backend != "dequant"]
+    if per_channel:  # one call compiles the token quantizer for every token count (and starts the row-wise GEMM)
+        module = per_channel[0]
+        module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
+        seen.add(("w8a8_fp8",))
     matrices += [(*module.matrix(kind, 0), module.dtype, module.backend)  # every expert's matrices share a shape
                  for module in weights.experts.values() for kind in ("gate", "up", "down")]
     for values, scales, dtype, backend in matrices:

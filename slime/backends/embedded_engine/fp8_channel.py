@@ -216,9 +216,16 @@ class ChannelFp8Linear(QuantizedLinear):
 
     #: how a producer quantizes this layer's input for it (``fused_ops``: per token, the whole row)
     activation_scaling = "token"
+    #: how the weight-update path (``fp8.Fp8Weights``) writes and reads this layer's storage
+    quantize_into = staticmethod(quantize_rows_into)
+    dequantize = staticmethod(dequantize)
 
     def __init__(self, linear: nn.Linear, backend: str):
         super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale")
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows ``[start, end)`` (a fused projection's part: any rows) and their scales."""
+        return self.weight_fp8[start:end], self.weight_scale[start:end]
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
         """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (the row-wise path)."""

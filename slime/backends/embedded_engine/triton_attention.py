@@ -211,10 +211,9 @@ MERGE_IN_SPLIT_KERNEL = False
 # e4m3/e5m2 values into fp16 with one instruction (cvt.rn.f16x2.e4m3x2) and needs a second per value for bf16
 # (cvt.bf16.f16, plus moves): the sm_90 PTX of the loop over one 64-position block of a 128-wide head (GROUP 4,
 # the JIT's 16-divisible strides) is 557 instructions a thread with fp16 dots, 830 (e5m2: 814) with bf16 ones,
-# 312 over a bf16 cache. fp16's
-# 10-bit mantissa also holds every FP8 value and rounds the query and probabilities less than bf16's 7. Measured
-# before it (session 23, 4B at 128 rows): an FP8 cache read at 1.5-2.4 TB/s where bf16 reads at 2.8-4.3. False
-# gives the bf16 dots (the A/B).
+# 312 over a bf16 cache. fp16's 10-bit mantissa also holds every FP8 value and rounds the query and probabilities
+# less than bf16's 7. Measured before it (session 23, 4B at 128 rows): an FP8 cache read at 1.5-2.4 TB/s where
+# bf16 reads at 2.8-4.3. False gives the bf16 dots (the A/B; not yet timed).
 FP8_DOTS_IN_FP16 = True
 EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
 _tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (row, kv_head)
