@@ -395,9 +395,9 @@ def test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_ref
 def test_triton_decode_attention_interpreted_over_fp8_with_a_bf16_query_dots_in_fp16(dtype):
     """A bf16 query over an FP8 cache: the kernel's dots run in fp16 (``FP8_DOTS_IN_FP16``; the query is scaled
     by the softmax scale before it is rounded to fp16). Every output within ~one bf16 rounding of the fp32
-    reference over the dequantized cache (outputs ~0.6), and a query past fp16's range (2e5, a bf16 value) still gives finite,
-    correct outputs. (The bf16-dot path is checked on the GPU only: the interpreter's e4m3 -> bf16 conversion
-    is wrong.)"""
+    reference over the dequantized cache (outputs ~0.6), and a query past fp16's range (2e5, a bf16 value)
+    still gives finite, correct outputs. (The bf16-dot path is checked on the GPU only: the interpreter's
+    e4m3 -> bf16 conversion is wrong.)"""
     from slime.backends.embedded_engine import triton_attention
     from test_attention import reference
 
