@@ -39,6 +39,11 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8_channel.py::test_token_quantizer_interpreted_is_bit_exact \
     tests/backends/embedded_engine/test_fp8_channel.py::test_norm_kernels_quantize_per_token_like_the_quantizer \
     tests/backends/embedded_engine/test_fp8_channel.py::test_decoder_layers_with_per_token_producers_equal_the_plain_path \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_silu_gate_quantizes_per_token_like_the_quantizer \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_channel_triton_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_channel_triton_linear_interpreted_bf16_with_bias_and_refusals \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_warm_up_compiles_every_launch_of_the_channel_gemm \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_by_tma_equals_pointer_loads \
     tests/backends/embedded_engine/test_fp8.py::test_tma_usable_needs_16_byte_rows \

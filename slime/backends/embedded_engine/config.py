@@ -107,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dequant (the default on CPU) dequantizes the weight to --dtype and runs an ordinary "
                         "matmul; auto (the default) on CUDA: the fused W8A8 Triton kernel up to 16 tokens, the "
                         "two-kernel one (TMA loads on Hopper) up to 256, cublas above where it runs, else Triton. "
-                        "With --quantization w8a8_fp8: auto (torch._scaled_mm's row-wise FP8 GEMM on sm_90, after a "
-                        "check at start; dequant elsewhere) or dequant")
+                        "With --quantization w8a8_fp8: cutlass (torch._scaled_mm's row-wise FP8 GEMM, sm_90, after "
+                        "a check at start), triton (a Triton GEMM with the per-token and per-channel scales applied "
+                        "after its K loop and the residual add in its epilogue; sm_89+), dequant, or auto (cutlass "
+                        "where it runs, else triton, else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "
@@ -192,14 +194,17 @@ def validate_args(args: ServerArgs) -> None:
         raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
                          "implements fp8 (block-wise) and w8a8_fp8 (per channel), quantized online; use "
                          "--rollout-backend sglang for SGLang's other methods")
-    if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "dequant"):
+    if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "cutlass", "triton", "dequant"):
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} is a block-wise (--quantization fp8) kernel; "
-                         "with --quantization w8a8_fp8 choose auto (torch._scaled_mm's row-wise GEMM on sm_90) or "
-                         "dequant")
-    if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "dequant"):
-        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas or "
-                         "dequant")
-    if args.fp8_gemm_backend in ("weight_only", "triton", "cublas") and args.device != "cuda":
+                         "with --quantization w8a8_fp8 choose auto, cutlass (torch._scaled_mm's row-wise GEMM on "
+                         "sm_90), triton (the per-channel Triton GEMM) or dequant")
+    if args.quantization != "w8a8_fp8" and args.fp8_gemm_backend == "cutlass":
+        raise SystemExit("--fp8-gemm-backend cutlass is the per-channel (--quantization w8a8_fp8) GEMM; with "
+                         "--quantization fp8 choose auto, weight_only, triton, cublas or dequant")
+    if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "cutlass", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas, "
+                         "cutlass or dequant")
+    if args.fp8_gemm_backend in ("weight_only", "triton", "cublas", "cutlass") and args.device != "cuda":
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} runs on --device cuda only; use dequant "
                          "(the default) on CPU")
     if args.kv_cache_dtype != "auto":

@@ -531,6 +531,9 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
         module = per_channel[0]
         module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
         seen.add(("w8a8_fp8",))
+    # the per-channel Triton GEMM: the two-kernel launches, in the kernel's PER_CHANNEL mode
+    matrices += [(module.weight_fp8, module.weight_scale, module.dtype, "channel_triton")
+                 for module in per_channel if module.backend == "triton"]
     matrices += [(*module.matrix(kind, 0), module.dtype, module.backend)  # every expert's matrices share a shape
                  for module in weights.experts.values() for kind in ("gate", "up", "down")]
     for values, scales, dtype, backend in matrices:
@@ -541,6 +544,13 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
         out_features, in_features = values.shape
         tma = fp8_triton.tma_usable_for(values)
         for rows in range(1, max_rows + 1):
+            if backend == "channel_triton":
+                key = ("channel", out_features, in_features, dtype,
+                       *fp8_triton.launch_key("two_kernel", rows, out_features, in_features, values.device, tma))
+                if key not in seen:
+                    seen.add(key)
+                    _warm_up_channel_gemm(values, scales, dtype, rows)
+                continue
             path = gemm_path(backend, rows, out_features, in_features, values.device)
             if path == "cublas":
                 key = (path, out_features, in_features, dtype)  # no Triton tiles: the quantizer and cuBLASLt
@@ -562,6 +572,17 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
         logger.info("fp8: warmed up %d GEMM launches (shapes x tiles) for 1-%d tokens in %.1f s", len(seen),
                     max_rows, seconds)
     return len(seen), seconds
+
+
+def _warm_up_channel_gemm(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: int) -> None:
+    """One per-channel Triton GEMM of ``rows`` tokens on zeros, and its epilogue-add variant (``fused_ops``: the
+    MLP's residual in the down GEMM)."""
+    from slime.backends.embedded_engine.fp8_channel import channel_linear
+
+    zeros = torch.zeros((rows, values.shape[1]), dtype=dtype, device=values.device)
+    channel_linear(zeros, values, scales, None, "triton")
+    channel_linear(zeros, values, scales, None, "triton",
+                   accumulate_into=torch.zeros((rows, values.shape[0]), dtype=dtype, device=values.device))
 
 
 @torch.no_grad()

@@ -9,12 +9,23 @@ accumulation and applies ``s_token · s_channel`` once, in its epilogue. The blo
 instead rescales at every 128-wide K group, which the Triton GEMM pays for on sm_90 (its wgmma waits on
 each group); here the scales stay out of the main loop.
 
-Paths (``--fp8-gemm-backend``): ``auto`` is ``scaled_mm`` where it runs — ``torch._scaled_mm`` with
-row-wise scales (``scale_a [M, 1]``, ``scale_b [1, N]``, PyTorch's CUTLASS row-wise kernel on sm_90), the
-activations quantized by one Triton launch (:func:`quantize_tokens`) or already by the RMSNorm that produced them
-(``fused_ops``, ``quantize="token"``: q/k/v and gate/up; :meth:`ChannelFp8Linear.takes_quantized`), after an eager
-check against the reference at start; ``dequant`` (and ``auto`` elsewhere: the CPU) multiplies ``x`` by the
-dequantized weight in ``x``'s dtype (the weights' rounding only, like ``fp8.py``'s ``dequant``).
+Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names where it has them):
+
+* ``cutlass``: ``torch._scaled_mm`` with row-wise scales (``scale_a [M, 1]``, ``scale_b [1, N]``: PyTorch's
+  CUTLASS row-wise kernel, sm_90 only), after an eager check against the reference at start; bf16 calls
+  with ``K``, ``N`` multiples of 16 (others take the dequant path). The residual add after the down
+  projection stays a separate kernel (the call has no epilogue add).
+* ``triton``: ``fp8_triton``'s two-kernel GEMM in its per-channel mode (``PER_CHANNEL``: the K loop is a
+  plain e4m3 dot accumulating in fp32, the two scales applied once after it; TMA loads on Hopper; split-K
+  for decode shapes), any shape and output dtype, the residual add in its epilogue; needs FP8 tensor cores
+  (sm_89+).
+* ``auto``: ``cutlass`` where it runs, else ``triton`` where that runs, else ``dequant``.
+* ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
+  like ``fp8.py``'s ``dequant``).
+
+Both FP8 paths take their activations quantized by one Triton launch (:func:`quantize_tokens`) or already
+by the kernel that produced them (``fused_ops``, ``quantize="token"``: the RMSNorms for q/k/v and gate/up,
+the SiLU gate for down; :meth:`ChannelFp8Linear.takes_quantized`).
 
 Weights live in the module as ``weight_fp8 [N, K]`` and ``weight_scale [N, 1]`` (SGLang's names). Any rows
 of a fused projection are a part's own channels, so a weight update quantizes a part into its rows without
@@ -33,7 +44,7 @@ from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, QuantizedLine
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "dequant")
+BACKENDS = ("auto", "cutlass", "triton", "dequant")
 QUANTIZE_BLOCK = 1024  # columns a quantizer program reads at a time (two passes over the row)
 
 try:
@@ -137,6 +148,35 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
+def triton_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype,
+                  quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  accumulate_into: torch.Tensor | None = None, tiles=None) -> torch.Tensor:
+    """``x [M, K]`` (quantized here per token, unless its producer did: ``quantized``) ``@ (values · scales)ᵀ``
+    on ``fp8_triton``'s GEMM in its per-channel mode, ``[M, N]`` in ``out_dtype``; ``accumulate_into``: an
+    ``[M, N]`` tensor the product is added to in its epilogue (in fp32, rounded once) and returned. Tiles as
+    the block-wise two-kernel GEMM plans them (``tiles`` overrides: tests, ``bench/fp8_gemm.py``)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    rows, cols = x.shape
+    if values.shape[1] != cols:
+        raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {values.shape[1]}")
+    out = fp8_triton.output_for(rows, values.shape[0], out_dtype, x.device, accumulate_into)
+    if rows == 0:
+        return out
+    x8, x_scales = quantized if quantized is not None else quantize_tokens(x)
+    if x_scales.shape != (rows, 1) or x_scales.stride(0) != 1 or scales.stride(0) != 1:
+        raise ValueError("fp8 GEMM per channel: one contiguous scale a token and a weight row, got "
+                         f"{tuple(x_scales.shape)} / {tuple(scales.shape)} with strides {x_scales.stride()} / "
+                         f"{scales.stride()}")
+    tma = fp8_triton.tma_usable(x8, values)
+    if tiles is None:
+        tiles = (fp8_triton.plan_tma_tiles(rows, values.shape[0], cols, x.device) if tma
+                 else fp8_triton.plan_tiles(rows, values.shape[0], cols, x.device, a_quantized=True))
+    fp8_triton.launch_gemm(x8, x_scales, 0, values, scales, out, tiles, a_quantized=True, tma=tma,
+                           accumulate=accumulate_into is not None, per_channel=True)
+    return out
+
+
 def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype,
               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x [M, K]`` (quantized here per token, unless its producer did: ``quantized``) ``@ (values · scales)ᵀ``
@@ -173,22 +213,54 @@ def _scaled_mm_problem(index: int) -> str | None:
     return None
 
 
+def _triton_problem(device: torch.device) -> str | None:
+    """Why the per-channel Triton GEMM cannot run on ``device`` (None: it can): Triton and FP8 tensor cores
+    (sm_89+), or the CPU under Triton's interpreter."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not fp8_triton.available(device):
+        return "it needs CUDA and the triton package (or TRITON_INTERPRET=1 on the CPU, for tests)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device.index if device.index is not None
+                                                        else torch.cuda.current_device())
+        if (major, minor) < (8, 9):
+            return f"e4m3 tensor-core dots need sm_89 or newer; this GPU is sm_{major}{minor}"
+    return None
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """``auto`` -> ``scaled_mm`` where :func:`_scaled_mm_problem` finds none (said in the log otherwise),
-    else ``dequant``."""
+    """The path an engine on ``device`` runs: ``cutlass`` / ``triton`` as asked (refused where they cannot
+    run), ``auto`` -> ``cutlass`` where :func:`_scaled_mm_problem` finds none, else ``triton`` where it runs,
+    else ``dequant`` (the reason in the log)."""
     if requested not in BACKENDS:
         raise ValueError(f"--fp8-gemm-backend {requested!r} with --quantization w8a8_fp8: choose one of "
                          f"{list(BACKENDS)} (the others are block-wise --quantization fp8 kernels)")
-    if requested == "dequant" or device.type != "cuda":
+    if requested == "dequant":
         return "dequant"
-    problem = _scaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
-    if problem is not None:
-        logger.warning("--quantization w8a8_fp8: the dequant path (a bf16 GEMM over dequantized weights), since %s",
-                       problem)
-        return "dequant"
-    logger.info("--quantization w8a8_fp8: torch._scaled_mm's row-wise FP8 GEMM for bf16 inputs whose weight has "
-                "rows and columns in multiples of 16; a GEMM over the dequantized weight otherwise")
-    return "scaled_mm"
+    if requested == "triton":
+        problem = _triton_problem(device)
+        if problem is not None:
+            raise ValueError(f"--fp8-gemm-backend triton with --quantization w8a8_fp8 cannot run here: {problem}; "
+                             "use --fp8-gemm-backend dequant")
+        return "triton"
+    if device.type == "cuda":
+        problem = _scaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        problem = "torch._scaled_mm's row-wise FP8 GEMM is used on CUDA only"
+    if requested == "cutlass" and problem is not None:
+        raise ValueError(f"--fp8-gemm-backend cutlass with --quantization w8a8_fp8 cannot run here: {problem}; "
+                         "use --fp8-gemm-backend triton or dequant")
+    if problem is None:
+        logger.info("--quantization w8a8_fp8: torch._scaled_mm's row-wise FP8 GEMM (cutlass) for bf16 inputs whose "
+                    "weight has rows and columns in multiples of 16; a GEMM over the dequantized weight otherwise")
+        return "cutlass"
+    if device.type == "cuda" and _triton_problem(device) is None:
+        logger.info("--quantization w8a8_fp8: the per-channel Triton GEMM, since %s", problem)
+        return "triton"
+    if device.type == "cuda":
+        logger.warning("--quantization w8a8_fp8: the dequant path (a GEMM over dequantized weights), since %s and "
+                       "%s", problem, _triton_problem(device))
+    return "dequant"
 
 
 def rowwise_runs(x: torch.Tensor, values: torch.Tensor) -> bool:
@@ -199,15 +271,27 @@ def rowwise_runs(x: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def channel_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                   backend: str, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``x [..., K] @ Wᵀ (+ bias)`` in ``x``'s dtype, ``W`` per-channel FP8 (the dequant path where the
-    row-wise GEMM does not take the call: :func:`rowwise_runs`). ``quantized``: ``x``'s per-token e4m3
-    activations made by its producer (``[M, K]``, ``[M, 1]``), used on the row-wise path."""
-    if backend == "dequant" or not rowwise_runs(x, values):
-        return nn.functional.linear(x, dequantize(values, scales, x.dtype), bias)
+                   backend: str, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ Wᵀ (+ bias)`` in ``x``'s dtype, ``W`` per-channel FP8 on ``backend``'s path (``cutlass``:
+    the dequant path for calls the row-wise GEMM does not take, :func:`rowwise_runs`). ``quantized``: ``x``'s
+    per-token e4m3 activations made by its producer (``[M, K]``, ``[M, 1]``), used on the FP8 paths.
+    ``accumulate_into``: a tensor of the output's shape and dtype the product is added to in place (the
+    residual add: in the Triton GEMM's epilogue, else a separate add), returned."""
+    if backend == "dequant" or (backend == "cutlass" and not rowwise_runs(x, values)):
+        out = nn.functional.linear(x, dequantize(values, scales, x.dtype), bias)
+        return out if accumulate_into is None else accumulate_into.add_(out)
     rows = x.reshape(-1, x.shape[-1])
-    out = scaled_mm(rows, values, scales, x.dtype, quantized).view(*x.shape[:-1], values.shape[0])
-    return out if bias is None else out + bias
+    if backend == "triton" and bias is None and accumulate_into is not None:
+        triton_matmul(rows, values, scales, x.dtype, quantized, accumulate_into.view(-1, values.shape[0]))
+        return accumulate_into
+    if backend == "triton":
+        out = triton_matmul(rows, values, scales, x.dtype, quantized)
+    else:
+        out = scaled_mm(rows, values, scales, x.dtype, quantized)
+    out = out.view(*x.shape[:-1], values.shape[0])
+    out = out if bias is None else out + bias
+    return out if accumulate_into is None else accumulate_into.add_(out)
 
 
 class ChannelFp8Linear(QuantizedLinear):
@@ -228,15 +312,17 @@ class ChannelFp8Linear(QuantizedLinear):
         return self.weight_fp8[start:end], self.weight_scale[start:end]
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
-        """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (the row-wise path)."""
-        return (self.backend == "scaled_mm" and self.dtype == torch.bfloat16 and rows > 0
+        """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (an FP8 path)."""
+        if self.backend == "triton":
+            return rows > 0
+        return (self.backend == "cutlass" and self.dtype == torch.bfloat16 and rows > 0
                 and self.out_features % 16 == 0 and self.in_features % 16 == 0)
 
     def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
         offered, self._offered = self._offered, None
         quantized = offered[1] if offered is not None and offered[0] is x else None
-        out = channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, quantized)
-        return out if accumulate_into is None else accumulate_into.add_(out)
+        return channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, quantized,
+                              accumulate_into)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 per channel, {self.backend}"

@@ -184,7 +184,11 @@ if triton is not None:
                          stride_am, stride_ask, stride_bn, stride_bsn, stride_cm, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, A_QUANTIZED: tl.constexpr,
-                         TMA: tl.constexpr, ACCUMULATE: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+                         TMA: tl.constexpr, ACCUMULATE: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr,
+                         PER_CHANNEL: tl.constexpr):
+        # PER_CHANNEL (``fp8_channel``, ``--quantization w8a8_fp8``; needs A_QUANTIZED): one scale per token
+        # (``a_s_ptr + m``) and per weight row (``b_s_ptr + n · stride_bsn``), applied once after the K loop,
+        # so the loop is plain ``acc = dot(a, b, acc)``, which Hopper's wgmma keeps in flight across K steps
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -203,25 +207,33 @@ if triton is not None:
             in_k = k < K
             if TMA:  # two-kernel path, tiles by the tensor memory accelerator (out-of-bounds elements read 0)
                 a_q = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
+                if not PER_CHANNEL:
+                    a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
                 b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
             else:
                 if A_QUANTIZED:  # two-kernel path: e4m3 A and its group-major scales, from _quantize_activation_kernel
                     a_q = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :],
                                   mask=in_m[:, None] & in_k[None, :], other=0.0)
-                    a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
+                    if not PER_CHANNEL:
+                        a_scale = tl.load(a_s_ptr + kb * stride_ask + offs_m, mask=in_m, other=0.0)
                 else:  # fused path: quantize this A tile in registers (again in every column-tile program)
                     a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=in_m[:, None] & in_k[None, :],
                                 other=0.0).to(tl.float32)
                     a_q, a_scale = _quantize_rows(a, fp8_max, EMULATE_E4M3_CAST)
                 b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=in_k[:, None] & in_n[None, :],
                             other=0.0)
-            if BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
+            if PER_CHANNEL:
+                acc = tl.dot(a_q, b, acc)
+            elif BLOCK_N <= SCALE_BLOCK:  # the tile lies in one row of weight blocks: one weight scale per K step
                 scale = a_scale * tl.load(b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kb)
                 acc = tl.fma(tl.dot(a_q, b), scale[:, None], acc)
             else:
                 b_scale = tl.load(b_s_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kb, mask=in_n, other=0.0)
                 acc += tl.dot(a_q, b) * a_scale[:, None] * b_scale[None, :]
+        if PER_CHANNEL:  # each split scales its own partial (the scales are linear in it)
+            a_scale = tl.load(a_s_ptr + offs_m, mask=in_m, other=0.0)
+            b_scale = tl.load(b_s_ptr + offs_n * stride_bsn, mask=in_n, other=0.0)
+            acc = acc * a_scale[:, None] * b_scale[None, :]
         out_mask = in_m[:, None] & in_n[None, :]
         if SPLIT_K == 1:
             if ACCUMULATE:  # C += A @ Bᵀ: the sum in fp32, rounded once (a residual add in the epilogue)
@@ -604,14 +616,7 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     out_features = weight.shape[0]
     if weight.shape[1] != cols:
         raise ValueError(f"fp8 GEMM: activations have {cols} channels, the weight {weight.shape[1]}")
-    if accumulate_into is not None:
-        if accumulate_into.shape != (rows, out_features) or accumulate_into.dtype != out_dtype \
-                or accumulate_into.stride(1) != 1:
-            raise ValueError(f"fp8 GEMM: accumulate_into must be a row-major [{rows}, {out_features}] {out_dtype} "
-                             f"tensor, got {tuple(accumulate_into.shape)} {accumulate_into.dtype}")
-        out = accumulate_into
-    else:
-        out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
+    out = output_for(rows, out_features, out_dtype, x.device, accumulate_into)
     if rows == 0:
         return out
     if quantized is not None or quantize_first:
@@ -624,13 +629,40 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     if tiles is None:
         tiles = (plan_tma_tiles(rows, out_features, cols, x.device) if tma
                  else plan_tiles(rows, out_features, cols, x.device, a_quantized=quantize_first))
+    launch_gemm(a, a_scales, a_scale_stride, weight, weight_scales, out, tiles, a_quantized=quantize_first, tma=tma,
+                accumulate=accumulate_into is not None)
+    return out
+
+
+def output_for(rows: int, out_features: int, out_dtype: torch.dtype, device: torch.device,
+               accumulate_into: torch.Tensor | None) -> torch.Tensor:
+    """The ``[rows, out_features]`` tensor a GEMM writes: ``accumulate_into`` (checked: row-major, that shape
+    and dtype; the product is added to it) or a new one."""
+    if accumulate_into is None:
+        return torch.empty((rows, out_features), dtype=out_dtype, device=device)
+    if accumulate_into.shape != (rows, out_features) or accumulate_into.dtype != out_dtype \
+            or accumulate_into.stride(1) != 1:
+        raise ValueError(f"fp8 GEMM: accumulate_into must be a row-major [{rows}, {out_features}] {out_dtype} "
+                         f"tensor, got {tuple(accumulate_into.shape)} {accumulate_into.dtype}")
+    return accumulate_into
+
+
+def launch_gemm(a: torch.Tensor, a_scales: torch.Tensor, a_scale_stride: int, weight: torch.Tensor,
+                weight_scales: torch.Tensor, out: torch.Tensor, tiles: Tiles, a_quantized: bool, tma: bool,
+                accumulate: bool, per_channel: bool = False) -> None:
+    """One launch of ``_fp8_gemm_kernel`` writing ``out [M, N]`` (added to it with ``accumulate``): ``a [M, K]``
+    in its own dtype (the fused path) or e4m3 (``a_quantized``) with group-major scales (``a_scale_stride``
+    between groups) or, ``per_channel``, one scale a token (``a_scales [M, 1]``) and one a weight row
+    (``weight_scales [N, 1]``: ``fp8_channel``); ``tma``: tiles loaded by TMA (:func:`tma_usable`)."""
+    rows, cols = a.shape[0], weight.shape[1]
+    out_features = weight.shape[0]
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), tiles.split_k)
     # fetched on every call, so the first (eager) GEMM on a device allocates them: a CUDA graph captured
     # later (e.g. the dense MoE path, whose shapes the warm-up may not have run) finds them there
-    counters = _split_counters.get(x.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
+    counters = _split_counters.get(a.device, grid[0] * grid[1] if tiles.split_k > 1 else 1)
     if tiles.split_k > 1:
         partials = torch.empty((tiles.split_k, grid[0] * grid[1], tiles.block_m * tiles.block_n),
-                               dtype=torch.float32, device=x.device)
+                               dtype=torch.float32, device=a.device)
     else:
         partials = out  # not read: the SPLIT_K == 1 kernel has no reduction
     a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, BLOCK]) if tma else a  # else: not read
@@ -639,10 +671,9 @@ def w8a8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
                            out_features, cols,
                            a.stride(0), a_scale_stride, weight.stride(0), weight_scales.stride(0), out.stride(0),
                            FP8_MAX, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, SCALE_BLOCK=BLOCK,
-                           SPLIT_K=tiles.split_k, A_QUANTIZED=quantize_first, TMA=tma,
-                           ACCUMULATE=accumulate_into is not None, EMULATE_E4M3_CAST=_interpreting(),
+                           SPLIT_K=tiles.split_k, A_QUANTIZED=a_quantized, TMA=tma, ACCUMULATE=accumulate,
+                           EMULATE_E4M3_CAST=_interpreting(), PER_CHANNEL=per_channel,
                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return out
 
 
 # ---------------------------------------------------------------------------------------- weight-only (W8A16)

@@ -23,8 +23,9 @@ Results equal HF's to rounding (tests compare them in fp32 and bf16).
 
 Under FP8 (``fp8.Fp8Linear`` projections whose GEMM at this token count is the two-kernel one) the
 RMSNorms and the SiLU gate can also write their output's e4m3 activations (``quantize=True``: the
-numbers of ``fp8_triton.quantize_activation``), which the decoder layer hands to the projection they
-feed, and the MLP's residual add runs in the down GEMM's epilogue (:data:`FP8_QUANT_IN_PRODUCER`).
+numbers of ``fp8_triton.quantize_activation``; ``quantize="token"`` for ``--quantization w8a8_fp8``: those
+of ``fp8_channel.quantize_tokens``), which the decoder layer hands to the projection they feed, and the
+MLP's residual add runs in the down GEMM's epilogue (:data:`FP8_QUANT_IN_PRODUCER`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from slime.backends.embedded_engine import small_gemm
 from slime.backends.embedded_engine.kv_cache import FP8_DTYPES
 
 if triton is not None:
-    from slime.backends.embedded_engine.fp8_channel import _quantize_store_token
+    from slime.backends.embedded_engine.fp8_channel import _quantize_store_token, _quantize_token
     from slime.backends.embedded_engine.fp8_triton import FP8_MAX, _interpreting, _quantize_store_groups
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,35 @@ if triton is not None:
         if QUANT == 1:
             _quantize_store_groups(y.to(tl.float32), row, first, width, q_ptr, s_ptr, width, stride_sg, fp8_max,
                                    BLOCK, EMULATE_E4M3_CAST)
+
+    @triton.jit
+    def _silu_mul_packed_token_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_gu, width, fp8_max, BLOCK: tl.constexpr,
+                                      EMULATE_E4M3_CAST: tl.constexpr):
+        """Program ``row``: the whole row of ``silu(gate) * up`` (``BLOCK`` columns at a time), then its e4m3
+        values quantized per token (``--quantization w8a8_fp8``'s down projection): the first pass writes the
+        output and takes its peak, the second recomputes each slice (the same bits; ``[gate | up]`` is in L2
+        by then) and quantizes it — ``fp8_channel.quantize_tokens`` of the output, without its launch."""
+        row = tl.program_id(0)
+        gate_row = gu_ptr + row * stride_gu
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for first in range(0, width, BLOCK):
+            cols = first + tl.arange(0, BLOCK)
+            inside = cols < width
+            g = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+            u = tl.load(gate_row + width + cols, mask=inside, other=0.0).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * width + cols, y, mask=inside)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        peak = tl.max(amax, axis=0)
+        for first in range(0, width, BLOCK):
+            cols = first + tl.arange(0, BLOCK)
+            inside = cols < width
+            g = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+            u = tl.load(gate_row + width + cols, mask=inside, other=0.0).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+            q, scale = _quantize_token(y.to(tl.float32), peak, fp8_max, EMULATE_E4M3_CAST)
+            tl.store(q_ptr + row * width + cols, q, mask=inside)
+        tl.store(s_ptr + row, tl.where(peak > 0, tl.div_rn(peak, fp8_max), 1.0))  # _quantize_token's scale
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq,
@@ -298,16 +328,28 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_packed(gate_up: torch.Tensor, quantize: bool = False):
+SILU_TOKEN_BLOCK = 1024  # columns a program of the per-token quantizing SiLU gate holds at a time
+
+
+def silu_mul_packed(gate_up: torch.Tensor, quantize: bool | str = False):
     """``[..., 2·I]`` holding ``[gate | up]`` (the fused gate/up projection's output) -> ``silu(gate) * up``
     ``[..., I]``, read in place (no split copies). ``quantize``: also its e4m3 activations for the FP8
-    down projection, as :func:`rms_norm`: ``(out, (values, scales))``."""
+    down projection, as :func:`rms_norm`: ``(out, (values, scales))`` — per 128-channel group (True /
+    "group") or per token ("token": one program a row, two passes over it)."""
     shape = gate_up.shape
     width = shape[-1] // 2
     rows = gate_up.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    if quantize == "token":
+        values, scales = _quantized_outputs(rows.shape[0], width, width, out, quantize)
+        if rows.shape[0]:
+            _silu_mul_packed_token_kernel[(rows.shape[0],)](
+                rows, out, values, scales, rows.stride(0), width, FP8_MAX,
+                BLOCK=min(SILU_TOKEN_BLOCK, triton.next_power_of_2(width)), EMULATE_E4M3_CAST=_interpreting(),
+                num_warps=4)
+        return out.view(*shape[:-1], width), (values, scales)
     block = min(1024, triton.next_power_of_2(width))
     values, scales = _quantized_outputs(rows.shape[0], width, block, out, quantize)
     _silu_mul_packed_kernel[(rows.shape[0], triton.cdiv(width, block))](
@@ -437,13 +479,11 @@ def _small_m_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _fp8_consumer(linear, rows: int, device: torch.device, per_token: bool = True):
+def _fp8_consumer(linear, rows: int, device: torch.device):
     """``linear`` when it is an FP8 linear (``fp8.Fp8Linear``, ``fp8_channel.ChannelFp8Linear``) whose GEMM of
     ``rows`` tokens takes its activations quantized by their producer (:data:`FP8_QUANT_IN_PRODUCER`), else
-    None. ``per_token``: whether this producer can quantize per token (a kernel holding whole rows)."""
+    None."""
     if not FP8_QUANT_IN_PRODUCER or not hasattr(linear, "takes_quantized"):
-        return None
-    if linear.activation_scaling == "token" and not per_token:
         return None
     return linear if linear.takes_quantized(rows, device) else None
 
@@ -477,12 +517,11 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
         gate_up.offer(normed, quantized)
     else:
         normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
-    fp8_down = _fp8_consumer(down, tokens, device, per_token=False) if packed else None  # the SiLU gate's
-    # programs hold 1024-channel slices of a row: 128-channel groups only
+    fp8_down = _fp8_consumer(down, tokens, device) if packed else None
     if fp8_down is not None and residual.is_contiguous():
-        act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=True)
+        act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=fp8_down.activation_scaling)
         fp8_down.offer(act, quantized)
-        return fp8_down(act, accumulate_into=residual)  # the residual add in the GEMM's epilogue
+        return fp8_down(act, accumulate_into=residual)  # the residual add in the GEMM's epilogue (or after it)
     if MLP_RESIDUAL_IN_GEMM and getattr(mlp.forward, "__func__", None) is _packed_mlp_forward \
             and type(down) is torch.nn.Linear \
             and down.bias is None and down.weight.dtype == residual.dtype:

@@ -91,8 +91,8 @@ def test_unknown_quantization_and_backend_are_refused(tiny_model_dir):
 
     with pytest.raises(SystemExit, match="--quantization 'awq' is not supported"):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "awq"])
-    with pytest.raises(SystemExit, match="--fp8-gemm-backend 'cutlass'"):
-        parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "cutlass"])
+    with pytest.raises(SystemExit, match="--fp8-gemm-backend 'marlin'"):
+        parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "marlin"])
     for backend in ("triton", "cublas"):
         with pytest.raises(SystemExit, match=f"--fp8-gemm-backend {backend} runs on --device cuda"):
             parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", backend])
@@ -326,13 +326,14 @@ from slime.backends.embedded_engine import fp8_triton
 kernel = fp8_triton._fp8_gemm_kernel
 names = list(kernel.arg_names)
 constexprs = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SCALE_BLOCK", "SPLIT_K", "A_QUANTIZED", "TMA", "ACCUMULATE",
-              "EMULATE_E4M3_CAST"]
+              "EMULATE_E4M3_CAST", "PER_CHANNEL"]
 aligned = ["a_ptr", "a_s_ptr", "b_ptr", "b_s_ptr", "c_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_am",
            "stride_bn", "stride_cm"]  # what the JIT specializes on at run time (16-byte pointers, sizes divisible by 16)
 attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = []
-for block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages in json.loads(sys.argv[1]):
+for block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages, *per_channel in json.loads(sys.argv[1]):
+    per_channel = bool(per_channel and per_channel[0])  # an 8th entry: the kernel's PER_CHANNEL mode (fp8_channel)
     types = dict(a_ptr="*fp8e4nv" if a_quantized else "*bf16", a_s_ptr="*fp32", b_ptr="*fp8e4nv", b_s_ptr="*fp32",
                  c_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", fp8_max="fp32")
     types["a_desc"] = f"tensordesc<fp8e4nv[{block_m}, 128]>" if tma else types["a_ptr"]
@@ -340,15 +341,18 @@ for block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages in json.l
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
     values = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SCALE_BLOCK=128, SPLIT_K=split_k,
                   A_QUANTIZED=bool(a_quantized), TMA=bool(tma), ACCUMULATE=bool(tma and split_k > 1),
-                  EMULATE_E4M3_CAST=False)
+                  EMULATE_E4M3_CAST=False, PER_CHANNEL=per_channel)
     compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}_{tma}.cubin")
+    path = os.path.join(sys.argv[2], f"k{block_m}_{block_n}_{split_k}_{a_quantized}_{tma}_{per_channel}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     ptx = compiled.asm["ptx"]
     report.append(dict(tiles=[block_m, block_n, split_k, num_warps, a_quantized, tma, num_stages],
+                       # the wgmma groups a thread may leave in flight at each wait (0: it waits on every dot)
+                       wgmma_waits=sorted({int(n) for n in
+                                           re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)}),
                        fp8_wgmma=bool(re.search(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
                        tma_loads="cp.async.bulk.tensor" in ptx, shared=compiled.metadata.shared,
                        mma_sync="mma.sync.aligned" in ptx,
@@ -410,6 +414,9 @@ def test_planned_tiles_compile_for_h200_without_spilling(tmp_path):
         assert entry["gpu_e4m3_cast"] != bool(entry["tiles"][4]), entry  # the two-kernel GEMM does not quantize
         # Hopper's fp8 wgmma from 64 rows; smaller tiles take mma.sync on the exact fp16 widening of e4m3
         assert entry["fp8_wgmma"] if entry["tiles"][0] >= 64 else entry["mma_sync"], entry
+        # each K step's dot is scaled by its block's scales before the next: every wgmma waited on at once
+        # (fp8_channel's per-channel mode keeps one in flight: test_fp8_channel)
+        assert entry["wgmma_waits"] == ([0] if entry["fp8_wgmma"] else []), entry
         assert entry["tma_loads"] == bool(entry["tiles"][5]), entry
         if entry["tiles"][5] and entry["tiles"][0] == 64:  # programs an SM by shared memory (228 KiB, 1 KiB each reserved)
             assert (232448 // (entry["shared"] + 1024)) >= (3 if entry["tiles"][6] == 3 else 2), entry
@@ -1699,14 +1706,17 @@ bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 out = []
 cases = [("_rmsnorm_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
          ("_add_rmsnorm_kernel", dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
-         ("_silu_mul_packed_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4)]
+         ("_silu_mul_packed_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4),
+         ("_silu_mul_packed_token_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4)]
 for name, types, block, warps in cases:
     kernel = getattr(fused_ops, name)
     names = list(kernel.arg_names)
     consts = ["BLOCK", "QUANT", "EMULATE_E4M3_CAST"]
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    for quant in ((0, 1) if "silu" in name else (0, 1, 2)):  # none, per 128-channel group, per token (norms)
-        c = triton.compile(ASTSource(kernel, sig, dict(BLOCK=block, QUANT=quant, EMULATE_E4M3_CAST=False), {}),
+    # none, per 128-channel group, per token (the norms; the SiLU gate's per-token kernel is its own, always 2)
+    for quant in ((2,) if "token" in name else (0, 1) if "silu" in name else (0, 1, 2)):
+        values = dict(BLOCK=block, EMULATE_E4M3_CAST=False, **({} if "token" in name else dict(QUANT=quant)))
+        c = triton.compile(ASTSource(kernel, sig, values, {}),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         path = os.path.join(sys.argv[1], f"{name}_{quant}.cubin")
         open(path, "wb").write(c.asm["cubin"])
@@ -1721,7 +1731,7 @@ print(json.dumps(out))
 @needs_interpreter
 def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
     """The RMSNorm, residual add + RMSNorm and SiLU gate kernels with ``QUANT`` (their output's e4m3
-    activations for the FP8 GEMM: per 128-channel group, and for the norms per token, ``w8a8_fp8``), compiled
+    activations for the FP8 GEMM: per 128-channel group, and per token for ``w8a8_fp8``), compiled
     for sm_90 by Triton's own ptxas without a GPU, at the 4B model's widths: the GPU's own e4m3 cast, no
     register spills; without ``QUANT`` no cast at all."""
     import json
@@ -1739,6 +1749,6 @@ def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 8
+    assert len(report) == 9
     for entry in report:
         assert entry["stack"] == 0 and entry["cast"] == (entry["quant"] > 0), entry

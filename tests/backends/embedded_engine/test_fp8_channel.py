@@ -1,7 +1,8 @@
 """Per-channel FP8 (``--quantization w8a8_fp8``, ``fp8_channel.py``): the row quantizer's math, the Triton
-token quantizer against it (under the interpreter in ``scripts/test.sh``'s second pass), the weight-update
-name mapping over fused projections of any row counts, greedy decoding of a quantized tiny model, and, on a
-GPU, ``torch._scaled_mm``'s row-wise path and the engine under CUDA graphs."""
+token quantizer, the per-token quantizing norms and SiLU gate, and the per-channel Triton GEMM against it (under
+the interpreter in ``scripts/test.sh``'s second pass; the GEMM also compiled for sm_90), the weight-update name
+mapping over fused projections of any row counts, greedy decoding of a quantized tiny model, and, on a GPU, both
+FP8 paths (``cutlass``: ``torch._scaled_mm`` row-wise; ``triton``) and the engine under CUDA graphs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine import fp8_channel
-from test_fp8 import (MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
+from test_fp8 import (_SM90_COMPILE, MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
                       check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs, swap_in_fused_layer_forwards)
 
 needs_interpreter = pytest.mark.skipif(
@@ -34,15 +35,25 @@ def test_rows_round_trip_within_half_an_e4m3_spacing_and_zero_rows():
     assert not values[5].float().any()
 
 
-def test_backend_resolution_and_flags(tiny_model_dir):
+def test_backend_resolution_and_flags(tiny_model_dir, monkeypatch):
     from slime.backends.embedded_engine.config import parse_args
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert fp8_channel.resolve_backend("auto", torch.device("cpu")) == "dequant"
-    with pytest.raises(ValueError, match="'triton' with --quantization w8a8_fp8"):
+    with pytest.raises(ValueError, match="'weight_only' with --quantization w8a8_fp8"):
+        fp8_channel.resolve_backend("weight_only", torch.device("cpu"))
+    with pytest.raises(ValueError, match="cutlass with --quantization w8a8_fp8 cannot run here: .*CUDA only"):
+        fp8_channel.resolve_backend("cutlass", torch.device("cpu"))
+    with pytest.raises(ValueError, match="triton with --quantization w8a8_fp8 cannot run here"):
         fp8_channel.resolve_backend("triton", torch.device("cpu"))
     assert parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8"]).quantization == "w8a8_fp8"
+    for backend in ("cutlass", "triton"):
+        with pytest.raises(SystemExit, match=f"--fp8-gemm-backend {backend} runs on --device cuda only"):
+            parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8", "--fp8-gemm-backend", backend])
     with pytest.raises(SystemExit, match="--fp8-gemm-backend cublas is a block-wise"):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8", "--fp8-gemm-backend", "cublas"])
+    with pytest.raises(SystemExit, match="--fp8-gemm-backend cutlass is the per-channel"):
+        parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "cutlass"])
 
 
 @needs_interpreter
@@ -146,10 +157,15 @@ def _needs_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2560, 4096), (128, 19456, 2560), (77, 3072, 1024)])
-def test_gpu_scaled_mm_equals_reference_and_replays_in_a_cuda_graph(rows, out_features, in_features):
+@pytest.mark.parametrize("backend", ["cutlass", "triton"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2560, 4096), (128, 19456, 2560), (77, 3072, 1024),
+                                                           (16, 2560, 9728)])
+def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out_features, in_features, backend):
+    """Both FP8 paths on the GPU against the fp32 reference (bf16 out: within 1% of the output's peak), captured
+    in a CUDA graph and replayed on new activations; the Triton one also with the residual in its epilogue."""
     _needs_sm90()
-    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "scaled_mm"
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "cutlass"
+    assert fp8_channel.resolve_backend(backend, torch.device("cuda")) == backend
     gen = torch.Generator(device="cuda").manual_seed(rows)
     values, scales = fp8_channel.quantize_rows(torch.randn(out_features, in_features, generator=gen, device="cuda")
                                                / in_features**0.5)
@@ -159,12 +175,15 @@ def test_gpu_scaled_mm_equals_reference_and_replays_in_a_cuda_graph(rows, out_fe
     assert torch.equal(x8.view(torch.uint8), reference_x8.view(torch.uint8)) and torch.equal(x_scales,
                                                                                              reference_scales)
     expected = fp8_channel.reference_matmul(x, values, scales)
-    out = fp8_channel.channel_linear(x, values, scales, None, "scaled_mm")
+    out = fp8_channel.channel_linear(x, values, scales, None, backend)
     assert out.dtype == torch.bfloat16
     assert float((out.float() - expected).abs().max() / expected.abs().max()) < 1e-2
+    residual = torch.randn(rows, out_features, generator=gen, device="cuda").to(torch.bfloat16)
+    total = fp8_channel.channel_linear(x, values, scales, None, backend, accumulate_into=residual.clone())
+    assert float((total.float() - residual.float() - expected).abs().max() / expected.abs().max()) < 1.5e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fp8_channel.channel_linear(x, values, scales, None, "scaled_mm")
+        captured = fp8_channel.channel_linear(x, values, scales, None, backend)
     x.copy_(torch.randn(rows, in_features, generator=gen, device="cuda"))
     graph.replay()
     expected = fp8_channel.reference_matmul(x, values, scales)
@@ -172,7 +191,7 @@ def test_gpu_scaled_mm_equals_reference_and_replays_in_a_cuda_graph(rows, out_fe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "dequant"])
+@pytest.mark.parametrize("backend", ["auto", "cutlass", "triton", "dequant"])
 def test_gpu_w8a8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
     _needs_sm90()
     check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, "w8a8_fp8", backend)
@@ -193,11 +212,11 @@ def test_calls_the_rowwise_gemm_cannot_take_use_the_dequantized_weight(monkeypat
     values, scales = fp8_channel.quantize_rows(torch.randn(48, 32, generator=gen))
     x = torch.randn(3, 32, generator=gen)
     expected = x @ fp8_channel.dequantize(values, scales).t()
-    torch.testing.assert_close(fp8_channel.channel_linear(x, values, scales, None, "scaled_mm"), expected)
+    torch.testing.assert_close(fp8_channel.channel_linear(x, values, scales, None, "cutlass"), expected)
     ragged_values, ragged_scales = fp8_channel.quantize_rows(torch.randn(40, 20, generator=gen))
-    fp8_channel.channel_linear(x[:, :20].bfloat16(), ragged_values, ragged_scales, None, "scaled_mm")
+    fp8_channel.channel_linear(x[:, :20].bfloat16(), ragged_values, ragged_scales, None, "cutlass")
     assert calls == []  # fp32 in, then K = 20: both on the dequantized weight
-    out = fp8_channel.channel_linear(x.bfloat16()[None], values, scales, None, "scaled_mm")
+    out = fp8_channel.channel_linear(x.bfloat16()[None], values, scales, None, "cutlass")
     assert out.shape == (1, 3, 48) and out.dtype == torch.bfloat16
     assert calls == [(torch.float8_e4m3fn, (3, 32), (1, 32), (3, 1), (1, 48), torch.bfloat16)]
     torch.testing.assert_close(out[0].float(), fp8_channel.reference_matmul(x.bfloat16(), values, scales),
@@ -235,11 +254,13 @@ def test_norm_kernels_quantize_per_token_like_the_quantizer(dtype):
 
 
 @needs_interpreter
-def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatch):
-    """A tiny bf16 Qwen3 under ``w8a8_fp8`` on the row-wise path (``torch._scaled_mm`` runs row-wise scales on
-    the CPU too) through ``fused_ops``' decoder-layer forward: with ``FP8_QUANT_IN_PRODUCER`` the two RMSNorms
-    hand q/k/v and gate/up their per-token e4m3 activations (the SiLU gate does not: its programs hold slices of
-    a row, so the down projection quantizes its own) — the logits are the same bits as without."""
+@pytest.mark.parametrize("backend,dtype", [("cutlass", torch.bfloat16), ("triton", torch.float32)])
+def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatch, backend, dtype):
+    """A tiny Qwen3 under ``w8a8_fp8`` through ``fused_ops``' decoder-layer forward, on the row-wise
+    ``torch._scaled_mm`` (``cutlass``: it runs row-wise scales on the CPU too; bf16) and on the per-channel Triton
+    GEMM (interpreted; fp32, where an add in the epilogue rounds as the separate add does): with
+    ``FP8_QUANT_IN_PRODUCER`` the two RMSNorms and the SiLU gate hand q/k/v, gate/up and down their per-token
+    e4m3 activations and the down projection takes the residual — the logits are the same bits as without."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from slime.backends.embedded_engine import fp8, fused_ops, fused_projections
@@ -248,24 +269,165 @@ def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatc
     config = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
     config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     assert fused_projections.install(model, row_multiple=1) == {"qkv": 2, "gate_up": 2}
-    fp8.quantize_model(model, "scaled_mm", per_channel=True)
+    fp8.quantize_model(model, backend, per_channel=True)
     swap_in_fused_layer_forwards(model)
-    offered = []
+    offered, epilogue = [], []
     linear_forward = fp8_channel.ChannelFp8Linear.forward
 
     def spy(self, x, accumulate_into=None):
         offered.append(self._offered is not None and self._offered[0] is x)
+        epilogue.append(accumulate_into is not None)
         return linear_forward(self, x, accumulate_into=accumulate_into)
 
     monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward", spy)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         fused = model(ids).logits
-        handed = sum(offered)
+        handed, added = sum(offered), sum(epilogue)
         monkeypatch.setattr(fused_ops, "FP8_QUANT_IN_PRODUCER", False)
-        offered.clear()
+        offered.clear(), epilogue.clear()
         plain = model(ids).logits
-    assert handed == 4 and sum(offered) == 0  # per layer: q/k/v and gate/up
+    assert (handed, added) == (6, 2) and sum(offered) == sum(epilogue) == 0  # per layer: q/k/v, gate/up, down
     assert torch.equal(fused, plain)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,width,dtype", [(4, 2500, torch.bfloat16), (3, 384, torch.float32),
+                                              (1, 1024, torch.bfloat16)])
+def test_silu_gate_quantizes_per_token_like_the_quantizer(rows, width, dtype):
+    """``fused_ops.silu_mul_packed(quantize="token")`` (one program a row; 2500 channels: three slices, the last
+    ragged) returns the same output as without and exactly :func:`fp8_channel.quantize_tokens` of it, a zero row
+    scaled 1: the down projection's GEMM reads what its own quantize launch would have made."""
+    from slime.backends.embedded_engine import fused_ops
+
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 3).to(dtype)
+    gate_up[-1, :width] = 0  # silu(0) * up = 0: a zero row
+    out, (values, scales) = fused_ops.silu_mul_packed(gate_up, quantize="token")
+    assert torch.equal(out, fused_ops.silu_mul_packed(gate_up))
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate_up[:, :width].float()) * gate_up[:, width:]
+                               .float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    want_values, want_scales = fp8_channel.quantize_tokens(out)
+    assert scales.shape == (rows, 1) and torch.equal(scales, want_scales) and scales[-1] == 1.0
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert values.float().abs().amax(1)[:-1].eq(448).all()
+
+
+def _channel_case(rows: int, out_features: int, in_features: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * torch.logspace(-2, 0, out_features)[:, None]
+    values, scales = fp8_channel.quantize_rows(weight)
+    x = torch.randn(rows, in_features, generator=gen) * torch.logspace(-1, 1, rows)[:, None]
+    return x, values, scales
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,out_features,in_features,tiles,tma", [
+    (5, 96, 384, None, True),  # the planned launch (16-row tiles), loaded by TMA
+    (20, 80, 512, (64, 64, 2), True),  # split K, a ragged column tile
+    (20, 80, 512, (64, 64, 2), False),  # the same by pointer loads
+    (3, 48, 300, None, False)])  # K = 300: rows not 16-byte aligned, pointer loads, a ragged K step
+def test_channel_triton_gemm_interpreted_equals_reference(monkeypatch, rows, out_features, in_features, tiles, tma):
+    """``fp8_channel.triton_matmul`` (``_fp8_gemm_kernel`` with ``PER_CHANNEL``: the token's and the channel's
+    scales applied once, after the K loop) against :func:`fp8_channel.reference_matmul` (the dequantized operands
+    multiplied in fp32), in fp32 out: equal to fp32 rounding (a scale applied per K step, a wrong row's or
+    column's scale, or a lost split are off by far more); the residual added in the epilogue; and the same bits
+    from activations quantized by their producer as from its own quantize launch."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "USE_TMA", tma)
+    x, values, scales = _channel_case(rows, out_features, in_features, seed=rows + in_features)
+    assert fp8_triton.tma_usable(fp8_channel.quantize_tokens(x)[0], values) == tma
+    if tiles is not None:
+        tiles = fp8_triton.Tiles(*tiles, num_warps=4, num_stages=3)
+    expected = fp8_channel.reference_matmul(x, values, scales)
+    out = fp8_channel.triton_matmul(x, values, scales, torch.float32, tiles=tiles)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    again = fp8_channel.triton_matmul(x, values, scales, torch.float32, quantized=fp8_channel.quantize_rows(x),
+                                      tiles=tiles)
+    assert torch.equal(again, out)
+    residual = torch.randn(rows, out_features, generator=torch.Generator().manual_seed(9))
+    total = residual.clone()
+    assert fp8_channel.triton_matmul(x, values, scales, torch.float32, accumulate_into=total, tiles=tiles) is total
+    torch.testing.assert_close(total, residual + expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@needs_interpreter
+def test_channel_triton_linear_interpreted_bf16_with_bias_and_refusals(monkeypatch):
+    """The ``triton`` backend through ``channel_linear``: bf16 activations with a leading batch dimension and a
+    bias, within a bf16 rounding of the fp32 reference; an offered quantization of the wrong layout is refused by
+    name, not misread."""
+    x, values, scales = _channel_case(6, 64, 256, seed=2)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = fp8_channel.channel_linear(x.to(torch.bfloat16)[None], values, scales, bias, "triton")
+    assert out.shape == (1, 6, 64) and out.dtype == torch.bfloat16
+    expected = fp8_channel.reference_matmul(x.to(torch.bfloat16), values, scales) + bias.float()
+    torch.testing.assert_close(out[0].float(), expected, rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+    x8, _ = fp8_channel.quantize_tokens(x)
+    with pytest.raises(ValueError, match="one contiguous scale a token"):
+        fp8_channel.triton_matmul(x, values, scales, torch.float32, quantized=(x8, torch.ones(6, 2)))
+
+
+@needs_interpreter
+def test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight(tmp_path):
+    """The per-channel GEMM compiled for sm_90 by Triton's own ptxas, without a GPU, at the launches the plan
+    gives Qwen3 decode shapes (64 x 64 five stages, 64 x 128 split two ways, 16-row tiles): Hopper's e4m3 wgmma
+    loaded by TMA, and — the point of applying the scales after the K loop — a wait that leaves one wgmma group
+    in flight inside the loop (the block-scaled kernel waits on every K step's: test_fp8), no register spills.
+    16-row tiles take mma.sync, as in the block-scaled kernel."""
+    import json
+    import subprocess
+    import sys
+
+    from slime.backends.embedded_engine import fp8_triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(fp8_triton.triton.__file__), "backends", "nvidia", "bin",
+                                       "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    tiles = [(64, 64, 1, 4, 1, 1, 5, 1), (64, 128, 2, 4, 1, 1, 4, 1), (16, 128, 4, 4, 1, 1, 4, 1)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])[:-1]  # the last entry: the block-wise quantizer
+    assert [entry["tiles"] for entry in report] == [list(t[:7]) for t in tiles]
+    for entry in report:
+        assert entry["stack"] == 0 and entry["tma_loads"] and not entry["gpu_e4m3_cast"], entry
+        if entry["tiles"][0] == 64:
+            assert entry["fp8_wgmma"] and entry["wgmma_waits"] == [0, 1], entry
+        else:
+            assert entry["mma_sync"] and entry["wgmma_waits"] == [], entry
+
+
+def test_warm_up_compiles_every_launch_of_the_channel_gemm(monkeypatch):
+    """``fp8.warm_up`` on ``w8a8_fp8`` linears on the ``triton`` path runs the per-channel GEMM (and its
+    epilogue-add variant) once per distinct launch of each weight shape, however many layers share it, and every
+    token count up to the limit maps to a launch it ran: no decode bucket or prefill compiles mid-rollout."""
+    from torch import nn
+
+    from slime.backends.embedded_engine import fp8, fp8_triton
+
+    if fp8_triton.triton is None:
+        pytest.skip("needs triton (the tile planners)")
+    monkeypatch.setattr(fp8_triton, "available", lambda device: True)
+    monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward", lambda self, x, accumulate_into=None: None)
+    ran = []
+    monkeypatch.setattr(fp8, "_warm_up_channel_gemm", lambda values, scales, dtype, rows: ran.append(
+        (rows, *values.shape)))
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False)})
+        for _ in range(3))})
+    weights = fp8.quantize_model(model, "triton", per_channel=True)
+    count, _ = fp8.warm_up(weights, max_rows=600)
+    assert count == len(ran) + 1  # and the first linear's call: the token quantizer
+    cpu = torch.device("cpu")
+    for n, k in ((1024, 256), (256, 1024)):
+        tma = fp8_triton.tma_usable_for(weights.linears["layers.0.up" if n == 1024 else "layers.0.down"].weight_fp8)
+        launched = [fp8_triton.launch_key("two_kernel", rows, n, k, cpu, tma) for rows, rn, rk in ran
+                    if (rn, rk) == (n, k)]
+        assert len(launched) == len(set(launched)) < 60
+        assert set(launched) == {fp8_triton.launch_key("two_kernel", rows, n, k, cpu, tma) for rows in range(1, 601)}
