@@ -108,8 +108,9 @@ def main() -> None:
                         help="serve with FP8 linear layers (the engine's --quantization: fp8 block-wise, w8a8_fp8 "
                              "per channel)")
     parser.add_argument("--fp8-gemm-backend", default="auto",
-                        choices=["auto", "weight_only", "triton", "cublas", "dequant"],
-                        help="with --quantization fp8: the engine's FP8 GEMM (--fp8-gemm-backend)")
+                        choices=["auto", "weight_only", "triton", "cublas", "cutlass", "dequant"],
+                        help="the engine's FP8 GEMM (--fp8-gemm-backend; with w8a8_fp8: auto, cutlass, triton or "
+                             "dequant)")
     parser.add_argument("--batch", type=int, default=128, help="rows in the decode step")
     parser.add_argument("--position", type=int, default=511, help="every row's position (it reads position + 1 tokens)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")

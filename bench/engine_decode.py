@@ -365,8 +365,11 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["fp8", "w8a8_fp8"],
                         help="serve with FP8 linear layers (the engine's --quantization): fp8 block-wise, w8a8_fp8 "
                              "per channel")
-    parser.add_argument("--fp8-gemm-backend", default="auto", choices=["auto", "weight_only", "triton", "cublas", "dequant"],
-                        help="with --quantization fp8: the engine's GEMM (auto: fused triton up to 16 tokens, two-kernel triton up to 256, cublas above)")
+    parser.add_argument("--fp8-gemm-backend", default="auto",
+                        choices=["auto", "weight_only", "triton", "cublas", "cutlass", "dequant"],
+                        help="the engine's FP8 GEMM: with --quantization fp8 auto is fused triton up to 16 tokens, "
+                             "two-kernel triton up to 256, cublas above; with w8a8_fp8 auto is cutlass "
+                             "(torch._scaled_mm row-wise), triton the per-channel Triton GEMM")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seed", type=int, default=0)

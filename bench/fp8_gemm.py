@@ -50,14 +50,19 @@ time); per ``<model>/layer``, both summed over a layer. Per ``<model>/layer/M<ro
 (``fp8_triton.candidate_tiles`` / ``tma_candidates`` / ``weight_only_candidates``): whether the plan
 picks as the GPU ranks them.
 
-``--rowwise`` (CUDA, sm_90) adds the GEMM of ``--quantization w8a8_fp8`` (``fp8_channel.scaled_mm``), which is
-what SGLang runs for an online FP8 of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of the weight,
-one per token of the activations; ``torch._scaled_mm`` with row-wise scales, CUTLASS), whose scales apply once in
-the epilogue instead of at every 128-wide K group. ``rowwise_gemm_us`` times the GEMM alone on activations
-quantized beforehand (as the RMSNorms hand them to q/k/v and gate/up),
-``rowwise_speedup`` is bf16 over it; ``rowwise_quant_err`` / ``block_quant_err`` are each scheme's mean |error|
-against the fp32 product of the unquantized bf16 operands, over the mean |output| (what the coarser scales cost
-in accuracy; random weights have no outlier channels, real ones do).
+``--rowwise`` (CUDA, sm_90) adds the GEMMs of ``--quantization w8a8_fp8``, which is what SGLang runs for an
+online FP8 of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of the weight, one per token of the
+activations), whose scales apply once after the K loop instead of at every 128-wide K group: ``rowwise_gemm_us``
+its ``cutlass`` path (``fp8_channel.scaled_mm``: ``torch._scaled_mm`` with row-wise scales) and
+``channel_triton_us`` its ``triton`` path (``fp8_channel.triton_matmul``, planned tiles in
+``channel_triton_tiles``), each alone on activations quantized beforehand (as the RMSNorms and the SiLU gate hand
+them over); ``rowwise_speedup`` / ``channel_triton_speedup`` are bf16 over them, ``*_hbm_fraction`` their bytes
+(e4m3 weight, fp32 scales, activations in and out) per second over the HBM spec. ``rowwise_quant_err`` /
+``block_quant_err`` are each scheme's mean |error| against the fp32 product of the unquantized bf16 operands,
+over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
+ones do). ``--sweep channel`` (with ``--rowwise``) times the per-channel Triton GEMM over every TMA launch
+(``fp8_triton.tma_candidates``): ``channel_sweep_us``, ``channel_sweep_best_us`` / ``_tiles``,
+``channel_planned_over_best``.
 """
 
 from __future__ import annotations
@@ -161,24 +166,51 @@ def _tiles_label(tiles) -> str:
 
 
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
-                  device: torch.device, repeats: int, copies: int) -> dict:
+                  device: torch.device, repeats: int, copies: int, sweep: bool) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
-    from slime.backends.embedded_engine import fp8_channel
+    from slime.backends.embedded_engine import fp8_channel, fp8_triton
 
     quantized = fp8_channel.quantize_rows(x)
     w8, w_scales = fp8_channel.quantize_rows(weight)
     weights = [(w8, w_scales)] + [(w8.clone(), w_scales.clone()) for _ in range(copies - 1)]
 
-    def gemm(w8, w_scales):  # the engine's call with the activations quantized beforehand (by their producer)
+    # the engine's calls with the activations quantized beforehand (by their producer)
+    def cutlass(w8, w_scales):
         return fp8_channel.scaled_mm(x, w8, w_scales, torch.bfloat16, quantized=quantized)
 
-    us = time_us([lambda w=w, s=s: gemm(w, s) for w, s in weights], device, repeats)
+    def triton_gemm(w8, w_scales, tiles=None):
+        return fp8_channel.triton_matmul(x, w8, w_scales, torch.bfloat16, quantized=quantized, tiles=tiles)
+
+    def timed(gemm, tiles=None):
+        return time_us([lambda w=w, s=s: gemm(w, s, tiles) if tiles else gemm(w, s) for w, s in weights], device,
+                       repeats)
+
+    rows, (out_features, in_features) = x.shape[0], w8.shape
     exact = x.float() @ weight.float().t()
     scale = exact.abs().mean()
-    rowwise = gemm(w8, w_scales).float()
+    reference = fp8_channel.reference_matmul(x, w8, w_scales)
     block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
-    return {"rowwise_gemm_us": us, "rowwise_quant_err": float((rowwise - exact).abs().mean() / scale),
-            "block_quant_err": float((block - exact).abs().mean() / scale)}
+    result = {"rowwise_gemm_us": timed(cutlass), "channel_triton_us": timed(triton_gemm),
+              "channel_triton_tiles": str(fp8_triton.plan_tma_tiles(rows, out_features, in_features, device)),
+              "rowwise_quant_err": float((cutlass(w8, w_scales).float() - exact).abs().mean() / scale),
+              "block_quant_err": float((block - exact).abs().mean() / scale),
+              "channel_triton_max_rel_err": float((triton_gemm(w8, w_scales).float() - reference).abs().max()
+                                                  / reference.abs().max())}
+    moved = w8.numel() + w_scales.numel() * 4 + rows * in_features * 2 + rows * out_features * 2
+    for column in ("rowwise_gemm", "channel_triton"):
+        result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / H200_HBM_BYTES_PER_S
+    if sweep:
+        table = []
+        for tiles in fp8_triton.tma_candidates(rows, in_features):
+            try:
+                table.append((timed(triton_gemm, tiles), tiles))
+            except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
+                print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        best_us, best_tiles = min(table, key=lambda item: item[0])
+        result.update({"channel_sweep_us": {_tiles_label(tiles): round(us, 2) for us, tiles in table},
+                       "channel_sweep_best_us": best_us, "channel_sweep_best_tiles": str(best_tiles),
+                       "channel_planned_over_best": result["channel_triton_us"] / best_us})
+    return result
 
 
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
@@ -215,8 +247,10 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             reference = references[path != "weight_only"]  # W8A8 paths: against the quantized activations
             result[f"{path}_max_rel_err"] = float((out - reference).abs().max() / reference.abs().max())
         if args.rowwise:
-            result.update(rowwise_probe(x, weight, values, scales, device, args.repeats, copies))
+            result.update(rowwise_probe(x, weight, values, scales, device, args.repeats, copies,
+                                        sweep="channel" in args.sweep))
             result["rowwise_speedup"] = result["bf16_us"] / result["rowwise_gemm_us"]
+            result["channel_triton_speedup"] = result["bf16_us"] / result["channel_triton_us"]
         tma = fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
         result["two_kernel_tma"] = tma
         if tma:  # the same GEMM with pointer loads and the cost model's tiles (before session 20)
@@ -243,7 +277,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                        "fp8_tb_s": fp8_bytes / result[f"{best}_us"] / 1e6})
         result["bf16_hbm_fraction"] = result["bf16_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
         result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
-        for swept in args.sweep:
+        for swept in (path for path in args.sweep if path != "channel"):  # channel: in rowwise_probe
             candidates = (fp8_triton.weight_only_candidates(rows, in_features) if swept == "weight_only"
                           else fp8_triton.tma_candidates(rows, in_features) if swept == "two_kernel" and tma
                           else fp8_triton.candidate_tiles(rows, in_features))
@@ -279,19 +313,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", nargs="?", const="fused", default="",
                         help="also time every candidate tile of these Triton paths (comma-separated: fused, "
                              "two_kernel (its TMA launches, fp8_triton.tma_candidates, where TMA runs), "
-                             "weight_only; bare --sweep = fused; slow: compiles each)")
+                             "weight_only, channel (the per-channel Triton GEMM of w8a8_fp8, with --rowwise); "
+                             "bare --sweep = fused; slow: compiles each)")
     parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
                              "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
     parser.add_argument("--rowwise", action="store_true",
-                        help="also time the per-channel x per-token FP8 GEMM of --quantization w8a8_fp8 "
-                             "(torch._scaled_mm row-wise; CUDA sm_90)")
+                        help="also time the per-channel x per-token FP8 GEMMs of --quantization w8a8_fp8 "
+                             "(torch._scaled_mm row-wise, and the per-channel Triton GEMM; CUDA sm_90)")
     parser.add_argument("--out", nargs="?", const="bench/results", default=None,
                         help="write the results file (a directory, or a .json path)")
     args = parser.parse_args(argv)
     args.sweep = [path for path in args.sweep.split(",") if path]
-    if any(path not in ("fused", "two_kernel", "weight_only") for path in args.sweep):
-        parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, two_kernel, weight_only")
+    if any(path not in ("fused", "two_kernel", "weight_only", "channel") for path in args.sweep):
+        parser.error(f"--sweep {','.join(args.sweep)}: choose from fused, two_kernel, weight_only, channel")
+    if "channel" in args.sweep and not args.rowwise:
+        parser.error("--sweep channel times the per-channel GEMM of --rowwise: add --rowwise")
     device = torch.device(args.device)
     if args.rowwise and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         parser.error("--rowwise: torch._scaled_mm's row-wise FP8 GEMM runs on sm_90 (H100/H200) only")
@@ -318,7 +355,7 @@ def main(argv=None) -> dict:
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
                 for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto",
-                               "rowwise_gemm"):
+                               "rowwise_gemm", "channel_triton"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
         for key in ("quantize_weight_torch_us", "quantize_weight_triton_us"):  # one layer's update
