@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: serve the decoder's linear layers (attention, MLP, experts) as block-wise FP8 e4m3 "
                         "with one fp32 scale per 128x128 block, quantized at load and at every weight update; "
                         "w8a8_fp8: one scale per output channel and the activations per token (SGLang's W8A8 FP8, "
-                        "its online form on Hopper; dense models); embeddings, lm_head, norms and the KV cache stay "
+                        "its online form on Hopper); embeddings, lm_head, norms and the KV cache stay "
                         "in --dtype (SGLang's flag; these two are the values the embedded engine implements)")
     p.add_argument("--fp8-gemm-backend", default="auto",
                    help="with --quantization fp8: weight_only (CUDA) keeps the activations in --dtype and "

@@ -357,8 +357,13 @@ class Fp8Experts(nn.Module):
     ``forward(hidden_states, top_k_index, top_k_weights)``) with each expert's gate, up and down
     matrices block-quantized separately (so a checkpoint-named update of one touches only its own blocks)."""
 
+    #: how the weight-update path (:class:`Fp8Weights`) writes and reads the storage, how it is made at load,
+    #: the scales' buffer suffix and the GEMM (``fp8_channel.ChannelFp8Experts``: per channel)
     quantize_into = staticmethod(quantize_weight_into)
     dequantize = staticmethod(dequantize_weight)
+    quantize = staticmethod(quantize_weight)
+    scales_suffix = "scale_inv"
+    linear = staticmethod(fp8_linear)
 
     def __init__(self, experts: nn.Module, backend: str):
         super().__init__()
@@ -370,18 +375,18 @@ class Fp8Experts(nn.Module):
         gate_up = experts.gate_up_proj.detach()
         for kind, weight in (("gate", gate_up[:, :self.intermediate]), ("up", gate_up[:, self.intermediate:]),
                              ("down", experts.down_proj.detach())):
-            values, scales = quantize_weight(weight)
+            values, scales = self.quantize(weight)
             self.register_buffer(f"{kind}_fp8", values)
-            self.register_buffer(f"{kind}_scale_inv", scales)
+            self.register_buffer(f"{kind}_{self.scales_suffix}", scales)
 
     def matrix(self, kind: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        values, scales = getattr(self, f"{kind}_fp8"), getattr(self, f"{kind}_scale_inv")
+        values, scales = getattr(self, f"{kind}_fp8"), getattr(self, f"{kind}_{self.scales_suffix}")
         return (values, scales) if expert is None else (values[expert], scales[expert])
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate = fp8_linear(rows, *self.matrix("gate", expert), None, self.backend)
-        up = fp8_linear(rows, *self.matrix("up", expert), None, self.backend)
-        return fp8_linear(self.act_fn(gate) * up, *self.matrix("down", expert), None, self.backend)
+        gate = self.linear(rows, *self.matrix("gate", expert), None, self.backend)
+        up = self.linear(rows, *self.matrix("up", expert), None, self.backend)
+        return self.linear(self.act_fn(gate) * up, *self.matrix("down", expert), None, self.backend)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -519,6 +524,7 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     import time
 
     from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Experts
 
     start = time.perf_counter()
     seen: set[tuple] = set()
@@ -534,8 +540,12 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     # the per-channel Triton GEMM: the two-kernel launches, in the kernel's PER_CHANNEL mode
     matrices += [(module.weight_fp8, module.weight_scale, module.dtype, "channel_triton")
                  for module in per_channel if module.backend == "triton"]
-    matrices += [(*module.matrix(kind, 0), module.dtype, module.backend)  # every expert's matrices share a shape
-                 for module in weights.experts.values() for kind in ("gate", "up", "down")]
+    for module in weights.experts.values():  # every expert's matrices share a shape
+        if isinstance(module, ChannelFp8Experts):  # per channel: only the Triton GEMM has launches to compile
+            backend = "channel_triton" if module.backend == "triton" else "dequant"
+        else:
+            backend = module.backend
+        matrices += [(*module.matrix(kind, 0), module.dtype, backend) for kind in ("gate", "up", "down")]
     for values, scales, dtype, backend in matrices:
         shapes.setdefault((*values.shape, dtype, backend, str(values.device)), (values, scales, dtype, backend))
     for values, scales, dtype, backend in shapes.values():
@@ -591,7 +601,7 @@ def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = (), p
     blocks (``--quantization fp8``), or one scale per output channel (``per_channel``: ``--quantization
     w8a8_fp8``, ``fp8_channel.py``; ``backend`` is then one of its backends). ``keep``: module-name suffixes
     left in the model dtype (besides routers, embeddings and the head)."""
-    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Linear
+    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Experts, ChannelFp8Linear
 
     linears, experts = {}, {}
     for name, module in list(model.named_modules()):
@@ -603,10 +613,7 @@ def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = (), p
                 continue
             replacement = linears[name] = (ChannelFp8Linear if per_channel else Fp8Linear)(module, backend)
         elif _is_fused_experts(module):
-            if per_channel:
-                raise ValueError(f"--quantization w8a8_fp8: the routed experts of {name} are not implemented per "
-                                 "channel in the embedded engine; use --quantization fp8 (block-wise) for this model")
-            replacement = experts[name] = Fp8Experts(module, backend)
+            replacement = experts[name] = (ChannelFp8Experts if per_channel else Fp8Experts)(module, backend)
         else:
             continue
         setattr(model.get_submodule(parent_name), leaf, replacement)

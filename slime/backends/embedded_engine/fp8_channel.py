@@ -29,7 +29,8 @@ the SiLU gate for down; :meth:`ChannelFp8Linear.takes_quantized`).
 
 Weights live in the module as ``weight_fp8 [N, K]`` and ``weight_scale [N, 1]`` (SGLang's names). Any rows
 of a fused projection are a part's own channels, so a weight update quantizes a part into its rows without
-the 128-row alignment the blocks need. Routed experts are not implemented (``--quantization fp8`` does them).
+the 128-row alignment the blocks need. Routed experts (:class:`ChannelFp8Experts`) keep one scale per output channel
+of each expert's gate, up and down matrix (``gate_fp8 [E, I, H]``, ``gate_scale [E, I, 1]``, ...).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import logging
 import torch
 from torch import nn
 
-from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, QuantizedLinear, _scales_from_amax
+from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Experts, QuantizedLinear, _scales_from_amax
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,12 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def quantize_weight(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight's :func:`quantize_rows`: on CUDA by :func:`quantize_tokens`' one launch (the same numbers),
-    elsewhere by torch."""
-    return quantize_tokens(matrix) if matrix.is_cuda else quantize_rows(matrix)
+    """A weight's (or a stack of experts' ``[E, N, K]``) :func:`quantize_rows`: on CUDA by :func:`quantize_tokens`'
+    one launch (the same numbers), elsewhere by torch."""
+    if not matrix.is_cuda:
+        return quantize_rows(matrix)
+    values, scales = quantize_tokens(matrix.reshape(-1, matrix.shape[-1]))
+    return values.view(matrix.shape), scales.view(*matrix.shape[:-1], 1)
 
 
 @torch.no_grad()
@@ -326,3 +330,19 @@ class ChannelFp8Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 per channel, {self.backend}"
+
+
+class ChannelFp8Experts(Fp8Experts):
+    """transformers' fused routed experts with each expert's gate, up and down matrices quantized per output
+    channel (``{gate,up,down}_fp8 [E, N, K]``, ``{gate,up,down}_scale [E, N, 1]``), each expert's GEMMs through
+    :func:`channel_linear` on the engine's path; routing, the dense CUDA-graph form and the update path are
+    ``fp8.Fp8Experts``'."""
+
+    quantize_into = staticmethod(quantize_rows_into)
+    dequantize = staticmethod(dequantize)
+    quantize = staticmethod(quantize_weight)
+    scales_suffix = "scale"
+    linear = staticmethod(channel_linear)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, intermediate={self.intermediate}, fp8 per channel, {self.backend}"

@@ -143,11 +143,51 @@ def test_w8a8_engine_greedy_decode_stays_close_to_fp32(runners, tiny_model_dir):
     assert agree >= total // 2, (agree, total)
 
 
-def test_routed_experts_are_refused_per_channel(tiny_deepseek_v3_dir):
-    from slime.backends.embedded_engine.model_runner import ModelRunner
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_moe_experts_are_quantized_per_channel_and_updated_by_checkpoint_and_fused_names(
+        arch, tiny_deepseek_v3_dir, tiny_qwen3_moe_dir):
+    """Routed experts under ``w8a8_fp8``: one scale per output channel of each expert's gate, up and down
+    (``[E, N, 1]``); the model's log-probs within the FP8 bound of transformers' fp32 ones; the graph-capturable
+    dense form equal to the routed loop; an update by checkpoint name (one expert's gate) and by the fused
+    ``gate_up_proj`` re-quantizing exactly those rows, per channel; a wrong shape refused by name."""
+    from engine_test_utils import load_hf
+    from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 
-    with pytest.raises(ValueError, match="w8a8_fp8: the routed experts of .* use --quantization fp8"):
-        ModelRunner(tiny_deepseek_v3_dir, num_slots=2, quantization="w8a8_fp8")
+    model_dir = tiny_deepseek_v3_dir if arch == "deepseek_v3" else tiny_qwen3_moe_dir
+    runner = ModelRunner(model_dir, num_slots=2, slot_capacity=64, quantization="w8a8_fp8")
+    assert runner.fp8.experts and all(isinstance(m, fp8_channel.ChannelFp8Experts)
+                                      for m in runner.fp8.experts.values())
+    prefix, experts = next(iter(runner.fp8.experts.items()))
+    num, inter, hidden = experts.gate_fp8.shape
+    assert experts.gate_scale.shape == (num, inter, 1) and experts.down_scale.shape == (num, hidden, 1)
+    prompt = PROMPTS[2] + PROMPTS[0]
+    _, (logits,) = runner.forward([0], [ForwardRow(prompt, 0, want_all_logits=True)])
+    with torch.no_grad():
+        reference = load_hf(model_dir)(torch.tensor([prompt])).logits[0]
+    gap = float((torch.log_softmax(logits, -1) - torch.log_softmax(reference, -1)).abs().mean())
+    print(f"{arch} w8a8_fp8 vs fp32: mean log-prob gap {gap:.4f}")
+    assert 1e-5 < gap < MAX_MEAN_LOGPROB_GAP, gap
+    generator = torch.Generator().manual_seed(4)
+    states = torch.randn(6, hidden, generator=generator)
+    picks = torch.stack([torch.randperm(num, generator=generator)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=generator)
+    torch.testing.assert_close(experts.dense_forward(states, picks, weights),
+                               experts.routed_forward(states, picks, weights), rtol=1e-5, atol=1e-6)
+    name = f"{prefix}.3.gate_proj.weight"
+    before_up = experts.up_fp8.clone()
+    new_gate = torch.randn(inter, hidden, generator=torch.Generator().manual_seed(0)) * 0.05
+    runner.load_named_tensors([(name, new_gate)])
+    assert torch.equal(runner.get_weight(name), fp8_channel.dequantize(*fp8_channel.quantize_rows(new_gate)))
+    assert torch.equal(experts.gate_scale[3], fp8_channel.quantize_rows(new_gate)[1])
+    assert torch.equal(experts.up_fp8.view(torch.uint8), before_up.view(torch.uint8))
+    new_fused = torch.randn(num, 2 * inter, hidden, generator=torch.Generator().manual_seed(1)) * 0.05
+    runner.load_named_tensors([(f"{prefix}.gate_up_proj", new_fused)])
+    assert torch.equal(runner.get_weight(f"{prefix}.5.up_proj.weight"),
+                       fp8_channel.dequantize(*fp8_channel.quantize_rows(new_fused[5, inter:])))
+    assert torch.equal(runner.get_weight(f"{prefix}.gate_up_proj")[2, :inter],
+                       fp8_channel.dequantize(*fp8_channel.quantize_rows(new_fused[2, :inter])))
+    with pytest.raises(ValueError, match="expected shape"):
+        runner.load_named_tensors([(f"{prefix}.gate_up_proj", new_fused[:, :inter])])
 
 
 # ---------------------------------------------------------------------------------- CUDA (skipped without it)
@@ -195,6 +235,31 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
 def test_gpu_w8a8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
     _needs_sm90()
     check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, "w8a8_fp8", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cutlass", "triton"])
+def test_gpu_w8a8_moe_engine_decodes_through_cuda_graphs(tiny_deepseek_v3_dir, backend):
+    """Per-channel routed experts switch to their dense form while a decode step is captured (no host sync)."""
+    import httpx
+    from engine_test_utils import hf_logprobs, load_hf
+    from slime.backends.embedded_engine.launch import running_engine
+    from test_fp8 import _greedy
+
+    _needs_sm90()
+    hf = load_hf(tiny_deepseek_v3_dir)
+    with running_engine(tiny_deepseek_v3_dir, extra_args=["--device", "cuda", "--context-length", "256",
+                                                          "--max-running-requests", "8", "--quantization", "w8a8_fp8",
+                                                          "--fp8-gemm-backend", backend]) as proc, \
+            httpx.Client(base_url=proc.url, timeout=120) as http:
+        gaps = []
+        for prompt in PROMPTS:
+            tokens, logprobs = _greedy(http, prompt)
+            gaps += [abs(a - b) for a, b in zip(logprobs, hf_logprobs(hf, prompt, tokens, 1.0))]
+        assert http.get("/get_server_info").json()["internal_states"][0]["cuda_graph_captures"] > 0
+    mean_gap = sum(gaps) / len(gaps)
+    print(f"DeepSeek-V3 w8a8_fp8 {backend} on CUDA: mean log-prob gap vs HF fp32 {mean_gap:.4f}")
+    assert mean_gap < 2 * MAX_MEAN_LOGPROB_GAP, mean_gap
 
 
 def test_calls_the_rowwise_gemm_cannot_take_use_the_dequantized_weight(monkeypatch):
