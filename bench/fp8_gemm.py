@@ -62,7 +62,7 @@ them over); ``rowwise_speedup`` / ``channel_triton_speedup`` are bf16 over them,
 over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
 ones do). ``--sweep channel`` (with ``--rowwise``) times the per-channel Triton GEMM over every TMA launch
 (``fp8_triton.tma_candidates``): ``channel_sweep_us``, ``channel_sweep_best_us`` / ``_tiles``,
-``channel_planned_over_best``.
+``channel_planned_over_best`` (``fp8_channel.candidate_tiles``: those and 128-row tiles on 8 warps).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _tiles_label(tiles) -> str:
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   device: torch.device, repeats: int, copies: int, sweep: bool) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
-    from slime.backends.embedded_engine import fp8_channel, fp8_triton
+    from slime.backends.embedded_engine import fp8_channel
 
     quantized = fp8_channel.quantize_rows(x)
     w8, w_scales = fp8_channel.quantize_rows(weight)
@@ -191,7 +191,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
     reference = fp8_channel.reference_matmul(x, w8, w_scales)
     block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
     result = {"rowwise_gemm_us": timed(cutlass), "channel_triton_us": timed(triton_gemm),
-              "channel_triton_tiles": str(fp8_triton.plan_tma_tiles(rows, out_features, in_features, device)),
+              "channel_triton_tiles": str(fp8_channel.plan_tiles(rows, out_features, in_features, device)),
               "rowwise_quant_err": float((cutlass(w8, w_scales).float() - exact).abs().mean() / scale),
               "block_quant_err": float((block - exact).abs().mean() / scale),
               "channel_triton_max_rel_err": float((triton_gemm(w8, w_scales).float() - reference).abs().max()
@@ -201,7 +201,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
         result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / H200_HBM_BYTES_PER_S
     if sweep:
         table = []
-        for tiles in fp8_triton.tma_candidates(rows, in_features):
+        for tiles in fp8_channel.candidate_tiles(rows, in_features):
             try:
                 table.append((timed(triton_gemm, tiles), tiles))
             except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)

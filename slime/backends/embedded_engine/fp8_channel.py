@@ -174,11 +174,36 @@ def triton_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, o
                          f"{scales.stride()}")
     tma = fp8_triton.tma_usable(x8, values)
     if tiles is None:
-        tiles = (fp8_triton.plan_tma_tiles(rows, values.shape[0], cols, x.device) if tma
+        tiles = (plan_tiles(rows, values.shape[0], cols, x.device) if tma
                  else fp8_triton.plan_tiles(rows, values.shape[0], cols, x.device, a_quantized=True))
     fp8_triton.launch_gemm(x8, x_scales, 0, values, scales, out, tiles, a_quantized=True, tma=tma,
                            accumulate=accumulate_into is not None, per_channel=True)
     return out
+
+
+def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.device):
+    """The per-channel Triton GEMM's launch where it loads by TMA: for now the block-wise two-kernel GEMM's
+    (``fp8_triton.plan_tma_tiles``, fitted to H200 sweeps of that kernel), not yet swept for this one
+    (``bench/fp8_gemm.py --rowwise --sweep channel`` over :func:`candidate_tiles`)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    return fp8_triton.plan_tma_tiles(rows, out_features, in_features, device)
+
+
+def candidate_tiles(rows: int, in_features: int) -> list:
+    """The launches ``bench/fp8_gemm.py --sweep channel`` times: the block-wise GEMM's TMA candidates and, above
+    64 tokens, 128-row tiles on two warp groups (8 warps), which read each weight tile once for up to 128 tokens
+    — without a scale to apply at every K step the per-channel loop may afford them (compiled for sm_90 without
+    spills: 58-157 registers a thread, one or two programs an SM)."""
+    from slime.backends.embedded_engine import fp8_triton
+
+    candidates = fp8_triton.tma_candidates(rows, in_features)
+    if rows > 64:
+        k_steps = -(-in_features // fp8_triton.BLOCK)
+        candidates += [fp8_triton.Tiles(128, block_n, split, num_warps=8, num_stages=stages)
+                       for block_n in (64, 128) for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split
+                       for stages in (3, 4, 5) if not (block_n == 128 and split > 1 and stages == 5)]
+    return candidates
 
 
 def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype,
