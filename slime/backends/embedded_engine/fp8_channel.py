@@ -257,10 +257,11 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """The path an engine on ``device`` runs: ``cutlass`` / ``triton`` as asked (refused where they cannot
-    run), ``auto`` -> ``cutlass`` where :func:`_scaled_mm_problem` finds none, else ``triton`` where it runs,
-    else ``dequant`` (the reason in the log)."""
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The path an engine on ``device`` serving a ``dtype`` model runs: ``cutlass`` / ``triton`` as asked
+    (refused where they cannot run), ``auto`` -> ``cutlass`` where :func:`_scaled_mm_problem` finds none and the
+    model is bf16 (the row-wise call's only output dtype), else ``triton`` where it runs, else ``dequant`` (the
+    reason in the log)."""
     if requested not in BACKENDS:
         raise ValueError(f"--fp8-gemm-backend {requested!r} with --quantization w8a8_fp8: choose one of "
                          f"{list(BACKENDS)} (the others are block-wise --quantization fp8 kernels)")
@@ -272,10 +273,12 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             raise ValueError(f"--fp8-gemm-backend triton with --quantization w8a8_fp8 cannot run here: {problem}; "
                              "use --fp8-gemm-backend dequant")
         return "triton"
-    if device.type == "cuda":
-        problem = _scaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
-    else:
+    if device.type != "cuda":
         problem = "torch._scaled_mm's row-wise FP8 GEMM is used on CUDA only"
+    elif dtype != torch.bfloat16:
+        problem = f"torch._scaled_mm's row-wise FP8 GEMM writes bf16 and this model runs in {dtype}"
+    else:
+        problem = _scaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
     if requested == "cutlass" and problem is not None:
         raise ValueError(f"--fp8-gemm-backend cutlass with --quantization w8a8_fp8 cannot run here: {problem}; "
                          "use --fp8-gemm-backend triton or dequant")

@@ -156,7 +156,7 @@ class ModelRunner:
         if per_channel:
             from slime.backends.embedded_engine import fp8_channel
 
-            backend = fp8_channel.resolve_backend(gemm_backend, self.device)
+            backend = fp8_channel.resolve_backend(gemm_backend, self.device, self.dtype)
         else:
             backend = fp8.resolve_backend(gemm_backend, self.device)
         # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype

@@ -57,6 +57,29 @@ def test_backend_resolution_and_flags(tiny_model_dir, monkeypatch):
 
 
 @needs_interpreter
+def test_auto_picks_cutlass_for_bf16_on_sm90_else_triton_else_dequant(monkeypatch):
+    """``auto`` on a (pretended) CUDA device: ``cutlass`` for a bf16 model where the row-wise GEMM passed its
+    check, the Triton GEMM for an fp16 model (the row-wise call writes bf16 only) or where the check failed,
+    ``dequant`` below sm_89 (no e4m3 tensor cores), where ``triton`` asked for by name is refused."""
+    capability = [(9, 0)]
+    problem = [None]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fp8_channel, "_scaled_mm_problem", lambda index: problem[0])
+    cuda = torch.device("cuda", 0)
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cutlass"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "triton"
+    problem[0] = "torch._scaled_mm refused row-wise scales: ..."
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    with pytest.raises(ValueError, match="cutlass with --quantization w8a8_fp8 cannot run here: torch._scaled_mm"):
+        fp8_channel.resolve_backend("cutlass", cuda)
+    capability[0] = (8, 0)
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "dequant"
+    with pytest.raises(ValueError, match="need sm_89 or newer; this GPU is sm_80"):
+        fp8_channel.resolve_backend("triton", cuda)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("rows,cols,dtype", [(5, 300, torch.float32), (3, 2500, torch.bfloat16),
                                              (4, 1024, torch.float32), (1, 7, torch.bfloat16)])
 def test_token_quantizer_interpreted_is_bit_exact(rows, cols, dtype):
@@ -206,6 +229,9 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
     _needs_sm90()
     assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "cutlass"
     assert fp8_channel.resolve_backend(backend, torch.device("cuda")) == backend
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "triton"  # cutlass: bf16 out
+    with pytest.raises(ValueError, match="writes bf16 and this model runs in torch.float16"):
+        fp8_channel.resolve_backend("cutlass", torch.device("cuda"), torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     values, scales = fp8_channel.quantize_rows(torch.randn(out_features, in_features, generator=gen, device="cuda")
                                                / in_features**0.5)
