@@ -204,6 +204,35 @@ def test_fp8_rollout_mismatch_is_reported_and_tis_corrects_it(tiny_model_dir, ti
     assert by_kind(records, "train", "train/ppo_kl")[0] == 0.0
 
 
+@pytest.mark.slow
+def test_fp8_rollout_with_masked_importance_sampling_and_rejection(tiny_model_dir, tiny_task_data, tmp_path):
+    """The MIS example hook (``--custom-tis-function-path examples.train_infer_mismatch_helper.mis...``, its keys
+    from ``--custom-config-path``) on a w8a8_fp8 rollout through the real loop: tokens whose ratio leaves a 1% band
+    get weight 0 (MIS) and a 2% band is rejected from the masks; the metrics show both in (0, 1) and the k3
+    estimate of the mismatch KL at the size of the measured log-prob gap."""
+    config = tmp_path / "mis.yaml"
+    config.write_text("tis_mode: mask\ntis_lower_bound: 0.99\ntis_upper_bound: 1.01\nuse_rs: true\n"
+                      "rs_level: token\nrs_lower_bound: 0.98\nrs_upper_bound: 1.02\n")
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--sglang-quantization", "w8a8_fp8",
+                        "--use-tis", "--custom-tis-function-path",
+                        "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp",
+                        "--custom-config-path", config, steps=1))
+    records = read_metrics(tmp_path / "run")
+
+    def metric(key):
+        (value,) = by_kind(records, "train", f"train/{key}")
+        return value
+
+    print({key: metric(key) for key in ("train_rollout_logprob_abs_diff", "tis_clipfrac", "tis_weight",
+                                        "rs_reject_frac", "mismatch_k3_kl")})
+    gap = metric("train_rollout_logprob_abs_diff")
+    assert 1e-3 < gap < 0.1
+    assert 0 < metric("tis_clipfrac") < 1 and metric("tis_weight") < 1  # masked tokens weigh 0
+    assert 0 < metric("rs_reject_frac") < metric("tis_clipfrac")  # the wider band rejects fewer
+    assert metric("rs_veto_frac") == 0.0
+    assert gap**2 / 20 < metric("mismatch_k3_kl") < gap  # k3 ~ r^2 / 2 for small log-ratios r
+
+
 def test_disk_weight_updates(tiny_model_dir, tiny_task_data, tmp_path):
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--update-weight-transport", "disk",
                         "--update-weight-disk-dir", tmp_path / "weights"))
