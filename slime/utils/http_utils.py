@@ -35,7 +35,7 @@ _sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientS
 _sync_client: httpx.Client | None = None
 _sync_lock = threading.Lock()
 #: what a failed attempt raises: no connection, a reset, a timeout (retried like a 5xx answer)
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
 class HTTPRequestError(RuntimeError):
@@ -131,7 +131,7 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
         try:
             async with get_client().post(url, data=data, headers=headers) as response:
                 status, body = response.status, await response.read()
-        except _TRANSPORT_ERRORS as e:
+        except TRANSPORT_ERRORS as e:
             last_error = f"{type(e).__name__}: {e}"
         else:
             if status < 400:
@@ -151,7 +151,7 @@ async def get(url: str, params: dict | None = None, headers: dict | None = None)
     try:
         async with get_client().get(url, params=params, headers=headers) as response:
             status, body = response.status, await response.read()
-    except _TRANSPORT_ERRORS as e:
+    except TRANSPORT_ERRORS as e:
         raise HTTPRequestError(f"GET {url} failed: {type(e).__name__}: {e}") from e
     if status >= 400:
         text = body.decode("utf-8", errors="replace")

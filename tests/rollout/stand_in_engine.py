@@ -6,13 +6,17 @@ per-token delay of each request. Tokens are "generated" one at a time (``delay_s
 ``finish_reason.type == "abort"``, exactly as SGLang does. ``max_new_tokens`` is honoured
 (``finish_reason.type == "length"``). Every request (payload and headers) is recorded; a batched
 ``/generate`` (``input_ids`` a list of lists) is scripted and recorded prompt by prompt and answered
-with the list of outputs, as SGLang does.
+with the list of outputs, as SGLang does. ``"stream": true`` answers server-sent events, a chunk per token
+(cumulative, or only the new token with ``incremental``), the final chunk then ``[DONE]``; a reply may drop
+the connection or send an error event after some tokens, and a client that leaves the stream aborts its
+request (counted in ``disconnects``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +34,17 @@ class Reply:
     error: dict | None = None  # body for a non-200 answer
     extra_meta: dict = field(default_factory=dict)
     omit_logprobs: bool = False  # answer like an engine that ignored return_logprob
+    drop_after: int | None = None  # streamed: close the connection after this many tokens, no final chunk
+    error_after: int | None = None  # streamed: after this many tokens, send error_event and [DONE]
+    error_event: dict | None = None
+
+
+class _Dropped(Exception):
+    """A scripted stream ends its connection here."""
+
+
+class _ScriptedError(Exception):
+    """A scripted stream sends its error event here."""
 
 
 def default_detokenize(ids: list[int]) -> str:
@@ -37,8 +52,11 @@ def default_detokenize(ids: list[int]) -> str:
 
 
 class StandInEngine:
-    def __init__(self, script: Callable[[dict], Reply], detokenize=default_detokenize, weight_version: str = "7"):
+    def __init__(self, script: Callable[[dict], Reply], detokenize=default_detokenize, weight_version: str = "7",
+                 incremental: bool = False):
         self.script = script
+        self.incremental = incremental  # streamed chunks carry only their new tokens (--incremental-streaming-output)
+        self.disconnects = 0  # streamed requests whose client left before the end
         self.detokenize = detokenize
         self.weight_version = weight_version
         self.requests: list[dict] = []  # one per prompt (a batch's prompts are recorded one by one)
@@ -69,13 +87,58 @@ class StandInEngine:
             if failed is not None:
                 return web.json_response(failed[0], status=failed[1])
             return web.json_response([body for body, _ in answers])
+        if payload.get("stream"):
+            return await self._stream(request, payload)
         body, status = await self._one(payload, dict(request.headers))
         return web.json_response(body, status=status)
 
-    async def _one(self, payload: dict, headers: dict) -> tuple[dict, int]:
+    async def _stream(self, request: web.Request, payload: dict) -> web.StreamResponse:
+        reply = self.script(payload)
+        if reply.http_status != 200:
+            self.requests.append(payload)
+            self.headers.append(dict(request.headers))
+            return web.json_response(reply.error or {"error": {"message": "scripted error"}}, status=reply.http_status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sent = {"tokens": 0}
+
+        async def send(body: dict) -> None:
+            meta = body["meta_info"]
+            if self.incremental:  # only what the previous chunks did not carry
+                start = sent["tokens"]
+                body = {**body, "text": self.detokenize(body["output_ids"][start:]),
+                        "output_ids": body["output_ids"][start:],
+                        "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][start:]}}
+            sent["tokens"] = len(meta["output_token_logprobs"])
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        async def on_token(partial: dict) -> None:
+            count = len(partial["output_ids"])
+            if reply.error_after is not None and count > reply.error_after:
+                raise _ScriptedError
+            if reply.drop_after is not None and count > reply.drop_after:
+                raise _Dropped
+            await send(partial)
+
+        try:
+            body, _ = await self._one(payload, dict(request.headers), on_token=on_token, reply=reply)
+            await send(body)
+        except _ScriptedError:
+            await response.write(b"data: " + json.dumps(reply.error_event).encode() + b"\n\n")
+        except _Dropped:
+            request.transport.close()  # mid-stream: the client sees the connection end without the final chunk
+            return response
+        except (ConnectionResetError, ConnectionError):
+            self.disconnects += 1
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _one(self, payload: dict, headers: dict, on_token=None, reply: Reply | None = None) -> tuple[dict, int]:
         self.requests.append(payload)
         self.headers.append(headers)
-        reply = self.script(payload)
+        reply = reply or self.script(payload)
         if reply.http_status != 200:
             return reply.error or {"error": {"message": "scripted error"}}, reply.http_status
         max_new = payload.get("sampling_params", {}).get("max_new_tokens")
@@ -84,6 +147,7 @@ class StandInEngine:
         self._in_flight.add(abort)
         emitted: list[int] = []
         finish = None
+        rid = f"req-{next(self._ids)}"
         try:
             for token in reply.tokens:
                 if max_new is not None and len(emitted) >= max_new:
@@ -98,12 +162,21 @@ class StandInEngine:
                     finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                     break
                 emitted.append(token)
+                if on_token is not None and (len(emitted) < len(reply.tokens) and (max_new is None
+                                                                                   or len(emitted) < max_new)):
+                    await on_token(self._answer(rid, payload, reply, emitted, logprobs, None))
         finally:
             self._in_flight.discard(abort)
         if finish is None:
             finish = reply.finish or {"type": "stop", "matched": emitted[-1] if emitted else None}
+        return self._answer(rid, payload, reply, emitted, logprobs, finish), 200
+
+    def _answer(self, rid: str, payload: dict, reply: Reply, emitted: list[int], logprobs: list[float],
+                finish) -> dict:
+        """The answer (or, with ``finish`` None, a streamed chunk: without ``extra_meta``, which SGLang sends with the
+        final chunk) after ``emitted`` tokens."""
         meta = {
-            "id": f"req-{next(self._ids)}",
+            "id": rid,
             "finish_reason": finish,
             "prompt_tokens": len(payload["input_ids"]),
             "completion_tokens": len(emitted),
@@ -112,11 +185,11 @@ class StandInEngine:
             "e2e_latency": 0.01,
             "output_token_logprobs": [[logprobs[i], t, None] for i, t in enumerate(emitted)],
             "output_token_logprobs_length": len(emitted),
-            **reply.extra_meta,
+            **(reply.extra_meta if finish is not None else {}),
         }
         if reply.omit_logprobs:
             del meta["output_token_logprobs"], meta["output_token_logprobs_length"]
-        return {"text": self.detokenize(emitted), "output_ids": emitted, "meta_info": meta}, 200
+        return {"text": self.detokenize(emitted), "output_ids": list(emitted), "meta_info": meta}
 
     async def _abort(self, request: web.Request) -> web.Response:
         body = await request.json()
