@@ -283,15 +283,18 @@ def test_weight_updates_reach_the_mtp_layer(markov_dirs, tmp_path):
         engine.stop()
 
 
-def test_fp8_engine_drafts_with_its_unquantized_mtp_layer_and_updates_reach_it(markov_dirs):
-    """``--quantization fp8`` quantizes the target's decoder layers only: the MTP layer (``model.layers.4.*``,
+@pytest.mark.parametrize("quantization", ["fp8", "w8a8_fp8"])
+def test_fp8_engine_drafts_with_its_unquantized_mtp_layer_and_updates_reach_it(markov_dirs, quantization):
+    """``--quantization fp8`` (block-wise) / ``w8a8_fp8`` (per channel, routed experts included) quantizes the
+    target's decoder layers only: the MTP layer (``model.layers.4.*``,
     past the decoder) stays in the model dtype — no FP8 storage claims its names — so an update by
     checkpoint name or from disk still reaches it: the off-by-one layer's drafts are rejected, the exact
     one's (read from disk into the FP8 engine) all accepted, and /get_weights_by_name reads its exact values."""
     from safetensors.torch import load_file
 
-    runner = ModelRunner(markov_dirs["wrong"], device="cpu", num_slots=8, quantization="fp8")
+    runner = ModelRunner(markov_dirs["wrong"], device="cpu", num_slots=8, quantization=quantization)
     assert runner.fp8 is not None and runner.fp8.owns("model.layers.0.self_attn.o_proj.weight")
+    assert runner.fp8.experts  # the target's routed experts are FP8 too
     assert not any(runner.fp8.owns(f"model.layers.4.{name}") for name in
                    ("eh_proj.weight", "self_attn.o_proj.weight", "mlp.experts.0.down_proj.weight"))
     engine = Engine(runner, speculative=SpeculativeDecoder(SpeculativeConfig("NEXTN", 4), NextNDrafter(runner, 256)),
