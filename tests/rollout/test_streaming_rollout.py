@@ -130,6 +130,30 @@ def test_cancellation_keeps_the_partial_output_and_leaves_the_stream(tiny_model_
     assert sample.status == Sample.Status.COMPLETED and sample.tokens[-1] == 5
 
 
+def test_a_server_wide_abort_ends_the_stream_with_the_partial_output(tiny_model_dir, prompt_file, engine):
+    """``/abort_request {"abort_all": true}`` (the rollout's abort of everything in flight) ends the stream with the
+    final chunk the non-streamed call would get: finish_reason abort, the tokens so far; nothing is retried."""
+    from slime.utils.http_utils import post
+
+    args = make_args(tiny_model_dir, prompt_file, engine)
+    engine.holder["script"] = lambda payload: Reply(tokens=TOKENS, logprobs=LOGPROBS, delay_s=0.05)
+    sample = Sample(prompt=PROMPT, index=0)
+
+    async def abort_midway():
+        task = asyncio.create_task(generate_streaming(args, sample, _params(args)))
+        await asyncio.sleep(0.2)
+        await post(f"{engine.url}/abort_request", {"abort_all": True})
+        return await task
+
+    requests_before = len(engine.requests)
+    run(abort_midway())
+    assert len(engine.requests) == requests_before + 1 and engine.abort_calls == 1
+    assert sample.status == Sample.Status.ABORTED and 1 <= sample.response_length < len(TOKENS)
+    assert sample.tokens[-sample.response_length:] == TOKENS[:sample.response_length]
+    assert sample.rollout_log_probs == pytest.approx(LOGPROBS[:sample.response_length])
+    assert sample.weight_versions == ["7"]
+
+
 def test_replay_data_comes_with_the_final_chunk_only(tiny_model_dir, prompt_file, engine):
     """With top-p replay asked for, a finished stream carries the replay data of the final chunk; an interrupted
     one cannot keep tokens without theirs, so its partial output is dropped and the resumed request redoes it."""
