@@ -36,7 +36,11 @@ def _check_sample(sample: Sample):
     assert sample.reward in (0, 1) and sample.weight_versions
 
 
-def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("generator", [None, "slime.rollout.sglang_streaming_rollout.generate_streaming"],
+                         ids=["default", "streaming"])
+def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path, generator):
+    """The default generator (groups batched into one request) and the streaming one (server-sent events through
+    the router, one request a sample): both leave aborted partial samples that the next step continues."""
     engine, router = served_model
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}], "label": str(i)} for i in range(24)]
@@ -50,6 +54,7 @@ def test_generate_rollout_end_to_end(served_model, tiny_model_dir, tmp_path):
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--sglang-server-concurrency", "2",
         "--sglang-router-ip", router.host, "--sglang-router-port", str(router.port),
+        *(["--custom-generate-function-path", generator] if generator else []),
     ])  # fmt: skip
     args.rollout_engine_urls = [engine.url]
     source = RolloutDataSourceWithBuffer(args)
