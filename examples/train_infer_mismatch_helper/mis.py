@@ -64,7 +64,8 @@ def compute_mis_weights_with_cp(args, *, pg_loss: torch.Tensor, train_log_probs:
     rejected tokens zeroed, flat per-token metrics); see the module docstring for the YAML keys."""
     config = _config(args)
     device = pg_loss.device
-    lengths = [int(t.numel()) for t in train_log_probs] if response_lengths is None else [int(n) for n in response_lengths]
+    lengths = ([int(t.numel()) for t in train_log_probs] if response_lengths is None
+               else [int(n) for n in response_lengths])
     old = torch.cat([t.detach().float().reshape(-1) for t in train_log_probs]).to(device)
     rollout = torch.cat([t.detach().float().reshape(-1) for t in rollout_log_probs]).to(device)
     masks = [m.to(device=device, dtype=torch.float32).reshape(-1) for m in loss_masks]

@@ -149,7 +149,8 @@ async def generate_streaming(args, sample: Sample, sampling_params: dict, evalua
             return sample
         payload = {**_generate_payload(args, list(sample.tokens), sampling_params, max_new_tokens), "stream": True}
         streamed = StreamedOutput()
-        async with trace_span(sample, "sglang_generate_stream", attrs={"max_new_tokens": max_new_tokens}) as span:
+        attrs = {"max_new_tokens": max_new_tokens, "stream": True}
+        async with trace_span(sample, "sglang_generate", attrs=attrs) as span:
             try:
                 await read_stream(url, payload, headers, streamed)
             except HTTPRequestError as error:
