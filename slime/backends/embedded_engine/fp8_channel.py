@@ -202,7 +202,7 @@ def candidate_tiles(rows: int, in_features: int) -> list:
         k_steps = -(-in_features // fp8_triton.BLOCK)
         candidates += [fp8_triton.Tiles(128, block_n, split, num_warps=8, num_stages=stages)
                        for block_n in (64, 128) for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split
-                       for stages in (3, 4, 5) if not (block_n == 128 and split > 1 and stages == 5)]
+                       for stages in (3, 4, 5)]
     return candidates
 
 
