@@ -257,16 +257,54 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
+# ``auto``'s preference among the FP8 paths, the first that runs here taken: cutlass (SGLang's own path) first
+# until an H200 A/B (bench/fp8_gemm.py --rowwise, bench/engine_decode.py) says which is faster at decode sizes
+AUTO_ORDER = ("cutlass", "triton")
+
+
+def _cutlass_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``torch._scaled_mm``'s row-wise path cannot serve a ``dtype`` model on ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return "torch._scaled_mm's row-wise FP8 GEMM is used on CUDA only"
+    if dtype != torch.bfloat16:
+        return f"torch._scaled_mm's row-wise FP8 GEMM writes bf16 and this model runs in {dtype}"
+    return _scaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The path an engine on ``device`` serving a ``dtype`` model runs: ``cutlass`` / ``triton`` as asked
-    (refused where they cannot run), ``auto`` -> ``cutlass`` where :func:`_scaled_mm_problem` finds none and the
-    model is bf16 (the row-wise call's only output dtype), else ``triton`` where it runs, else ``dequant`` (the
-    reason in the log)."""
+    (refused where they cannot run, with the reason), ``auto`` -> the first of :data:`AUTO_ORDER` that runs, else
+    ``dequant`` (the reasons in the log; the CPU's path)."""
     if requested not in BACKENDS:
         raise ValueError(f"--fp8-gemm-backend {requested!r} with --quantization w8a8_fp8: choose one of "
                          f"{list(BACKENDS)} (the others are block-wise --quantization fp8 kernels)")
     if requested == "dequant":
         return "dequant"
+    problems = {"cutlass": lambda: _cutlass_problem(device, dtype), "triton": lambda: _triton_problem(device)}
+    if requested != "auto":
+        problem = problems[requested]()
+        if problem is not None:
+            other = "triton or dequant" if requested == "cutlass" else "dequant"
+            raise ValueError(f"--fp8-gemm-backend {requested} with --quantization w8a8_fp8 cannot run here: "
+                             f"{problem}; use --fp8-gemm-backend {other}")
+        return requested
+    if device.type != "cuda":  # the CPU's path (the Triton GEMM runs there only under the interpreter, for tests)
+        return "dequant"
+    reasons = []
+    for path in AUTO_ORDER:
+        problem = problems[path]()
+        if problem is None:
+            if reasons:
+                logger.info("--quantization w8a8_fp8: the %s GEMM, since %s", path, "; ".join(reasons))
+            elif path == "cutlass":
+                logger.info("--quantization w8a8_fp8: torch._scaled_mm's row-wise FP8 GEMM (cutlass) for bf16 "
+                            "inputs whose weight has rows and columns in multiples of 16; over the dequantized weight "
+                            "otherwise")
+            return path
+        reasons.append(f"{path}: {problem}")
+    logger.warning("--quantization w8a8_fp8: the dequant path (a GEMM over dequantized weights), since %s",
+                   "; ".join(reasons))
+    return "dequant"
     if requested == "triton":
         problem = _triton_problem(device)
         if problem is not None:
