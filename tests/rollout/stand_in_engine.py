@@ -53,9 +53,10 @@ def default_detokenize(ids: list[int]) -> str:
 
 class StandInEngine:
     def __init__(self, script: Callable[[dict], Reply], detokenize=default_detokenize, weight_version: str = "7",
-                 incremental: bool = False):
+                 incremental: bool = False, split_events: bool = False):
         self.script = script
         self.incremental = incremental  # streamed chunks carry only their new tokens (--incremental-streaming-output)
+        self.split_events = split_events  # write each streamed event in two pieces, the cut inside its JSON
         self.disconnects = 0  # streamed requests whose client left before the end
         self.detokenize = detokenize
         self.weight_version = weight_version
@@ -110,7 +111,12 @@ class StandInEngine:
                         "output_ids": body["output_ids"][start:],
                         "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][start:]}}
             sent["tokens"] = len(meta["output_token_logprobs"])
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            event = b"data: " + json.dumps(body).encode() + b"\n\n"
+            if self.split_events:  # the client must join pieces that arrive apart
+                await response.write(event[: len(event) // 2])
+                await asyncio.sleep(0.01)
+                event = event[len(event) // 2:]
+            await response.write(event)
 
         async def on_token(partial: dict) -> None:
             count = len(partial["output_ids"])

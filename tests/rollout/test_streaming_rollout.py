@@ -197,6 +197,18 @@ async def _no_sleep(seconds):
     return None
 
 
+def test_events_that_arrive_in_pieces_are_joined(tiny_model_dir, prompt_file):
+    """Each event written in two pieces 10 ms apart (the cut inside its JSON): the same sample as whole events."""
+    server = StandInEngine(lambda payload: Reply(tokens=TOKENS, logprobs=LOGPROBS), split_events=True).start()
+    try:
+        args = make_args(tiny_model_dir, prompt_file, server)
+        sample = run(generate_streaming(args, Sample(prompt=PROMPT, index=0), _params(args)))
+    finally:
+        server.stop()
+    assert sample.status == Sample.Status.COMPLETED and sample.tokens[-len(TOKENS):] == TOKENS
+    assert sample.rollout_log_probs == pytest.approx(LOGPROBS)
+
+
 def test_a_chunk_neither_cumulative_nor_incremental_is_refused():
     streamed = sglang_streaming_rollout.StreamedOutput()
     streamed.add({"text": "a", "output_ids": [1], "meta_info": {"completion_tokens": 1,
