@@ -60,9 +60,9 @@ them over); ``rowwise_speedup`` / ``channel_triton_speedup`` are bf16 over them,
 (e4m3 weight, fp32 scales, activations in and out) per second over the HBM spec. ``rowwise_quant_err`` /
 ``block_quant_err`` are each scheme's mean |error| against the fp32 product of the unquantized bf16 operands,
 over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
-ones do). ``--sweep channel`` (with ``--rowwise``) times the per-channel Triton GEMM over every TMA launch
-(``fp8_triton.tma_candidates``): ``channel_sweep_us``, ``channel_sweep_best_us`` / ``_tiles``,
-``channel_planned_over_best`` (``fp8_channel.candidate_tiles``: those and 128-row tiles on 8 warps).
+ones do). ``--sweep channel`` (with ``--rowwise``) times the per-channel Triton GEMM over
+``fp8_channel.candidate_tiles`` (the block-wise GEMM's TMA launches and 128-row tiles on 8 warps):
+``channel_sweep_us``, ``channel_sweep_best_us`` / ``_tiles``, ``channel_planned_over_best``.
 """
 
 from __future__ import annotations
@@ -165,6 +165,18 @@ def _tiles_label(tiles) -> str:
     return f"{fields[0]}x{fields[1]} split{fields[2]} w{fields[3]} s{fields[4]}"
 
 
+def time_each(candidates: list, timer) -> list[tuple[float, object]]:
+    """(``timer(tiles)`` in us, tiles) for each candidate launch the compiler can build (the others are skipped
+    with a line on stderr: shared memory, registers)."""
+    timed = []
+    for tiles in candidates:
+        try:
+            timed.append((timer(tiles), tiles))
+        except Exception as error:
+            print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    return timed
+
+
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   device: torch.device, repeats: int, copies: int, sweep: bool) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
@@ -200,12 +212,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
     for column in ("rowwise_gemm", "channel_triton"):
         result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / H200_HBM_BYTES_PER_S
     if sweep:
-        table = []
-        for tiles in fp8_channel.candidate_tiles(rows, in_features):
-            try:
-                table.append((timed(triton_gemm, tiles), tiles))
-            except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
-                print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        table = time_each(fp8_channel.candidate_tiles(rows, in_features), lambda tiles: timed(triton_gemm, tiles))
         best_us, best_tiles = min(table, key=lambda item: item[0])
         result.update({"channel_sweep_us": {_tiles_label(tiles): round(us, 2) for us, tiles in table},
                        "channel_sweep_best_us": best_us, "channel_sweep_best_tiles": str(best_tiles),
@@ -281,12 +288,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             candidates = (fp8_triton.weight_only_candidates(rows, in_features) if swept == "weight_only"
                           else fp8_triton.tma_candidates(rows, in_features) if swept == "two_kernel" and tma
                           else fp8_triton.candidate_tiles(rows, in_features))
-            timed = []
-            for tiles in candidates:
-                try:
-                    timed.append((time_us(fp8_calls(swept, tiles), device, args.repeats), tiles))
-                except Exception as error:  # a tile the compiler cannot fit (shared memory, registers)
-                    print(f"skipped {tiles}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+            timed = time_each(candidates, lambda tiles: time_us(fp8_calls(swept, tiles), device, args.repeats))
             best_us, best_tiles = min(timed, key=lambda item: item[0])
             result[f"{swept}_sweep_us"] = {_tiles_label(tiles): round(us, 2) for us, tiles in timed}
             result.update({f"{swept}_sweep_best_us": best_us, f"{swept}_sweep_best_tiles": str(best_tiles),

@@ -159,15 +159,14 @@ async def generate_streaming(args, sample: Sample, sampling_params: dict, evalua
             except asyncio.CancelledError:
                 _keep_partial(args, sample, streamed, span, "cancelled", replay)
                 raise
-            except (*TRANSPORT_ERRORS, StreamInterrupted) as error:
+            except TRANSPORT_ERRORS as error:  # StreamInterrupted is a ConnectionError
                 failures += 1
                 reason = f"{type(error).__name__}: {error}"
+                _keep_partial(args, sample, streamed, span, reason, replay)
                 if failures >= RETRIES:
-                    _keep_partial(args, sample, streamed, span, reason, replay)
                     raise HTTPRequestError(f"POST {url} (stream) failed {failures} times; last: {reason}") from error
                 logger.warning("streamed generate of sample %s interrupted after %d tokens (%s); resuming in 1 s",
                                sample.index, len(streamed.token_logprobs), reason)
-                _keep_partial(args, sample, streamed, span, reason, replay)
             else:
                 _append_output(args, sample, streamed.output(), span)
                 return sample

@@ -194,6 +194,9 @@ def validate_args(args: ServerArgs) -> None:
         raise SystemExit(f"--quantization {args.quantization!r} is not supported by the embedded engine; it "
                          "implements fp8 (block-wise) and w8a8_fp8 (per channel), quantized online; use "
                          "--rollout-backend sglang for SGLang's other methods")
+    if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "cutlass", "dequant"):
+        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas, "
+                         "cutlass or dequant")
     if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "cutlass", "triton", "dequant"):
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} is a block-wise (--quantization fp8) kernel; "
                          "with --quantization w8a8_fp8 choose auto, cutlass (torch._scaled_mm's row-wise GEMM on "
@@ -201,9 +204,6 @@ def validate_args(args: ServerArgs) -> None:
     if args.quantization != "w8a8_fp8" and args.fp8_gemm_backend == "cutlass":
         raise SystemExit("--fp8-gemm-backend cutlass is the per-channel (--quantization w8a8_fp8) GEMM; with "
                          "--quantization fp8 choose auto, weight_only, triton, cublas or dequant")
-    if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "cutlass", "dequant"):
-        raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas, "
-                         "cutlass or dequant")
     if args.fp8_gemm_backend in ("weight_only", "triton", "cublas", "cutlass") and args.device != "cuda":
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} runs on --device cuda only; use dequant "
                          "(the default) on CPU")
