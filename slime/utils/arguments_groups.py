@@ -39,7 +39,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--mtp-num-layers": "multi-token-prediction layers are not built; drop the flag",
     "--mtp-loss-scaling-factor": "multi-token-prediction layers are not trained; drop the flag",
     "--wandb-always-use-train-step": "W&B steps are rollout ids; drop the flag",
-    "--load-forge-rollout-data": "use --load-debug-rollout-data with slime's own dumps",
     "--memory-recorder": "only the torch recorder is implemented (--record-memory-history, CUDA)",
     "--rollout-buffer-url": "the rollout-buffer service is not supported; write a --rollout-function-path or "
                             "--data-source-path plugin instead",
@@ -520,7 +519,10 @@ def _add_debug_args(parser) -> None:
     g.add_argument("--save-debug-train-data", type=str, default=None)
     g.add_argument("--dump-details", type=str, default=None)
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None)
-    g.add_argument("--load-forge-rollout-data", type=str, default=None)
+    g.add_argument("--load-forge-rollout-data", type=str, default=None,
+                   help="Dump(s) that --rollout-function-path slime.rollout.forge_load.generate_rollout replays with "
+                        "the engines alive: a --save-debug-rollout-data template with {rollout_id} (a step without "
+                        "its own dump replays step 0's) or one path replayed every step.")
     g.add_argument("--use-pytorch-profiler", action="store_true", default=False,
                    help="Record the torch profiler over rollout steps --profile-step-start..--profile-step-end-1 "
                         "(what: --profile-target); Chrome traces go to <run-dir>/profile/.")

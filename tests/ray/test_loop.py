@@ -281,6 +281,17 @@ def test_debug_rollout_only_then_train_only_replay(tiny_model_dir, tiny_task_dat
     assert [s["sample_index"] for s in train_payload["samples"]] == sorted(s.index for s in rollout_samples)
     first = train_payload["samples"][0]
     assert first["advantages"].shape == first["log_probs"].shape == (first["response_lengths"],)
+    # the same dumps through the forge replay rollout, engines alive: the same losses, the weights pushed
+    # every step, and a third step (no dump of its own) replays step 0's samples under trained weights
+    run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "forge", "--rollout-function-path",
+                        "slime.rollout.forge_load.generate_rollout", "--load-forge-rollout-data", dump, steps=3))
+    records = read_metrics(tmp_path / "forge")
+    for key in ("train/pg_loss", "train/grad_norm", "train/entropy_loss"):
+        assert by_kind(records, "train", key)[:2] == by_kind(read_metrics(tmp_path / "a"), "train", key), key
+    assert len(by_kind(records, None, "perf/update_weights_bytes")) == 3
+    assert min(by_kind(records, None, "perf/update_weights_bytes")) > 0
+    diff = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
+    assert diff[0] < 1e-3 and diff[2] > 10 * max(diff[0], 1e-4), diff
 
 
 def test_sft_path(tiny_model_dir, tiny_task_data, tmp_path):

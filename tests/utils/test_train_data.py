@@ -62,6 +62,25 @@ def test_fan_out_rollout_ids_and_rollout_aware_rewards():
     assert data["rewards"] == pytest.approx([s, s, -s, 0.0, 0.0], abs=1e-5)
 
 
+def test_grpo_normalize_by_group_index_groups_by_prompt_even_when_the_batch_looks_positional():
+    # 4 samples = rollout_batch_size x n, but interleaved: the default takes rows [0,1] [2,3], the helper
+    # the prompt groups {0: rewards 1, 0} and {1: rewards 3, 5}
+    args = make_args("--num-steps-per-rollout", "1", "--custom-reward-post-process-path",
+                     "slime.rollout._fanout_test_helpers.grpo_normalize_by_group_index")
+    samples = [sample(0, 0, 1.0), sample(1, 1, 3.0), sample(2, 0, 0.0), sample(3, 1, 5.0)]
+    data = convert_samples_to_train_data(args, samples)
+    s0, s1 = 0.5 / (math.sqrt(0.5) + 1e-6), 1.0 / (math.sqrt(2.0) + 1e-6)
+    assert data["rewards"] == pytest.approx([s0, -s1, -s0, s1], abs=1e-5)
+    positional = convert_samples_to_train_data(make_args("--num-steps-per-rollout", "1"), samples)["rewards"]
+    assert positional != pytest.approx(data["rewards"], abs=1e-3)
+    # fan-out: one reward per rollout sets the baseline; samples without group_index fall back to rows of n
+    fan = [sample(0, 0, 1.0, rollout_id=7), sample(1, 0, 1.0, rollout_id=7), sample(2, 0, 0.0), sample(3, 1, 6.0),
+           sample(4, None, 2.0), sample(5, None, 4.0)]  # positions 4 and 5: the third row of n = 2
+    s = 0.5 / (math.sqrt(0.5) + 1e-6)
+    rows = 1.0 / (math.sqrt(2.0) + 1e-6)
+    assert convert_samples_to_train_data(args, fan)["rewards"] == pytest.approx([s, s, -s, 0.0, -rows, rows], abs=1e-5)
+
+
 def test_hooks_are_called(monkeypatch, tmp_path):
     import sys
     import types
