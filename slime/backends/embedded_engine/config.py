@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "two-kernel one (TMA loads on Hopper) up to 256, cublas above where it runs, else Triton. "
                         "With --quantization w8a8_fp8: cutlass (torch._scaled_mm's row-wise FP8 GEMM, sm_90, after "
                         "a check at start), triton (a Triton GEMM with the per-token and per-channel scales applied "
-                        "after its K loop and the residual add in its epilogue; sm_89+), dequant, or auto (cutlass "
-                        "where it runs, else triton, else dequant)")
+                        "after its K loop and the residual add in its epilogue; sm_89+), dequant, or auto (triton "
+                        "where it runs, else cutlass, else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "

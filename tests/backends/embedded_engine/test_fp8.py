@@ -1704,21 +1704,25 @@ from triton.compiler import ASTSource
 from slime.backends.embedded_engine import fused_ops
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 out = []
+silu_token = dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32")
 cases = [("_rmsnorm_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
          ("_add_rmsnorm_kernel", dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
          ("_silu_mul_packed_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4),
-         ("_silu_mul_packed_token_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4)]
+         # the 4B gate's 9728 columns held whole (the launch silu_mul_packed makes), and a longer row in slices
+         ("_silu_mul_packed_token_kernel", silu_token, fused_ops.SILU_TOKEN_ONE_PASS, 16),
+         ("_silu_mul_packed_token_kernel", silu_token, fused_ops.SILU_TOKEN_BLOCK, 4)]
 for name, types, block, warps in cases:
     kernel = getattr(fused_ops, name)
     names = list(kernel.arg_names)
-    consts = ["BLOCK", "QUANT", "EMULATE_E4M3_CAST"]
+    consts = ["BLOCK", "QUANT", "ONE_PASS", "EMULATE_E4M3_CAST"]
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     # none, per 128-channel group, per token (the norms; the SiLU gate's per-token kernel is its own, always 2)
     for quant in ((2,) if "token" in name else (0, 1) if "silu" in name else (0, 1, 2)):
-        values = dict(BLOCK=block, EMULATE_E4M3_CAST=False, **({} if "token" in name else dict(QUANT=quant)))
+        token = dict(ONE_PASS=block == fused_ops.SILU_TOKEN_ONE_PASS)
+        values = dict(BLOCK=block, EMULATE_E4M3_CAST=False, **(token if "token" in name else dict(QUANT=quant)))
         c = triton.compile(ASTSource(kernel, sig, values, {}),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        path = os.path.join(sys.argv[1], f"{name}_{quant}.cubin")
+        path = os.path.join(sys.argv[1], f"{name}_{quant}_{block}.cubin")
         open(path, "wb").write(c.asm["cubin"])
         usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
         out.append(dict(kernel=name, quant=quant, cast="cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"],
@@ -1749,6 +1753,6 @@ def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 9
+    assert len(report) == 10
     for entry in report:
         assert entry["stack"] == 0 and entry["cast"] == (entry["quant"] > 0), entry

@@ -57,23 +57,33 @@ def test_backend_resolution_and_flags(tiny_model_dir, monkeypatch):
 
 
 @needs_interpreter
-def test_auto_picks_cutlass_for_bf16_on_sm90_else_triton_else_dequant(monkeypatch):
-    """``auto`` on a (pretended) CUDA device: ``cutlass`` for a bf16 model where the row-wise GEMM passed its
-    check, the Triton GEMM for an fp16 model (the row-wise call writes bf16 only) or where the check failed,
-    ``dequant`` below sm_89 (no e4m3 tensor cores), where ``triton`` asked for by name is refused."""
+def test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatch):
+    """``auto`` on a (pretended) CUDA device: the Triton GEMM (faster on the H200: ``AUTO_ORDER``), else —
+    without Triton — ``cutlass`` for a bf16 model where the row-wise GEMM passed its check, else ``dequant``;
+    below sm_89 (no e4m3 tensor cores) ``dequant``, and ``triton`` asked for by name is refused."""
     capability = [(9, 0)]
     problem = [None]
+    triton_missing = [None]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fp8_channel, "_scaled_mm_problem", lambda index: problem[0])
+    real_triton_problem = fp8_channel._triton_problem
+    monkeypatch.setattr(fp8_channel, "_triton_problem",
+                        lambda device: triton_missing[0] or real_triton_problem(device))
     cuda = torch.device("cuda", 0)
-    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cutlass"
-    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "triton"
-    problem[0] = "torch._scaled_mm refused row-wise scales: ..."
+    assert fp8_channel.AUTO_ORDER == ("triton", "cutlass")
     assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "triton"
+    triton_missing[0] = "it needs CUDA and the triton package"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cutlass"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "dequant"  # the row-wise call writes bf16
+    problem[0] = "torch._scaled_mm refused row-wise scales: ..."
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "dequant"
     with pytest.raises(ValueError, match="cutlass with --quantization w8a8_fp8 cannot run here: torch._scaled_mm"):
         fp8_channel.resolve_backend("cutlass", cuda)
+    triton_missing[0], problem[0] = None, None
     capability[0] = (8, 0)
+    problem[0] = "torch._scaled_mm's row-wise FP8 GEMM needs sm_89"
     assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "dequant"
     with pytest.raises(ValueError, match="need sm_89 or newer; this GPU is sm_80"):
         fp8_channel.resolve_backend("triton", cuda)
@@ -387,12 +397,15 @@ def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatc
 @needs_interpreter
 @pytest.mark.parametrize("rows,width,dtype", [(4, 2500, torch.bfloat16), (3, 384, torch.float32),
                                               (1, 1024, torch.bfloat16)])
-def test_silu_gate_quantizes_per_token_like_the_quantizer(rows, width, dtype):
-    """``fused_ops.silu_mul_packed(quantize="token")`` (one program a row; 2500 channels: three slices, the last
-    ragged) returns the same output as without and exactly :func:`fp8_channel.quantize_tokens` of it, a zero row
+@pytest.mark.parametrize("one_pass", [True, False], ids=["row_held_whole", "two_passes"])
+def test_silu_gate_quantizes_per_token_like_the_quantizer(rows, width, dtype, one_pass, monkeypatch):
+    """``fused_ops.silu_mul_packed(quantize="token")`` (one program a row, held whole or, past
+    ``SILU_TOKEN_ONE_PASS``, in slices — 2500 channels: three, the last ragged) returns the same output as without and exactly :func:`fp8_channel.quantize_tokens` of it, a zero row
     scaled 1: the down projection's GEMM reads what its own quantize launch would have made."""
     from slime.backends.embedded_engine import fused_ops
 
+    if not one_pass:
+        monkeypatch.setattr(fused_ops, "SILU_TOKEN_ONE_PASS", 256)
     generator = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(rows, 2 * width, generator=generator) * 3).to(dtype)
     gate_up[-1, :width] = 0  # silu(0) * up = 0: a zero row
