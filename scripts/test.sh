@@ -6,6 +6,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup-env.sh dev
 export TOKENIZERS_PARALLELISM=false
+# the coding-agent CLIs (Claude Code, Codex) the harness tests install into sandboxes: ~360 MB from npm once,
+# cached in ~/.cache/slime/agent-clis (SLIME_SKIP_AGENT_CLIS=1: not fetched, those tests skip)
+if [ -z "${SLIME_SKIP_AGENT_CLIS:-}" ]; then eval "$(bash scripts/fetch-agent-clis.sh)"; fi
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra --timeout=900 "$@"

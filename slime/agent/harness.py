@@ -80,6 +80,8 @@ class BaseHarness(abc.ABC):
 
     async def run(self, sb: Sandbox, *, workdir: str, session_id: str, adapter_url: str, time_budget_sec: float,
                   prompt: str, model_label: str = "slime-actor") -> int:
+        """Set up and run one episode; the CLI's exit code (124: stopped at ``time_budget_sec``). Its output is
+        kept in the sandbox at :meth:`log_path`."""
         ctx = HarnessContext(workdir=workdir, session_id=session_id, adapter_url=adapter_url.rstrip("/"),
                              model_label=model_label)
         await ensure_agent_user(sb, workdir, user=self.user)
@@ -90,6 +92,15 @@ class BaseHarness(abc.ABC):
         return code
 
     # shared steps
+
+    async def log_path(self, sb: Sandbox, session_id: str) -> str:
+        """Where the CLI's stdout and stderr of the episode ``session_id`` go, in the agent user's home."""
+        return f"{await self.home(sb)}/.slime-agent-{session_id}.log"
+
+    async def prompt_file(self, sb: Sandbox, ctx: HarnessContext, prompt: str) -> str:
+        path = f"{await self.home(sb)}/.slime-prompt-{ctx.session_id}.txt"
+        await sb.write_file(path, prompt, user=self.user)
+        return path
 
     async def home(self, sb: Sandbox) -> str:
         result = await sb.exec(f"getent passwd {self.user} | cut -d: -f6 || echo ~{self.user}", timeout=30)
@@ -143,7 +154,7 @@ class BaseHarness(abc.ABC):
 
     def launch_env(self, sb: Sandbox, extra_envs_var: str) -> dict[str, str]:
         root = install_root(sb)
-        env = {"PATH": f"{root}/bin:{root}/node/bin:/usr/local/bin:/usr/bin:/bin"}
+        env = {"PATH": f"{root}/bin:{root}/node/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
         raw = os.environ.get(extra_envs_var)
         if raw:
             try:
@@ -211,13 +222,12 @@ class ClaudeCodeHarness(BaseHarness):
         await sb.write_file(f"{home}/.claude/settings.json", json.dumps(self.settings(ctx), indent=1), user=self.user)
 
     async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: float) -> int:
-        prompt_file = f"{await self.home(sb)}/.slime-prompt-{ctx.session_id}.txt"
-        await sb.write_file(prompt_file, prompt, user=self.user)
+        prompt_file = await self.prompt_file(sb, ctx, prompt)
         extra = os.environ.get("SLIME_AGENT_CC_EXTRA_ARGS", "")
         cmd = (f"claude -p --dangerously-skip-permissions --model {shlex.quote(ctx.model_label)} {extra} "
                f"< {shlex.quote(prompt_file)}")
-        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir,
-                                   env=self.launch_env(sb, "SLIME_AGENT_CC_EXTRA_ENVS"), timeout=time_budget_sec)
+        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir, env=self.launch_env(sb, "SLIME_AGENT_CC_EXTRA_ENVS"),
+                                   timeout=time_budget_sec, log_path=await self.log_path(sb, ctx.session_id))
 
 
 class CodexHarness(BaseHarness):
@@ -252,10 +262,10 @@ class CodexHarness(BaseHarness):
         await sb.write_file(f"{await self.home(sb)}/.codex/config.toml", self.config_toml(ctx), user=self.user)
 
     async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: float) -> int:
-        prompt_file = f"{await self.home(sb)}/.slime-prompt-{ctx.session_id}.txt"
-        await sb.write_file(prompt_file, prompt, user=self.user)
+        prompt_file = await self.prompt_file(sb, ctx, prompt)
         extra = os.environ.get("SLIME_AGENT_CODEX_EXTRA_ARGS", "")
         cmd = (f"codex exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox {extra} "
                f"\"$(cat {shlex.quote(prompt_file)})\" < /dev/null")
         env = {"OPENAI_API_KEY": ctx.session_id, **self.launch_env(sb, "SLIME_AGENT_CODEX_EXTRA_ENVS")}
-        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir, env=env, timeout=time_budget_sec)
+        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir, env=env, timeout=time_budget_sec,
+                                   log_path=await self.log_path(sb, ctx.session_id))

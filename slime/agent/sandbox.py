@@ -130,11 +130,14 @@ class LocalSandbox:
     def __init__(self, root: str | None = None, *, keep: bool = False):
         self._root_arg, self.keep = root, keep
         self.root: str | None = None
-        self.can_switch_users = os.geteuid() == 0 and shutil.which("runuser") is not None
+        self.runuser = shutil.which("runuser") or shutil.which("runuser", path="/usr/sbin:/sbin")
+        self.can_switch_users = os.geteuid() == 0 and self.runuser is not None
 
     async def __aenter__(self) -> LocalSandbox:
         self.root = self._root_arg or tempfile.mkdtemp(prefix="slime-sandbox-")
         os.makedirs(self.root, exist_ok=True)
+        if self.can_switch_users and not self._root_arg:
+            os.chmod(self.root, 0o711)  # other users reach what they own inside (a workdir) but list nothing
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -177,7 +180,7 @@ class LocalSandbox:
                 "HOME": self.home(user), "USER": account.pw_name if account else pwd.getpwuid(os.geteuid()).pw_name}
         argv = ["bash", "-c", cmd]
         if account and account.pw_uid != os.geteuid():
-            argv = ["runuser", "-u", user, "--", *argv]
+            argv = [self.runuser, "-u", user, "--", *argv]
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=self._path(cwd or "."), env={**base, **(env or {})}, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
