@@ -24,3 +24,23 @@ def tokenizer(scripted_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(scripted_model_dir)
+
+
+LONG_CONTEXT = 8192  # the coding-agent CLIs' prompts (2.6-3.4k tokens of this tokenizer with trimmed tools)
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory):
+    """The tiny model with an 8192-token context (untrained: its replies never end within a small budget)."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("long_model"), size="tiny", seed=0,
+                                max_position_embeddings=LONG_CONTEXT))
+
+
+@pytest.fixture(scope="session")
+def long_engine(long_model_dir):
+    from slime.backends.embedded_engine.launch import running_engine
+
+    with running_engine(long_model_dir, extra_args=["--context-length", str(LONG_CONTEXT)]) as proc:
+        yield proc

@@ -95,22 +95,6 @@ def test_each_cli_installs_from_its_npm_tarball_into_an_empty_sandbox(harness, v
 # ---------------------------------------------------------------- the real CLIs, end to end
 
 
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory):
-    from slime.utils.tiny_model import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("harness_model"), size="tiny", seed=0,
-                                max_position_embeddings=CONTEXT))
-
-
-@pytest.fixture(scope="module")
-def long_engine(long_model_dir):
-    from slime.backends.embedded_engine.launch import running_engine
-
-    with running_engine(long_model_dir, extra_args=["--context-length", str(CONTEXT)]) as proc:
-        yield proc
-
-
 @pytest.fixture
 def agent_user(monkeypatch):
     monkeypatch.setattr(BaseHarness, "user", TEST_USER)
