@@ -38,6 +38,7 @@ import uuid
 
 from slime.agent.harness import ClaudeCodeHarness, CodexHarness
 from slime.agent.sandbox import E2BSandbox, LocalSandbox, ensure_agent_user
+from slime.agent.trajectory import failed_episode
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
                                                       float(config["test_timeout_sec"]))
         except Exception as e:  # a broken episode (sandbox, install, adapter) is dropped; the run goes on
             logger.error("coding-agent episode of sample %s failed: %s: %s", sample.index, type(e).__name__, e)
-            return _dropped(sample, f"{type(e).__name__}: {e}")
+            return failed_episode(sample, f"{type(e).__name__}: {e}")
         extra = {"agent_exit_code": code, "tests_passed": passed, "test_output": test_output,
                  "agent_seconds": round(time.monotonic() - started, 3), "harness": config["harness"]}
         samples = await adapter.finish_session(sid, base_sample=sample, reward=1.0 if passed else 0.0,
@@ -132,7 +133,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         if samples is None:  # failed or cancelled: release the session and its in-flight turns
             await adapter.drop_session(sid, wait_timeout=0)
     if not samples:
-        return _dropped(sample, "the agent made no model call")
+        return failed_episode(sample, "the agent made no model call")
     return samples[0] if evaluation else samples
 
 
@@ -140,14 +141,3 @@ def _prompt(sample: Sample) -> str:
     if isinstance(sample.prompt, str):
         return sample.prompt
     return "\n\n".join(m.get("content") or "" for m in sample.prompt if m.get("role") == "user")
-
-
-def _dropped(sample: Sample, reason: str) -> Sample:
-    """The placeholder of a failed episode (docs/INTERFACES.md §6.6): aborted, removed, reward 0."""
-    sample.status = Sample.Status.ABORTED
-    sample.remove_sample = True
-    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]
-    sample.reward = 0.0
-    sample.metadata["agent_error"] = reason
-    return sample
-

@@ -3,7 +3,7 @@
     python -m examples.coding_agent.tasks --out DIR [--count 64] [--seed 0]   -> DIR/train.jsonl, DIR/eval.jsonl
 
 Each row: ``prompt`` (the task for the CLI), ``metadata``: ``files`` (the repository: a module with a bug or a
-missing body and a ``unittest`` test file) and ``test_command`` (``python3 -m unittest -q``, exit code 0 when
+missing body and a ``unittest`` test file) and ``test_command`` (``python3 -B -m unittest -q``, exit code 0 when
 solved), ``solution`` (the fixed module, for checking the tests themselves). Load with ``--input-key prompt
 --metadata-key metadata``.
 """
@@ -15,7 +15,7 @@ import json
 import os
 import random
 
-TEST_COMMAND = "python3 -m unittest -q"
+TEST_COMMAND = "python3 -B -m unittest -q"  # -B: no bytecode cache a quick edit of the same size could hide behind
 
 
 def _clamp(rng):

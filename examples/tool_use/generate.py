@@ -24,6 +24,7 @@ import uuid
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.agent.trajectory import failed_episode
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,13 @@ async def play_episode(args, sample: Sample, sampling_params: dict, call_tool, e
         samples = await adapter.finish_session(sid, base_sample=sample, reward=None, extra_metadata=episode)
     except Exception as e:  # an episode that breaks is dropped from training, the run goes on
         logger.error("%s episode of sample %s failed: %s: %s", name, sample.index, type(e).__name__, e)
-        return _dropped(sample, f"{type(e).__name__}: {e}")
+        return failed_episode(sample, f"{type(e).__name__}: {e}")
     finally:
         if samples is None:  # failed or cancelled: release the session and its in-flight turns
             await adapter.drop_session(sid, wait_timeout=0)
         await client.close()
     if not samples:
-        return _dropped(sample, "the session recorded no trainable turn")
+        return failed_episode(sample, "the session recorded no trainable turn")
     return samples[0] if evaluation else samples
 
 
@@ -114,13 +115,3 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         return run_tool(name, arguments, temperature)
 
     return await play_episode(args, sample, sampling_params, thermometer, evaluation=evaluation)
-
-
-def _dropped(sample: Sample, reason: str) -> Sample:
-    """The placeholder of a failed episode (docs/INTERFACES.md §6.6): aborted, removed, reward 0."""
-    sample.status = Sample.Status.ABORTED
-    sample.remove_sample = True
-    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]
-    sample.reward = 0.0
-    sample.metadata["agent_error"] = reason
-    return sample

@@ -252,3 +252,14 @@ def _emit(builder: _Builder, base: Sample, rollout_id, reward, extra_metadata, m
         status=Sample.Status.COMPLETED,
         metadata=metadata,
     )
+
+
+def failed_episode(sample: Sample, reason: str, **metadata) -> Sample:
+    """The slot of an episode that broke (docs/INTERFACES.md §6.6): aborted, removed from training, reward 0, a
+    one-token placeholder response; ``reason`` in ``metadata["agent_error"]`` with any further ``metadata``."""
+    sample.status = Sample.Status.ABORTED
+    sample.remove_sample = True
+    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]
+    sample.reward = 0.0
+    sample.metadata = {**(sample.metadata or {}), "agent_error": reason, **metadata}
+    return sample

@@ -29,7 +29,7 @@ def test_each_task_fails_as_given_and_passes_with_its_solution(kind, tmp_path):
     files, command = task["metadata"]["files"], task["metadata"]["test_command"]
 
     async def score(repo: dict) -> bool:
-        async with LocalSandbox(str(tmp_path / f"sb{len(repo)}-{sorted(repo)[0]}")) as sb:
+        async with LocalSandbox() as sb:  # a fresh directory each time
             os.makedirs(os.path.join(sb.root, "task"), exist_ok=True)
             await coding.write_task(sb, os.path.join(sb.root, "task"), repo, "root")
             passed, output = await coding.run_tests(sb, os.path.join(sb.root, "task"), command, "root", 60)

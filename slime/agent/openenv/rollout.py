@@ -207,12 +207,9 @@ generate.abort_mode = "request"  # a rollout abort cancels the episode (its sess
 
 def failed_placeholder(sample: Sample, reason: str) -> Sample:
     """A failed episode's slot (docs/INTERFACES.md §6.6): aborted, removed from training, reward 0, flagged."""
-    sample.status = Sample.Status.ABORTED
-    sample.remove_sample = True
-    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [0, 0], 1, [0], [0.0]
-    sample.reward = 0.0
-    sample.metadata = {**(sample.metadata or {}), "openenv_failure": reason, "openenv_reward": 0.0}
-    return sample
+    from slime.agent.trajectory import failed_episode
+
+    return failed_episode(sample, reason, openenv_failure=reason, openenv_reward=0.0)
 
 
 def keep_scored_groups(args, samples, **kwargs):
