@@ -137,6 +137,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     return samples[0] if evaluation else samples
 
 
+generate.abort_mode = "request"  # a rollout abort cancels the episode: the CLI is stopped, the session dropped
+
+
 def _prompt(sample: Sample) -> str:
     if isinstance(sample.prompt, str):
         return sample.prompt

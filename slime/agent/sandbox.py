@@ -93,7 +93,7 @@ async def exec_and_wait(sb: Sandbox, cmd: str, *, user: str = "root", cwd: str |
     """Launch ``cmd`` detached (its own session), poll for its done marker, return its exit code.
 
     Past ``timeout`` seconds the command's process group is sent SIGTERM, then SIGKILL two seconds
-    later, and the result is 124. Its stdout and stderr go to ``log_path`` (default: a file under
+    later, and the result is 124; so it is when the waiting task is cancelled (then CancelledError goes on). Its stdout and stderr go to ``log_path`` (default: a file under
     /tmp named in the log).
     """
     token = uuid.uuid4().hex[:12]
@@ -107,16 +107,21 @@ async def exec_and_wait(sb: Sandbox, cmd: str, *, user: str = "root", cwd: str |
     pid = int(started.check(f"launching {cmd[:80]!r}").stdout.split()[-1])
     logger.info("sandbox: %r launched as %s (pid %d, output in %s)", cmd[:80], user, pid, log_path)
     deadline = time.monotonic() + timeout
-    while True:
-        done = await sb.exec(f"cat {marker} 2>/dev/null", user=user, timeout=60)
-        if done.exit_code == 0 and done.stdout.strip():
-            return int(done.stdout.strip())
-        if time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+    stop = f"kill -TERM -- -{pid} 2>/dev/null; sleep 2; kill -KILL -- -{pid} 2>/dev/null; true"
+    try:
+        while True:
+            done = await sb.exec(f"cat {marker} 2>/dev/null", user=user, timeout=60)
+            if done.exit_code == 0 and done.stdout.strip():
+                return int(done.stdout.strip())
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+    except asyncio.CancelledError:  # the episode was cancelled (a rollout abort): the command must not outlive it
+        logger.info("sandbox: %r cancelled; stopping its process group %d", cmd[:80], pid)
+        await asyncio.shield(sb.exec(stop, user=user, timeout=30))
+        raise
     logger.warning("sandbox: %r ran past its %g s budget; stopping its process group %d", cmd[:80], timeout, pid)
-    await sb.exec(f"kill -TERM -- -{pid} 2>/dev/null; sleep 2; kill -KILL -- -{pid} 2>/dev/null; true",
-                  user=user, timeout=30)
+    await sb.exec(stop, user=user, timeout=30)
     return TIMEOUT_EXIT_CODE
 
 

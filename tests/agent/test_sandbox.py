@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import random
 import pwd
 import time
 
@@ -16,6 +17,13 @@ TEST_USER = "slime-test-agent"
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def unique_sleep() -> tuple[str, str]:
+    """A ``sleep`` command no other process on the machine runs (a concurrent test run's neither) and the
+    ``pgrep -x``-free pattern that finds only the sleep itself (its bracket keeps the pgrep out)."""
+    seconds = f"{random.randint(40, 90)}.{random.randint(0, 10**6):06d}"
+    return f"sleep {seconds}", f"slee[p] {seconds}"
 
 
 def test_exec_runs_in_the_scratch_directory_with_the_given_environment_and_cleans_up():
@@ -38,12 +46,13 @@ def test_exec_past_its_timeout_is_killed_with_its_children():
     async def main():
         async with LocalSandbox() as sb:
             started = time.monotonic()
-            result = await sb.exec("(sleep 30; touch late) & sleep 30", timeout=0.5)
+            sleep, pattern = unique_sleep()
+            result = await sb.exec(f"({sleep}; touch late) & {sleep}", timeout=0.5)
             assert result.exit_code == TIMEOUT_EXIT_CODE and "killed after 0.5 s" in result.stderr
             assert time.monotonic() - started < 5
             await asyncio.sleep(0.3)
             assert not os.path.exists(os.path.join(sb.root, "late"))
-            return (await sb.exec("pgrep -f 'slee[p] 30' || true")).stdout.strip()
+            return (await sb.exec(f"pgrep -f '{pattern}' || true")).stdout.strip()
     assert run(main()) == ""
 
 
@@ -55,12 +64,28 @@ def test_exec_and_wait_returns_the_exit_code_and_stops_a_run_past_its_budget(tmp
                                        log_path=log)
             assert code == 7 and open(log).read() == "working\n"
             started = time.monotonic()
-            code = await exec_and_wait(sb, "trap '' TERM; sleep 60 & sleep 60; touch finished", timeout=1,
+            sleep, pattern = unique_sleep()
+            code = await exec_and_wait(sb, f"trap '' TERM; {sleep} & {sleep}; touch finished", timeout=1,
                                        poll_interval=0.2)
             assert code == TIMEOUT_EXIT_CODE and time.monotonic() - started < 10
             assert not os.path.exists(os.path.join(sb.root, "finished"))
-            assert (await sb.exec("pgrep -f 'slee[p] 60' || true")).stdout.strip() == ""
+            assert (await sb.exec(f"pgrep -f '{pattern}' || true")).stdout.strip() == ""
     run(main())
+
+
+def test_a_cancelled_wait_stops_the_command():
+    async def main():
+        async with LocalSandbox() as sb:
+            sleep, pattern = unique_sleep()
+            task = asyncio.create_task(exec_and_wait(sb, f"{sleep} & {sleep}; touch finished", timeout=120,
+                                                     poll_interval=0.1))
+            await asyncio.sleep(1.0)
+            assert (await sb.exec(f"pgrep -f '{pattern}'")).stdout.strip() != ""
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return (await sb.exec(f"pgrep -f '{pattern}' || true")).stdout.strip()
+    assert run(main()) == ""
 
 
 @pytest.fixture
