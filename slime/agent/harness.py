@@ -32,13 +32,15 @@ http(s) URL (downloaded inside it). A CLI already on the sandbox's PATH is used 
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import json
 import logging
 import os
 import shlex
 from dataclasses import dataclass
 
-from slime.agent.sandbox import AGENT_USER, Sandbox, ensure_agent_user, exec_and_wait
+from slime.agent.sandbox import AGENT_USER, LocalSandbox, Sandbox, ensure_agent_user, exec_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +120,14 @@ class BaseHarness(abc.ABC):
         """
         root = install_root(sb)
         link = f"{root}/bin/{command}"
-        found = await sb.exec(f"command -v {command} || {{ test -x {link} && echo {link}; }}", timeout=30)
-        if found.exit_code == 0 and found.stdout.strip():
-            return found.stdout.strip().splitlines()[-1]
+        async with _install_lock(sb, root):  # episodes sharing a filesystem unpack once, not over each other
+            found = await sb.exec(f"command -v {command} || {{ test -x {link} && echo {link}; }}", timeout=30)
+            if found.exit_code == 0 and found.stdout.strip():
+                return found.stdout.strip().splitlines()[-1]
+            return await self._unpack_package(sb, root, link, command=command, tarball_env=tarball_env, package=package)
+
+    async def _unpack_package(self, sb: Sandbox, root: str, link: str, *, command: str, tarball_env: str,
+                              package: str) -> str:
         target = f"{root}/lib/{package}"
         await _unpack(sb, _source(tarball_env, package), target, strip=1)
         native = await sb.exec(f"for f in {target}/{command} {target}/vendor/*/bin/{command}; do "
@@ -169,6 +176,20 @@ class BaseHarness(abc.ABC):
 
 def install_root(sb: Sandbox) -> str:
     return getattr(sb, "install_root", None) or INSTALL_ROOT
+
+
+_install_locks: dict[tuple, asyncio.Lock] = {}
+
+
+def _install_lock(sb: Sandbox, root: str):
+    """One installer at a time for the local sandboxes of this event loop sharing ``root`` (they share this
+    machine's files); remote sandboxes have their own filesystems and need none."""
+    if not isinstance(sb, LocalSandbox):
+        return contextlib.nullcontext()
+    key = (id(asyncio.get_running_loop()), root)
+    if key not in _install_locks:
+        _install_locks[key] = asyncio.Lock()
+    return _install_locks[key]
 
 
 def _source(env_var: str, what: str) -> str:

@@ -80,7 +80,9 @@ async def ensure_agent_user(sb: Sandbox, workdir: str, *, user: str = AGENT_USER
     if isinstance(sb, LocalSandbox) and not sb.can_switch_users:
         await sb.exec(f"mkdir -p {shlex.quote(workdir)}", timeout=30)
         return sb.home(user)
-    script = (f"id -u {user} >/dev/null 2>&1 || useradd --create-home --shell /bin/bash {user}\n"
+    # concurrent episodes may race to create the user (useradd: "already exists", or /etc/passwd locked): retry
+    script = (f"for attempt in $(seq 50); do id -u {user} >/dev/null 2>&1 && break; "
+              f"useradd --create-home --shell /bin/bash {user} 2>/dev/null && break; sleep 0.1; done\n"
               f"mkdir -p {shlex.quote(workdir)} && chown -R {user}: {shlex.quote(workdir)}\n"
               f"getent passwd {user} | cut -d: -f6")
     result = (await sb.exec(script, timeout=60)).check(f"creating the user {user!r} and {workdir}")

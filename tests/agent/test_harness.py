@@ -83,8 +83,8 @@ def test_each_cli_installs_from_its_npm_tarball_into_an_empty_sandbox(harness, v
 
     async def install():
         async with FreshInstallSandbox() as sb:
-            await harness.install_cli(sb)
-            monkeypatch.setenv(variable, "/no/such/tarball.tgz")  # the second time it is found, not unpacked again
+            await asyncio.gather(*(harness.install_cli(sb) for _ in range(3)))  # concurrent episodes: one unpacks
+            monkeypatch.setenv(variable, "/no/such/tarball.tgz")  # the next time it is found, not unpacked again
             await harness.install_cli(sb)
             command = "claude" if isinstance(harness, ClaudeCodeHarness) else "codex"
             return await sb.exec(f"{command} --version", env=harness.launch_env(sb, "UNSET_EXTRA_ENVS"), timeout=60)

@@ -125,6 +125,16 @@ def test_the_agent_user_owns_its_workdir_and_files_and_cannot_touch_roots(test_u
 
 
 @needs_root
+def test_concurrent_episodes_create_the_agent_user_once(test_user):
+    async def main():
+        async with LocalSandbox() as sb:
+            return await asyncio.gather(*(ensure_agent_user(sb, os.path.join(sb.root, f"w{i}"), user=test_user)
+                                          for i in range(6)))
+    homes = run(main())
+    assert set(homes) == {pwd.getpwnam(test_user).pw_dir}
+
+
+@needs_root
 def test_an_unknown_user_is_named():
     async def main():
         async with LocalSandbox() as sb:
