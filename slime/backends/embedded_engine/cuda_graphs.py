@@ -9,6 +9,7 @@ memory pool; without CUDA (or with graphs off) the same forward runs eagerly at 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +62,7 @@ class DecodeGraphs:
         self.ids = self.positions = self.host = self.logits = None
         self.copied: dict[int, torch.cuda.Event] = {}  # per pinned host buffer: its last copy to the device
         self.captures = 0
+        self.capture_seconds = 0.0  # wall time of every capture (its warm-up forwards included), device work done
         # verify steps (run_verify): graphs by (batch bucket, KV-length bucket, T, with hidden states), and
         # per T their static inputs [slots, T] (ids, positions, a pinned host copy) and outputs
         self.verify_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor,
@@ -178,6 +180,7 @@ class DecodeGraphs:
         initialisations must not land in the graph); it writes the same keys/values the replay will
         write, so running it on the real inputs is harmless."""
         device = self.runner.device
+        started = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
@@ -189,6 +192,10 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             forward()
+        # captures happen inside serving steps (a new batch or KV-length bucket): their cost is counted apart so
+        # benchmarks can tell a slow step from a step that captured
+        torch.cuda.synchronize(device)
+        self.capture_seconds += time.perf_counter() - started
         return graph
 
     # ------------------------------------------------------------------ verify steps: T tokens a row

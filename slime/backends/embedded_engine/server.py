@@ -178,6 +178,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                                     "effective_max_running_requests_per_dp": shape.num_slots,
                                     "cuda_graph": runner.graphs.enabled, "cuda_graph_captures": runner.graphs.captures,
                                     "cuda_graph_verify_captures": runner.graphs.verify_captures,
+                                    "cuda_graph_capture_seconds": runner.graphs.capture_seconds,
                                     "attention_backend": runner.attention_backend, "fused_ops": runner.fused_ops,
                                     "fused_projections": runner.fused_projections,
                                     # --speculative-adaptive: per batch-size slot, the drafts a step now
