@@ -166,9 +166,12 @@ class LocalSandbox:
 
     @property
     def install_root(self) -> str:
-        """Where harnesses unpack their CLIs: /opt/slime-agent as root (kept between episodes), else the
-        scratch directory."""
-        return "/opt/slime-agent" if self.can_switch_users else self._path("opt/slime-agent")
+        """Where harnesses unpack their CLIs, kept between episodes: /opt/slime-agent as root, else
+        ~/.cache/slime/agent-install (``$SLIME_AGENT_INSTALL_ROOT`` overrides both)."""
+        override = os.environ.get("SLIME_AGENT_INSTALL_ROOT")
+        if override:
+            return override
+        return "/opt/slime-agent" if self.can_switch_users else os.path.expanduser("~/.cache/slime/agent-install")
 
     def home(self, user: str) -> str:
         """The user's home; without user switching, ``<root>/home/<user>``, so that an agent's configuration
