@@ -3,7 +3,9 @@
 Wire shapes follow the OpenAI API: a chat reply is ``{"role": "assistant", "content": text | null,
 "tool_calls": [...]}`` with ``finish_reason`` ``tool_calls`` / ``length`` / ``stop``; a Responses
 reply is a list of output items (``message`` with ``output_text``, ``function_call``). Only the first
-parsed tool call is returned (the canonical echo the trajectory expects back), and reasoning is sent
+parsed tool call is returned (the canonical echo the trajectory expects back) unless the adapter is built with
+``preserve_parallel_tool_calls=True``: then every call the model made is returned, recorded and expected back
+(for clients that run parallel calls, e.g. the OpenAI Agents SDK or Codex), and reasoning is sent
 (``reasoning_content``) but not expected back: OpenAI clients strip it when echoing history, while
 its tokens stay in the trained ids. Streaming replays a fully generated turn as
 ``chat.completion.chunk`` events (Chat Completions) or ``response.*`` events (Responses).
@@ -112,6 +114,14 @@ class OpenAIAdapter(BaseAdapter):
     max_tokens_keys = ("max_completion_tokens", "max_tokens", "max_output_tokens")
     stop_key = "stop"
 
+    def __init__(self, *, preserve_parallel_tool_calls: bool = False, **kwargs):
+        """``preserve_parallel_tool_calls``: answer with every tool call a turn parsed (default: the first)."""
+        super().__init__(**kwargs)
+        self.preserve_parallel_tool_calls = bool(preserve_parallel_tool_calls)
+
+    def _calls(self, parsed) -> list[dict]:
+        return list(parsed.tool_uses) if self.preserve_parallel_tool_calls else parsed.tool_uses[:1]
+
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/chat/completions", self.handler(translate_chat, self._build_reply, self._write_chat))
         router.add_post("/v1/responses", self.handler(translate_responses, self._build_responses_reply,
@@ -139,7 +149,7 @@ class OpenAIAdapter(BaseAdapter):
         return "length" if turn.finish_reason == "length" else "stop"
 
     def _build_reply(self, parsed, turn, messages, tools, body) -> Reply:
-        calls = parsed.tool_uses[:1]
+        calls = self._calls(parsed)
         wire = {"role": "assistant", "content": None if calls else parsed.text}
         if parsed.reasoning:
             wire["reasoning_content"] = parsed.reasoning
@@ -181,7 +191,7 @@ class OpenAIAdapter(BaseAdapter):
     # ------------------------------------------------------------------ Responses
 
     def _build_responses_reply(self, parsed, turn, messages, tools, body) -> Reply:
-        calls = parsed.tool_uses[:1]
+        calls = self._calls(parsed)
         output = []
         if parsed.reasoning:
             output.append({"type": "reasoning", "id": new_id("rs_"), "status": "completed",
