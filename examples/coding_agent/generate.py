@@ -75,8 +75,10 @@ def agent_server(args, config: dict):
     with _adapters_lock:
         entry = _adapters.get(key)
         if entry is None or entry[2] is not args:
-            cls = AnthropicAdapter if config["harness"] == "claude_code" else OpenAIAdapter
-            adapter = cls.from_args(args)
+            if config["harness"] == "claude_code":  # Anthropic's API answers with every tool_use block anyway
+                adapter = AnthropicAdapter.from_args(args)
+            else:  # Codex runs the parallel calls a turn makes and echoes them all
+                adapter = OpenAIAdapter.from_args(args, preserve_parallel_tool_calls=True)
             entry = (adapter, run_app_in_thread(adapter.app, host=config["adapter_host"],
                                                 thread_name=f"coding-agent-{config['harness']}"), args)
             _adapters[key] = entry
