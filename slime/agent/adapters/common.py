@@ -131,6 +131,9 @@ def new_id(prefix: str, hex_chars: int = 24) -> str:
 # ----------------------------------------------------------------------------- the SGLang call
 
 
+CONNECT_RETRY_SECONDS = 1.0  # before the one retry of a /generate that could not connect (a router restarting)
+
+
 async def call_sglang_generate(prompt_ids: list[int], session: Session, body: dict, *, adapter: "BaseAdapter",
                                session_id: str | None = None) -> TurnRecord:
     """One ``/generate`` call for a turn; returns the sampled ids and log-probs as the engine sent them."""
@@ -140,15 +143,23 @@ async def call_sglang_generate(prompt_ids: list[int], session: Session, body: di
     rid = uuid.uuid4().hex
     payload = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
     headers = {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else {}
-    try:
-        async with adapter.http_client().post(f"{adapter.sglang_url}/generate", json=payload, headers=headers) as resp:
-            if resp.status >= 400:
-                raise SGLangError(resp.status, f"SGLang /generate answered HTTP {resp.status}: "
-                                               f"{(await resp.text())[:500]}")
-            output = await resp.json(content_type=None)
-    except (asyncio.CancelledError, asyncio.TimeoutError, aiohttp.ClientConnectionError):
-        await adapter.abort_request(rid)
-        raise
+    for attempt in (1, 2):
+        try:
+            async with adapter.http_client().post(f"{adapter.sglang_url}/generate", json=payload,
+                                                  headers=headers) as resp:
+                if resp.status >= 400:
+                    raise SGLangError(resp.status, f"SGLang /generate answered HTTP {resp.status}: "
+                                                   f"{(await resp.text())[:500]}")
+                output = await resp.json(content_type=None)
+            break
+        except aiohttp.ClientConnectorError as exc:  # no connection was made: nothing reached the server
+            if attempt == 2:
+                raise
+            logger.warning("SGLang /generate at %s: %s; retrying once", adapter.sglang_url, exc)
+            await asyncio.sleep(CONNECT_RETRY_SECONDS)
+        except (asyncio.CancelledError, asyncio.TimeoutError, aiohttp.ClientConnectionError):
+            await adapter.abort_request(rid)
+            raise
     meta = output.get("meta_info") or {}
     triples = meta.get("output_token_logprobs") or []
     if output.get("output_ids") and len(triples) != len(output["output_ids"]):

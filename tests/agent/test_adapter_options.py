@@ -1,6 +1,9 @@
-"""``OpenAIAdapter(preserve_parallel_tool_calls=True)`` (docs/INTERFACES.md §6.8): a turn with two tool calls is
-answered with both (Chat Completions and Responses), and a client that runs both and echoes them continues the
-same sample — the default adapter answers with the first call only.
+"""The adapters' pending options of docs/INTERFACES.md §6.8.
+
+* ``OpenAIAdapter(preserve_parallel_tool_calls=True)``: a turn with two tool calls is answered with both (Chat
+  Completions and Responses), and a client that runs both and echoes them continues the same sample — the
+  default adapter answers with the first call only.
+* The SGLang call retries once when it could not connect (nothing reached the server), e.g. a router restarting.
 
 The model's turns are scripted through the adapter's documented seam (``common.call_sglang_generate``): the
 first turn's output is exactly what the chat template renders for an assistant message with the two calls, so
@@ -112,5 +115,75 @@ def test_responses_api_answers_every_parallel_call_as_function_call_items(tokeni
         assert second.output_text == "7 and 11"
         [sample] = finish(adapter, "par-2")
         assert sample.reward == 1.0 and sum(sample.loss_mask) > len(tokenizer.encode("7 and 11"))
+    finally:
+        handle.stop()
+
+
+# ---------------------------------------------------------------- the SGLang call retries a connection never made
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stand_in_generate(tokenizer, calls: list):
+    """A /generate that answers "done" with log-probs (SGLang's shape), counting its calls."""
+    from aiohttp import web
+
+    async def generate(request):
+        calls.append(await request.json())
+        ids = tokenizer.encode("done" + tokenizer.eos_token, add_special_tokens=False)
+        return web.json_response({"text": "done", "output_ids": ids, "meta_info": {
+            "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, i, None] for i in ids]}})
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    return app
+
+
+def test_a_generate_that_could_not_connect_is_retried_once(tokenizer, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(common, "CONNECT_RETRY_SECONDS", 1.0)
+    port = _free_port()
+    adapter = OpenAIAdapter(tokenizer=tokenizer, sglang_url=f"http://127.0.0.1:{port}")
+    handle = run_app_in_thread(adapter.app)
+    calls, engines = [], []
+    # the engine (a router restarting, say) comes up while the adapter waits to retry
+    timer = threading.Timer(0.3, lambda: engines.append(run_app_in_thread(_stand_in_generate(tokenizer, calls),
+                                                                          port=port)))
+    timer.start()
+    try:
+        adapter.open_session("retry-1")
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="retry-1", max_retries=0)
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content == "done" and len(calls) == 1
+    finally:
+        timer.join()
+        for engine in engines:
+            engine.stop()
+        handle.stop()
+
+
+def test_a_generate_that_never_connects_fails_after_one_retry(tokenizer, monkeypatch):
+    monkeypatch.setattr(common, "CONNECT_RETRY_SECONDS", 0.05)
+    attempts = []
+    real = OpenAIAdapter.http_client
+
+    def counting(self):
+        attempts.append(1)
+        return real(self)
+    monkeypatch.setattr(OpenAIAdapter, "http_client", counting)
+    adapter = OpenAIAdapter(tokenizer=tokenizer, sglang_url=f"http://127.0.0.1:{_free_port()}")
+    handle = run_app_in_thread(adapter.app)
+    try:
+        adapter.open_session("retry-2")
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="retry-2", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert len(attempts) == 2
     finally:
         handle.stop()
