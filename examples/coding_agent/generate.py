@@ -118,6 +118,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         try:
             async with sandbox_for(config) as sb:
                 workdir = f"{getattr(sb, 'root', None) or '/home/' + harness.user}/task"
+                # the user first, so the task's files are its own (harness.run checks it again, a no-op then)
                 await ensure_agent_user(sb, workdir, user=harness.user)
                 await write_task(sb, workdir, metadata["files"], harness.user)
                 code = await harness.run(sb, workdir=workdir, session_id=sid, adapter_url=url,

@@ -14,18 +14,20 @@ goes to the adapter under the episode's session id, and runs the CLI on the task
     samples = await adapter.finish_session(sid, base_sample=sample, reward=reward)
 
 The adapter authenticates by session id, which the harness passes as the CLI's API key. The CLIs come
-from tarballs (no network needed in the sandbox): an npm package tarball (``npm pack``) and, where
-the sandbox has no Node.js, a Node.js binary tarball (nodejs.org's ``node-vX-linux-x64.tar.xz``).
+from tarballs (no network needed in the sandbox): the ``npm pack`` of a CLI's native linux-x64 build (both
+CLIs now ship as native binaries), or of an older JavaScript build plus, where the sandbox has no Node.js, a
+Node.js binary tarball (nodejs.org's ``node-vX-linux-x64.tar.xz``); ``scripts/fetch-agent-clis.sh`` fetches the
+tested versions.
 Each environment variable below names a file on this machine (uploaded into the sandbox) or an
 http(s) URL (downloaded inside it). A CLI already on the sandbox's PATH is used as it is.
 
 * ``ClaudeCodeHarness`` — Claude Code (``claude -p``) through the Anthropic adapter:
-  ``SLIME_AGENT_CC_TARBALL`` (``@anthropic-ai/claude-code``), ``SLIME_AGENT_NODE_TARBALL``; extra command-line
+  ``SLIME_AGENT_CC_TARBALL`` (``@anthropic-ai/claude-code-linux-x64``), ``SLIME_AGENT_NODE_TARBALL``; extra command-line
   arguments in ``SLIME_AGENT_CC_EXTRA_ARGS`` (shell words), extra environment as a JSON object in
   ``SLIME_AGENT_CC_EXTRA_ENVS``.
 * ``CodexHarness`` — OpenAI's Codex CLI (``codex exec``) through the OpenAI adapter, configured with a
   model provider whose ``base_url`` is the adapter's ``/v1``: ``SLIME_AGENT_CODEX_TARBALL``
-  (``@openai/codex``), ``SLIME_AGENT_NODE_TARBALL``, ``SLIME_AGENT_CODEX_EXTRA_ARGS``,
+  (``@openai/codex@<version>-linux-x64``), ``SLIME_AGENT_NODE_TARBALL``, ``SLIME_AGENT_CODEX_EXTRA_ARGS``,
   ``SLIME_AGENT_CODEX_EXTRA_ENVS``.
 """
 
@@ -40,11 +42,10 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from slime.agent.sandbox import AGENT_USER, LocalSandbox, Sandbox, ensure_agent_user, exec_and_wait
+from slime.agent.sandbox import AGENT_USER, INSTALL_ROOT, LocalSandbox, Sandbox, ensure_agent_user, exec_and_wait
 
 logger = logging.getLogger(__name__)
 
-INSTALL_ROOT = "/opt/slime-agent"  # where tarballs are unpacked inside a sandbox (one may name its own: install_root)
 NODE_TARBALL_ENV = "SLIME_AGENT_NODE_TARBALL"
 
 
@@ -105,7 +106,7 @@ class BaseHarness(abc.ABC):
         return path
 
     async def home(self, sb: Sandbox) -> str:
-        result = await sb.exec(f"getent passwd {self.user} | cut -d: -f6 || echo ~{self.user}", timeout=30)
+        result = await sb.exec(f"getent passwd {self.user} | cut -d: -f6", timeout=30)
         home = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
         if not home:  # a sandbox that cannot switch users runs everything as its own user
             home = (await sb.exec("echo $HOME", user=self.user, timeout=30)).stdout.strip()

@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 logger = logging.getLogger(__name__)
 
 AGENT_USER = "agent"
+INSTALL_ROOT = "/opt/slime-agent"  # where harnesses unpack CLIs in a sandbox (a sandbox may name its own: install_root)
 TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout returns; exec_and_wait's code for a run past its budget
 
 
@@ -95,8 +96,8 @@ async def exec_and_wait(sb: Sandbox, cmd: str, *, user: str = "root", cwd: str |
     """Launch ``cmd`` detached (its own session), poll for its done marker, return its exit code.
 
     Past ``timeout`` seconds the command's process group is sent SIGTERM, then SIGKILL two seconds
-    later, and the result is 124; so it is when the waiting task is cancelled (then CancelledError goes on). Its stdout and stderr go to ``log_path`` (default: a file under
-    /tmp named in the log).
+    later, and the result is 124; a cancelled wait stops it the same way and lets CancelledError through.
+    Its stdout and stderr go to ``log_path`` (default: a file under /tmp named in the log).
     """
     token = uuid.uuid4().hex[:12]
     marker = f"/tmp/slime-exec-{token}.done"
@@ -112,7 +113,7 @@ async def exec_and_wait(sb: Sandbox, cmd: str, *, user: str = "root", cwd: str |
     stop = f"kill -TERM -- -{pid} 2>/dev/null; sleep 2; kill -KILL -- -{pid} 2>/dev/null; true"
     try:
         while True:
-            done = await sb.exec(f"cat {marker} 2>/dev/null", user=user, timeout=60)
+            done = await sb.exec(f"cat {marker} 2>/dev/null && rm -f {marker}", user=user, timeout=60)
             if done.exit_code == 0 and done.stdout.strip():
                 return int(done.stdout.strip())
             if time.monotonic() >= deadline:
@@ -171,7 +172,7 @@ class LocalSandbox:
         override = os.environ.get("SLIME_AGENT_INSTALL_ROOT")
         if override:
             return override
-        return "/opt/slime-agent" if self.can_switch_users else os.path.expanduser("~/.cache/slime/agent-install")
+        return INSTALL_ROOT if self.can_switch_users else os.path.expanduser("~/.cache/slime/agent-install")
 
     def home(self, user: str) -> str:
         """The user's home; without user switching, ``<root>/home/<user>``, so that an agent's configuration

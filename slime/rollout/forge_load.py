@@ -1,7 +1,7 @@
 """Replay rollout (docs/INTERFACES.md §3.1): serve dumped samples as the step's rollout, engines kept alive.
 
 ``--rollout-function-path slime.rollout.forge_load.generate_rollout --load-forge-rollout-data PATH`` reads
-dumps in the format of ``--save-debug-rollout-data`` (§7.5: ``{"rollout_id", "samples": [Sample.to_dict()]}``).
+dumps in the format of ``--save-debug-rollout-data`` (docs/INTERFACES.md §7.5: ``{"rollout_id", "samples": [Sample.to_dict()]}``).
 PATH is a template with ``{rollout_id}`` (one dump a step; a step with no dump of its own replays step 0's)
 or a literal path replayed every step. Unlike ``--load-debug-rollout-data``, the engines are started and
 weights are still pushed to them, so the loop runs as it would with generation — useful to train, time or
