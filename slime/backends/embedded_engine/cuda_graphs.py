@@ -1,9 +1,13 @@
 """CUDA graphs of the engine's decode steps and speculative verify steps (:class:`DecodeGraphs`).
 
 A decode step of a small model is launch-bound: replaying it as one CUDA graph removes the host's
-kernel launches. The graphs run :meth:`ModelRunner.decode_forward` on static device buffers, captured
-lazily per (batch bucket, KV-length bucket) — and for verify steps per ``T`` tokens a row too — in one
-memory pool; without CUDA (or with graphs off) the same forward runs eagerly at the exact length.
+kernel launches. The graphs run :meth:`ModelRunner.decode_forward` on static device buffers in one
+memory pool. Where attention is the flash-decoding kernel (``ModelRunner.kernel_attention``, the CUDA
+default), which reads each row to its own length, a graph reads the whole slot capacity and there is one
+per batch bucket, all captured before serving (:meth:`DecodeGraphs.capture_ahead`, as SGLang captures
+its batch sizes at start); otherwise they are captured lazily per (batch bucket, KV-length bucket).
+Verify steps have graphs per ``T`` tokens a row too, captured lazily. Without CUDA (or with graphs off)
+the same forward runs eagerly at the exact length.
 """
 
 from __future__ import annotations
@@ -37,14 +41,20 @@ def kv_length_bucket(need: int, smallest: int = 128) -> int:
 
 
 class DecodeGraphs:
-    """CUDA graphs of the decode forward, captured lazily per (batch bucket, KV-length bucket).
+    """CUDA graphs of the decode forward, per batch bucket (and KV-length bucket where attention is not the
+    flash-decoding kernel).
 
     Inputs live in static device buffers (token ids and positions of every slot); a replay reads
     them, writes the new keys/values into the cache and leaves the logits in the graph's output
     tensor, which the caller consumes before the next replay. All graphs share one memory pool.
-    KV-length buckets go from 128 in four steps per octave (128, 160, 192, 224, 256, 320, ..., capped
-    at the slot capacity), so a step reads at most 25% more keys than it needs. Without CUDA (or with graphs disabled) the same forward runs
-    eagerly at the exact length.
+    With the flash-decoding kernel a graph's KV length is the slot capacity (the kernel stops at each
+    row's own length, read on the device), so one graph per batch bucket serves every length and
+    :meth:`capture_ahead` records them all before serving; a cache that grows drops them and records
+    them again. Other attention reads a dense ``[B, L]`` window, so there the KV length is bucketed
+    from 128 in four steps per octave (128, 160, 192, 224, 256, 320, ..., capped at the slot capacity;
+    a step reads at most 25% more keys than it needs) and graphs are captured lazily per (batch
+    bucket, KV-length bucket). Without CUDA (or with graphs disabled) the same forward runs eagerly at
+    the exact length.
 
     Speculative verify steps (:meth:`run_verify`: ``T`` tokens a row) have graphs of their own, keyed
     (batch bucket, KV-length bucket, T, with hidden states), captured lazily in the same pool, with
@@ -83,9 +93,29 @@ class DecodeGraphs:
         if not self.enabled or batch > self.batch_buckets[-1] or batch > self.runner.kv_cache.shape.num_slots:
             return None
         capacity = self.runner.kv_cache.shape.slot_capacity
-        length = kv_length_bucket(need, self.MIN_KV_BUCKET)
+        # the flash-decoding kernel reads each row to its own length: one graph over the whole slot serves all
+        length = capacity if self.runner.kernel_attention else min(kv_length_bucket(need, self.MIN_KV_BUCKET), capacity)
         slots = self.runner.kv_cache.shape.num_slots  # padding rows use free slots: never more than there are
-        return min(next(b for b in self.batch_buckets if b >= batch), slots), min(length, capacity)
+        return min(next(b for b in self.batch_buckets if b >= batch), slots), length
+
+    def capture_ahead(self) -> None:
+        """Record the decode graph of every batch bucket now, before serving, where graphs do not depend on
+        the rows' lengths (``ModelRunner.kernel_attention``): a rollout then never waits on a capture, which
+        costs a few eager forwards (0.1-0.3 s a graph for a 4B model). Called at start and after the cache
+        grows; needs no running request (the captures write keys and values at position 0 of the slots
+        they pad into). Elsewhere graphs stay lazy (one per batch and KV-length bucket would be too many)."""
+        if not self.enabled or not self.runner.kernel_attention or not self.runner.kv_cache.allocated:
+            return
+        started, before = time.perf_counter(), self.captures
+        for batch in self.batch_buckets:
+            key = self._bucket(batch, 1)
+            if key is not None and key not in self.graphs:
+                self._fill([0] * key[0], [0] * key[0], key[0])
+                self.graphs[key] = self._capture(*key)
+        if self.captures > before:
+            logger.info("captured %d decode CUDA graphs (batch sizes %s, KV length %d) in %.1f s", self.captures - before,
+                        sorted({b for b, _ in self.graphs}), self.runner.kv_cache.shape.slot_capacity,
+                        time.perf_counter() - started)
 
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """A decode step: row i feeds ``tokens[i]`` (a host list, or ids already on the device: a draft

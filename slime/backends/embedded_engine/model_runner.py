@@ -134,6 +134,7 @@ class ModelRunner:
         #: ``mtp.MTPLayer``): its weights are the model's ``model.layers.{num_hidden_layers}.*`` and
         #: every weight update by those names reaches it
         self.mtp = None
+        self.graphs.capture_ahead()  # every batch size's decode graph, before the first request (CUDA)
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
@@ -284,6 +285,7 @@ class ModelRunner:
             self.routed_experts.resize(shape.num_slots, shape.slot_capacity)
         logger.info("KV cache grown for a %d-token request: %d slots x %d tokens, %.1f MB", need, shape.num_slots,
                     capacity, shape.num_slots * capacity * shape.bytes_per_token(self.kv_cache_dtype) / 2**20)
+        self.graphs.capture_ahead()
         return True
 
     @torch.inference_mode()
@@ -416,6 +418,14 @@ class ModelRunner:
         hidden]``; on CUDA from a graph (:meth:`DecodeGraphs.run_verify`): read them before the next step."""
         return self.graphs.run_verify(tokens, starts, with_hidden)
 
+    @property
+    def kernel_attention(self) -> bool:
+        """Whether decode and verify steps attend through the flash-decoding kernel (``--attention-backend triton``
+        and heads it takes), which reads each row only to its own length: their CUDA graphs then do not depend on
+        the rows' lengths (one per batch size, :class:`DecodeGraphs`)."""
+        _, key_dim, value_dim = self._geometry
+        return self.attention_backend == "triton" and attention.triton_kernel_fits(key_dim, value_dim)
+
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int,
                        out: torch.Tensor | None = None, hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """The decode forward on device tensors ``[B, T]`` (no host syncs: capturable): row b is slot b
@@ -430,8 +440,7 @@ class ModelRunner:
         mask = torch.zeros((batch, 1, tokens, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_(key_pos > positions.view(batch, 1, tokens, 1), torch.finfo(self.dtype).min)
         rows = torch.arange(batch, device=self.device)
-        _, key_dim, value_dim = self._geometry
-        kernel = self.attention_backend == "triton" and attention.triton_kernel_fits(key_dim, value_dim)
+        kernel = self.kernel_attention
         view = DecodeCacheView(self.kv_cache, rows, positions.reshape(-1), kv_length, raw=kernel, tokens=tokens)
         extra = {self._cache_kwarg: view}
         if tokens > 1:  # the attention's decode path for several tokens a row (not prefill's SDPA)

@@ -6,8 +6,8 @@ the row's own length (the rows of a batch have different lengths; a dense kernel
 them up to the longest):
 
 * program ``(b, kv_head, split)`` loads the ``G`` query heads that share ``kv_head`` (grouped-query
-  attention), walks its share of row ``b``'s positions ``[split * SPLIT_LEN, min(.., length_b))`` in
-  blocks of ``BLOCK_N`` (:func:`block_n`), and keeps an online softmax (running max ``m``, sum ``l``, weighted values
+  attention), walks its share of row ``b``'s positions (the row's own length cut into ``SPLITS`` runs
+  of whole blocks) in blocks of ``BLOCK_N`` (:func:`block_n`), and keeps an online softmax (running max ``m``, sum ``l``, weighted values
   ``acc``) in fp32;
 * it writes ``acc / l`` and ``lse = m + log l`` per (row, head, split); a second small kernel merges
   the splits: ``out = Σ_s exp(lse_s - lse) · out_s`` with ``lse = logsumexp_s lse_s``. A row in one
@@ -23,10 +23,12 @@ are per (row, token, head, split) and the merge runs over ``B * T`` rows. ``TOKE
 the one-token kernel (the extra masking and the guard for a token with no key yet in a block are
 static branches; the sm_90 PTX has the same instructions).
 
-Splitting a row over several programs keeps the GPU busy when the batch is small. ``SPLIT_LEN`` is
-fixed per call (a CUDA graph captures it for its KV-length bucket); splits past a row's length
-write ``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the call has no host
-sync and is capturable.
+Splitting a row over several programs keeps the GPU busy when the batch is small. The number of
+splits is fixed per call (by the batch and the longest possible row, :func:`plan_splits`); each row's
+split length comes from its own length on the device, so one launch (one CUDA graph per batch size)
+serves rows of any length up to the cache's capacity, and a short row's splits past its end write
+``lse = -inf`` and weigh nothing. ``lengths`` lives on the device, so the call has no host sync and
+is capturable.
 
 An FP8 cache (``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2``) is read as it is stored, one byte per value:
 each block is converted as it is loaded (exact: every e4m3/e5m2 value is an fp16 and a bf16 value) to fp16
@@ -66,7 +68,7 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
                       stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                       stride_vn, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_ft,
-                      stride_fh, scale, v_scale, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      stride_fh, scale, v_scale, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
                       SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, EARLY_V: tl.constexpr, TOKENS: tl.constexpr,
                       DOT_F16: tl.constexpr):
@@ -77,8 +79,13 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lengths_ptr + row)
-        start = split * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
+        if SPLITS == 1:
+            start = 0
+            end = length
+        else:  # the row's own length in SPLITS runs of whole blocks (the last ones empty for a short row)
+            split_len = tl.cdiv(tl.cdiv(length, BLOCK_N), SPLITS) * BLOCK_N
+            start = split * split_len
+            end = tl.minimum(start + split_len, length)
 
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -227,18 +234,12 @@ def block_n(dim: int) -> int:
     return 64
 
 
-def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> tuple[int, int]:
-    """``(splits, split_len)`` for a call: more splits when the batch is small, none shorter than a block."""
-    blocks = triton.cdiv(kv_length, block)
-    splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
-    return split_length(kv_length, block, splits)
-
-
-def split_length(kv_length: int, block: int, splits: int) -> tuple[int, int]:
-    """``(splits, split_len)`` for at most ``splits`` splits of whole blocks (fewer where the blocks run out)."""
-    blocks = triton.cdiv(kv_length, block)
-    split_len = triton.cdiv(blocks, max(1, min(splits, blocks))) * block
-    return triton.cdiv(kv_length, split_len), split_len
+def plan_splits(batch: int, kv_heads: int, kv_length: int, block: int) -> int:
+    """Splits of each row for a call: more when the batch is small (until :data:`TARGET_PROGRAMS` programs), never
+    more than the longest row ``kv_length`` has blocks. The kernel cuts each row's own length into that many runs of
+    whole blocks, so a call planned for the cache's capacity serves rows of any length (what a CUDA graph captured
+    once per batch size replays)."""
+    return max(1, min(triton.cdiv(kv_length, block), triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
 
 
 class Launch(NamedTuple):
@@ -258,7 +259,7 @@ def plan_launch(batch: int, kv_heads: int, kv_length: int, dim: int, kv_element_
     with two; bf16 at 16 rows, two splits, 14.5 / 41.0 us at 511 / 2047 with three vs 16.1 / 44.4; bf16 at 64 rows,
     one split (512 programs), 38.5 / 130.8 with two vs 42.9 / 146.6 (at 128 rows a wash: 27.3 / 72.2 vs 28.5 / 70.5)."""
     block = block_n(dim)
-    splits = plan_splits(batch, kv_heads, kv_length, block)[0]
+    splits = plan_splits(batch, kv_heads, kv_length, block)
     deep = kv_element_bytes == 1 or batch * kv_heads * splits < 512
     return Launch(block, splits, num_warps=4, num_stages=3 if deep else 2)
 
@@ -293,7 +294,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     group = heads // kv_heads
     launch = launch or plan_launch(batch, kv_heads, kv_length, dim, keys.element_size())
     block = launch.block_n
-    splits, split_len = split_length(kv_length, block, launch.splits)
+    splits = max(1, min(launch.splits, triton.cdiv(kv_length, block)))
     parts = torch.empty((batch * tokens, heads, splits, dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((batch * tokens, heads, splits), dtype=torch.float32, device=query.device)
     merge_here = MERGE_IN_SPLIT_KERNEL and splits > 1
@@ -304,7 +305,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         q_strides[0], stride_qt, q_strides[1], keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), *f_strides,
-        scale * k_scale, v_scale, SPLIT_LEN=split_len, BLOCK_N=block, GROUP=group,
+        scale * k_scale, v_scale, BLOCK_N=block, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group * tokens)), HEAD_DIM=dim,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=splits,
         MERGE_HERE=merge_here, EARLY_V=EARLY_V_LOAD, TOKENS=tokens, DOT_F16=dot_f16, num_warps=launch.num_warps,

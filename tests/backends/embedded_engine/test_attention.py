@@ -159,7 +159,7 @@ def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, 
     values = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
     positions = torch.tensor([0, 128, 300])  # lengths 1, one past a 128-step, several steps
     length = int(positions.max()) + 1
-    splits, _ = triton_attention.plan_splits(batch, kv_heads, length, triton_attention.block_n(dim))
+    splits = triton_attention.plan_splits(batch, kv_heads, length, triton_attention.block_n(dim))
     assert splits > 1  # the merge of partial softmaxes is exercised
     query = torch.randn(batch, heads, dim, generator=gen)
     key, value = keys[:batch, :, :length], values[:batch, :, :length]
@@ -179,25 +179,26 @@ def test_triton_decode_attention_interpreted_matches_reference(dim, merge_here, 
 def test_triton_decode_attention_interpreted_every_launch_matches_reference():
     """Every launch a sweep may pick (``triton_attention.Launch``: 32-128 positions a step, one split to
     more splits than blocks, 4/8 warps, 1-3 stages) computes the same attention: rows of different
-    lengths (one key, one past a block, several blocks), against the dense reference."""
+    lengths (one key, one past a block, several blocks), against the dense reference — planned for
+    the longest row and for the whole capacity (what a graph captured per batch size passes), where
+    each row cuts its own length into the splits and a short row leaves most of them empty."""
     from slime.backends.embedded_engine import triton_attention
 
     gen = torch.Generator().manual_seed(7)
-    batch, heads, kv_heads, dim, capacity = 3, 8, 2, 64, 320
+    batch, heads, kv_heads, dim, capacity = 3, 8, 2, 64, 1024
     keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen)
     values = torch.randn(batch, kv_heads, capacity, dim, generator=gen)
     positions = torch.tensor([0, 64, 300])
-    length = 320  # the graphs' KV-length bucket for 301 positions: splits past a row's end weigh nothing
     query = torch.randn(batch, heads, dim, generator=gen)
     expected = reference(query[:, :, None], keys, values, positions.tolist(), dim ** -0.5)[:, 0]
-    assert triton_attention.split_length(length, 64, 16) == (5, 64)  # more splits than blocks: one block each
-    assert triton_attention.split_length(length, 32, 4) == (4, 96)
-    for launch in [triton_attention.Launch(32, 1, 4, 1), triton_attention.Launch(32, 4, 8, 3),
-                   triton_attention.Launch(64, 16, 4, 2), triton_attention.Launch(128, 2, 8, 1),
-                   triton_attention.Launch(128, 1, 4, 3)]:
-        out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5,
-                                                launch=launch)
-        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=lambda m: f"{launch}: {m}")
+    for length in (301, capacity):
+        for launch in [triton_attention.Launch(32, 1, 4, 1), triton_attention.Launch(32, 4, 8, 3),
+                       triton_attention.Launch(64, 16, 4, 2), triton_attention.Launch(128, 2, 8, 1),
+                       triton_attention.Launch(128, 1, 4, 3), triton_attention.Launch(64, 3, 4, 2)]:
+            out = triton_attention.decode_attention(query, keys, values, positions + 1, length, dim ** -0.5,
+                                                    launch=launch)
+            torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"{launch} over {length}: {m}")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -244,7 +245,7 @@ def test_triton_verify_attention_interpreted_matches_reference(tokens, heads, kv
     keys = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
     values = torch.randn(batch + 1, kv_heads, capacity, dim, generator=gen)
     length = int(lengths.max())
-    splits, _ = triton_attention.plan_splits(batch, kv_heads, length, block)
+    splits = triton_attention.plan_splits(batch, kv_heads, length, block)
     assert splits > 1  # split partials merged
     query = torch.randn(batch, tokens, heads, dim, generator=gen).transpose(1, 2)  # [B, H, T, D], HF's strides
     out = triton_attention.decode_attention(query, keys, values, lengths, length, dim ** -0.5)

@@ -42,7 +42,7 @@ for cache, saturate in (("bf16", False), ("fp8e4nv", True), ("fp8e5", True)):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", lengths_ptr="*i64", out_ptr="*fp32",
                      lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32", v_scale="fp32")
         compile_one(triton_attention._split_kernel, types,
-                    dict(SPLIT_LEN=128, BLOCK_N=triton_attention.block_n(128), GROUP=2, GROUP_PAD=pad, HEAD_DIM=128,
+                    dict(BLOCK_N=triton_attention.block_n(128), GROUP=2, GROUP_PAD=pad, HEAD_DIM=128,
                          PRECISION="tf32", SPLITS=splits, MERGE_HERE=merge, EARLY_V=True, TOKENS=tokens,
                          DOT_F16=cache != "bf16"),
                     num_stages=2 if cache == "bf16" and splits == 1 else 3)  # plan_launch's two depths
