@@ -11,8 +11,8 @@ the planned one — the table the launch plan is fitted to.
         --batch 2 --positions 5 --sweep --repeats 1             # CPU: a check that it runs, no timing worth reading
 
 The call is what the engine's decode graphs make: every row at ``position`` (it reads position + 1
-keys), ``kv_length`` the graph's KV-length bucket (``cuda_graphs.kv_length_bucket``: 160 for 144
-positions), the cache ``[rows, kv_heads, capacity, head_dim]`` in the cache dtype (FP8: e4m3 / e5m2
+keys), ``kv_length`` the slot capacity the graph is captured over (since session 26: the engine's first
+512 positions, or the request grown to whole 256-position steps; each row stops at its own length), the cache ``[rows, kv_heads, capacity, head_dim]`` in the cache dtype (FP8: e4m3 / e5m2
 values with scale 1). Timing: ``bench.common.time_us`` (as ``bench/fp8_gemm.py``), a CUDA graph of
 ``copies`` calls, each on its own cache (>= 256 MiB of KV in all, so the reads come from HBM, not the
 50 MiB L2), CUDA events around the replay, median of ``--repeats``, divided by ``copies``.
@@ -73,11 +73,12 @@ def candidates(kv_length: int, dim: int) -> list:
 def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.device, repeats: int,
             sweep: bool) -> dict:
     from slime.backends.embedded_engine import triton_attention
-    from slime.backends.embedded_engine.cuda_graphs import kv_length_bucket
+    from slime.backends.embedded_engine.model_runner import ModelRunner
 
     heads, kv_heads, dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]
     need = position + 1
-    kv_length = kv_length_bucket(need)
+    step = ModelRunner.SLOT_GRANULARITY  # the slot capacity the engine's graphs read (ModelRunner.grow_cache)
+    kv_length = max(ModelRunner.INITIAL_SLOT_CAPACITY, -(-need // step) * step)
     query_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cache_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "bf16" or device.type == "cuda" else torch.float32  # CPU: fp32
     element = torch.empty((), dtype=cache_dtype).element_size()

@@ -13,7 +13,7 @@ Builds a checkpoint of ``--model`` (``bench/engine_decode.py``'s ``build_checkpo
 weights with the public architecture's shapes) or loads ``--model-path``, puts ``--batch`` rows in
 the KV cache with every row at ``--position`` (its new token at that position, so each row reads
 ``position + 1`` cached tokens) and runs the model runner's decode step, as the engine does (on CUDA
-a replayed CUDA graph of the KV-length bucket). No HTTP or scheduler; no sampling unless ``--sample``
+a replayed CUDA graph of the batch). No HTTP or scheduler; no sampling unless ``--sample``
 (``fused``: the sampler's one-read kernel, ``torch``: its torch ops, either in the timed and profiled
 step; ``sample_torch_ms`` / ``sample_fused_ms`` time each path alone on one step's logits).
 
