@@ -147,8 +147,9 @@ def test_cuda_runner_update_after_release_and_resume_equals_hf(tiny_model_dir):
     prompt = [5, 17, 33, 2, 91, 40]
     logits, _ = runner.forward([0], [ForwardRow(prompt, 0)])
     token = int(logits[0].argmax())
+    captures = runner.graphs.captures  # the start's graphs went with the weights' move: the step records its own
     step = runner.decode([token], [len(prompt)])
-    assert runner.graphs.captures == 1
+    assert runner.graphs.captures == captures + 1
     with torch.no_grad():
         want = hf(torch.tensor([prompt + [token]], device="cuda")).logits[0]
     torch.testing.assert_close(step[0], want[-1], atol=1e-4, rtol=1e-4)
