@@ -92,9 +92,12 @@ def test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatc
 @needs_interpreter
 @pytest.mark.parametrize("rows,cols,dtype", [(5, 300, torch.float32), (3, 2500, torch.bfloat16),
                                              (4, 1024, torch.float32), (1, 7, torch.bfloat16)])
-def test_token_quantizer_interpreted_is_bit_exact(rows, cols, dtype):
-    """One program a row, two passes of 1024 columns (2500: three, the last ragged): the same e4m3 bytes and
-    scales as the torch reference, including a zero row and values next to e4m3 rounding ties."""
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_token_quantizer_interpreted_is_bit_exact(rows, cols, dtype, one_pass, monkeypatch):
+    """One program a row, the row held whole or read twice 1024 columns at a time (2500: three, the last
+    ragged): the same e4m3 bytes and scales as the torch reference, including a zero row and values next to
+    e4m3 rounding ties."""
+    monkeypatch.setattr(fp8_channel, "QUANTIZE_ONE_PASS", fp8_channel.QUANTIZE_ONE_PASS if one_pass else 0)
     gen = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=gen) * 3).to(dtype)
     x[0, : min(cols, 4)] = torch.tensor([448.0, 13.0, 13.0 * (1 + 2**-5), -0.75])[: min(cols, 4)].to(dtype)

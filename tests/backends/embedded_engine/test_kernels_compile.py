@@ -65,10 +65,12 @@ types = dict(logits_ptr="*fp32", temperature="fp32", max_ptr="*fp32", sum_ptr="*
 compile_one(sampling_kernel._combine_kernel, types, dict(SPLITS=64), num_warps=1)
 done.append("sample_combine")
 for dtype in ("bf16", "fp32"):  # --quantization w8a8_fp8's per-token activation quantizer (the GPU's e4m3 cast)
-    compile_one(fp8_channel._quantize_tokens_kernel, dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32",
-                                                          fp8_max="fp32"),
-                dict(BLOCK=fp8_channel.QUANTIZE_BLOCK, EMULATE_E4M3_CAST=False))
-    done.append(f"quantize_tokens/{dtype}")
+    for block, one_pass, warps in ((fp8_channel.QUANTIZE_BLOCK, False, 4), (4096, True, 8),
+                                   (fp8_channel.QUANTIZE_ONE_PASS, True, 16)):
+        compile_one(fp8_channel._quantize_tokens_kernel, dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                              fp8_max="fp32"),
+                    dict(BLOCK=block, ONE_PASS=one_pass, EMULATE_E4M3_CAST=False), num_warps=warps)
+        done.append(f"quantize_tokens/{dtype}/{block}")
 print(json.dumps(done))
 """
 
@@ -82,4 +84,4 @@ def test_decode_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * (2 + 6) + 6 + 3 + 2, compiled
+    assert len(compiled) == 3 * (2 + 6) + 6 + 3 + 2 * 3, compiled
