@@ -69,7 +69,9 @@ after the engine stopped, and ``disk_update_seconds`` (``/update_weights_from_di
 checkpoint, file reading included). Compare a run with and without the flag at the same workload.
 ``engine_start_seconds`` (any run): from spawning the engine to its first healthy answer — imports,
 loading, FP8 quantization and ``fp8.warm_up``'s GEMM compiles (cached by Triton on disk after the
-first start on a machine), the cache allocation.
+first start on a machine), the cache allocation and the decode CUDA graphs captured at start
+(``start_cuda_graph_captures`` of them in ``start_capture_seconds``: every batch bucket where attention is
+the flash-decoding kernel, none where graphs are captured lazily).
 
 ``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
 """
@@ -411,9 +413,9 @@ def main() -> None:
         try:
             engine.wait_healthy(timeout=600)
             start_seconds = time.perf_counter() - started  # spawn, load, quantize (+ FP8 warm-up), cache, health
-            # The first burst of the workload is its warm-up: it captures the decode CUDA graphs of every
-            # (batch, KV-length) bucket the burst visits and compiles the Triton kernels' variants, which
-            # the measured runs then reuse (what a training run's first rollout pays once).
+            # The first burst of the workload is its warm-up: it compiles what the start did not (and, where the
+            # engine captures graphs lazily, captures those of the buckets the burst visits), which the measured
+            # runs then reuse (what a training run's first rollout pays once).
             first = server_info(engine.url)["internal_states"][0]
             first_started = time.perf_counter()
             loop = asyncio.new_event_loop()  # one client session for every burst
@@ -465,6 +467,8 @@ def main() -> None:
                "prefill_tokens": decode["prefill_tokens"], "joins_while_decoding": decode["joins_while_decoding"],
                # from spawning the engine to healthy: imports, load, FP8 quantization and GEMM warm-up, cache
                "engine_start_seconds": start_seconds,
+               "start_cuda_graph_captures": first["cuda_graph_captures"],
+               "start_capture_seconds": first.get("cuda_graph_capture_seconds", 0.0),
                "first_burst_seconds": first_burst_seconds, "first_burst_cuda_graph_captures": first_captures,
                "measured_cuda_graph_captures": engine_runs[-1][2]["internal_states"][0]["cuda_graph_captures"]
                - first["cuda_graph_captures"] - first_captures,  # over all measured runs

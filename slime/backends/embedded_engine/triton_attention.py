@@ -220,7 +220,8 @@ MERGE_IN_SPLIT_KERNEL = False
 # the JIT's 16-divisible strides) is 557 instructions a thread with fp16 dots, 830 (e5m2: 814) with bf16 ones,
 # 312 over a bf16 cache. fp16's 10-bit mantissa also holds every FP8 value and rounds the query and probabilities
 # less than bf16's 7. Measured before it (session 23, 4B at 128 rows): an FP8 cache read at 1.5-2.4 TB/s where
-# bf16 reads at 2.8-4.3. False gives the bf16 dots (the A/B; not yet timed).
+# bf16 reads at 2.8-4.3. The A/B (session 26, H200, Qwen3-4B, bench/decode_attention.py --fp8-dots): 128 rows at
+# 143 / 511 / 2047 positions 27.0 / 53.2 / 185.6 us with fp16 dots against 28.9 / 62.1 / 225.6 with bf16 (False).
 FP8_DOTS_IN_FP16 = True
 EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
 _tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (row, kv_head)
