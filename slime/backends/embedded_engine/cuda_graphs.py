@@ -101,7 +101,8 @@ class DecodeGraphs:
     def capture_ahead(self) -> None:
         """Record the decode graph of every batch bucket now, before serving, where graphs do not depend on
         the rows' lengths (``ModelRunner.kernel_attention``): a rollout then never waits on a capture, which
-        costs a few eager forwards (0.1-0.3 s a graph for a 4B model). Called at start and after the cache
+        costs two eager forwards and the recording (an engine start of Qwen3-4B took ~3 s longer for its 18 graphs
+        in bf16, up to ~12-16 s under FP8; docs/embedded_engine.md). Called at start and after the cache
         grows; needs no running request (the captures write keys and values at position 0 of the slots
         they pad into). Elsewhere graphs stay lazy (one per batch and KV-length bucket would be too many)."""
         if not self.enabled or not self.runner.kernel_attention or not self.runner.kv_cache.allocated:
