@@ -205,15 +205,19 @@ def plan_tiles(rows: int, out_features: int, in_features: int, device: torch.dev
 
 
 def candidate_tiles(rows: int, in_features: int) -> list:
-    """The launches ``bench/fp8_gemm.py --sweep channel`` times: the block-wise GEMM's TMA candidates and, above
-    64 tokens, 128-row tiles on two warp groups (8 warps), which read each weight tile once for up to 128 tokens
-    — without a scale to apply at every K step the per-channel loop may afford them (compiled for sm_90 without
-    spills: 58-157 registers a thread, one or two programs an SM)."""
+    """The launches ``bench/fp8_gemm.py --sweep channel`` times: the block-wise GEMM's TMA candidates; 32-column
+    tiles (unsplit or split two ways, 4-6 stages of 12 KiB at 64 rows), which give the narrow output projections
+    (o and down: 2560 columns on 4B, 80 programs of 64 x 64 for 132 SMs at 128 tokens) twice the programs without a
+    split-K reduction; and, above 64 tokens, 128-row tiles on two warp groups (8 warps), which read each weight tile
+    once for up to 128 tokens — without a scale to apply at every K step the per-channel loop may afford them
+    (compiled for sm_90 without spills: 58-157 registers a thread, one or two programs an SM)."""
     from slime.backends.embedded_engine import fp8_triton
 
     candidates = fp8_triton.tma_candidates(rows, in_features)
+    k_steps = -(-in_features // fp8_triton.BLOCK)
+    candidates += [fp8_triton.Tiles(16 if rows <= 16 else 64, 32, split, num_warps=4, num_stages=stages)
+                   for split in (1, 2) if split == 1 or k_steps >= 2 * split for stages in (4, 5, 6)]
     if rows > 64:
-        k_steps = -(-in_features // fp8_triton.BLOCK)
         candidates += [fp8_triton.Tiles(128, block_n, split, num_warps=8, num_stages=stages)
                        for block_n in (64, 128) for split in (1, 2, 4, 8) if split == 1 or k_steps >= 2 * split
                        for stages in (3, 4, 5)]

@@ -435,6 +435,7 @@ def _channel_case(rows: int, out_features: int, in_features: int, seed: int):
     (5, 96, 384, None, True),  # the planned launch (16-row tiles), loaded by TMA
     (20, 80, 512, (64, 64, 2), True),  # split K, a ragged column tile
     (20, 80, 512, (64, 64, 2), False),  # the same by pointer loads
+    (70, 80, 512, (64, 32, 2), True),  # the sweep's 32-column tiles: two row tiles, a ragged column tile
     (3, 48, 300, None, False)])  # K = 300: rows not 16-byte aligned, pointer loads, a ragged K step
 def test_channel_triton_gemm_interpreted_equals_reference(monkeypatch, rows, out_features, in_features, tiles, tma):
     """``fp8_channel.triton_matmul`` (``_fp8_gemm_kernel`` with ``PER_CHANNEL``: the token's and the channel's
@@ -481,8 +482,9 @@ def test_channel_triton_linear_interpreted_bf16_with_bias_and_refusals(monkeypat
 @needs_interpreter
 def test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight(tmp_path):
     """The per-channel GEMM compiled for sm_90 by Triton's own ptxas, without a GPU, at the launches the plan
-    gives Qwen3 decode shapes (64 x 64 five stages, 64 x 128 split two ways, 16-row tiles) and the largest the
-    channel sweep tries (128 x 128 on 8 warps, split two ways, four stages): Hopper's e4m3 wgmma
+    gives Qwen3 decode shapes (64 x 64 five stages, 64 x 128 split two ways, 16-row tiles) and the largest and
+    narrowest the channel sweep tries (128 x 128 on 8 warps, split two ways, four stages; 64 x 32, six stages):
+    Hopper's e4m3 wgmma
     loaded by TMA, and — the point of applying the scales after the K loop — a wait that leaves one wgmma group
     in flight inside the loop (the block-scaled kernel waits on every K step's: test_fp8), no register spills.
     16-row tiles take mma.sync, as in the block-scaled kernel."""
@@ -496,7 +498,8 @@ def test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight(tmp_path):
                                        "ptxas")):
         pytest.skip("this triton has no bundled ptxas")
     tiles = [(64, 64, 1, 4, 1, 1, 5, 1), (64, 128, 2, 4, 1, 1, 4, 1), (16, 128, 4, 4, 1, 1, 4, 1),
-             (128, 128, 2, 8, 1, 1, 4, 1)]  # and the sweep's largest: 128 rows on two warp groups, split K
+             (128, 128, 2, 8, 1, 1, 4, 1),  # and the sweep's largest: 128 rows on two warp groups, split K
+             (64, 32, 1, 4, 1, 1, 6, 1)]  # and its narrowest, six stages deep
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_BACKENDS_IN_TREE="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(tiles), str(tmp_path)], env=env,
