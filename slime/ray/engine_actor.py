@@ -20,13 +20,14 @@ logger = logging.getLogger(__name__)
 EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
                          "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
                          "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
-                         "disable-cuda-graph", "cuda-graph-max-bs", "quantization", "fp8-gemm-backend",
+                         "disable-cuda-graph", "cuda-graph-max-bs", "cuda-graph-bs", "quantization", "fp8-gemm-backend",
                          "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver", "enable-weights-cpu-backup",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
                          "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config"}
 # SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
-EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "fp8-gemm-runner-backend": "fp8-gemm-backend"}
+EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "cuda-graph-bs-decode": "cuda-graph-bs",
+                     "fp8-gemm-runner-backend": "fp8-gemm-backend"}
 
 
 def memory_saver_installed() -> bool:
@@ -59,6 +60,8 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
             continue
         if value is True:
             argv.append(f"--{name}")
+        elif isinstance(value, (list, tuple)):  # nargs="+" (--cuda-graph-bs 1 2 4 8)
+            argv += [f"--{name}", *map(str, value)]
         elif value not in (False, None):
             argv += [f"--{name}", str(value)]
     return argv

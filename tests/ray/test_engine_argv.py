@@ -118,3 +118,22 @@ def test_adaptive_speculation_flags_reach_the_engine(tmp_path):
     assert argv[argv.index("--speculative-adaptive-config") + 1] == str(config)
     resolved = speculative_config(parse_server_args(["--model-path", "/tmp", *argv]))
     assert resolved.adaptive and resolved.adaptive_config == str(config)
+
+
+def test_cuda_graph_batch_sizes_reach_the_engine_as_a_list_and_parse_there():
+    """``--sglang-cuda-graph-bs-decode 1 2 4 8`` (SGLang 0.5.23's name; the old ``--sglang-cuda-graph-bs`` is
+    rewritten to it) becomes the embedded engine's ``--cuda-graph-bs 1 2 4 8``, each size its own token, and the
+    engine reads back the list; a size list with nothing within the running-request limit is refused by name."""
+    import pytest
+
+    from slime.backends.embedded_engine.config import parse_args as engine_args
+
+    for flag in ("--sglang-cuda-graph-bs-decode", "--sglang-cuda-graph-bs"):
+        argv = embedded_engine_argv(parse_args(BASE + [flag, "1", "2", "4", "8"]), gpu=True)
+        start = argv.index("--cuda-graph-bs")
+        assert argv[start + 1: start + 5] == ["1", "2", "4", "8"]
+        assert engine_args(["--model-path", "/tmp", *argv]).cuda_graph_bs == [1, 2, 4, 8]
+    with pytest.raises(SystemExit, match="--cuda-graph-bs 96 128: no size is within"):
+        engine_args(["--model-path", "/tmp", "--max-running-requests", "64", "--cuda-graph-bs", "96", "128"])
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        engine_args(["--model-path", "/tmp", "--cuda-graph-bs", "0", "4"])

@@ -41,8 +41,9 @@ def build_server(args: ServerArgs):
                          num_slots=args.max_running_requests, slot_capacity=args.context_length,
                          mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
                          max_total_tokens=args.max_total_tokens, cuda_graph=not args.disable_cuda_graph,
-                         cuda_graph_max_bs=args.cuda_graph_max_bs, attention_backend=args.attention_backend,
-                         mla_decode=args.mla_decode, quantization=args.quantization,
+                         cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_bs=args.cuda_graph_bs,
+                         attention_backend=args.attention_backend, mla_decode=args.mla_decode,
+                         quantization=args.quantization,
                          fp8_gemm_backend=args.fp8_gemm_backend, kv_cache_dtype=args.kv_cache_dtype,
                          routed_experts=args.enable_return_routed_experts, memory_saver=args.enable_memory_saver,
                          weights_cpu_backup=args.enable_weights_cpu_backup)
@@ -91,6 +92,7 @@ def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
         draft_runner = ModelRunner(config.draft_model_path, device=args.device, dtype=args.dtype,
                                    num_slots=runner.max_slots, slot_capacity=runner.context_length,
                                    cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                                   cuda_graph_bs=args.cuda_graph_bs,
                                    attention_backend=args.attention_backend, mla_decode=args.mla_decode,
                                    kv_cache_dtype=args.kv_cache_dtype)  # SGLang: the draft caches like the target
         draft = DraftModel(draft_runner, runner, prefill_tokens)

@@ -21,6 +21,7 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
     attention_backend: str | None = None
     tool_call_parser: str = "qwen25"
     served_model_name: str | None = None
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="CUDA: largest decode batch run through a CUDA graph (default: --max-running-requests)")
+    p.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="N",
+                   help="CUDA: the decode batch sizes captured as CUDA graphs (SGLang's --cuda-graph-bs-decode); a "
+                        "batch pads up to the next one, a batch above the largest runs eagerly (default: 1, 2, 4, 8, "
+                        "then every 8 up to --cuda-graph-max-bs)")
     p.add_argument("--attention-backend", default=None, choices=["triton", "torch_native"],
                    help="triton (CUDA; the default there): flash-decoding attention plus fused RMSNorm, rotary "
                         "and SiLU-gate kernels; torch_native (the default on CPU): plain PyTorch ops")
@@ -216,6 +221,13 @@ def validate_args(args: ServerArgs) -> None:
                              "sglang)")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.cuda_graph_bs is not None:
+        limit = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+        if any(size < 1 for size in args.cuda_graph_bs):
+            raise SystemExit(f"--cuda-graph-bs: batch sizes must be >= 1, got {args.cuda_graph_bs}")
+        if min(args.cuda_graph_bs) > limit:
+            raise SystemExit(f"--cuda-graph-bs {' '.join(map(str, args.cuda_graph_bs))}: no size is within "
+                             f"--max-running-requests / --cuda-graph-max-bs ({limit})")
     if not 0 < args.mem_fraction_static <= 1:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
     try:

@@ -24,8 +24,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _buckets(limit: int) -> list[int]:
-    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to ``limit`` (and ``limit``)."""
+def _buckets(limit: int, sizes: list[int] | None = None) -> list[int]:
+    """Batch sizes a graph is captured for: ``sizes`` up to ``limit`` (``--cuda-graph-bs``), by default 1, 2, 4, 8,
+    then every 8 up to ``limit`` (and ``limit``). A batch pads up to the next size; above the largest it runs
+    eagerly."""
+    if sizes is not None:
+        chosen = sorted({b for b in sizes if 1 <= b <= limit})
+        if not chosen:
+            raise ValueError(f"--cuda-graph-bs {' '.join(map(str, sizes))}: no batch size is within 1..{limit} "
+                             "(--max-running-requests / --cuda-graph-max-bs)")
+        return chosen
     sizes = [b for b in (1, 2, 4) if b < limit] + list(range(8, limit, 8)) + [limit]
     return sorted(set(sizes))
 
@@ -63,10 +71,10 @@ class DecodeGraphs:
 
     MIN_KV_BUCKET = 128
 
-    def __init__(self, runner: ModelRunner, enabled: bool, max_batch: int):
+    def __init__(self, runner: ModelRunner, enabled: bool, max_batch: int, sizes: list[int] | None = None):
         self.runner = runner
         self.enabled = enabled
-        self.batch_buckets = _buckets(max_batch) if enabled else []
+        self.batch_buckets = _buckets(max_batch, sizes) if enabled else []
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.ids = self.positions = self.host = self.logits = None

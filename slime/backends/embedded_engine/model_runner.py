@@ -49,6 +49,7 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", num_slots: int = 64,
                  slot_capacity: int | None = None, mem_fraction_static: float | None = None,
                  max_total_tokens: int | None = None, cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
+                 cuda_graph_bs: list[int] | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
                  quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
                  routed_experts: bool = False, memory_saver: bool = False, weights_cpu_backup: bool = False):
@@ -129,7 +130,7 @@ class ModelRunner:
             shape = self.kv_cache.shape
             self.routed_experts = RoutedExperts(self.model, shape.num_slots, shape.slot_capacity, self.device)
         self.graphs = DecodeGraphs(self, enabled=cuda_graph and self.device.type == "cuda",
-                                   max_batch=min(cuda_graph_max_bs or num_slots, num_slots))
+                                   max_batch=min(cuda_graph_max_bs or num_slots, num_slots), sizes=cuda_graph_bs)
         #: the model's own multi-token-prediction layer when it drafts (``--speculative-algorithm NEXTN``,
         #: ``mtp.MTPLayer``): its weights are the model's ``model.layers.{num_hidden_layers}.*`` and
         #: every weight update by those names reaches it

@@ -86,3 +86,28 @@ def test_dense_attention_graphs_stay_lazy_per_kv_length_bucket(tiny_model_dir, r
     assert runner.graphs.captures == 0
     run_engine(runner, [[5, 6, 7]], [SamplingParams(max_new_tokens=140, temperature=0.0, ignore_eos=True)])
     assert sorted(runner.graphs.graphs) == [(1, 128), (1, 160)]  # 3 + 140 tokens: two buckets of one row
+
+
+def test_chosen_batch_sizes_are_the_graphs_and_larger_batches_run_eagerly(tiny_model_dir, monkeypatch, replayed_graphs):
+    """``--cuda-graph-bs 2 6`` (SGLang's ``--cuda-graph-bs-decode``): graphs for exactly those batch sizes, captured
+    ahead; a batch of 1 pads to 2, one of 3-6 pads to 6, a batch of 7 or 8 runs eagerly (no graph of its own); sizes
+    past the slots are dropped. Greedy outputs equal an engine without graphs."""
+    from slime.backends.embedded_engine.cuda_graphs import _buckets
+    from slime.backends.embedded_engine.io_struct import SamplingParams
+
+    assert _buckets(8, [6, 2, 2, 64]) == [2, 6] and _buckets(8) == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="--cuda-graph-bs 16 32: no batch size is within 1..8"):
+        _buckets(8, [16, 32])
+    monkeypatch.setattr(ModelRunner, "kernel_attention", property(lambda self: True))
+    prompts = [[5 + i, 6, 7, 8] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=6 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    want = run_engine(ModelRunner(tiny_model_dir, num_slots=8, cuda_graph=False), prompts, params)
+    runner = ModelRunner(tiny_model_dir, num_slots=8)
+    graphs = runner.graphs
+    graphs.enabled, graphs.batch_buckets = True, _buckets(8, [2, 6, 64])
+    graphs.capture_ahead()
+    capacity = runner.kv_cache.shape.slot_capacity
+    assert sorted(graphs.graphs) == [(2, capacity), (6, capacity)] and graphs.captures == 2
+    assert run_engine(runner, prompts, params) == want
+    assert graphs.captures == 2
+    assert graphs.can_run(6, [10] * 6) and graphs.can_run(1, [10]) and not graphs.can_run(7, [10] * 7)
