@@ -63,6 +63,7 @@ class ModelRunner:
                                                           attn_implementation=attention.register())
         self.model.to(self.device).eval()
         self.config = self.model.config
+        _refuse_sliding_windows(self.model, model_path)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -671,6 +672,19 @@ class ModelRunner:
                 self.mtp.to(self.device, non_blocking=True)
             torch.cuda.synchronize()
         self.weights_on_device = True
+
+
+def _refuse_sliding_windows(model: torch.nn.Module, model_path: str) -> None:
+    """The engine's attention (its masks, the flash-decoding kernel, the slot cache) lets every token see every
+    earlier one; a layer with a sliding window (Mistral, Gemma 2/3, GPT-OSS, Qwen2/3 with use_sliding_window) would
+    be served wrong without a word, so such a checkpoint is refused at load."""
+    windows = {name: module.sliding_window for name, module in model.named_modules()
+               if name.endswith("self_attn") and getattr(module, "sliding_window", None)}
+    if windows:
+        first = next(iter(windows))
+        raise ValueError(f"{model_path}: {len(windows)} attention layers use a sliding window ({first}: "
+                         f"{windows[first]} tokens), which the embedded engine does not implement (it would attend "
+                         "to every cached token); serve this model with --rollout-backend sglang")
 
 
 def kv_tokens_for_memory(free: int, total: int, mem_fraction_static: float, bytes_per_token: int) -> int:
