@@ -151,10 +151,14 @@ class EngineActor:
         self.process = None
         self.port = None
 
-    def start(self, timeout: float = 300.0) -> str:
+    def start(self, timeout: float | None = None) -> str:
         # the engine's bundle has a GPU exactly where the driver's use_gpu(args) placed one; asking torch
         # instead would import it here (2-3 s of a CPU start) before the engine process is even launched
         gpu = bool(ray.get_gpu_ids())
+        # a GPU engine loads, quantizes, compiles its Triton kernels (the first time on a machine) and captures a
+        # CUDA graph per decode batch size before it answers /health: as long as SGLang is given; a CPU engine
+        # starts in seconds, and a hung start should fail a test run well before its own timeout
+        timeout = timeout if timeout is not None else (1800.0 if gpu else 300.0)
         if self.args.rollout_backend == "embedded":
             from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
 
