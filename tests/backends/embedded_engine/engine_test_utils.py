@@ -15,6 +15,25 @@ TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 
 
+def replay_graph_forwards(monkeypatch) -> list:
+    """The CUDA graph path on the CPU: ``DecodeGraphs._record`` returns a "graph" whose replay runs the recorded
+    forward again. Returns the list each replay appends its runner to."""
+    import types
+
+    from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
+
+    replays = []
+
+    def record(self, forward):
+        def replay():
+            replays.append(self.runner)
+            forward()
+        return types.SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    return replays
+
+
 def start_cuda_engine(model_dir, *extra, env=None):
     """An embedded engine on CUDA with ``extra`` flags, started and healthy (stopped if it is not)."""
     from slime.backends.embedded_engine.launch import EmbeddedEngineProcess

@@ -4,28 +4,19 @@ eager steps decode."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
-from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs, _buckets
+from slime.backends.embedded_engine.cuda_graphs import _buckets
 from slime.backends.embedded_engine.model_runner import ModelRunner
 
 
 @pytest.fixture
 def replayed_graphs(monkeypatch):
-    """``DecodeGraphs._record`` returns a "graph" whose replay runs the recorded forward again (the CPU has no
-    CUDA graphs); the list counts the replays."""
-    replays = []
+    """Graphs replaced by replays of the forward they recorded (the CPU has no CUDA graphs); the list counts
+    the replays."""
+    from engine_test_utils import replay_graph_forwards
 
-    def record(self, forward):
-        def replay():
-            replays.append(self.runner)
-            forward()
-        return types.SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
-    return replays
+    return replay_graph_forwards(monkeypatch)
 
 
 def run_engine(runner, prompts, params):
@@ -67,7 +58,7 @@ def test_length_free_graphs_are_captured_ahead_and_serve_every_length(tiny_model
     assert graphs.captures == 4
     assert run_engine(runner, short, short_params) == want[0]
     assert graphs.captures == 4, "a step captured a graph while serving"
-    assert len(replayed_graphs) >= 150 - 4 * 2  # the decode steps replayed graphs (4 per bucket were recordings)
+    assert len(replayed_graphs) >= 150 - 4 * 2  # the decode steps replayed graphs (the 150-token request's ~149)
     assert run_engine(runner, long, long_params) == want[1]
     capacity = runner.kv_cache.shape.slot_capacity
     assert capacity > 192 and sorted(graphs.graphs) == [(b, capacity) for b in (1, 2, 4, 8)]

@@ -146,21 +146,13 @@ def test_verify_steps_through_the_graph_bookkeeping_keep_greedy_outputs(tiny_mod
     buckets with padding rows in free slots, KV-length buckets longer than the step needs and the shared
     output buffers. NGRAM greedy outputs equal the plain engine's, and verify graphs were captured per
     (batch bucket, KV bucket) and replayed with other inputs."""
-    from engine_test_utils import generate_in_engine
+    from engine_test_utils import generate_in_engine, replay_graph_forwards
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import SamplingParams
-    from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs, _buckets
+    from slime.backends.embedded_engine.cuda_graphs import _buckets
     from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
 
-    replays = []
-
-    def record(self, forward):
-        def replay():
-            replays.append(self.runner)
-            forward()
-        return types.SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    replays = replay_graph_forwards(monkeypatch)
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7][: 3 + i] * 2 for i in range(5)]
     params = [SamplingParams(max_new_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
 
