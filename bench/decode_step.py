@@ -109,8 +109,8 @@ def main() -> None:
                              "per channel)")
     parser.add_argument("--fp8-gemm-backend", default="auto",
                         choices=["auto", "weight_only", "triton", "cublas", "cutlass", "dequant"],
-                        help="the engine's FP8 GEMM (--fp8-gemm-backend; with w8a8_fp8: auto, cutlass, triton or "
-                             "dequant)")
+                        help="the engine's FP8 GEMM (--fp8-gemm-backend; with w8a8_fp8: auto, cutlass, triton, "
+                             "cublas or dequant)")
     parser.add_argument("--batch", type=int, default=128, help="rows in the decode step")
     parser.add_argument("--position", type=int, default=511, help="every row's position (it reads position + 1 tokens)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")

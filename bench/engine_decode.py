@@ -370,8 +370,9 @@ def main() -> None:
     parser.add_argument("--fp8-gemm-backend", default="auto",
                         choices=["auto", "weight_only", "triton", "cublas", "cutlass", "dequant"],
                         help="the engine's FP8 GEMM: with --quantization fp8 auto is fused triton up to 16 tokens, "
-                             "two-kernel triton up to 256, cublas above; with w8a8_fp8 auto is cutlass "
-                             "(torch._scaled_mm row-wise), triton the per-channel Triton GEMM")
+                             "two-kernel triton up to 256, cublas above; with w8a8_fp8 auto is triton (the "
+                             "per-channel Triton GEMM), cutlass torch._scaled_mm row-wise, cublas cuBLASLt's FP8 "
+                             "GEMM for q/k/v and o with their scales applied by the kernels that read them")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seed", type=int, default=0)

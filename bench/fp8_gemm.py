@@ -55,8 +55,11 @@ online FP8 of a bf16 checkpoint on Hopper (one e4m3 scale per output channel of 
 activations), whose scales apply once after the K loop instead of at every 128-wide K group: ``rowwise_gemm_us``
 its ``cutlass`` path (``fp8_channel.scaled_mm``: ``torch._scaled_mm`` with row-wise scales) and
 ``channel_triton_us`` its ``triton`` path (``fp8_channel.triton_matmul``, planned tiles in
-``channel_triton_tiles``), each alone on activations quantized beforehand (as the RMSNorms and the SiLU gate hand
-them over); ``rowwise_speedup`` / ``channel_triton_speedup`` are bf16 over them, ``*_hbm_fraction`` their bytes
+``channel_triton_tiles``) and ``unscaled_gemm_us`` the GEMM of its ``cublas`` path (``fp8_channel.unscaled_mm``:
+cuBLASLt with unit scales, the two scales left to the kernel that reads the product), each alone on activations
+quantized beforehand (as the RMSNorms and the SiLU gate hand them over); ``rowwise_speedup`` /
+``channel_triton_speedup`` / ``unscaled_gemm_speedup`` are bf16 over them (per layer also ``channel_cublas_us``: what
+the ``cublas`` backend runs, the unscaled GEMM for q/k/v and o and the Triton one for the MLP), ``*_hbm_fraction`` their bytes
 (e4m3 weight, fp32 scales, activations in and out) per second over the HBM spec. ``rowwise_quant_err`` /
 ``block_quant_err`` are each scheme's mean |error| against the fp32 product of the unquantized bf16 operands,
 over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
@@ -202,14 +205,18 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
     scale = exact.abs().mean()
     reference = fp8_channel.reference_matmul(x, w8, w_scales)
     block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
+    def unscaled(w8, w_scales):  # the cublas backend's GEMM: its reader applies the scales
+        return fp8_channel.unscaled_mm(quantized[0], w8, torch.bfloat16)
+
     result = {"rowwise_gemm_us": timed(cutlass), "channel_triton_us": timed(triton_gemm),
+              "unscaled_gemm_us": timed(unscaled),
               "channel_triton_tiles": str(fp8_channel.plan_tiles(rows, out_features, in_features, device)),
               "rowwise_quant_err": float((cutlass(w8, w_scales).float() - exact).abs().mean() / scale),
               "block_quant_err": float((block - exact).abs().mean() / scale),
               "channel_triton_max_rel_err": float((triton_gemm(w8, w_scales).float() - reference).abs().max()
                                                   / reference.abs().max())}
     moved = w8.numel() + w_scales.numel() * 4 + rows * in_features * 2 + rows * out_features * 2
-    for column in ("rowwise_gemm", "channel_triton"):
+    for column in ("rowwise_gemm", "channel_triton", "unscaled_gemm"):
         result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / H200_HBM_BYTES_PER_S
     if sweep:
         table = time_each(fp8_channel.candidate_tiles(rows, in_features), lambda tiles: timed(triton_gemm, tiles))
@@ -258,6 +265,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                                         sweep="channel" in args.sweep))
             result["rowwise_speedup"] = result["bf16_us"] / result["rowwise_gemm_us"]
             result["channel_triton_speedup"] = result["bf16_us"] / result["channel_triton_us"]
+            result["unscaled_gemm_speedup"] = result["bf16_us"] / result["unscaled_gemm_us"]
         tma = fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
         result["two_kernel_tma"] = tma
         if tma:  # the same GEMM with pointer loads and the cost model's tiles (before session 20)
@@ -356,8 +364,11 @@ def main(argv=None) -> dict:
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
+                if "unscaled_gemm_us" in result:  # w8a8's cublas backend: cuBLASLt for the attention's, Triton for the MLP's
+                    result["channel_cublas_us"] = result["unscaled_gemm_us" if name in ("qkv", "q", "kv", "o")
+                                                         else "channel_triton_us"]
                 for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto",
-                               "rowwise_gemm", "channel_triton"):
+                               "rowwise_gemm", "channel_triton", "unscaled_gemm", "channel_cublas"):
                     if f"{column}_us" in result:
                         layer[rows].setdefault(column, []).append(count * result[f"{column}_us"])
         for key in ("quantize_weight_torch_us", "quantize_weight_triton_us"):  # one layer's update

@@ -48,6 +48,8 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8_channel.py::test_channel_triton_linear_interpreted_bf16_with_bias_and_refusals \
     tests/backends/embedded_engine/test_fp8_channel.py::test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight \
     tests/backends/embedded_engine/test_fp8_channel.py::test_warm_up_compiles_every_launch_of_the_channel_gemm \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_readers_of_an_unscaled_product_scale_it_as_apply_scales_does \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
     tests/backends/embedded_engine/test_fp8.py::test_two_kernel_gemm_by_tma_equals_pointer_loads \
     tests/backends/embedded_engine/test_fp8.py::test_tma_usable_needs_16_byte_rows \

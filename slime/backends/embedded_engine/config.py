@@ -114,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "two-kernel one (TMA loads on Hopper) up to 256, cublas above where it runs, else Triton. "
                         "With --quantization w8a8_fp8: cutlass (torch._scaled_mm's row-wise FP8 GEMM, sm_90, after "
                         "a check at start), triton (a Triton GEMM with the per-token and per-channel scales applied "
-                        "after its K loop and the residual add in its epilogue; sm_89+), dequant, or auto (triton "
-                        "where it runs, else cutlass, else dequant)")
+                        "after its K loop and the residual add in its epilogue; sm_89+), cublas (cuBLASLt's "
+                        "scalar-scale FP8 GEMM for the attention's q/k/v and output projections at decode sizes, "
+                        "their scales applied by the fused kernels that read the product; every other GEMM on "
+                        "triton; sm_89+), dequant, or auto (triton where it runs, else cutlass, else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "
@@ -202,10 +204,12 @@ def validate_args(args: ServerArgs) -> None:
     if args.fp8_gemm_backend not in ("auto", "weight_only", "triton", "cublas", "cutlass", "dequant"):
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend!r}: choose auto, weight_only, triton, cublas, "
                          "cutlass or dequant")
-    if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "cutlass", "triton", "dequant"):
+    if args.quantization == "w8a8_fp8" and args.fp8_gemm_backend not in ("auto", "cutlass", "triton", "cublas",
+                                                                           "dequant"):
         raise SystemExit(f"--fp8-gemm-backend {args.fp8_gemm_backend} is a block-wise (--quantization fp8) kernel; "
                          "with --quantization w8a8_fp8 choose auto, cutlass (torch._scaled_mm's row-wise GEMM on "
-                         "sm_90), triton (the per-channel Triton GEMM) or dequant")
+                         "sm_90), triton (the per-channel Triton GEMM), cublas (cuBLASLt's FP8 GEMM with the "
+                         "scales applied by the kernels that read it) or dequant")
     if args.quantization != "w8a8_fp8" and args.fp8_gemm_backend == "cutlass":
         raise SystemExit("--fp8-gemm-backend cutlass is the per-channel (--quantization w8a8_fp8) GEMM; with "
                          "--quantization fp8 choose auto, weight_only, triton, cublas or dequant")

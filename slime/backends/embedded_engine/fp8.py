@@ -524,7 +524,7 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     import time
 
     from slime.backends.embedded_engine import fp8_triton
-    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Experts
+    from slime.backends.embedded_engine.fp8_channel import ChannelFp8Experts, fallback_backend
 
     start = time.perf_counter()
     seen: set[tuple] = set()
@@ -538,11 +538,15 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
         module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
         seen.add(("w8a8_fp8",))
     # the per-channel Triton GEMM: the two-kernel launches, in the kernel's PER_CHANNEL mode
+    def channel_path(backend: str, device: torch.device) -> str:  # cublas: its other calls' path
+        return fallback_backend(device) if backend == "cublas" else backend
+
     matrices += [(module.weight_fp8, module.weight_scale, module.dtype, "channel_triton")
-                 for module in per_channel if module.backend == "triton"]
+                 for module in per_channel if channel_path(module.backend, module.weight_fp8.device) == "triton"]
     for module in weights.experts.values():  # every expert's matrices share a shape
         if isinstance(module, ChannelFp8Experts):  # per channel: only the Triton GEMM has launches to compile
-            backend = "channel_triton" if module.backend == "triton" else "dequant"
+            triton_gemm = channel_path(module.backend, module.matrix("gate", 0)[0].device) == "triton"
+            backend = "channel_triton" if triton_gemm else "dequant"
         else:
             backend = module.backend
         matrices += [(*module.matrix(kind, 0), module.dtype, backend) for kind in ("gate", "up", "down")]

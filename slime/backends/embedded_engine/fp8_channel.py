@@ -19,7 +19,16 @@ Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names wher
   plain e4m3 dot accumulating in fp32, the two scales applied once after it; TMA loads on Hopper; split-K
   for decode shapes), any shape and output dtype, the residual add in its epilogue; needs FP8 tensor cores
   (sm_89+).
-* ``auto``: ``cutlass`` where it runs, else ``triton`` where that runs, else ``dequant``.
+* ``cublas``: cuBLASLt's scalar-scale FP8 GEMM (``torch._scaled_mm`` with unit scales: the kernels cuBLAS tunes
+  for plain FP8, which the row-wise and block-wise recipes do not reach) on the e4m3 operands, the product left
+  unscaled (:func:`unscaled_mm`), for the GEMMs whose reader applies the two scales as it loads the product: the
+  attention's q/k/v projection at decode sizes (the q/k norm + rotary kernel, which also stores the keys and
+  values) and its output projection (the residual add + RMSNorm kernel after it), up to
+  :data:`DEFERRED_MAX_ROWS` tokens (:meth:`ChannelFp8Linear.defers_scales`). Every other call (the MLP, whose
+  gate/up GEMM is at ~0.6x of bf16 on Triton already and whose down GEMM adds the residual in its epilogue;
+  prefill; a reader that cannot take the scales) runs on :func:`fallback_backend`'s path (``triton``, else
+  ``cutlass``). Needs FP8 tensor cores (sm_89+) and K, N multiples of 16.
+* ``auto``: ``triton`` where it runs, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
 * ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
   like ``fp8.py``'s ``dequant``).
 
@@ -45,13 +54,16 @@ from slime.backends.embedded_engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Experts, Q
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cutlass", "triton", "dequant")
+BACKENDS = ("auto", "cutlass", "triton", "cublas", "dequant")
 # The token quantizer holds a row of up to QUANTIZE_ONE_PASS columns whole (one read; 8 warps: 16 values a thread
 # at 4096, o_proj's input on Qwen3-4B) and streams longer rows QUANTIZE_BLOCK columns at a time, twice (its peak,
 # then the values), as fused_ops' per-token SiLU gate. H200, Qwen3-4B decode step at 128 rows (session 26): o_proj's
 # quantize launches 108 -> 65 us a step.
 QUANTIZE_ONE_PASS = 16384
 QUANTIZE_BLOCK = 1024
+# The ``cublas`` backend's deferred-scale GEMMs serve calls of up to this many tokens (decode and verify steps);
+# larger ones (prefill) take the fallback path, whose epilogue scales the product itself.
+DEFERRED_MAX_ROWS = 512
 
 try:
     import triton
@@ -233,6 +245,28 @@ def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_d
     return torch._scaled_mm(x8, values.t(), scale_a=x_scales, scale_b=scales.t(), out_dtype=out_dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def unscaled_mm(x8: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 ``x8 [M, K] @ values [N, K]ᵀ`` with no scales (``[M, N]``: the fp32 sum of products of the e4m3 numbers,
+    rounded once to ``out_dtype``), on cuBLASLt's scalar-scale FP8 GEMM; the token and channel scales are the
+    reader's to apply (:func:`apply_scales`, or a ``fused_ops`` kernel)."""
+    one = _unit_scale(x8.device)
+    return torch._scaled_mm(x8, values.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+
+def apply_scales(raw: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """An :func:`unscaled_mm` product ``[..., N]`` (tokens in row order) times its token scales ``[M, 1]`` and channel
+    scales ``[N, 1]``, in fp32, rounded once to ``raw``'s dtype: what the ``fused_ops`` kernels compute as they load
+    it (the same operations in the same order)."""
+    token_scales, channel_scales = scales
+    rows = raw.reshape(-1, raw.shape[-1])
+    return (rows.float() * token_scales * channel_scales.view(1, -1)).to(raw.dtype).view(raw.shape)
+
+
 def reference_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 ``quantize_rows(x) @ dequant(W)ᵀ``: what :func:`scaled_mm` computes, written plainly."""
     x8, x_scales = quantize_rows(x)
@@ -283,6 +317,41 @@ def _triton_problem(device: torch.device) -> str | None:
 AUTO_ORDER = ("triton", "cutlass")
 
 
+@functools.lru_cache(maxsize=None)
+def _unscaled_mm_problem(index: int) -> str | None:
+    """Why cuBLASLt's scalar-scale FP8 GEMM cannot serve on CUDA device ``index`` (None: it can). Checked once,
+    eagerly: FP8 tensor cores (sm_89+), and a GEMM against the dequantized reference."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 9):
+        return f"cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_{major}{minor}"
+    device = torch.device("cuda", index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x8, x_scales = quantize_rows(torch.randn(48, 384, generator=gen, device=device))
+    values, scales = quantize_rows(torch.randn(272, 384, generator=gen, device=device) / 20)
+    try:
+        out = apply_scales(unscaled_mm(x8, values, torch.bfloat16), (x_scales, scales)).float()
+    except (RuntimeError, ValueError) as error:
+        return f"torch._scaled_mm refused e4m3 operands with unit scales: {str(error).splitlines()[0]}"
+    expected = dequantize(x8, x_scales) @ dequantize(values, scales).t()
+    error = float((out - expected).abs().max() / expected.abs().max())
+    if error > 2e-2:
+        return f"torch._scaled_mm's scalar-scale result is off the reference by {error:.3g} (relative)"
+    return None
+
+
+def _cublas_problem(device: torch.device) -> str | None:
+    """Why the ``cublas`` backend cannot serve on ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return "cuBLASLt's FP8 GEMM is used on CUDA only"
+    return _unscaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fallback_backend(device: torch.device) -> str:
+    """The path the ``cublas`` backend's other GEMMs take on ``device``: ``triton`` where it runs, else ``cutlass``
+    (whose calls of shapes it does not take use the dequantized weight)."""
+    return "triton" if _triton_problem(device) is None else "cutlass"
+
+
 def _cutlass_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``torch._scaled_mm``'s row-wise path cannot serve a ``dtype`` model on ``device`` (None: it can)."""
     if device.type != "cuda":
@@ -301,11 +370,12 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
                          f"{list(BACKENDS)} (the others are block-wise --quantization fp8 kernels)")
     if requested == "dequant":
         return "dequant"
-    problems = {"cutlass": lambda: _cutlass_problem(device, dtype), "triton": lambda: _triton_problem(device)}
+    problems = {"cutlass": lambda: _cutlass_problem(device, dtype), "triton": lambda: _triton_problem(device),
+                "cublas": lambda: _cublas_problem(device)}
     if requested != "auto":
         problem = problems[requested]()
         if problem is not None:
-            other = "triton or dequant" if requested == "cutlass" else "dequant"
+            other = {"cutlass": "triton or dequant", "cublas": "triton or dequant"}.get(requested, "dequant")
             raise ValueError(f"--fp8-gemm-backend {requested} with --quantization w8a8_fp8 cannot run here: "
                              f"{problem}; use --fp8-gemm-backend {other}")
         return requested
@@ -345,6 +415,8 @@ def channel_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
     per-token e4m3 activations made by its producer (``[M, K]``, ``[M, 1]``), used on the FP8 paths.
     ``accumulate_into``: a tensor of the output's shape and dtype the product is added to in place (the
     residual add: in the Triton GEMM's epilogue, else a separate add), returned."""
+    if backend == "cublas":  # a call whose reader does not apply the scales (ChannelFp8Linear.defers_scales)
+        backend = fallback_backend(x.device)
     if backend == "dequant" or (backend == "cutlass" and not rowwise_runs(x, values)):
         out = nn.functional.linear(x, dequantize(values, scales, x.dtype), bias)
         return out if accumulate_into is None else accumulate_into.add_(out)
@@ -373,6 +445,10 @@ class ChannelFp8Linear(QuantizedLinear):
 
     def __init__(self, linear: nn.Linear, backend: str):
         super().__init__(linear, backend, *quantize_weight(linear.weight), scales_name="weight_scale")
+        #: the next call's product is to be left unscaled for its reader (defer_scales_once), and that product with
+        #: its scales once made (take_scales)
+        self._defer = False
+        self._deferred: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of rows ``[start, end)`` (a fused projection's part: any rows) and their scales."""
@@ -380,12 +456,55 @@ class ChannelFp8Linear(QuantizedLinear):
 
     def takes_quantized(self, rows: int, device: torch.device) -> bool:
         """Whether a GEMM of ``rows`` tokens would use offered per-token e4m3 activations (an FP8 path)."""
-        if self.backend == "triton":
+        backend = self.backend
+        if backend == "cublas":
+            if self.defers_scales(rows, device):
+                return True
+            backend = fallback_backend(device)
+        if backend == "triton":
             return rows > 0
-        return (self.backend == "cutlass" and self.dtype == torch.bfloat16 and rows > 0
+        return (backend == "cutlass" and self.dtype == torch.bfloat16 and rows > 0
                 and self.out_features % 16 == 0 and self.in_features % 16 == 0)
 
+    def defers_scales(self, rows: int, device: torch.device) -> bool:
+        """Whether a call of ``rows`` tokens can leave its product unscaled for a reader that applies the scales
+        (:meth:`forward_unscaled`; the ``cublas`` backend, up to :data:`DEFERRED_MAX_ROWS` tokens, no bias, K and N
+        multiples of 16)."""
+        return (self.backend == "cublas" and 0 < rows <= DEFERRED_MAX_ROWS and self.bias is None
+                and self.out_features % 16 == 0 and self.in_features % 16 == 0)
+
+    def forward_unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``x [..., K]`` -> (its e4m3 product with the weight, unscaled, ``[..., N]`` in ``x``'s dtype (:func:`unscaled_mm`);
+        (the token scales ``[M, 1]``, the channel scales ``[N, 1]``)), for a reader that applies them
+        (:func:`apply_scales` says how). Uses activations offered by their producer."""
+        offered, self._offered = self._offered, None
+        rows = x.reshape(-1, x.shape[-1])
+        x8, x_scales = offered[1] if offered is not None and offered[0] is x else quantize_tokens(rows)
+        raw = unscaled_mm(x8, self.weight_fp8, x.dtype)
+        return raw.view(*x.shape[:-1], self.out_features), (x_scales, self.weight_scale)
+
+    def defer_scales_once(self) -> None:
+        """The next call's reader applies the scales (``fused_ops``' residual add + RMSNorm after the attention):
+        that call returns :meth:`forward_unscaled`'s product and keeps the scales for :meth:`take_scales`."""
+        self._defer = True
+
+    def take_scales(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The scales of ``out``, the unscaled product of the call :meth:`defer_scales_once` announced; None when that
+        call did not defer (``out`` is scaled). Refused when that product was not handed on as it is (``out`` is
+        another tensor: whatever made it from the unscaled product is wrong)."""
+        deferred, self._deferred, self._defer = self._deferred, None, False
+        if deferred is None:
+            return None
+        if deferred[0] is not out:
+            raise RuntimeError("fp8 cublas: the output projection's unscaled product did not reach the residual add "
+                               "as it left the GEMM (the attention forward changed it); its scales cannot be applied")
+        return deferred[1]
+
     def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+        defer, self._defer = self._defer, False
+        if defer and accumulate_into is None and self.defers_scales(x.numel() // x.shape[-1], x.device):
+            self._deferred = self.forward_unscaled(x)
+            return self._deferred[0]
         offered, self._offered = self._offered, None
         quantized = offered[1] if offered is not None and offered[0] is x else None
         return channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, quantized,

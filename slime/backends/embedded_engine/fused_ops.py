@@ -86,14 +86,19 @@ if triton is not None:
             _quantize_store_token(y.to(tl.float32), row, n_cols, q_ptr, s_ptr, fp8_max, BLOCK, EMULATE_E4M3_CAST)
 
     @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_sg,
-                            n_cols, eps, fp8_max, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                            EMULATE_E4M3_CAST: tl.constexpr):
-        # sum = x + residual, rounded to the activations' dtype as HF's add does; out = rmsnorm(sum)
+    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, xs_ptr, cs_ptr, stride_x, stride_r,
+                            stride_sg, n_cols, eps, fp8_max, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                            SCALED_X: tl.constexpr, EMULATE_E4M3_CAST: tl.constexpr):
+        # sum = x + residual, rounded to the activations' dtype as HF's add does; out = rmsnorm(sum). SCALED_X: x is an
+        # unscaled FP8 product (fp8_channel.unscaled_mm), first scaled by its row's and columns' scales and rounded
+        # to its dtype, as fp8_channel.apply_scales does
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        if SCALED_X:
+            x = x * tl.load(xs_ptr + row) * tl.load(cs_ptr + cols, mask=inside, other=0.0)
+            x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
         r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
         total = (x + r).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, total, mask=inside)
@@ -201,14 +206,16 @@ if triton is not None:
                              scs_b, scs_s, q_heads, kv_heads, eps,
                              keys_ptr, values_ptr, slots_ptr, positions_ptr,
                              sks_slot, sks_h, sks_pos, svs_slot, svs_h, svs_pos, k_inv_scale, v_inv_scale, limit,
-                             HALF: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
-                             SATURATE: tl.constexpr):
+                             rs_ptr, cs_ptr, HALF: tl.constexpr, NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                             SATURATE: tl.constexpr, SCALED: tl.constexpr):
         # program (token t = b * seq + s, head h) of the fused q/k/v output [tokens, (Hq + 2 Hkv) * D]:
         # h < Hq is a query head, else key head h - Hq (the keys follow the queries in the row);
         # optional per-head RMSNorm (Qwen3's q_norm / k_norm), then the rotary embedding. WRITE_CACHE:
         # key head j stores its rotated key, and copies value head j, straight into the KV cache at
         # (slots[t], j, positions[t]) in the cache's dtype instead of into k_ptr (an FP8 cache, SATURATE:
-        # clamp(x / scale, ±limit), as kv_cache.write_decode_kv stores it)
+        # clamp(x / scale, ±limit), as kv_cache.write_decode_kv stores it). SCALED: qkv is an unscaled FP8 product
+        # (fp8_channel.unscaled_mm) whose token scales are at rs_ptr and column scales at cs_ptr; each value read is
+        # first scaled and rounded to qkv's dtype, as fp8_channel.apply_scales does
         t = tl.program_id(0)
         h = tl.program_id(1)
         b = t // seq
@@ -217,6 +224,11 @@ if triton is not None:
         src = qkv_ptr + t * stride_t + h * (2 * HALF)
         x1 = tl.load(src + d).to(tl.float32)
         x2 = tl.load(src + HALF + d).to(tl.float32)
+        if SCALED:
+            token_scale = tl.load(rs_ptr + t)
+            x1 = (x1 * token_scale * tl.load(cs_ptr + h * (2 * HALF) + d)).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            x2 = (x2 * token_scale * tl.load(cs_ptr + h * (2 * HALF) + HALF + d)).to(qkv_ptr.dtype.element_ty)
+            x2 = x2.to(tl.float32)
         if h < q_heads:
             w_ptr = qw_ptr
             out_row = q_ptr + (t * q_heads + h) * (2 * HALF)
@@ -248,6 +260,11 @@ if triton is not None:
             k2 = r2.to(tl.float32)
             v1 = tl.load(value_src + d).to(tl.float32)
             v2 = tl.load(value_src + HALF + d).to(tl.float32)
+            if SCALED:
+                value_col = (q_heads + kv_heads + j) * (2 * HALF)
+                v1 = (v1 * token_scale * tl.load(cs_ptr + value_col + d)).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+                v2 = (v2 * token_scale * tl.load(cs_ptr + value_col + HALF + d)).to(qkv_ptr.dtype.element_ty)
+                v2 = v2.to(tl.float32)
             if SATURATE:
                 k1 = tl.clamp(k1 * k_inv_scale, -limit, limit)
                 k2 = tl.clamp(k2 * k_inv_scale, -limit, limit)
@@ -286,6 +303,21 @@ def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quan
             torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=out.device))
 
 
+def _checked_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int], placeholder: torch.Tensor):
+    """An unscaled FP8 product's (token ``[M, 1]``, channel ``[N, 1]``) scales for a ``[M, N]`` input, checked (fp32,
+    contiguous); ``placeholder`` twice when there are none (a valid pointer the kernel does not read)."""
+    if scales is None:
+        return placeholder, placeholder
+    token_scales, channel_scales = scales
+    if token_scales.shape != (shape[0], 1) or channel_scales.shape != (shape[1], 1) \
+            or token_scales.dtype != torch.float32 or channel_scales.dtype != torch.float32 \
+            or not token_scales.is_contiguous() or not channel_scales.is_contiguous():
+        raise ValueError(f"scales of an unscaled FP8 product [{shape[0]}, {shape[1]}]: contiguous fp32 [{shape[0]}, 1] "
+                         f"and [{shape[1]}, 1] expected, got {tuple(token_scales.shape)} {token_scales.dtype} and "
+                         f"{tuple(channel_scales.shape)} {channel_scales.dtype}")
+    return token_scales, channel_scales
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool | str = False):
     """HF's RMSNorm in one kernel. ``quantize``: also the output's e4m3 activations for an FP8 GEMM,
     quantized per token and 128-channel group with ``fp8.quantize_activation``'s numbers (True / "group"),
@@ -309,10 +341,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool |
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 quantize: bool | str = False):
+                 quantize: bool | str = False, x_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``h = x + residual`` and ``rmsnorm(h) * weight`` in one kernel; returns ``(normed, h)``, each as
     HF's ``residual + x`` followed by its RMSNorm module rounds them (``quantize``: and the e4m3
-    activations of ``normed``, as :func:`rms_norm`: ``(normed, h, (values, scales))``)."""
+    activations of ``normed``, as :func:`rms_norm`: ``(normed, h, (values, scales))``). ``x_scales``: ``x`` is an
+    unscaled FP8 product (``fp8_channel.ChannelFp8Linear.forward_unscaled``) with these (token ``[M, 1]``, channel
+    ``[N, 1]``) scales, applied as the kernel loads it (``fp8_channel.apply_scales``' numbers)."""
     shape = x.shape
     rows, res = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
@@ -323,9 +357,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype), device=x.device)
     block = triton.next_power_of_2(shape[-1])
     values, scales = _quantized_outputs(rows.shape[0], shape[-1], block, out, quantize)
-    _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, values, scales, rows.stride(0), res.stride(0),
-                                          scales.stride(0) if quantize else 0, shape[-1], eps, FP8_MAX, BLOCK=block,
-                                          QUANT=QUANT_MODES[quantize], EMULATE_E4M3_CAST=_interpreting(),
+    token_scales, channel_scales = _checked_scales(x_scales, rows.shape, out)
+    _add_rmsnorm_kernel[(rows.shape[0],)](rows, res, weight, out, total, values, scales, token_scales, channel_scales,
+                                          rows.stride(0), res.stride(0), scales.stride(0) if quantize else 0,
+                                          shape[-1], eps, FP8_MAX, BLOCK=block, QUANT=QUANT_MODES[quantize],
+                                          SCALED_X=x_scales is not None, EMULATE_E4M3_CAST=_interpreting(),
                                           num_warps=4 if shape[-1] <= 2048 else 8)
     if quantize:
         return out.view(shape), total.view(shape), (values, scales if quantize == "token" else scales.t())
@@ -392,7 +428,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, cache_write=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float = 1e-6, cache_write=None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused q/k/v projection's output ``qkv [B, S, (Hq + 2·Hkv)·D]`` -> ``(query [B, Hq, S, D],
     key [B, Hkv, S, D])``: each head RMSNorm-ed with ``q_weight`` / ``k_weight`` when given (Qwen3),
     then rotated by ``cos/sin [B or 1, S, D]`` — one launch for what is otherwise two RMSNorm and two
@@ -404,7 +441,11 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
     layer ``[slots, Hkv, capacity, D]``, per token ``t = b·S + s`` its slot and position, and the
     layer's FP8 scales): the rotated keys and the values go straight into the cache, in its dtype, as
     :func:`~slime.backends.embedded_engine.kv_cache.write_decode_kv` would store them — the decode
-    step's separate cache-write launch saved — and ``key`` is returned as None."""
+    step's separate cache-write launch saved — and ``key`` is returned as None.
+
+    ``scales``: ``qkv`` is an unscaled FP8 product (``fp8_channel.ChannelFp8Linear.forward_unscaled``) with these
+    (token ``[B·S, 1]``, channel ``[(Hq + 2·Hkv)·D, 1]``) scales, applied as the kernel loads it
+    (``fp8_channel.apply_scales``' numbers). Without ``cache_write`` the caller still needs the values scaled."""
     batch, seq, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     rows = qkv.reshape(batch * seq, width)
@@ -428,23 +469,25 @@ def qk_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: torch.Tens
         key = query  # unused by the kernel
         cache_strides = (keys.stride(0), keys.stride(1), keys.stride(2),
                          values.stride(0), values.stride(1), values.stride(2))
+    token_scales, channel_scales = _checked_scales(scales, rows.shape, rows)
     _qk_norm_rope_kernel[(batch * seq, q_heads + kv_heads)](
         rows, q_weight if norm else rows, k_weight if norm else rows, cos, sin, query, key, seq, rows.stride(0),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_heads, kv_heads, eps,
         keys, values, slots, positions, *cache_strides, 1.0 / k_scale, 1.0 / v_scale,
-        torch.finfo(keys.dtype).max if keys.dtype.is_floating_point else 0.0,
+        torch.finfo(keys.dtype).max if keys.dtype.is_floating_point else 0.0, token_scales, channel_scales,
         HALF=dim // 2, NORM=norm, WRITE_CACHE=cache_write is not None,
-        SATURATE=keys.dtype in FP8_DTYPES, num_warps=1)
+        SATURATE=keys.dtype in FP8_DTYPES, SCALED=scales is not None, num_warps=1)
     return query.transpose(1, 2), (None if cache_write is not None else key.transpose(1, 2))
 
 
-def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, scales=None):
     """Bound on a fused-projection attention module by :func:`install`: its q/k RMSNorm (if any) and
     rotary embedding as one kernel, or ``None`` where the kernel does not apply (the caller then runs
     the modules). Where ``cache`` offers a decode write target (``cache.fused_write_target``, the
     decode step's :class:`~slime.backends.embedded_engine.kv_cache.DecodeCacheView` on CUDA), the
     kernel also stores the layer's keys and values in the cache and the key comes back as None: the
-    caller then reads the cache (``cache.read``) instead of calling ``cache.update``."""
+    caller then reads the cache (``cache.read``) instead of calling ``cache.update``. ``scales``: ``qkv`` is an
+    unscaled FP8 product with these scales (:func:`qk_norm_rope`)."""
     dim, sizes = self.head_dim, self.qkv_proj.sizes
     half = dim // 2
     if qkv.dim() != 3 or cos.dim() != 3 or cos.shape[-1] != dim or dim % 2 or half & (half - 1) or \
@@ -461,7 +504,11 @@ def _attention_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
     if cache_write is not None and (sizes[1] != sizes[2] or cache_write[0].shape[-1] != dim
                                     or cache_write[1].shape[-1] != dim):
         cache_write = None
-    return qk_norm_rope(qkv, sizes[0] // dim, sizes[1] // dim, cos, sin, *weights, eps=eps, cache_write=cache_write)
+    return qk_norm_rope(qkv, sizes[0] // dim, sizes[1] // dim, cos, sin, *weights, eps=eps, cache_write=cache_write,
+                        scales=scales)
+
+
+_attention_norm_rope.takes_scales = True  # fused_projections' forward may hand it an unscaled FP8 product
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1, fallback=None):
@@ -506,6 +553,19 @@ def _fp8_consumer(linear, rows: int, device: torch.device):
     return linear if linear.takes_quantized(rows, device) else None
 
 
+def _deferring_output_projection(attention, rows: int, device: torch.device):
+    """The attention's output projection when its product can reach the decoder layer's residual add + RMSNorm
+    unscaled (``fp8_channel``'s ``cublas`` backend, :meth:`~fp8_channel.ChannelFp8Linear.defers_scales`): an
+    attention whose forward is ``fused_projections``' (it returns that product as it is), else None."""
+    from slime.backends.embedded_engine import fused_projections
+
+    o_proj = getattr(attention, "o_proj", None)
+    forward = getattr(getattr(attention.forward, "__func__", None), "func", None)
+    if forward is not fused_projections._attention_forward or not hasattr(o_proj, "defers_scales"):
+        return None
+    return o_proj if o_proj.defers_scales(rows, device) else None
+
+
 def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
     residual) with the first residual add and the post-attention RMSNorm as one kernel. Under FP8
@@ -523,7 +583,11 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
         qkv.offer(attention_input, quantized)
     else:
         attention_input = norm(hidden_states)
+    o_proj = _deferring_output_projection(self.self_attn, tokens, device)
+    if o_proj is not None:
+        o_proj.defer_scales_once()  # the add + RMSNorm below scales the output projection's product
     attended, _ = self.self_attn(hidden_states=attention_input, **kwargs)
+    o_scales = None if o_proj is None else o_proj.take_scales(attended)
     norm = self.post_attention_layernorm
     mlp = self.mlp
     down = getattr(mlp, "down_proj", None)
@@ -531,10 +595,10 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     gate_up = _fp8_consumer(getattr(mlp, "gate_up_proj", None), tokens, device) if packed else None
     if gate_up is not None:
         normed, residual, quantized = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon,
-                                                   quantize=gate_up.activation_scaling)
+                                                   quantize=gate_up.activation_scaling, x_scales=o_scales)
         gate_up.offer(normed, quantized)
     else:
-        normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon)
+        normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon, x_scales=o_scales)
     fp8_down = _fp8_consumer(down, tokens, device) if packed else None
     if fp8_down is not None and residual.is_contiguous():
         act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=fp8_down.activation_scaling)

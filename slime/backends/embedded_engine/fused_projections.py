@@ -96,16 +96,25 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
         cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    qkv = self.qkv_proj(hidden_states)
-    query, key, value = (part.view(hidden_shape) for part in self.qkv_proj.split(qkv))
-    value = value.transpose(1, 2)
     cos, sin = position_embeddings
     norm_rope = getattr(self, "fused_norm_rope", None)  # fused_ops.install (CUDA): q/k norm + rotary, one kernel
-    rotated = None if norm_rope is None else norm_rope(qkv, cos, sin, cache=cache)
-    written = False
+    defers = getattr(self.qkv_proj, "defers_scales", None)  # fp8_channel's cublas backend: the kernel scales q/k/v
+    if getattr(norm_rope, "takes_scales", False) and defers is not None \
+            and defers(hidden_states.numel() // hidden_states.shape[-1], hidden_states.device):
+        qkv, scales = self.qkv_proj.forward_unscaled(hidden_states)
+        rotated = norm_rope(qkv, cos, sin, cache=cache, scales=scales)
+    else:
+        qkv, scales = self.qkv_proj(hidden_states), None
+        rotated = None if norm_rope is None else norm_rope(qkv, cos, sin, cache=cache)
+    written = rotated is not None and rotated[1] is None  # the kernel stored this step's keys and values itself
+    if scales is not None and not written:  # someone else reads (some of) the product: scale it
+        from slime.backends.embedded_engine.fp8_channel import apply_scales
+
+        qkv = apply_scales(qkv, scales)
+    query, key, value = (part.view(hidden_shape) for part in self.qkv_proj.split(qkv))
+    value = value.transpose(1, 2)
     if rotated is not None:
         query, key = rotated
-        written = key is None  # the kernel stored this step's keys and values in the cache itself
     else:
         if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
             query, key = self.q_norm(query), self.k_norm(key)

@@ -1706,7 +1706,7 @@ bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 out = []
 silu_token = dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32")
 cases = [("_rmsnorm_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
-         ("_add_rmsnorm_kernel", dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
+         ("_add_rmsnorm_kernel", dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", xs_ptr="*fp32", cs_ptr="*fp32", eps="fp32", fp8_max="fp32"), 4096, 8),
          ("_silu_mul_packed_kernel", dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", fp8_max="fp32"), 1024, 4),
          # the 4B gate's 9728 columns held whole (the launch silu_mul_packed makes), and a longer row in slices
          ("_silu_mul_packed_token_kernel", silu_token, fused_ops.SILU_TOKEN_ONE_PASS, 16),
@@ -1714,12 +1714,15 @@ cases = [("_rmsnorm_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
 for name, types, block, warps in cases:
     kernel = getattr(fused_ops, name)
     names = list(kernel.arg_names)
-    consts = ["BLOCK", "QUANT", "ONE_PASS", "EMULATE_E4M3_CAST"]
+    consts = ["BLOCK", "QUANT", "ONE_PASS", "EMULATE_E4M3_CAST", "SCALED_X"]
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    # none, per 128-channel group, per token (the norms; the SiLU gate's per-token kernel is its own, always 2)
-    for quant in ((2,) if "token" in name else (0, 1) if "silu" in name else (0, 1, 2)):
+    # none, per 128-channel group, per token (the norms; the SiLU gate's per-token kernel is its own, always 2);
+    # the residual add + RMSNorm also reading an unscaled FP8 product (w8a8_fp8's cublas backend: quant 3 here)
+    for quant in ((2,) if "token" in name else (0, 1) if "silu" in name else (0, 1, 2, 3) if "add" in name
+                  else (0, 1, 2)):
         token = dict(ONE_PASS=block == fused_ops.SILU_TOKEN_ONE_PASS)
-        values = dict(BLOCK=block, EMULATE_E4M3_CAST=False, **(token if "token" in name else dict(QUANT=quant)))
+        norm = dict(QUANT=min(quant, 2), **(dict(SCALED_X=quant == 3) if "add" in name else {}))
+        values = dict(BLOCK=block, EMULATE_E4M3_CAST=False, **(token if "token" in name else norm))
         c = triton.compile(ASTSource(kernel, sig, values, {}),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         path = os.path.join(sys.argv[1], f"{name}_{quant}_{block}.cubin")
@@ -1753,6 +1756,6 @@ def test_producer_quantizing_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 10
+    assert len(report) == 11
     for entry in report:
         assert entry["stack"] == 0 and entry["cast"] == (entry["quant"] > 0), entry

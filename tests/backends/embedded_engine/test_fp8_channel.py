@@ -50,8 +50,13 @@ def test_backend_resolution_and_flags(tiny_model_dir, monkeypatch):
     for backend in ("cutlass", "triton"):
         with pytest.raises(SystemExit, match=f"--fp8-gemm-backend {backend} runs on --device cuda only"):
             parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8", "--fp8-gemm-backend", backend])
-    with pytest.raises(SystemExit, match="--fp8-gemm-backend cublas is a block-wise"):
+    with pytest.raises(ValueError, match="cublas with --quantization w8a8_fp8 cannot run here: .*CUDA only"):
+        fp8_channel.resolve_backend("cublas", torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--fp8-gemm-backend cublas runs on --device cuda only"):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8", "--fp8-gemm-backend", "cublas"])
+    with pytest.raises(SystemExit, match="--fp8-gemm-backend weight_only is a block-wise"):
+        parse_args(["--model-path", tiny_model_dir, "--quantization", "w8a8_fp8", "--fp8-gemm-backend",
+                    "weight_only"])
     with pytest.raises(SystemExit, match="--fp8-gemm-backend cutlass is the per-channel"):
         parse_args(["--model-path", tiny_model_dir, "--quantization", "fp8", "--fp8-gemm-backend", "cutlass"])
 
@@ -240,9 +245,9 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
     """Both FP8 paths on the GPU against the fp32 reference (bf16 out: within 1% of the output's peak), captured
     in a CUDA graph and replayed on new activations; the Triton one also with the residual in its epilogue."""
     _needs_sm90()
-    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "cutlass"
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "triton"  # AUTO_ORDER: the H200 A/B
     assert fp8_channel.resolve_backend(backend, torch.device("cuda")) == backend
-    assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "triton"  # cutlass: bf16 out
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "triton"
     with pytest.raises(ValueError, match="writes bf16 and this model runs in torch.float16"):
         fp8_channel.resolve_backend("cutlass", torch.device("cuda"), torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -270,7 +275,37 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "cutlass", "triton", "dequant"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,out_features,in_features", [(128, 6144, 2560), (128, 2560, 4096), (3, 272, 384)])
+def test_gpu_unscaled_gemm_scaled_after_equals_reference_and_replays_in_a_cuda_graph(rows, out_features, in_features,
+                                                                                     out_dtype):
+    """The ``cublas`` backend's GEMM on the GPU (cuBLASLt, unit scales) at Qwen3-4B's q/k/v and o shapes: scaled
+    afterwards it is the reference within 1% of the output's peak, and it replays in a CUDA graph on new e4m3
+    activations."""
+    _needs_sm90()
+    assert fp8_channel.resolve_backend("cublas", torch.device("cuda")) == "cublas"
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    values, scales = fp8_channel.quantize_rows(torch.randn(out_features, in_features, generator=gen, device="cuda")
+                                               / in_features**0.5)
+    x = torch.randn(rows, in_features, generator=gen, device="cuda").to(out_dtype)
+    x8, x_scales = fp8_channel.quantize_tokens(x)
+    raw = fp8_channel.unscaled_mm(x8, values, out_dtype)
+    assert raw.dtype == out_dtype and raw.shape == (rows, out_features)
+    expected = fp8_channel.reference_matmul(x, values, scales)
+    out = fp8_channel.apply_scales(raw, (x_scales, scales)).float()
+    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_channel.unscaled_mm(x8, values, out_dtype)
+    new8, new_scales = fp8_channel.quantize_tokens(torch.randn(rows, in_features, generator=gen, device="cuda"))
+    x8.copy_(new8)
+    graph.replay()
+    expected = fp8_channel.dequantize(new8, torch.ones_like(new_scales)) @ values.float().t()
+    assert float((captured.float() - expected).abs().max() / expected.abs().max()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "cutlass", "triton", "cublas", "dequant"])
 def test_gpu_w8a8_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, backend):
     _needs_sm90()
     check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs(tiny_model_dir, tmp_path, "w8a8_fp8", backend)
@@ -543,3 +578,159 @@ def test_warm_up_compiles_every_launch_of_the_channel_gemm(monkeypatch):
                     if (rn, rk) == (n, k)]
         assert len(launched) == len(set(launched)) < 60
         assert set(launched) == {fp8_triton.launch_key("two_kernel", rows, n, k, cpu, tma) for rows in range(1, 601)}
+
+
+def _cublas_linear(in_features: int, out_features: int, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) / in_features**0.5)
+    return fp8_channel.ChannelFp8Linear(linear.bfloat16(), "cublas")
+
+
+def test_cublas_linear_leaves_its_product_unscaled_only_for_an_announced_reader(monkeypatch):
+    """``--fp8-gemm-backend cublas`` under w8a8_fp8: ``forward_unscaled`` is cuBLASLt's scalar-scale GEMM (unit
+    scales) of the per-token e4m3 activations — with :func:`fp8_channel.apply_scales` it is the per-channel product
+    to the product's bf16 rounding — and the call announced by ``defer_scales_once`` returns that unscaled product
+    and hands its scales over once, to the very tensor only; other calls (unannounced, too many tokens, a bias)
+    take the fallback path and come back scaled."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert fp8_channel.fallback_backend(torch.device("cpu")) == "cutlass"  # no Triton here: torch's row-wise GEMM
+    linear = _cublas_linear(256, 384, seed=0)
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    reference = fp8_channel.reference_matmul(x.view(10, 256), linear.weight_fp8, linear.weight_scale)
+    raw, scales = linear.forward_unscaled(x)
+    assert raw.shape == (2, 5, 384) and raw.dtype == torch.bfloat16
+    assert scales[0].shape == (10, 1) and scales[1] is linear.weight_scale
+    assert raw.float().abs().max() > 50 * reference.abs().max()  # unscaled: e4m3 numbers up to 448
+    scaled = fp8_channel.apply_scales(raw, scales)
+    torch.testing.assert_close(scaled.view(10, 384).float(), reference, atol=1e-4, rtol=2**-7)  # two bf16 roundings
+    torch.testing.assert_close(linear(x).float(), scaled.float(), atol=1e-3, rtol=2**-7)  # the fallback, scaled
+
+    assert linear.take_scales(raw) is None  # nothing announced
+    linear.defer_scales_once()
+    out = linear(x)
+    assert torch.equal(out, raw) and linear.take_scales(out)[0].shape == (10, 1)
+    assert linear.take_scales(out) is None  # handed over once
+    linear.defer_scales_once()
+    out = linear(x)
+    with pytest.raises(RuntimeError, match="unscaled product did not reach the residual add"):
+        linear.take_scales(out.clone())
+    assert torch.equal(linear(x), linear(x)) and not torch.equal(linear(x), raw)  # the announcement was used up
+
+    assert [linear.defers_scales(rows, x.device) for rows in (0, 1, 512, 513)] == [False, True, True, False]
+    linear.defer_scales_once()
+    out = linear(torch.randn(513, 256).bfloat16())  # past DEFERRED_MAX_ROWS: the fallback, scaled
+    assert out.float().abs().max() < 50 * reference.abs().max() and linear.take_scales(out) is None
+    assert not _cublas_linear(256, 384, seed=0, bias=True).defers_scales(10, x.device)
+    assert not _cublas_linear(256, 388, seed=0).defers_scales(10, x.device)  # N not a multiple of 16
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_readers_of_an_unscaled_product_scale_it_as_apply_scales_does(dtype):
+    """The kernels that read the ``cublas`` backend's unscaled products apply the token and channel scales as
+    they load them, bit for bit as :func:`fp8_channel.apply_scales` followed by the plain kernel: the residual add
+    + RMSNorm (also quantizing its output per token), the q/k norm + rotary kernel with and without its cache
+    write (keys, values and queries); scales of the wrong shape are refused by name. (In bf16 to one rounding:
+    Triton's interpreter truncates fp32 -> bf16 casts where the GPU and torch round to nearest.)"""
+    from slime.backends.embedded_engine import fused_ops
+
+    def same(got, want):
+        if dtype == torch.float32:
+            return torch.equal(got, want)
+        return torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-7 * float(want.float().abs().max()))
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden = 6, 256
+    raw = (torch.randn(tokens, hidden, generator=gen) * 300).to(dtype)
+    scales = (torch.rand(tokens, 1, generator=gen) * 1e-2 + 1e-4, torch.rand(hidden, 1, generator=gen) * 1e-2 + 1e-4)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    scaled = fp8_channel.apply_scales(raw, scales)
+    got = fused_ops.add_rms_norm(raw, residual, weight, 1e-6, quantize="token", x_scales=scales)
+    want = fused_ops.add_rms_norm(scaled, residual, weight, 1e-6, quantize="token")
+    assert same(got[0], want[0]) and same(got[1], want[1]) and same(got[2][1], want[2][1])
+    if dtype == torch.float32:
+        assert torch.equal(got[2][0].view(torch.uint8), want[2][0].view(torch.uint8))
+    assert not same(fused_ops.add_rms_norm(raw, residual, weight, 1e-6)[1], want[1])
+    with pytest.raises(ValueError, match=r"contiguous fp32 \[6, 1\] and \[256, 1\] expected"):
+        fused_ops.add_rms_norm(raw, residual, weight, 1e-6, x_scales=(scales[0], scales[1][:128]))
+
+    q_heads, kv_heads, dim, batch, seq = 4, 2, 64, 2, 3
+    width = (q_heads + 2 * kv_heads) * dim
+    qkv = (torch.randn(batch, seq, width, generator=gen) * 300).to(dtype)
+    qkv_scales = (torch.rand(batch * seq, 1, generator=gen) * 1e-2 + 1e-4,
+                  torch.rand(width, 1, generator=gen) * 1e-2 + 1e-4)
+    angles = torch.rand(1, seq, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    norms = (torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype))
+    plain = fused_ops.qk_norm_rope(fp8_channel.apply_scales(qkv, qkv_scales), q_heads, kv_heads, cos, sin, *norms)
+    fused = fused_ops.qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *norms, scales=qkv_scales)
+    assert same(fused[0], plain[0]) and same(fused[1], plain[1])
+    assert not same(fused_ops.qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *norms)[1], plain[1])
+
+    def cache_write():
+        keys, values = (torch.zeros(3, kv_heads, 8, dim, dtype=dtype) for _ in range(2))
+        return keys, values, torch.tensor([2, 2, 2, 0, 0, 0]), torch.tensor([4, 5, 6, 0, 1, 2]), 1.0, 1.0
+
+    want_cache, got_cache = cache_write(), cache_write()
+    want_query, _ = fused_ops.qk_norm_rope(fp8_channel.apply_scales(qkv, qkv_scales), q_heads, kv_heads, cos, sin,
+                                           *norms, cache_write=want_cache)
+    got_query, _ = fused_ops.qk_norm_rope(qkv, q_heads, kv_heads, cos, sin, *norms, cache_write=got_cache,
+                                          scales=qkv_scales)
+    assert same(got_query, want_query) and want_cache[1].abs().sum() > 0
+    assert same(got_cache[0], want_cache[0]) and same(got_cache[1], want_cache[1])
+
+
+@needs_interpreter
+def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model_dir, monkeypatch):
+    """A w8a8_fp8 engine's decode steps on the ``cublas`` backend with the CUDA path's fused kernels (interpreted):
+    in every layer of every step the q/k/v and output projections leave their products unscaled, read by the
+    norm + rotary kernel (which also writes the cache) and by the residual add + RMSNorm — and the logits are
+    the fallback path's (every GEMM scaling its own product) to fp32 rounding, over a prompt and three steps."""
+    import types
+
+    from slime.backends.embedded_engine import fused_ops
+    from slime.backends.embedded_engine.kv_cache import DecodeCacheView
+    from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
+
+    unscaled = []
+    forward_unscaled = fp8_channel.ChannelFp8Linear.forward_unscaled
+
+    def spy(self, x):
+        unscaled.append(self.out_features)
+        return forward_unscaled(self, x)
+
+    def run(deferred: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward_unscaled", spy)
+        monkeypatch.setattr(fp8_channel, "DEFERRED_MAX_ROWS", 512 if deferred else 0)
+        monkeypatch.setattr(DecodeCacheView, "fused_write_target", lambda view, layer_idx: (
+            view.cache.keys[layer_idx], view.cache.values[layer_idx], view.rows, view.positions,
+            view.cache.k_scales[layer_idx], view.cache.v_scales[layer_idx]))
+        runner = ModelRunner(tiny_model_dir, num_slots=3, slot_capacity=32, quantization="w8a8_fp8")
+        for module in runner.fp8.linears.values():
+            module.backend = "cublas"
+        swap_in_fused_layer_forwards(runner.model)
+        for module in runner.model.modules():
+            if hasattr(module, "qkv_proj"):
+                module.fused_norm_rope = types.MethodType(fused_ops._attention_norm_rope, module)
+        prompts = [[5, 17, 33, 2, 91, 40], [7, 7, 8], [60, 1, 2, 3, 4, 5, 6, 9]]
+        logits, _ = runner.forward([0, 1, 2], [ForwardRow(p, 0) for p in prompts])
+        tokens, positions, out = [int(t) for t in logits.argmax(-1)], [len(p) for p in prompts], [logits]
+        for _ in range(3):
+            step = runner.decode(tokens, positions)
+            out.append(step)
+            tokens, positions = [int(t) for t in step.argmax(-1)], [p + 1 for p in positions]
+        monkeypatch.undo()
+        return out, runner
+
+    fallback, _ = run(False)
+    assert unscaled == []
+    deferred, runner = run(True)
+    config = runner.model.config
+    qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    # the prefill (17 tokens: up to 512) and three decode steps, each layer's q/k/v then o
+    assert unscaled == [qkv_width, config.hidden_size] * config.num_hidden_layers * 4
+    for want, got in zip(fallback, deferred):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
