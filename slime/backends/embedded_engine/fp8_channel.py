@@ -247,6 +247,11 @@ def scaled_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out_d
 
 @functools.lru_cache(maxsize=None)
 def _unit_scale(device: torch.device) -> torch.Tensor:
+    """The scalar 1 :func:`unscaled_mm` hands cuBLASLt as both scales, one per device, made eagerly (the engine's
+    check of the backend at start makes it): a fill captured in a CUDA graph would run only when that graph does."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("fp8 cublas: the unit scale must exist before a CUDA graph is captured "
+                           "(fp8_channel.resolve_backend('cublas', device) makes it)")
     return torch.ones((), dtype=torch.float32, device=device)
 
 
