@@ -323,9 +323,10 @@ AUTO_ORDER = ("triton", "cutlass")
 
 
 @functools.lru_cache(maxsize=None)
-def _unscaled_mm_problem(index: int) -> str | None:
-    """Why cuBLASLt's scalar-scale FP8 GEMM cannot serve on CUDA device ``index`` (None: it can). Checked once,
-    eagerly: FP8 tensor cores (sm_89+), and a GEMM against the dequantized reference."""
+def _unscaled_mm_problem(index: int, dtype: torch.dtype) -> str | None:
+    """Why cuBLASLt's scalar-scale FP8 GEMM cannot serve a ``dtype`` model on CUDA device ``index`` (None: it can).
+    Checked once, eagerly: FP8 tensor cores (sm_89+), and a GEMM writing ``dtype`` against the dequantized
+    reference."""
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) < (8, 9):
         return f"cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_{major}{minor}"
@@ -334,9 +335,9 @@ def _unscaled_mm_problem(index: int) -> str | None:
     x8, x_scales = quantize_rows(torch.randn(48, 384, generator=gen, device=device))
     values, scales = quantize_rows(torch.randn(272, 384, generator=gen, device=device) / 20)
     try:
-        out = apply_scales(unscaled_mm(x8, values, torch.bfloat16), (x_scales, scales)).float()
+        out = apply_scales(unscaled_mm(x8, values, dtype), (x_scales, scales)).float()
     except (RuntimeError, ValueError) as error:
-        return f"torch._scaled_mm refused e4m3 operands with unit scales: {str(error).splitlines()[0]}"
+        return f"torch._scaled_mm refused e4m3 operands with unit scales writing {dtype}: {str(error).splitlines()[0]}"
     expected = dequantize(x8, x_scales) @ dequantize(values, scales).t()
     error = float((out - expected).abs().max() / expected.abs().max())
     if error > 2e-2:
@@ -344,11 +345,11 @@ def _unscaled_mm_problem(index: int) -> str | None:
     return None
 
 
-def _cublas_problem(device: torch.device) -> str | None:
-    """Why the ``cublas`` backend cannot serve on ``device`` (None: it can)."""
+def _cublas_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the ``cublas`` backend cannot serve a ``dtype`` model on ``device`` (None: it can)."""
     if device.type != "cuda":
         return "cuBLASLt's FP8 GEMM is used on CUDA only"
-    return _unscaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device())
+    return _unscaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device(), dtype)
 
 
 def fallback_backend(device: torch.device) -> str:
@@ -376,7 +377,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
     if requested == "dequant":
         return "dequant"
     problems = {"cutlass": lambda: _cutlass_problem(device, dtype), "triton": lambda: _triton_problem(device),
-                "cublas": lambda: _cublas_problem(device)}
+                "cublas": lambda: _cublas_problem(device, dtype)}
     if requested != "auto":
         problem = problems[requested]()
         if problem is not None:
