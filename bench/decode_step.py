@@ -28,7 +28,9 @@ Metrics:
 * From ``--profile-steps`` profiled steps: ``kernels_per_step``, ``kernels_per_layer``,
   ``kernel_us_per_step`` (the sum of the kernels' device time) and ``top_kernels``: the ``--top``
   kernels by device time per step, each ``{"name", "us", "count"}`` (per step, names as the profiler
-  reports them, cut at 90 characters: ``_split_kernel``, ``_decode_write_kernel``, cuBLAS GEMMs ...).
+  reports them, cut at 90 characters: ``_split_kernel``, ``_decode_write_kernel``, cuBLAS GEMMs ...);
+  ``kernel_us_by_class``: the same per-step time summed as ``gemm`` (every GEMM kernel, FP8 or not, lm_head
+  included), ``attention``, ``norm_rope``, ``silu``, ``quantize``, ``sampling`` and ``other``.
 * ``fused``: what the runner fused (``fused_projections``: q/k/v and gate/up GEMMs per layer;
   ``fused_ops``: the Triton norms, rotary and SiLU gate), so runs before and after a change say
   what they ran.
@@ -46,6 +48,7 @@ the tool; CPU timings on a shared machine mean little). ``--out`` writes
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -93,6 +96,28 @@ def kernel_table(step, device: torch.device, steps: int) -> list[dict]:
         if us > 0:
             rows.append({"name": event.key[:90], "us": us / steps, "count": event.count / steps})
     return sorted(rows, key=lambda row: -row["us"])
+
+
+# kernel name (as the profiler gives it) -> the class kernel_classes sums it into; first match wins, else "other"
+KERNEL_CLASSES = (("quantize", re.compile(r"quantize", re.I)),
+                  ("gemm", re.compile(r"gemm|nvjet|cutlass|splitKreduce|xmma|cublas|aten::(mm|addmm|bmm|linear)$",
+                                      re.I)),
+                  ("attention", re.compile(r"_split_kernel|_merge_kernel|_decode_write|_verify|attention|flash|"
+                                           r"scaled_dot_product", re.I)),
+                  ("norm_rope", re.compile(r"rmsnorm|norm_rope|_rope_kernel", re.I)),
+                  ("silu", re.compile(r"silu", re.I)),
+                  ("sampling", re.compile(r"_partial_kernel|_combine_kernel|sampl|softmax|argmax", re.I)))
+
+
+def kernel_classes(table: list[dict]) -> dict[str, float]:
+    """Per-step device microseconds of :func:`kernel_table`'s rows summed by class (:data:`KERNEL_CLASSES`): the
+    GEMMs (FP8 Triton, cuBLAS and CUTLASS kernels, the lm_head's included), attention (with the cache writes),
+    norms + rotary, the SiLU gate, FP8 quantize launches, sampling, and the rest."""
+    sums = {name: 0.0 for name, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for row in table:
+        name = next((name for name, pattern in KERNEL_CLASSES if pattern.search(row["name"])), "other")
+        sums[name] += row["us"]
+    return {name: round(us, 1) for name, us in sums.items()}
 
 
 def main() -> None:
@@ -235,6 +260,7 @@ def main() -> None:
     metrics = {"step_ms": seconds * 1e3, "step_bytes": step_bytes, "weight_bytes": weight_bytes,
                "kv_bytes_per_token": kv_bytes_per_token, "kernels_per_step": kernels,
                "kernels_per_layer": kernels / layers, "kernel_us_per_step": sum(row["us"] for row in table),
+               "kernel_us_by_class": kernel_classes(table),
                "sample_ms": sample_ms.get(args.sample), "sample_torch_ms": sample_ms.get("torch"),
                "sample_fused_ms": sample_ms.get("fused"),
                "cuda_graph": runner.graphs.captures > 0, "verify_graph_captures": runner.graphs.verify_captures,
