@@ -323,14 +323,14 @@ AUTO_ORDER = ("triton", "cutlass")
 
 
 @functools.lru_cache(maxsize=None)
-def _unscaled_mm_problem(index: int, dtype: torch.dtype) -> str | None:
-    """Why cuBLASLt's scalar-scale FP8 GEMM cannot serve a ``dtype`` model on CUDA device ``index`` (None: it can).
-    Checked once, eagerly: FP8 tensor cores (sm_89+), and a GEMM writing ``dtype`` against the dequantized
-    reference."""
-    major, minor = torch.cuda.get_device_capability(index)
-    if (major, minor) < (8, 9):
-        return f"cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_{major}{minor}"
-    device = torch.device("cuda", index)
+def _unscaled_mm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the scalar-scale FP8 GEMM (cuBLASLt's on CUDA) cannot serve a ``dtype`` model on ``device`` (None: it
+    can). Checked once, eagerly: FP8 tensor cores (sm_89+), and a GEMM writing ``dtype`` against the dequantized
+    reference (it also makes the device's unit scale before any graph is captured)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device.index)
+        if (major, minor) < (8, 9):
+            return f"cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_{major}{minor}"
     gen = torch.Generator(device=device).manual_seed(0)
     x8, x_scales = quantize_rows(torch.randn(48, 384, generator=gen, device=device))
     values, scales = quantize_rows(torch.randn(272, 384, generator=gen, device=device) / 20)
@@ -349,7 +349,8 @@ def _cublas_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the ``cublas`` backend cannot serve a ``dtype`` model on ``device`` (None: it can)."""
     if device.type != "cuda":
         return "cuBLASLt's FP8 GEMM is used on CUDA only"
-    return _unscaled_mm_problem(device.index if device.index is not None else torch.cuda.current_device(), dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _unscaled_mm_problem(torch.device("cuda", index), dtype)
 
 
 def fallback_backend(device: torch.device) -> str:

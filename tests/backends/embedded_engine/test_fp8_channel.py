@@ -94,6 +94,43 @@ def test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatc
         fp8_channel.resolve_backend("triton", cuda)
 
 
+def test_cublas_check_refuses_what_the_gemm_will_not_run_or_gets_wrong(monkeypatch):
+    """The ``cublas`` backend's start-up check: the scalar-scale GEMM writing the model's dtype against the
+    dequantized reference (it passes with torch's own CPU kernel), a refusal by torch (fp32 out, say) or a wrong
+    result named, sm_80 refused; ``--fp8-gemm-backend cublas`` on a (pretended) GPU then resolves to ``cublas`` or is
+    refused with that reason and the way out, and ``auto`` does not pick it (unmeasured: not in ``AUTO_ORDER``)."""
+    check = fp8_channel._unscaled_mm_problem.__wrapped__  # uncached
+    cpu = torch.device("cpu")
+    assert check(cpu, torch.bfloat16) is None and check(cpu, torch.float32) is None
+    scaled_mm = torch._scaled_mm
+
+    def refuse(*args, out_dtype, **kwargs):
+        if out_dtype == torch.float32:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+        return scaled_mm(*args, out_dtype=out_dtype, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    assert check(cpu, torch.bfloat16) is None
+    assert check(cpu, torch.float32) == ("torch._scaled_mm refused e4m3 operands with unit scales writing "
+                                         "torch.float32: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kwargs: scaled_mm(a, b, **kwargs) * 1.1)
+    assert check(cpu, torch.bfloat16).startswith("torch._scaled_mm's scalar-scale result is off the reference by 0.1")
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert check(torch.device("cuda", 0), torch.bfloat16) == "cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_80"
+
+    problem = [None]
+    monkeypatch.setattr(fp8_channel, "_unscaled_mm_problem", lambda device, dtype: problem[0])
+    monkeypatch.setattr(fp8_channel, "_triton_problem", lambda device: None)
+    cuda = torch.device("cuda", 0)
+    assert fp8_channel.resolve_backend("cublas", cuda, torch.bfloat16) == "cublas"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    problem[0] = "torch._scaled_mm refused e4m3 operands with unit scales writing torch.float32: ..."
+    with pytest.raises(ValueError, match="cublas with --quantization w8a8_fp8 cannot run here: torch._scaled_mm "
+                                         "refused .*; use --fp8-gemm-backend triton or dequant"):
+        fp8_channel.resolve_backend("cublas", cuda, torch.float32)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rows,cols,dtype", [(5, 300, torch.float32), (3, 2500, torch.bfloat16),
                                              (4, 1024, torch.float32), (1, 7, torch.bfloat16)])
