@@ -309,6 +309,12 @@ class QuantizedLinear(nn.Module):
         those values instead of quantizing again (any other call drops them)."""
         self._offered = (x, quantized)
 
+    def take_offered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The activations :meth:`offer` handed over for this very ``x`` (None otherwise); the offer is used up
+        either way."""
+        offered, self._offered = self._offered, None
+        return offered[1] if offered is not None and offered[0] is x else None
+
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A fused projection's output cut into its parts (``FusedLinear.split``)."""
         return out.split(self.sizes, dim=-1)
@@ -343,9 +349,8 @@ class Fp8Linear(QuantizedLinear):
                 and gemm_path(self.backend, rows, self.out_features, self.in_features, device) == "two_kernel")
 
     def forward(self, x: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
-        offered, self._offered = self._offered, None
-        quantized = offered[1] if offered is not None and offered[0] is x else None
-        return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend, quantized=quantized,
+        return fp8_linear(x, self.weight_fp8, self.weight_scale_inv, self.bias, self.backend,
+                          quantized=self.take_offered(x),
                           accumulate_into=accumulate_into)
 
     def extra_repr(self) -> str:

@@ -61,8 +61,8 @@ BACKENDS = ("auto", "cutlass", "triton", "cublas", "dequant")
 # quantize launches 108 -> 65 us a step.
 QUANTIZE_ONE_PASS = 16384
 QUANTIZE_BLOCK = 1024
-# The ``cublas`` backend's deferred-scale GEMMs serve calls of up to this many tokens (decode and verify steps);
-# larger ones (prefill) take the fallback path, whose epilogue scales the product itself.
+# The ``cublas`` backend's deferred-scale GEMMs serve calls of up to this many tokens (decode and verify steps,
+# short prefills); larger prefills take the fallback path, whose epilogue scales the product itself.
 DEFERRED_MAX_ROWS = 512
 
 try:
@@ -481,12 +481,10 @@ class ChannelFp8Linear(QuantizedLinear):
                 and self.out_features % 16 == 0 and self.in_features % 16 == 0)
 
     def forward_unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``x [..., K]`` -> (its e4m3 product with the weight, unscaled, ``[..., N]`` in ``x``'s dtype (:func:`unscaled_mm`);
-        (the token scales ``[M, 1]``, the channel scales ``[N, 1]``)), for a reader that applies them
+        """``x [..., K]`` -> (its e4m3 product with the weight, unscaled, ``[..., N]`` in ``x``'s dtype
+        (:func:`unscaled_mm`); (the token scales ``[M, 1]``, the channel scales ``[N, 1]``)), for a reader that applies them
         (:func:`apply_scales` says how). Uses activations offered by their producer."""
-        offered, self._offered = self._offered, None
-        rows = x.reshape(-1, x.shape[-1])
-        x8, x_scales = offered[1] if offered is not None and offered[0] is x else quantize_tokens(rows)
+        x8, x_scales = self.take_offered(x) or quantize_tokens(x.reshape(-1, x.shape[-1]))
         raw = unscaled_mm(x8, self.weight_fp8, x.dtype)
         return raw.view(*x.shape[:-1], self.out_features), (x_scales, self.weight_scale)
 
@@ -512,9 +510,7 @@ class ChannelFp8Linear(QuantizedLinear):
         if defer and accumulate_into is None and self.defers_scales(x.numel() // x.shape[-1], x.device):
             self._deferred = self.forward_unscaled(x)
             return self._deferred[0]
-        offered, self._offered = self._offered, None
-        quantized = offered[1] if offered is not None and offered[0] is x else None
-        return channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, quantized,
+        return channel_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.backend, self.take_offered(x),
                               accumulate_into)
 
     def extra_repr(self) -> str:

@@ -303,11 +303,12 @@ def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quan
             torch.empty((triton.cdiv(cols, 128), rows), dtype=torch.float32, device=out.device))
 
 
-def _checked_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int], placeholder: torch.Tensor):
+def _checked_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int], unread: torch.Tensor):
     """An unscaled FP8 product's (token ``[M, 1]``, channel ``[N, 1]``) scales for a ``[M, N]`` input, checked (fp32,
-    contiguous); ``placeholder`` twice when there are none (a valid pointer the kernel does not read)."""
+    contiguous); without scales ``unread`` twice (any valid pointer: the kernel, compiled unscaled, never reads
+    it), as ``_quantized_outputs`` does for a kernel that does not quantize."""
     if scales is None:
-        return placeholder, placeholder
+        return unread, unread
     token_scales, channel_scales = scales
     if token_scales.shape != (shape[0], 1) or channel_scales.shape != (shape[1], 1) \
             or token_scales.dtype != torch.float32 or channel_scales.dtype != torch.float32 \
