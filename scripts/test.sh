@@ -40,7 +40,7 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/test_fp8.py::test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows \
     tests/backends/embedded_engine/test_fp8.py::test_weight_quantizer_compiles_for_h200 \
     tests/backends/embedded_engine/test_fp8_channel.py::test_token_quantizer_interpreted_is_bit_exact \
-    tests/backends/embedded_engine/test_fp8_channel.py::test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant \
+    tests/backends/embedded_engine/test_fp8_channel.py::test_auto_picks_cublas_else_triton_else_cutlass_for_bf16_on_sm90_else_dequant \
     tests/backends/embedded_engine/test_fp8_channel.py::test_norm_kernels_quantize_per_token_like_the_quantizer \
     tests/backends/embedded_engine/test_fp8_channel.py::test_decoder_layers_with_per_token_producers_equal_the_plain_path \
     tests/backends/embedded_engine/test_fp8_channel.py::test_silu_gate_quantizes_per_token_like_the_quantizer \

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "after its K loop and the residual add in its epilogue; sm_89+), cublas (cuBLASLt's "
                         "scalar-scale FP8 GEMM for the attention's q/k/v and output projections at decode sizes, "
                         "their scales applied by the fused kernels that read the product; every other GEMM on "
-                        "triton; sm_89+), dequant, or auto (triton where it runs, else cutlass, else dequant)")
+                        "triton; sm_89+), dequant, or auto (cublas where it runs, else triton, else cutlass, else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "

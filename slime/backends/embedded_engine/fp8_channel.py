@@ -28,7 +28,7 @@ Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names wher
   gate/up GEMM is at ~0.6x of bf16 on Triton already and whose down GEMM adds the residual in its epilogue;
   prefill; a reader that cannot take the scales) runs on :func:`fallback_backend`'s path (``triton``, else
   ``cutlass``). Needs FP8 tensor cores (sm_89+) and K, N multiples of 16.
-* ``auto``: ``triton`` where it runs, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
+* ``auto``: ``cublas`` where it runs, else ``triton``, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
 * ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
   like ``fp8.py``'s ``dequant``).
 
@@ -315,11 +315,15 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
-# ``auto``'s preference among the FP8 paths, the first that runs here taken. The H200 A/B of session 25 (Qwen3-4B,
-# bench/results/*-20261205-*-s25.json): per layer at 16 / 64 / 128 tokens the Triton GEMMs took 52 / 52 / 58 us
-# against torch._scaled_mm's row-wise 79 / 77 / 76 (bf16: 70 / 71 / 74); a decode step of 128 rows 4.19 ms
-# against 4.78 (bf16 4.36). cutlass stays for where Triton is missing.
-AUTO_ORDER = ("triton", "cutlass")
+# ``auto``'s preference among the FP8 paths, the first that runs here taken. cublas first: the H100 A/B of session 28
+# (Qwen3-4B, bench/results/*-nvidia-h100-20261205-*-s27.json, at 9db6952; no H200 was lent): cuBLASLt's unscaled
+# GEMMs at 128 tokens took 9.7 / 8.5 us for q/k/v and o against the Triton GEMM's 11.4 / 12.0 (bf16 14.8 / 11.3), a
+# decode step of 128 rows 4.57 ms against 4.75 (bf16 5.50), engine_decode 128 x (16 + 256) 216.6 steps/s against
+# 206.4 (bf16 179.6). triton before cutlass: the H200 A/B of session 25 (bench/results/*-20261205-*-s25.json): per
+# layer at 16 / 64 / 128 tokens the Triton GEMMs took 52 / 52 / 58 us against torch._scaled_mm's row-wise 79 / 77 /
+# 76 (bf16: 70 / 71 / 74); a decode step of 128 rows 4.19 ms against 4.78 (bf16 4.36). cutlass stays for where
+# Triton is missing.
+AUTO_ORDER = ("cublas", "triton", "cutlass")
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,11 +350,16 @@ def _unscaled_mm_problem(device: torch.device, dtype: torch.dtype) -> str | None
 
 
 def _cublas_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the ``cublas`` backend cannot serve a ``dtype`` model on ``device`` (None: it can)."""
+    """Why the ``cublas`` backend cannot serve a ``dtype`` model on ``device`` (None: it can): cuBLASLt's GEMM
+    (:func:`_unscaled_mm_problem`), and Triton, whose kernels apply the scales it leaves out and run its other GEMMs
+    (without them every call would take the fallback: ``cutlass`` by another name)."""
     if device.type != "cuda":
         return "cuBLASLt's FP8 GEMM is used on CUDA only"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _unscaled_mm_problem(torch.device("cuda", index), dtype)
+    problem = _unscaled_mm_problem(torch.device("cuda", index), dtype)
+    if problem is None and (triton_problem := _triton_problem(device)) is not None:
+        problem = f"the kernels that apply its scales are Triton's, and {triton_problem}"
+    return problem
 
 
 def fallback_backend(device: torch.device) -> str:
@@ -369,7 +378,7 @@ def _cutlass_problem(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The path an engine on ``device`` serving a ``dtype`` model runs: ``cutlass`` / ``triton`` as asked
+    """The path an engine on ``device`` serving a ``dtype`` model runs: ``cutlass`` / ``triton`` / ``cublas`` as asked
     (refused where they cannot run, with the reason), ``auto`` -> the first of :data:`AUTO_ORDER` that runs, else
     ``dequant`` (the reasons in the log; the CPU's path)."""
     if requested not in BACKENDS:
@@ -382,7 +391,8 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
     if requested != "auto":
         problem = problems[requested]()
         if problem is not None:
-            other = {"cutlass": "triton or dequant", "cublas": "triton or dequant"}.get(requested, "dequant")
+            runs = [path for path in AUTO_ORDER if path != requested and problems[path]() is None]
+            other = f"{runs[0]} or dequant" if runs else "dequant"  # the fastest that runs here
             raise ValueError(f"--fp8-gemm-backend {requested} with --quantization w8a8_fp8 cannot run here: "
                              f"{problem}; use --fp8-gemm-backend {other}")
         return requested
@@ -394,6 +404,10 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
         if problem is None:
             if reasons:
                 logger.info("--quantization w8a8_fp8: the %s GEMM, since %s", path, "; ".join(reasons))
+            elif path == "cublas":
+                logger.info("--quantization w8a8_fp8: cuBLASLt's FP8 GEMM for the attention's projections at decode "
+                            "sizes (their scales applied by the kernels that read them), the per-channel Triton FP8 "
+                            "GEMM for the others")
             elif path == "cutlass":
                 logger.info("--quantization w8a8_fp8: torch._scaled_mm's row-wise FP8 GEMM (cutlass) for bf16 "
                             "inputs whose weight has rows and columns in multiples of 16; over the dequantized weight "

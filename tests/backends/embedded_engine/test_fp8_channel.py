@@ -62,29 +62,41 @@ def test_backend_resolution_and_flags(tiny_model_dir, monkeypatch):
 
 
 @needs_interpreter
-def test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatch):
-    """``auto`` on a (pretended) CUDA device: the Triton GEMM (faster on the H200: ``AUTO_ORDER``), else —
-    without Triton — ``cutlass`` for a bf16 model where the row-wise GEMM passed its check, else ``dequant``;
-    below sm_89 (no e4m3 tensor cores) ``dequant``, and ``triton`` asked for by name is refused."""
+def test_auto_picks_cublas_else_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatch):
+    """``auto`` on a (pretended) CUDA device: ``cublas`` (cuBLASLt for the attention's projections, Triton for the
+    rest: fastest on the H100, ``AUTO_ORDER``) where its start-up GEMM passed for the model's dtype, else the Triton
+    GEMM, else — without Triton, which ``cublas`` needs too — ``cutlass`` for a bf16 model where the row-wise GEMM
+    passed its check, else ``dequant``; below sm_89 (no e4m3 tensor cores) ``dequant``, and ``triton`` asked for by
+    name is refused."""
     capability = [(9, 0)]
     problem = [None]
+    unscaled_problem = {torch.float32: "torch._scaled_mm refused e4m3 operands with unit scales writing torch.float32"}
     triton_missing = [None]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fp8_channel, "_scaled_mm_problem", lambda index: problem[0])
+    monkeypatch.setattr(fp8_channel, "_unscaled_mm_problem", lambda device, dtype: (
+        f"cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_{capability[0][0]}{capability[0][1]}"
+        if capability[0] < (8, 9) else unscaled_problem.get(dtype)))
     real_triton_problem = fp8_channel._triton_problem
     monkeypatch.setattr(fp8_channel, "_triton_problem",
                         lambda device: triton_missing[0] or real_triton_problem(device))
     cuda = torch.device("cuda", 0)
-    assert fp8_channel.AUTO_ORDER == ("triton", "cutlass")
-    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "triton"
-    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "triton"
+    assert fp8_channel.AUTO_ORDER == ("cublas", "triton", "cutlass")
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cublas"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "cublas"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float32) == "triton"  # cuBLASLt refused fp32 out
     triton_missing[0] = "it needs CUDA and the triton package"
     assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cutlass"
     assert fp8_channel.resolve_backend("auto", cuda, torch.float16) == "dequant"  # the row-wise call writes bf16
+    with pytest.raises(ValueError, match="cublas with --quantization w8a8_fp8 cannot run here: the kernels that apply "
+                                         "its scales are Triton's, and it needs CUDA and the triton package; use "
+                                         "--fp8-gemm-backend cutlass or dequant"):
+        fp8_channel.resolve_backend("cublas", cuda)
     problem[0] = "torch._scaled_mm refused row-wise scales: ..."
     assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "dequant"
-    with pytest.raises(ValueError, match="cutlass with --quantization w8a8_fp8 cannot run here: torch._scaled_mm"):
+    with pytest.raises(ValueError, match="cutlass with --quantization w8a8_fp8 cannot run here: torch._scaled_mm.*; "
+                                         "use --fp8-gemm-backend dequant"):
         fp8_channel.resolve_backend("cutlass", cuda)
     triton_missing[0], problem[0] = None, None
     capability[0] = (8, 0)
@@ -92,13 +104,16 @@ def test_auto_picks_triton_else_cutlass_for_bf16_on_sm90_else_dequant(monkeypatc
     assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "dequant"
     with pytest.raises(ValueError, match="need sm_89 or newer; this GPU is sm_80"):
         fp8_channel.resolve_backend("triton", cuda)
+    with pytest.raises(ValueError, match="cuBLASLt's FP8 GEMM needs sm_89 or newer; this GPU is sm_80; use "
+                                         "--fp8-gemm-backend dequant"):
+        fp8_channel.resolve_backend("cublas", cuda)
 
 
 def test_cublas_check_refuses_what_the_gemm_will_not_run_or_gets_wrong(monkeypatch):
     """The ``cublas`` backend's start-up check: the scalar-scale GEMM writing the model's dtype against the
     dequantized reference (it passes with torch's own CPU kernel), a refusal by torch (fp32 out, say) or a wrong
     result named, sm_80 refused; ``--fp8-gemm-backend cublas`` on a (pretended) GPU then resolves to ``cublas`` or is
-    refused with that reason and the way out, and ``auto`` does not pick it (unmeasured: not in ``AUTO_ORDER``)."""
+    refused with that reason and the way out, and ``auto`` takes the next path (``triton``) for a refused dtype."""
     check = fp8_channel._unscaled_mm_problem.__wrapped__  # uncached
     cpu = torch.device("cpu")
     assert check(cpu, torch.bfloat16) is None and check(cpu, torch.float32) is None
@@ -124,11 +139,12 @@ def test_cublas_check_refuses_what_the_gemm_will_not_run_or_gets_wrong(monkeypat
     monkeypatch.setattr(fp8_channel, "_triton_problem", lambda device: None)
     cuda = torch.device("cuda", 0)
     assert fp8_channel.resolve_backend("cublas", cuda, torch.bfloat16) == "cublas"
-    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    assert fp8_channel.resolve_backend("auto", cuda, torch.bfloat16) == "cublas"
     problem[0] = "torch._scaled_mm refused e4m3 operands with unit scales writing torch.float32: ..."
     with pytest.raises(ValueError, match="cublas with --quantization w8a8_fp8 cannot run here: torch._scaled_mm "
                                          "refused .*; use --fp8-gemm-backend triton or dequant"):
         fp8_channel.resolve_backend("cublas", cuda, torch.float32)
+    assert fp8_channel.resolve_backend("auto", cuda, torch.float32) == "triton"
 
 
 @needs_interpreter
@@ -282,9 +298,9 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
     """Both FP8 paths on the GPU against the fp32 reference (bf16 out: within 1% of the output's peak), captured
     in a CUDA graph and replayed on new activations; the Triton one also with the residual in its epilogue."""
     _needs_sm90()
-    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "triton"  # AUTO_ORDER: the H200 A/B
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "cublas"  # AUTO_ORDER: the H100 A/B
     assert fp8_channel.resolve_backend(backend, torch.device("cuda")) == backend
-    assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "triton"
+    assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "cublas"
     with pytest.raises(ValueError, match="writes bf16 and this model runs in torch.float16"):
         fp8_channel.resolve_backend("cutlass", torch.device("cuda"), torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
