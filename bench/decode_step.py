@@ -143,8 +143,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="kernels listed in top_kernels")
     parser.add_argument("--without", action="append", default=[],
                         choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_early_v",
-                                 "fp8_quant_in_producer"],
-                        help="run without this fusion (repeatable), for an A/B of it in one visit")
+                                 "fp8_quant_in_producer", "down_hand_off"],
+                        help="run without this fusion (repeatable), for an A/B of it in one visit (down_hand_off: "
+                             "w8a8_fp8's cublas backend hands the down projection's unscaled product to the next "
+                             "layer's input RMSNorm; without, the Triton GEMM adds the residual in its epilogue)")
     parser.add_argument("--with", dest="with_", action="append", default=[],
                         choices=["small_m_gemm", "attention_merge_in_split"],
                         help="run with this measured-and-off kernel switched on (repeatable): small_m_gemm = the "
@@ -202,6 +204,10 @@ def main() -> None:
         from slime.backends.embedded_engine import fused_ops
 
         fused_ops.FP8_QUANT_IN_PRODUCER = False
+    if "down_hand_off" in args.without:
+        from slime.backends.embedded_engine import fused_ops
+
+        fused_ops.DOWN_SCALES_TO_NEXT_LAYER = False
     if "mlp_residual_gemm" in args.without:
         from slime.backends.embedded_engine import fused_ops
 

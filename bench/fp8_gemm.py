@@ -59,7 +59,8 @@ its ``cutlass`` path (``fp8_channel.scaled_mm``: ``torch._scaled_mm`` with row-w
 cuBLASLt with unit scales, the two scales left to the kernel that reads the product), each alone on activations
 quantized beforehand (as the RMSNorms and the SiLU gate hand them over); ``rowwise_speedup`` /
 ``channel_triton_speedup`` / ``unscaled_gemm_speedup`` are bf16 over them (per layer also ``channel_cublas_us``: what
-the ``cublas`` backend runs, the unscaled GEMM for q/k/v and o and the Triton one for the MLP), ``*_hbm_fraction`` their bytes
+the ``cublas`` backend runs, the unscaled GEMM for q/k/v, o and down and the Triton one for gate/up; until session 28
+down was on Triton too), ``*_hbm_fraction`` their bytes
 (e4m3 weight, fp32 scales, activations in and out) per second over the HBM spec. ``rowwise_quant_err`` /
 ``block_quant_err`` are each scheme's mean |error| against the fp32 product of the unquantized bf16 operands,
 over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
@@ -364,8 +365,10 @@ def main(argv=None) -> dict:
                 for key, value in result.items():
                     metrics[f"{model}/{name}/M{rows}/{key}"] = value
                 result["auto_us"] = result[f"{result['auto_path']}_us"]
-                if "unscaled_gemm_us" in result:  # w8a8's cublas backend: cuBLASLt for the attention's, Triton for the MLP's
-                    result["channel_cublas_us"] = result["unscaled_gemm_us" if name in ("qkv", "q", "kv", "o")
+                if "unscaled_gemm_us" in result:  # w8a8's cublas backend: cuBLASLt for q/k/v, o and down, Triton for
+                    # gate/up (down's scales and residual add go to the next layer's input RMSNorm; the model's last
+                    # layer adds its own on Triton, not counted here)
+                    result["channel_cublas_us"] = result["unscaled_gemm_us" if name in ("qkv", "q", "kv", "o", "down")
                                                          else "channel_triton_us"]
                 for column in ("bf16", "weight_only", "fused", "two_kernel", "two_kernel_pointer", "cublas", "auto",
                                "rowwise_gemm", "channel_triton", "unscaled_gemm", "channel_cublas"):

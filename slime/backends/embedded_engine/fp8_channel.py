@@ -23,11 +23,13 @@ Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names wher
   for plain FP8, which the row-wise and block-wise recipes do not reach) on the e4m3 operands, the product left
   unscaled (:func:`unscaled_mm`), for the GEMMs whose reader applies the two scales as it loads the product: the
   attention's q/k/v projection at decode sizes (the q/k norm + rotary kernel, which also stores the keys and
-  values) and its output projection (the residual add + RMSNorm kernel after it), up to
-  :data:`DEFERRED_MAX_ROWS` tokens (:meth:`ChannelFp8Linear.defers_scales`). Every other call (the MLP, whose
-  gate/up GEMM is at ~0.6x of bf16 on Triton already and whose down GEMM adds the residual in its epilogue;
-  prefill; a reader that cannot take the scales) runs on :func:`fallback_backend`'s path (``triton``, else
-  ``cutlass``). Needs FP8 tensor cores (sm_89+) and K, N multiples of 16.
+  values), its output projection (the residual add + RMSNorm kernel after it) and the MLP's down projection of
+  every decoder layer but the last (the next layer's input RMSNorm, which adds the residual too:
+  ``fused_ops.DOWN_SCALES_TO_NEXT_LAYER``), up to :data:`DEFERRED_MAX_ROWS` tokens
+  (:meth:`ChannelFp8Linear.defers_scales`). Every other call (gate/up, at ~0.6x of bf16 on Triton already and read
+  by the SiLU gate; the last layer's down; prefill; a reader that cannot take the scales) runs on
+  :func:`fallback_backend`'s path (``triton``, else ``cutlass``). Needs Triton, FP8 tensor cores (sm_89+) and K, N
+  multiples of 16.
 * ``auto``: ``cublas`` where it runs, else ``triton``, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
 * ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
   like ``fp8.py``'s ``dequant``).
@@ -503,7 +505,8 @@ class ChannelFp8Linear(QuantizedLinear):
         return raw.view(*x.shape[:-1], self.out_features), (x_scales, self.weight_scale)
 
     def defer_scales_once(self) -> None:
-        """The next call's reader applies the scales (``fused_ops``' residual add + RMSNorm after the attention):
+        """The next call's reader applies the scales (``fused_ops``' residual add + RMSNorm after the attention;
+        the down projection's product goes to the next layer by ``forward_unscaled`` directly):
         that call returns :meth:`forward_unscaled`'s product and keeps the scales for :meth:`take_scales`."""
         self._defer = True
 

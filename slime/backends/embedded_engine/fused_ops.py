@@ -63,6 +63,12 @@ KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k 
 # produced them, and the MLP's residual add runs in the down GEMM's epilogue (A/B switch; H200, session 21:
 # a 4B decode step at 128 rows 4.88 ms with it, 5.03 without)
 FP8_QUANT_IN_PRODUCER = True
+# Under fp8_channel's cublas backend the down projection's product leaves the layer unscaled (cuBLASLt's plain FP8
+# GEMM) and the next decoder layer's input RMSNorm applies its scales and adds the residual (add_rms_norm's
+# x_scales; :class:`_HandOff`), instead of the Triton GEMM with the residual add in its epilogue. H100, Qwen3-4B at
+# 128 tokens (session 28, bench/results/fp8_gemm-nvidia-h100-20261205-*): the unscaled down GEMM 14.7 us against
+# the Triton one's 19.6. A/B switch; not yet timed as a decode step.
+DOWN_SCALES_TO_NEXT_LAYER = True
 
 
 if triton is not None:
@@ -567,18 +573,79 @@ def _deferring_output_projection(attention, rows: int, device: torch.device):
     return o_proj if o_proj.defers_scales(rows, device) else None
 
 
+class _HandOff:
+    """A decoder layer's MLP output on its way to the next layer, unscaled (:data:`DOWN_SCALES_TO_NEXT_LAYER`):
+    ``(the residual the layer returned, the down projection's unscaled product, its (token, channel) scales)``,
+    written by the first layer at every forward (None when it added its MLP output itself) and taken by the second,
+    whose input RMSNorm adds them (:func:`link_layers` pairs them)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = None
+
+    def take(self, hidden_states: torch.Tensor):
+        """``(product, scales)`` to add to ``hidden_states`` before the layer's input norm, or None."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        residual, product, scales = pending
+        if residual is not hidden_states:
+            raise RuntimeError("fp8 cublas: a decoder layer's input is not the residual the previous layer returned "
+                               "(something ran between them); the previous down projection's product cannot be added")
+        return product, scales
+
+
+def link_layers(model: torch.nn.Module) -> int:
+    """Pair each two consecutive decoder layers on :func:`_decoder_layer_forward` of a model's ``layers`` (the
+    first ``config.num_hidden_layers``: the ones its forward runs in order) whose second's input norm is an RMSNorm:
+    the first may hand its MLP output to the second unscaled (:class:`_HandOff`). Returns the number of pairs."""
+    pairs = 0
+    for module in model.modules():
+        layers, config = getattr(module, "layers", None), getattr(module, "config", None)
+        if not isinstance(layers, torch.nn.ModuleList) or config is None:
+            continue
+        run = list(layers[: getattr(config, "num_hidden_layers", len(layers))])
+        for first, second in zip(run, run[1:]):
+            if _runs_fused_forward(first) and _runs_fused_forward(second) \
+                    and type(getattr(second, "input_layernorm", None)).__name__ in RMSNORM_CLASSES:
+                first._hand_off_out = second._hand_off_in = _HandOff()  # plain attributes (not submodules)
+                pairs += 1
+    return pairs
+
+
+def _runs_fused_forward(layer: torch.nn.Module) -> bool:
+    return getattr(layer.forward, "__func__", None) is _decoder_layer_forward
+
+
 def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
     residual) with the first residual add and the post-attention RMSNorm as one kernel. Under FP8
     (``fp8.Fp8Linear`` projections on the two-kernel GEMM's token counts) the RMSNorms and the SiLU
     gate also write the e4m3 activations of the projection they feed (no quantize launch), and the
-    MLP's residual add happens in the down projection's epilogue."""
+    MLP's residual add happens in the down projection's epilogue — or, under ``fp8_channel``'s ``cublas``
+    backend, in the next layer's input RMSNorm, which also scales the unscaled product (:class:`_HandOff`)."""
+    hand_out = getattr(self, "_hand_off_out", None)
+    if hand_out is not None:
+        hand_out.pending = None  # written at every forward: nothing from an earlier one reaches the next layer
+    hand_in = getattr(self, "_hand_off_in", None)
+    previous = None if hand_in is None else hand_in.take(hidden_states)
     residual = hidden_states
     tokens = hidden_states.numel() // hidden_states.shape[-1]
     device = hidden_states.device
     norm = self.input_layernorm
     qkv = _fp8_consumer(getattr(self.self_attn, "qkv_proj", None), tokens, device)
-    if qkv is not None and type(norm).__name__ in RMSNORM_CLASSES:
+    if previous is not None:  # the previous layer's MLP output, unscaled: scaled and added to the residual here
+        product, scales = previous
+        if qkv is not None:
+            attention_input, residual, quantized = add_rms_norm(product, hidden_states, norm.weight,
+                                                                norm.variance_epsilon, quantize=qkv.activation_scaling,
+                                                                x_scales=scales)
+            qkv.offer(attention_input, quantized)
+        else:
+            attention_input, residual = add_rms_norm(product, hidden_states, norm.weight, norm.variance_epsilon,
+                                                     x_scales=scales)
+    elif qkv is not None and type(norm).__name__ in RMSNORM_CLASSES:
         attention_input, quantized = rms_norm(hidden_states, norm.weight, norm.variance_epsilon,
                                               quantize=qkv.activation_scaling)
         qkv.offer(attention_input, quantized)
@@ -604,6 +671,11 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     if fp8_down is not None and residual.is_contiguous():
         act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=fp8_down.activation_scaling)
         fp8_down.offer(act, quantized)
+        if hand_out is not None and DOWN_SCALES_TO_NEXT_LAYER and getattr(fp8_down, "defers_scales", None) \
+                and fp8_down.defers_scales(tokens, device):
+            product, scales = fp8_down.forward_unscaled(act)
+            hand_out.pending = (residual, product, scales)  # the next layer's input RMSNorm adds them
+            return residual
         return fp8_down(act, accumulate_into=residual)  # the residual add in the GEMM's epilogue (or after it)
     if MLP_RESIDUAL_IN_GEMM and getattr(mlp.forward, "__func__", None) is _packed_mlp_forward \
             and type(down) is torch.nn.Linear \
@@ -655,6 +727,7 @@ def install(model: torch.nn.Module) -> dict:
             else:
                 continue
             counts["mlp"] += 1
+    counts["layer_hand_offs"] = link_layers(model)
     family = type(model).__module__.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # transformers.models.<family>.modeling_x
     if family in ROPE_MODULES:
         modeling = importlib.import_module(type(model).__module__)

@@ -1652,6 +1652,7 @@ def swap_in_fused_layer_forwards(model) -> None:
             module.forward = types.MethodType(fused_ops._rmsnorm_forward, module)
         elif name in fused_ops.MLP_CLASSES:
             module.forward = types.MethodType(fused_ops._packed_mlp_forward, module)
+    fused_ops.link_layers(model)
 
 
 @needs_interpreter

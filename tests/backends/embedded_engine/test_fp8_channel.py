@@ -740,8 +740,11 @@ def test_readers_of_an_unscaled_product_scale_it_as_apply_scales_does(dtype):
 def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model_dir, monkeypatch):
     """A w8a8_fp8 engine's decode steps on the ``cublas`` backend with the CUDA path's fused kernels (interpreted):
     in every layer of every step the q/k/v and output projections leave their products unscaled, read by the
-    norm + rotary kernel (which also writes the cache) and by the residual add + RMSNorm — and the logits are
-    the fallback path's (every GEMM scaling its own product) to fp32 rounding, over a prompt and three steps."""
+    norm + rotary kernel (which also writes the cache) and by the residual add + RMSNorm, and every layer but the
+    last hands its down projection's unscaled product to the next layer's input RMSNorm — and the logits are the
+    fallback path's (every GEMM scaling its own product) to fp32 rounding, over a prompt and three steps; also with
+    the prompt's forward too long to defer (its layers scale their own products, the steps after it hand theirs
+    on), and with the down hand-off switched off (``fused_ops.DOWN_SCALES_TO_NEXT_LAYER``)."""
     import types
 
     from slime.backends.embedded_engine import fused_ops
@@ -752,12 +755,14 @@ def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model
     forward_unscaled = fp8_channel.ChannelFp8Linear.forward_unscaled
 
     def spy(self, x):
-        unscaled.append(self.out_features)
+        unscaled.append(self.out_features if self.in_features != intermediate else "down")
         return forward_unscaled(self, x)
 
-    def run(deferred: bool) -> list[torch.Tensor]:
+    def run(max_rows: int, down_hand_off: bool = True) -> list[torch.Tensor]:
+        unscaled.clear()
         monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward_unscaled", spy)
-        monkeypatch.setattr(fp8_channel, "DEFERRED_MAX_ROWS", 512 if deferred else 0)
+        monkeypatch.setattr(fp8_channel, "DEFERRED_MAX_ROWS", max_rows)
+        monkeypatch.setattr(fused_ops, "DOWN_SCALES_TO_NEXT_LAYER", down_hand_off)
         monkeypatch.setattr(DecodeCacheView, "fused_write_target", lambda view, layer_idx: (
             view.cache.keys[layer_idx], view.cache.values[layer_idx], view.rows, view.positions,
             view.cache.k_scales[layer_idx], view.cache.v_scales[layer_idx]))
@@ -776,14 +781,22 @@ def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model
             out.append(step)
             tokens, positions = [int(t) for t in step.argmax(-1)], [p + 1 for p in positions]
         monkeypatch.undo()
-        return out, runner
+        return out
 
-    fallback, _ = run(False)
-    assert unscaled == []
-    deferred, runner = run(True)
-    config = runner.model.config
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    intermediate = config.intermediate_size
     qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    # the prefill (17 tokens: up to 512) and three decode steps, each layer's q/k/v then o
-    assert unscaled == [qkv_width, config.hidden_size] * config.num_hidden_layers * 4
-    for want, got in zip(fallback, deferred):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    layer_calls = [qkv_width, config.hidden_size, "down"]  # q/k/v, o, and the down projection handed on
+    forward_calls = layer_calls * (config.num_hidden_layers - 1) + layer_calls[:2]  # the last layer adds its own
+    fallback = run(0)
+    assert unscaled == []
+    for max_rows, down_hand_off, calls in [
+            (512, True, forward_calls * 4),  # the prompt's forward (17 tokens) and three steps
+            (8, True, forward_calls * 3),  # the prompt's forward scales its own products
+            (512, False, [qkv_width, config.hidden_size] * config.num_hidden_layers * 4)]:
+        deferred = run(max_rows, down_hand_off)
+        assert unscaled == calls, (max_rows, down_hand_off)
+        for want, got in zip(fallback, deferred):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

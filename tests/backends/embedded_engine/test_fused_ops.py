@@ -96,7 +96,7 @@ def test_install_patches_a_qwen3_model_and_keeps_its_outputs(tiny_model_dir):
     layers = model.config.num_hidden_layers
     # unfused projections: no q/k/v output to norm and rotate in one kernel (fused_projections.py binds it)
     assert counts == {"rmsnorm": 4 * layers + 1, "mlp": layers, "rope": 1, "add_rmsnorm": layers, "qk_norm_rope": 0,
-                      "small_m_linear": 7 * layers}
+                      "small_m_linear": 7 * layers, "layer_hand_offs": layers - 1}
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
 
 
