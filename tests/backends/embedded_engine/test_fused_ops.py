@@ -100,6 +100,51 @@ def test_install_patches_a_qwen3_model_and_keeps_its_outputs(tiny_model_dir):
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
 
 
+def test_layer_hand_offs_pair_the_layers_the_forward_runs_and_refuse_another_input():
+    """``link_layers`` pairs each two consecutive decoder layers on the fused forward among the first
+    ``num_hidden_layers`` (the ones HF's loop runs, in order): none across a layer left on HF's forward, none to a
+    layer past that count. A layer handed the previous layer's unscaled down product for another tensor than its
+    input refuses it before running anything (the product would be added to the wrong residual), and the hand-off
+    is empty after."""
+    import types
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from slime.backends.embedded_engine import fused_ops
+
+    def model_with(fused: list[int], run: int):
+        config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        model = Qwen3ForCausalLM(config)
+        model.config.num_hidden_layers = run
+        for i in fused:
+            layer = model.model.layers[i]
+            layer.forward = types.MethodType(fused_ops._decoder_layer_forward, layer)
+        return model, model.model.layers
+
+    model, layers = model_with([0, 1, 2, 3], run=4)
+    assert fused_ops.link_layers(model) == 3
+    assert all(layers[i]._hand_off_out is layers[i + 1]._hand_off_in for i in range(3))
+    assert not hasattr(layers[0], "_hand_off_in") and not hasattr(layers[3], "_hand_off_out")
+    assert not any("hand_off" in name for name, _ in model.named_modules())  # not registered as submodules
+    model, layers = model_with([0, 1, 3], run=4)  # layer 2 on HF's forward
+    assert fused_ops.link_layers(model) == 1 and hasattr(layers[0], "_hand_off_out")
+    assert not hasattr(layers[1], "_hand_off_out") and not hasattr(layers[3], "_hand_off_in")
+    model, layers = model_with([0, 1, 2, 3], run=3)  # a fourth layer the forward does not run
+    assert fused_ops.link_layers(model) == 2 and not hasattr(layers[3], "_hand_off_in")
+
+    hand_off = layers[1]._hand_off_in
+    returned, other = torch.zeros(1, 3, 32), torch.zeros(1, 3, 32)
+    product, scales = torch.ones(1, 3, 32), (torch.ones(3, 1), torch.ones(32, 1))
+    hand_off.pending = (returned, product, scales)
+    with pytest.raises(RuntimeError, match="input is not the residual the previous layer returned"):
+        layers[1](other)
+    assert hand_off.pending is None
+    hand_off.pending = (returned, product, scales)
+    taken = hand_off.take(returned)
+    assert taken[0] is product and taken[1] is scales and hand_off.pending is None and hand_off.take(other) is None
+
+
 def _add_rms_norm_reference(x, residual, weight, eps):
     """HF: ``h = residual + x`` in the activations' dtype, then the family's RMSNorm module."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
