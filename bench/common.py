@@ -11,12 +11,35 @@ import sys
 import time
 
 
+# The vendors' HBM bandwidth by GPU name, the roofline's denominator (the first entry whose key the name
+# contains): the H200's HBM3e 4.8 TB/s; the H100 SXM's HBM3 3.35 TB/s (H100 NVL 3.9, PCIe 2.0). A GH200 comes in
+# two memories its name does not tell apart: assumed, like any GPU not listed.
+HBM_BYTES_PER_S = (("GH200", None), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
+ASSUMED_HBM_BYTES_PER_S = 4.8e12  # elsewhere (the CPU, an unknown GPU): the H200's, named as assumed
+
+
+def hbm_peak(device_name: str | None = None) -> tuple[float, str]:
+    """``(bytes per second, what that is the spec of)`` for this process's GPU 0 (or ``device_name``): the
+    roofline every benchmark's ``*hbm_fraction`` / ``roofline_fraction`` divides by, recorded in its config."""
+    import torch
+
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(0)
+    peak = next((peak for key, peak in HBM_BYTES_PER_S if device_name and key in device_name), None)
+    if peak is None:
+        return ASSUMED_HBM_BYTES_PER_S, f"H200 (assumed; this is {device_name or 'no GPU'})"
+    return peak, device_name
+
+
 def machine_name() -> str:
+    """``nvidia-h200``, ``nvidia-h100`` (``-xN`` with N GPUs), another GPU's own name, or ``cpu-Ncore``."""
     import torch
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        return "nvidia-h200" + (f"-x{count}" if count > 1 else "") if "H200" in torch.cuda.get_device_name(0) else torch.cuda.get_device_name(0)
+        name = torch.cuda.get_device_name(0)
+        kind = next((kind for kind in ("H200", "H100") if kind in name and "GH200" not in name), None)
+        return f"nvidia-{kind.lower()}" + (f"-x{count}" if count > 1 else "") if kind else name
     return f"cpu-{os.cpu_count()}core"
 
 

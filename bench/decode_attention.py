@@ -19,7 +19,7 @@ values with scale 1). Timing: ``bench.common.time_us`` (as ``bench/fp8_gemm.py``
 
 Metrics per ``<model>/B<batch>/P<position>/<kv dtype>``: ``us`` (the planned launch), ``kv_bytes`` (the
 keys and values the rows must read: rows x (position + 1) x kv_heads x head_dim x 2 x bytes),
-``tb_s`` and ``hbm_fraction`` (kv_bytes over the time, over 4.8 TB/s), ``launch`` (the planned one,
+``tb_s`` and ``hbm_fraction`` (kv_bytes over the time, over the GPU's HBM spec: ``bench.common.hbm_peak``), ``launch`` (the planned one,
 ``"b<block_n> split<splits> w<warps> s<stages>"``), ``step_ms`` (``us`` times the model's layers: the
 attention share of a decode step). With ``--sweep``: ``sweep_us`` (every launch's time, same keys),
 ``sweep_best_us`` / ``sweep_best_launch`` / ``planned_over_best``, and ``sweep_max_abs_diff`` (the
@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import time_us, write_result  # noqa: E402
-from bench.engine_decode import ARCHITECTURES, H200_HBM_BYTES_PER_S  # noqa: E402
+from bench.common import hbm_peak, time_us, write_result  # noqa: E402
+from bench.engine_decode import ARCHITECTURES  # noqa: E402
 
 TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -105,7 +105,7 @@ def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.
     us = time_us(calls(planned), device, repeats)
     kv_bytes = 2 * batch * need * kv_heads * dim * element
     result = {"us": us, "kv_bytes": kv_bytes, "tb_s": kv_bytes / us / 1e6,
-              "hbm_fraction": kv_bytes / (us * 1e-6) / H200_HBM_BYTES_PER_S, "launch": launch_name(planned),
+              "hbm_fraction": kv_bytes / (us * 1e-6) / hbm_peak()[0], "launch": launch_name(planned),
               "kv_length": kv_length, "copies": copies, "step_ms": us * arch["num_hidden_layers"] / 1e3}
     if sweep:
         reference = run(planned).float()
@@ -150,7 +150,8 @@ def main() -> None:
 
     triton_attention.FP8_DOTS_IN_FP16 = args.fp8_dots == "fp16"
     config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,
-              "fp8_dots": args.fp8_dots, "sweep": args.sweep, "repeats": args.repeats, "device": str(device)}
+              "fp8_dots": args.fp8_dots, "sweep": args.sweep, "repeats": args.repeats, "device": str(device),
+              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
     metrics = {}
     for model in models:
         arch = TINY if model == "tiny" else ARCHITECTURES[model]

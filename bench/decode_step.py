@@ -21,7 +21,8 @@ Metrics:
 
 * ``step_ms``: mean time of ``--steps`` back-to-back steps (CUDA events around them).
 * ``step_bytes = weight_bytes + kv_bytes_per_token × batch × (position + 1)`` and
-  ``hbm_fraction = step_bytes / step_seconds / 4.8e12`` (H200 HBM3e spec), as
+  ``hbm_fraction = step_bytes / step_seconds / HBM peak`` (the GPU's spec, ``bench.common.hbm_peak``: H200
+  4.8e12, H100 3.35e12; recorded in the config as ``hbm_peak_bytes_per_s`` / ``hbm_peak_of``), as
   ``bench/engine_decode.py``'s ``roofline_fraction`` counts them (activations not counted);
   ``kv_bytes_per_token`` in the cache's own dtype (``--kv-cache-dtype fp8_e4m3``: half of bf16's), so
   the fraction of an FP8 cache counts the bytes it really reads.
@@ -59,8 +60,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_result  # noqa: E402
-from bench.engine_decode import ARCHITECTURES, H200_HBM_BYTES_PER_S, build_checkpoint  # noqa: E402
+from bench.common import hbm_peak, write_result  # noqa: E402
+from bench.engine_decode import ARCHITECTURES, build_checkpoint  # noqa: E402
 
 
 def timed_steps(step, device: torch.device, steps: int) -> float:
@@ -272,7 +273,7 @@ def main() -> None:
                "cuda_graph": runner.graphs.captures > 0, "verify_graph_captures": runner.graphs.verify_captures,
                "top_kernels": [{**row, "us": round(row["us"], 1)} for row in table[:args.top]]}
     if device.type == "cuda":
-        metrics["hbm_fraction"] = step_bytes / seconds / H200_HBM_BYTES_PER_S
+        metrics["hbm_fraction"] = step_bytes / seconds / hbm_peak()[0]
     config = {"model": args.model_path or args.model, "device": args.device, "dtype": str(runner.dtype),
               "kv_cache_dtype": str(runner.kv_cache.dtype), "quantization": args.quantization,
               "fp8_gemm_backend": args.fp8_gemm_backend if args.quantization else None, "batch": args.batch, "position": args.position, "steps": args.steps,
@@ -282,7 +283,7 @@ def main() -> None:
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
                         "fused_ops": getattr(runner, "fused_ops", {})},
-              "hbm_peak_bytes_per_s": H200_HBM_BYTES_PER_S}
+              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
     write_result("decode_step", config, metrics, args.out)
 
 

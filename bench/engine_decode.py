@@ -51,7 +51,8 @@ Metrics:
       bytes_per_step  = weight_bytes + kv_bytes_per_token × mean_batch × mean_length
       total_bytes     = decode_steps × weight_bytes + decode_kv_tokens × kv_bytes_per_token
                       (= Σ over steps of bytes_per_step: the batch's KV at its own lengths)
-      roofline_fraction = total_bytes / decode_seconds / 4.8e12      (H200 HBM3e spec)
+      roofline_fraction = total_bytes / decode_seconds / HBM peak     (the GPU's spec: H200 4.8e12, H100 3.35e12;
+                                                                     bench.common.hbm_peak)
 
   ``weight_bytes`` is the server's parameter bytes (tied embedding counted once, read once by the
   LM head), ``kv_bytes_per_token`` one token's bytes in the server's cache, as its
@@ -95,10 +96,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_result  # noqa: E402
+from bench.common import hbm_peak, write_result  # noqa: E402
 from slime.utils import http_utils  # noqa: E402
 
-H200_HBM_BYTES_PER_S = 4.8e12
 
 # Public Qwen3 architectures (shapes only; weights are random).
 ARCHITECTURES = {
@@ -497,10 +497,11 @@ def main() -> None:
                     "decode_output_tokens_per_s": decode["decode_rows"] / decode["decode_seconds"],
                     "end_to_end_over_decode_rate": engine_tps / (decode["decode_rows"] / decode["decode_seconds"])})
     if args.device == "cuda":
+        peak = hbm_peak()[0]
         traffic = (steps * weight_bytes + decode["decode_kv_tokens"] * kv_bytes_per_token) / decode["decode_seconds"]
         copy_bw = measured_copy_bytes_per_s()
-        metrics.update({"decode_hbm_bytes_per_s": traffic, "roofline_fraction": traffic / H200_HBM_BYTES_PER_S,
-                        "roofline_fraction_over_burst_wall": traffic * decode["decode_seconds"] / burst_seconds / H200_HBM_BYTES_PER_S,
+        metrics.update({"decode_hbm_bytes_per_s": traffic, "roofline_fraction": traffic / peak,
+                        "roofline_fraction_over_burst_wall": traffic * decode["decode_seconds"] / burst_seconds / peak,
                         "measured_copy_bytes_per_s": copy_bw, "roofline_fraction_vs_measured_copy": traffic / copy_bw})
     config = {"model": args.model_path or (args.model + (" (slime.utils.tiny_model, seed 0)" if args.model in
                                                           ("tiny", "small") else " architecture, random bf16 weights, tiny tokenizer")),
@@ -517,7 +518,7 @@ def main() -> None:
               "python": platform.python_version(), "torch": torch.__version__}
     if args.device == "cuda":
         config["gpu"] = torch.cuda.get_device_name(0)
-        config["hbm_peak_bytes_per_s"] = H200_HBM_BYTES_PER_S
+        config["hbm_peak_bytes_per_s"], config["hbm_peak_of"] = hbm_peak()
     write_result("engine_decode", config, metrics, args.out)
 
 

@@ -38,8 +38,8 @@ GEMM where it loads by TMA, whose tiles come from ``fp8_triton.plan_tma_tiles``'
 ``two_kernel_pointer_us`` (the same GEMM with pointer loads and the cost model's tiles, the kernel
 before session 20); ``bf16_tb_s`` /
 ``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
-bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that / 4.8 TB/s, the H200's HBM3e
-spec). Per ``<model>/<shape>``: ``quantize_weight_torch_us`` / ``quantize_weight_triton_us`` (the FP8 weight
+bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that over the GPU's HBM spec,
+``bench.common.hbm_peak``: the H200's 4.8 TB/s, the H100's 3.35). Per ``<model>/<shape>``: ``quantize_weight_torch_us`` / ``quantize_weight_triton_us`` (the FP8 weight
 update's quantization of that matrix, from bf16: the torch version plus its copy into the storage, and
 the one-launch kernel into the storage) and ``quantize_weight_triton_tb_s`` (3 bytes a weight over its
 time); per ``<model>/layer``, both summed over a layer. Per ``<model>/layer/M<rows>``: the linears of a layer summed, ``bf16_us`` and per path
@@ -83,11 +83,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import time_us, write_result  # noqa: E402
+from bench.common import hbm_peak, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
 from slime.backends.embedded_engine import fp8  # noqa: E402
 
-H200_HBM_BYTES_PER_S = 4.8e12
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_hidden_layers=2)
 COLD_WEIGHT_BYTES = 256 * 2**20
@@ -218,7 +217,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
                                                   / reference.abs().max())}
     moved = w8.numel() + w_scales.numel() * 4 + rows * in_features * 2 + rows * out_features * 2
     for column in ("rowwise_gemm", "channel_triton", "unscaled_gemm"):
-        result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / H200_HBM_BYTES_PER_S
+        result[f"{column}_hbm_fraction"] = moved / (result[f"{column}_us"] * 1e-6) / hbm_peak()[0]
     if sweep:
         table = time_each(fp8_channel.candidate_tiles(rows, in_features), lambda tiles: timed(triton_gemm, tiles))
         best_us, best_tiles = min(table, key=lambda item: item[0])
@@ -291,8 +290,8 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
                        "auto_over_best": result[f"{auto}_us"] / result[f"{best}_us"],
                        "bf16_tb_s": bf16_bytes / result["bf16_us"] / 1e6,
                        "fp8_tb_s": fp8_bytes / result[f"{best}_us"] / 1e6})
-        result["bf16_hbm_fraction"] = result["bf16_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
-        result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / H200_HBM_BYTES_PER_S
+        result["bf16_hbm_fraction"] = result["bf16_tb_s"] * 1e12 / hbm_peak()[0]
+        result["fp8_hbm_fraction"] = result["fp8_tb_s"] * 1e12 / hbm_peak()[0]
         for swept in (path for path in args.sweep if path != "channel"):  # channel: in rowwise_probe
             candidates = (fp8_triton.weight_only_candidates(rows, in_features) if swept == "weight_only"
                           else fp8_triton.tma_candidates(rows, in_features) if swept == "two_kernel" and tma
@@ -385,7 +384,8 @@ def main(argv=None) -> dict:
                     metrics[f"{model}/layer/M{rows}/{column}_speedup"] = bf16_us / sum(times)
     config = {"models": args.models, "rows": rows_list, "device": args.device, "repeats": args.repeats,
               "sweep": ",".join(args.sweep), "layout": args.layout, "rowwise": args.rowwise, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
-              "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None}
+              "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None,
+              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
     return write_result("fp8_gemm", config, metrics, args.out)
 
 
