@@ -31,6 +31,12 @@ def hbm_peak(device_name: str | None = None) -> tuple[float, str]:
     return peak, device_name
 
 
+def hbm_peak_config() -> dict:
+    """The config fields that say which roofline a result divides by (:func:`hbm_peak`)."""
+    peak, of = hbm_peak()
+    return {"hbm_peak_bytes_per_s": peak, "hbm_peak_of": of}
+
+
 def machine_name() -> str:
     """``nvidia-h200``, ``nvidia-h100`` (``-xN`` with N GPUs), another GPU's own name, or ``cpu-Ncore``."""
     import torch

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hbm_peak, time_us, write_result  # noqa: E402
+from bench.common import hbm_peak, hbm_peak_config, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
 
 TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
@@ -151,7 +151,7 @@ def main() -> None:
     triton_attention.FP8_DOTS_IN_FP16 = args.fp8_dots == "fp16"
     config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,
               "fp8_dots": args.fp8_dots, "sweep": args.sweep, "repeats": args.repeats, "device": str(device),
-              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
+              **hbm_peak_config()}
     metrics = {}
     for model in models:
         arch = TINY if model == "tiny" else ARCHITECTURES[model]

@@ -60,7 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hbm_peak, write_result  # noqa: E402
+from bench.common import hbm_peak, hbm_peak_config, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES, build_checkpoint  # noqa: E402
 
 
@@ -283,7 +283,7 @@ def main() -> None:
               # getattr: the tool also runs on checkouts from before the fusions (the "before" figures)
               "fused": {"fused_projections": getattr(runner, "fused_projections", {}),
                         "fused_ops": getattr(runner, "fused_ops", {})},
-              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
+              **hbm_peak_config()}
     write_result("decode_step", config, metrics, args.out)
 
 

@@ -96,7 +96,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hbm_peak, write_result  # noqa: E402
+from bench.common import hbm_peak, hbm_peak_config, write_result  # noqa: E402
 from slime.utils import http_utils  # noqa: E402
 
 
@@ -370,9 +370,10 @@ def main() -> None:
     parser.add_argument("--fp8-gemm-backend", default="auto",
                         choices=["auto", "weight_only", "triton", "cublas", "cutlass", "dequant"],
                         help="the engine's FP8 GEMM: with --quantization fp8 auto is fused triton up to 16 tokens, "
-                             "two-kernel triton up to 256, cublas above; with w8a8_fp8 auto is triton (the "
-                             "per-channel Triton GEMM), cutlass torch._scaled_mm row-wise, cublas cuBLASLt's FP8 "
-                             "GEMM for q/k/v and o with their scales applied by the kernels that read them")
+                             "two-kernel triton up to 256, cublas above; with w8a8_fp8 auto is cublas (cuBLASLt's "
+                             "FP8 GEMM for q/k/v, o and down with their scales applied by the kernels that read "
+                             "them, else where it runs triton), triton the per-channel Triton GEMM, cutlass "
+                             "torch._scaled_mm row-wise")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seed", type=int, default=0)
@@ -518,7 +519,7 @@ def main() -> None:
               "python": platform.python_version(), "torch": torch.__version__}
     if args.device == "cuda":
         config["gpu"] = torch.cuda.get_device_name(0)
-        config["hbm_peak_bytes_per_s"], config["hbm_peak_of"] = hbm_peak()
+        config.update(hbm_peak_config())
     write_result("engine_decode", config, metrics, args.out)
 
 

@@ -83,7 +83,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import hbm_peak, time_us, write_result  # noqa: E402
+from bench.common import hbm_peak, hbm_peak_config, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
 from slime.backends.embedded_engine import fp8  # noqa: E402
 
@@ -385,7 +385,7 @@ def main(argv=None) -> dict:
     config = {"models": args.models, "rows": rows_list, "device": args.device, "repeats": args.repeats,
               "sweep": ",".join(args.sweep), "layout": args.layout, "rowwise": args.rowwise, "cold_weight_bytes": COLD_WEIGHT_BYTES if device.type == "cuda" else None,
               "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None,
-              "hbm_peak_bytes_per_s": hbm_peak()[0], "hbm_peak_of": hbm_peak()[1]}
+              **hbm_peak_config()}
     return write_result("fp8_gemm", config, metrics, args.out)
 
 

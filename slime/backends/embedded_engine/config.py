@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "With --quantization w8a8_fp8: cutlass (torch._scaled_mm's row-wise FP8 GEMM, sm_90, after "
                         "a check at start), triton (a Triton GEMM with the per-token and per-channel scales applied "
                         "after its K loop and the residual add in its epilogue; sm_89+), cublas (cuBLASLt's "
-                        "scalar-scale FP8 GEMM for the attention's q/k/v and output projections at decode sizes, "
-                        "their scales applied by the fused kernels that read the product; every other GEMM on "
-                        "triton; sm_89+), dequant, or auto (cublas where it runs, else triton, else cutlass, else dequant)")
+                        "scalar-scale FP8 GEMM for the attention's q/k/v and output projections and the MLP's down "
+                        "projection at decode sizes, their scales applied by the fused kernels that read the "
+                        "product; every other GEMM on triton; sm_89+ and Triton), dequant, or auto (cublas where it runs, else triton, else cutlass, else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "

@@ -407,9 +407,9 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
             if reasons:
                 logger.info("--quantization w8a8_fp8: the %s GEMM, since %s", path, "; ".join(reasons))
             elif path == "cublas":
-                logger.info("--quantization w8a8_fp8: cuBLASLt's FP8 GEMM for the attention's projections at decode "
-                            "sizes (their scales applied by the kernels that read them), the per-channel Triton FP8 "
-                            "GEMM for the others")
+                logger.info("--quantization w8a8_fp8: cuBLASLt's FP8 GEMM for the attention's projections and the "
+                            "MLP's down projection at decode sizes (their scales applied by the kernels that read "
+                            "them), the per-channel Triton FP8 GEMM for the others")
             elif path == "cutlass":
                 logger.info("--quantization w8a8_fp8: torch._scaled_mm's row-wise FP8 GEMM (cutlass) for bf16 "
                             "inputs whose weight has rows and columns in multiples of 16; over the dequantized weight "

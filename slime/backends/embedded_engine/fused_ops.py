@@ -618,6 +618,17 @@ def _runs_fused_forward(layer: torch.nn.Module) -> bool:
     return getattr(layer.forward, "__func__", None) is _decoder_layer_forward
 
 
+def _add_rms_norm_feeding(consumer, x: torch.Tensor, residual: torch.Tensor, norm, x_scales=None):
+    """:func:`add_rms_norm` with ``norm``'s weight -> ``(normed, sum)``; where ``consumer`` (an FP8 linear from
+    :func:`_fp8_consumer`) reads ``normed``, the kernel also writes its e4m3 activations and offers them to it."""
+    if consumer is None:
+        return add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, x_scales=x_scales)
+    normed, total, quantized = add_rms_norm(x, residual, norm.weight, norm.variance_epsilon,
+                                            quantize=consumer.activation_scaling, x_scales=x_scales)
+    consumer.offer(normed, quantized)
+    return normed, total
+
+
 def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """HF's decoder layer of these families (pre-norm attention, then pre-norm MLP, each added to the
     residual) with the first residual add and the post-attention RMSNorm as one kernel. Under FP8
@@ -637,14 +648,7 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     qkv = _fp8_consumer(getattr(self.self_attn, "qkv_proj", None), tokens, device)
     if previous is not None:  # the previous layer's MLP output, unscaled: scaled and added to the residual here
         product, scales = previous
-        if qkv is not None:
-            attention_input, residual, quantized = add_rms_norm(product, hidden_states, norm.weight,
-                                                                norm.variance_epsilon, quantize=qkv.activation_scaling,
-                                                                x_scales=scales)
-            qkv.offer(attention_input, quantized)
-        else:
-            attention_input, residual = add_rms_norm(product, hidden_states, norm.weight, norm.variance_epsilon,
-                                                     x_scales=scales)
+        attention_input, residual = _add_rms_norm_feeding(qkv, product, hidden_states, norm, x_scales=scales)
     elif qkv is not None and type(norm).__name__ in RMSNORM_CLASSES:
         attention_input, quantized = rms_norm(hidden_states, norm.weight, norm.variance_epsilon,
                                               quantize=qkv.activation_scaling)
@@ -661,12 +665,7 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch
     down = getattr(mlp, "down_proj", None)
     packed = getattr(mlp.forward, "__func__", None) is _packed_mlp_forward
     gate_up = _fp8_consumer(getattr(mlp, "gate_up_proj", None), tokens, device) if packed else None
-    if gate_up is not None:
-        normed, residual, quantized = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon,
-                                                   quantize=gate_up.activation_scaling, x_scales=o_scales)
-        gate_up.offer(normed, quantized)
-    else:
-        normed, residual = add_rms_norm(attended, residual, norm.weight, norm.variance_epsilon, x_scales=o_scales)
+    normed, residual = _add_rms_norm_feeding(gate_up, attended, residual, norm, x_scales=o_scales)
     fp8_down = _fp8_consumer(down, tokens, device) if packed else None
     if fp8_down is not None and residual.is_contiguous():
         act, quantized = silu_mul_packed(mlp.gate_up_proj(normed), quantize=fp8_down.activation_scaling)
