@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "after its K loop and the residual add in its epilogue; sm_89+), cublas (cuBLASLt's "
                         "scalar-scale FP8 GEMM for the attention's q/k/v and output projections and the MLP's down "
                         "projection at decode sizes, their scales applied by the fused kernels that read the "
-                        "product; every other GEMM on triton; sm_89+, Triton, and a bf16 or fp32 --dtype: the product overflows fp16), dequant, or auto (cublas where it runs, else triton, else cutlass, else dequant)")
+                        "product; every other GEMM on triton; sm_89+, Triton, and a bf16 or fp32 --dtype: the "
+                        "product overflows fp16), dequant, or auto (cublas where it runs, else triton, else cutlass, "
+                        "else dequant)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores (SGLang's flag): auto (= --dtype), bf16/bfloat16, fp8_e4m3 "
                         "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2). FP8 halves the cache's bytes (twice the "

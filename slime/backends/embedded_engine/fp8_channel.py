@@ -28,8 +28,8 @@ Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names wher
   ``fused_ops.DOWN_SCALES_TO_NEXT_LAYER``), up to :data:`DEFERRED_MAX_ROWS` tokens
   (:meth:`ChannelFp8Linear.defers_scales`). Every other call (gate/up, at ~0.6x of bf16 on Triton already and read
   by the SiLU gate; the last layer's down; prefill; a reader that cannot take the scales) runs on
-  :func:`fallback_backend`'s path (``triton``, else ``cutlass``). Needs Triton, FP8 tensor cores (sm_89+) and K, N
-  multiples of 16.
+  :func:`fallback_backend`'s path (``triton``, else ``cutlass``). Needs Triton, FP8 tensor cores (sm_89+), K, N
+  multiples of 16 and a bf16 or fp32 model (the unscaled product, in the model's dtype, overflows fp16).
 * ``auto``: ``cublas`` where it runs, else ``triton``, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
 * ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
   like ``fp8.py``'s ``dequant``).
