@@ -217,6 +217,9 @@ def main() -> None:
         from slime.backends.embedded_engine import triton_attention
 
         triton_attention.block_n = lambda dim: args.attention_block_n
+    # the runner captured its decode graphs at start (and again in grow_cache), before any switch above: recapture
+    # them with the switches in place (lazily, at the warm-up steps below), else an A/B times the same graphs twice
+    runner.graphs.clear()
     if runner.kv_cache.shape.num_slots < args.batch:
         raise SystemExit(f"--batch {args.batch} x --position {args.position}: the device holds only "
                          f"{runner.kv_cache.shape.num_slots} slots of {runner.kv_cache.shape.slot_capacity} tokens")
