@@ -812,3 +812,31 @@ def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model
         assert unscaled == calls, (max_rows, down_hand_off)
         for want, got in zip(fallback, deferred):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_bench_switch_reaches_the_captured_graphs(tiny_model_dir, tmp_path):
+    """``bench/decode_step.py --without down_hand_off`` times graphs captured with the switch off: the runner
+    captures its decode graphs at start, before the bench applies its switches (session 29's A/B timed the same
+    graphs twice). With the hand-off every layer's down projection but the last runs on cuBLASLt, without it all
+    of them run on the Triton GEMM beside gate/up: the profiled step has ``layers - 1`` more Triton GEMMs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _needs_sm90()
+    root = Path(__file__).resolve().parents[3]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    counts = {}
+    for name, extra in (("with", []), ("without", ["--without", "down_hand_off"])):
+        out = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, str(root / "bench" / "decode_step.py"), "--model-path", tiny_model_dir,
+                        "--device", "cuda", "--quantization", "w8a8_fp8", "--fp8-gemm-backend", "cublas",
+                        "--batch", "8", "--position", "15", "--steps", "3", "--profile-steps", "2", *extra,
+                        "--out", str(out)], check=True, cwd=root, env={**os.environ, "PYTHONPATH": path})
+        metrics = json.loads(out.read_text())["metrics"]
+        assert metrics["cuda_graph"]
+        counts[name] = sum(row["count"] for row in metrics["top_kernels"] if row["name"].startswith("_fp8_gemm_kernel"))
+    layers = json.loads((Path(tiny_model_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert counts == {"with": layers + 1, "without": 2 * layers}, counts
