@@ -68,8 +68,8 @@ FP8_QUANT_IN_PRODUCER = True
 # x_scales; :class:`_HandOff`), instead of the Triton GEMM with the residual add in its epilogue. H100, Qwen3-4B at
 # 128 tokens (session 28, bench/results/fp8_gemm-nvidia-h100-20261205-*): the unscaled down GEMM 14.7 us against
 # the Triton one's 19.6. As a decode step (session 30, H100, bench/decode_step.py 4B 128 rows at position 143, twice
-# each, bench/results/decode_step-nvidia-h100-20261205-*-s30.json): 4.33 / 4.33 ms with it against 4.54 / 4.54
-# without, 4.02 against 4.22 over an FP8 KV cache (bf16 5.48). Kept; A/B switch (``--without down_hand_off``).
+# each, and a third time on another H100, bench/results/decode_step-nvidia-h100-20261205-*-s30.json): 4.33 / 4.33 /
+# 4.34 ms with it against 4.54 / 4.54 / 4.55 without, 4.02 against 4.22 over an FP8 KV cache (bf16 5.48). Kept; A/B switch (``--without down_hand_off``).
 DOWN_SCALES_TO_NEXT_LAYER = True
 
 
