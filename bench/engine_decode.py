@@ -74,7 +74,7 @@ first start on a machine), the cache allocation and the decode CUDA graphs captu
 (``start_cuda_graph_captures`` of them in ``start_capture_seconds``: every batch bucket where attention is
 the flash-decoding kernel, none where graphs are captured lazily).
 
-``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
+``--out`` writes ``bench/results/engine_decode-<machine>-<model>[-<variant>].json`` (bench/common.py ``result_name``).
 """
 
 from __future__ import annotations
