@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the results file (bench/README.md: one file per benchmark, machine, model and
+"""Shared by the benchmarks: the results file (docs/performance.md: one file per benchmark, machine, model and
 variant, named by :func:`result_name`; a newer run of the same thing replaces the older file)."""
 
 from __future__ import annotations
