@@ -38,7 +38,7 @@ process, the same device, the same launch flags as the loop's engine) given each
 slime's default rollout sends them (one batched ``/generate`` per prompt group, the same sampling
 parameters), straight from an HTTP client — no router, rollout code, rewards or trainer.
 ``rollout_time`` is a step's wall time from the first request to the last answer, and
-``slime/rollout_over_engine_alone`` = slime's rollout time / that (issue 18 asks for <= 1.2), with the
+``slime/rollout_over_engine_alone`` = slime's rollout time / that (1.0 would be no overhead over the engine), with the
 engine's own account of those steps (``engine_busy_fraction``, ``engine_decode_time``, ... as for slime).
 ``--side both`` runs all three; ``--side engine`` only the reference. ``--out`` writes
 ``bench/results/e2e_grpo-<machine>-<model>-<variant>[-<tag>].json`` (bench/common.py ``result_name``).
