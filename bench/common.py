@@ -96,7 +96,12 @@ def result_name(benchmark: str, machine: str, config: dict) -> str:
     benchmark's default (weight format, FP8 KV cache, shape, fusions turned off, ...); dates and commits stay
     inside the file, so a newer run of the same variant replaces the older file."""
     c = config
-    model = _model_name(c.get("model", c.get("models")))
+    model = c.get("model", c.get("models"))
+    if model is None and c.get("runs"):  # weight_sync: "qwen3-0.6b/tensor", ...
+        model = [run.split("/")[0] for run in c["runs"]]
+    if model is None and c.get("hidden") and c.get("vocab"):  # logprob_head: the head's shape
+        model = f"head{c['hidden']}x{c['vocab']}"
+    model = _model_name(model)
     tokens: list[str] = []
     if benchmark == "decode_step":
         tokens += _weights(c) + _fp8_kv(c) + [f"b{c.get('batch')}-p{c.get('position')}"]
@@ -140,6 +145,9 @@ def result_name(benchmark: str, machine: str, config: dict) -> str:
         tokens.append("long" if (c.get("sample_len") or [0])[0] > 10000 else "packed")
         flags = c.get("megatron_flags", "")
         tokens += ["cp" + flags.split()[-1]] if "--context-parallel-size" in flags else []
+    elif benchmark == "delta_sync" and isinstance(c.get("models"), dict):
+        rates = sorted({entry.get("lr") for entry in c["models"].values() if entry.get("lr") not in (None, 1e-6)})
+        tokens += [f"lr{rate:g}" for rate in rates]
     elif benchmark == "weight_sync":
         tokens += ["pipelined"] if isinstance(c.get("bucket_mb"), list) else []
     name = "-".join([benchmark, machine, model] + [token for token in tokens if token])

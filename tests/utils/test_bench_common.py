@@ -75,3 +75,21 @@ def test_results_files_are_named_by_what_they_measure_not_when():
             or result["machine"].startswith("NVIDIA"), path.name
         assert not re.search(r"-20\d{6}|-s\d{2}[a-z]?\b|-run\d|-[0-9a-f]{7,}\b", path.stem), path.name
         assert result.get("date") and result.get("git_commit") and result.get("command"), path.name
+
+
+@pytest.mark.parametrize("benchmark,config,name", [
+    ("weight_sync", {"runs": ["qwen3-0.6b/tensor", "qwen3-1.7b/distributed"], "bucket_mb": [4096, 1024]},
+     "weight_sync-m-qwen3-pipelined"),
+    ("logprob_head", {"rows": 16384, "hidden": 1024, "vocab": 151936}, "logprob_head-m-head1024x151936"),
+    ("delta_sync", {"models": {"qwen3-0.5b": {"lr": 5e-7}}}, "delta_sync-m-qwen3-0.5b-lr5e-07"),
+    ("e2e_grpo", {"model": "qwen3-0.6b", "prompts": 16, "n_samples_per_prompt": 8, "max_new_tokens": 256,
+                  "side": "slime", "slime_extra": ["--sglang-quantization", "fp8", "--use-tis"]},
+     "e2e_grpo-m-qwen3-0.6b-128x256-slime-only-fp8-tis"),
+    ("spec_decode", {"model": "/ckpt/qwen3-0.6b", "num_requests": 64, "engines": ["off", "ngram", "ngram-adaptive"]},
+     "spec_decode-m-qwen3-0.6b-b64-ngram-adaptive"),
+    ("engine_decode", {"model": "qwen3-0.6b architecture, random bf16 weights", "num_requests": 128, "prompt_len": 256,
+                       "output_len": 512, "quantization": None, "kv_cache_dtype": "bfloat16"},
+     "engine_decode-m-qwen3-0.6b-bf16-256in-512out"),
+])
+def test_each_bench_names_its_model_and_variant(benchmark, config, name):
+    assert common.result_name(benchmark, "m", config) == name
