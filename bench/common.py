@@ -139,7 +139,6 @@ def result_name(benchmark: str, machine: str, config: dict) -> str:
     elif benchmark == "train_step":
         tokens.append({"slime_varlen": "varlen"}.get(c.get("attn_implementation"), c.get("attn_implementation")))
         tokens += ["compile"] if c.get("fsdp_compile") else []
-        tokens += ["fusedhead"] if c.get("log_probs_chunk_rows") else []
         tokens += ["profiled"] if c.get("profile") else []
     elif benchmark == "megatron_train_step":
         tokens.append("long" if (c.get("sample_len") or [0])[0] > 10000 else "packed")
