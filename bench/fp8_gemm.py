@@ -13,7 +13,7 @@ the data ``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
 
 Shapes (per decoder layer, ``bench/engine_decode.py``'s ``ARCHITECTURES``), ``--layout fused`` (the
 default, what the engine runs): ``qkv`` [(heads + 2·kv_heads)·head_dim, H], ``o`` [H, heads·head_dim],
-``gate_up`` [2·I, H], ``down`` [H, I]; ``--layout separate`` (the 2026-12-01 results): ``q``, ``kv``
+``gate_up`` [2·I, H], ``down`` [H, I]; ``--layout separate``: ``q``, ``kv``
 (two per layer), ``o``, ``gate_up`` [I, H] (two per layer), ``down``. ``--models tiny`` is a CPU-sized
 stand-in (H 256, I 512).
 
@@ -326,7 +326,7 @@ def main(argv=None) -> dict:
                              "bare --sweep = fused; slow: compiles each)")
     parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
-                             "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
+                             "separate: each Hugging Face linear alone")
     parser.add_argument("--rowwise", action="store_true",
                         help="also time the per-channel x per-token FP8 GEMMs of --quantization w8a8_fp8 "
                              "(torch._scaled_mm row-wise, and the per-channel Triton GEMM; CUDA sm_90)")
