@@ -396,10 +396,21 @@ def _mark_reward_failure(args, samples: list[Sample], error: BaseException, eval
         sample.reward = _failed_reward(args, evaluation)
 
 
+async def _within_reward_timeout(args, coro):
+    """``--reward-timeout``: a reward still running after it fails its sample(s) with the reason."""
+    timeout = getattr(args, "reward_timeout", None)
+    if not timeout:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the reward did not return within --reward-timeout {timeout:g} s") from None
+
+
 async def _reward_one(args, sample: Sample, evaluation: bool) -> None:
     async with trace_span(sample, "reward_model") as span:
         try:
-            sample.reward = await async_rm(args, sample)
+            sample.reward = await _within_reward_timeout(args, async_rm(args, sample))
         except Exception as e:  # a reward function that raises marks the sample FAILED; the run goes on
             _mark_reward_failure(args, [sample], e, evaluation)
             span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
@@ -411,7 +422,7 @@ async def _reward_batch(args, samples: list[Sample], evaluation: bool) -> None:
         return
     async with trace_span(samples, "group_reward_model", attrs={"num_samples": len(samples)}) as span:
         try:
-            rewards = await batched_async_rm(args, samples)
+            rewards = await _within_reward_timeout(args, batched_async_rm(args, samples))
         except Exception as e:  # same policy for batch reward functions
             _mark_reward_failure(args, samples, e, evaluation)
             span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
