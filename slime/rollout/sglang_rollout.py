@@ -618,7 +618,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
         while len(kept) < target:
             if len(kept) + len(pending) < target:
                 if drawn >= max_drawn:  # a filter that drops (nearly) everything would loop forever
-                    raise RuntimeError(
+                    from slime.rollout.step_checks import RunCannotLearn
+
+                    raise RunCannotLearn(
                         f"dynamic sampling kept {len(kept)} of {target} groups after drawing {drawn} prompt groups "
                         f"(--dynamic-sampling-filter-path {filter_path}; drops: {dict(drop_reasons)}). The filter "
                         f"rejects almost every group: check the reward function or relax the filter."
