@@ -109,6 +109,7 @@ def check_flag_values(args) -> None:
     if not 0 < ratio <= 1:
         raise UserError(f"--stop-on-failed-ratio must be in (0, 1] (got {ratio:g}): the share of a step's samples "
                         f"that may fail before the run stops")
+    check_sglang_passthrough(args)
     rollout_gpus = getattr(args, "rollout_num_gpus", None)
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
     if (getattr(args, "colocate", False) and not getattr(args, "debug_rollout_only", False)
@@ -117,6 +118,23 @@ def check_flag_values(args) -> None:
                         f"must equal --actor-num-nodes x --actor-num-gpus-per-node ({args.actor_num_nodes} x "
                         f"{args.actor_num_gpus_per_node} = {actor_gpus}): set --rollout-num-gpus {actor_gpus} "
                         f"(or leave it out), or change --actor-num-gpus-per-node")
+
+
+def check_sglang_passthrough(args) -> None:
+    """Without SGLang installed, ``--sglang-*`` values are kept verbatim for the embedded engine: one that is
+    a near miss of an embedded engine option is a typo, refused with the option meant."""
+    import difflib
+
+    if getattr(args, "rollout_backend", None) != "embedded" or getattr(args, "sglang_server_fields", None) is not None:
+        return
+    from slime.ray.engine_actor import EMBEDDED_FLAG_FOR, EMBEDDED_SGLANG_FLAGS
+
+    for name in getattr(args, "sglang_passthrough", None) or {}:
+        if EMBEDDED_FLAG_FOR.get(name, name) in EMBEDDED_SGLANG_FLAGS:
+            continue
+        close = difflib.get_close_matches(name, sorted(EMBEDDED_SGLANG_FLAGS), n=1, cutoff=0.85)
+        if close:
+            raise UserError(f"--sglang-{name} is not an option of the embedded engine; did you mean --sglang-{close[0]}?")
 
 
 def check_load_and_save(args) -> None:
