@@ -36,7 +36,8 @@ from collections import Counter
 from slime.observability.trace_utils import (bind_trace, build_sglang_meta_trace_attrs, inherit_trace, trace_event,
                                              trace_next_attempt, trace_span)
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.engine_control import abort_all, get_engine_urls, router_base_url, wait_until_idle
+from slime.rollout.engine_control import (abort_all, get_engine_urls, raise_if_engines_dead, router_base_url,
+                                          wait_until_idle)
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
@@ -329,13 +330,20 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, evalu
 # With --use-fault-tolerance a request that no engine can serve waits as long as an engine restart
 # may take (the restart's own start-up timeout), so with a single engine its samples survive it.
 RESTART_RETRY_S = 1800
+DEAD_ENGINE_PROBE_AFTER = 3  # failed attempts (a second apart) before the engines' /health is probed
 
 
 async def _post_generate(args, url: str, payload: dict, headers: dict | None):
     """POST /generate to the router. With --use-fault-tolerance, also wait out the router's
     "No worker available" (404) while the health monitor restarts the engines behind it."""
     if not getattr(args, "use_fault_tolerance", False):
-        return await post(url, payload, headers=headers)
+        try:  # a few quick retries, then ask the engines whether they are alive before retrying for a minute
+            return await post(url, payload, headers=headers, max_retries=DEAD_ENGINE_PROBE_AFTER)
+        except HTTPRequestError as e:
+            if e.status_code is not None and e.status_code < 500:
+                raise
+            await raise_if_engines_dead(args, e)
+        return await post(url, payload, headers=headers, max_retries=60 - DEAD_ENGINE_PROBE_AFTER)
     deadline = time.monotonic() + RESTART_RETRY_S
     while True:
         try:
