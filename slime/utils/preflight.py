@@ -18,8 +18,8 @@ import tempfile
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UserError", "RunFinished", "preflight", "check_flag_values", "check_load_and_save", "check_hooks", "check_reward", "check_data_files",
-           "check_save_dir", "check_finished", "main", "HOOK_SIGNATURES"]
+__all__ = ["UserError", "RunFinished", "preflight", "check_flag_values", "check_load_and_save", "check_hooks",
+           "check_reward", "check_data_files", "check_save_dir", "check_finished", "main", "HOOK_SIGNATURES"]
 
 #: rows of a training prompt file parsed at start (the whole file is read later, before the first step)
 TRAIN_ROWS_CHECKED = 1000
@@ -52,15 +52,17 @@ HOOK_SIGNATURES: dict[str, tuple[tuple[str, ...], str, bool | None]] = {
     "rollout_sample_hook_path": (("args", "sample"), "[async] def hook(args, sample, *, rollout_id=None, "
                                  "evaluation=False)", None),
     "data_source_path": (("args",), "class DataSource: __init__(self, args)", False),
-    "custom_rollout_log_function_path": (("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
-                                         "def log(rollout_id, args, samples, rollout_extra_metrics, rollout_time)", False),
+    "custom_rollout_log_function_path": (
+        ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
+        "def log(rollout_id, args, samples, rollout_extra_metrics, rollout_time)", False),
     "custom_eval_rollout_log_function_path": (("rollout_id", "args", "data", "extra_metrics"),
                                               "def log(rollout_id, args, data, extra_metrics)", False),
     "rollout_data_postprocess_path": (("args", "rollout_id", "rollout_data"),
                                       "def postprocess(args, rollout_id, rollout_data)", False),
     "custom_loss_function_path": (("args", "batch", "logits", "sum_of_sample_mean"),
                                   "def loss(args, batch, logits, sum_of_sample_mean)", False),
-    "custom_tis_function_path": ((), "def tis(*, args, pg_loss, train_log_probs, rollout_log_probs, ..., **kwargs)", False),
+    "custom_tis_function_path": ((), "def tis(*, args, pg_loss, train_log_probs, rollout_log_probs, ..., **kwargs)",
+                                 False),
     "custom_pg_loss_reducer_function_path": (("total_lengths", "response_lengths", "loss_masks"),
                                              "def make_reducer(total_lengths, response_lengths, loss_masks, "
                                              "calculate_per_token_loss=False)", False),
@@ -134,7 +136,8 @@ def check_sglang_passthrough(args) -> None:
             continue
         close = difflib.get_close_matches(name, sorted(EMBEDDED_SGLANG_FLAGS), n=1, cutoff=0.85)
         if close:
-            raise UserError(f"--sglang-{name} is not an option of the embedded engine; did you mean --sglang-{close[0]}?")
+            raise UserError(f"--sglang-{name} is not an option of the embedded engine; "
+                            f"did you mean --sglang-{close[0]}?")
 
 
 def check_load_and_save(args) -> None:
@@ -178,7 +181,8 @@ def check_hook(dest: str, path: str, *, batched: bool = False):
     except Exception as e:  # the module itself fails on import
         raise UserError(f"{_flag(dest)} {path}: importing it raised {type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise UserError(f"{_flag(dest)} {path} is a {type(fn).__name__}, not a function; expected {expected}")
+        raise UserError(f"{_flag(dest)} {path} is not callable (found {type(fn).__name__} {fn!r:.60}); "
+                        f"expected {expected}")
     if must_be_async and not _is_async(fn):
         raise UserError(f"{_flag(dest)} {path} is a plain `def`; slime awaits it: write it as {expected}")
     try:
@@ -232,8 +236,9 @@ def check_reward(args) -> None:
 
             close = difflib.get_close_matches(base, RULE_RM_TYPES, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise UserError(f"--rm-type {rm_type!r} is not a rule reward{hint}; valid types: {', '.join(RULE_RM_TYPES)} "
-                            f"(each may be prefixed with boxed_), or write your own with --custom-rm-path module.function")
+            raise UserError(f"--rm-type {rm_type!r} is not a rule reward{hint}; valid types: "
+                            f"{', '.join(RULE_RM_TYPES)} (each may be prefixed with boxed_), or write your own with "
+                            f"--custom-rm-path module.function")
         if base == "remote_rm" and not getattr(args, "rm_url", None):
             raise UserError("--rm-type remote_rm needs --rm-url (the reward server's URL)")
     needs_reward = (getattr(args, "rollout_function_path", None) in _DEFAULT_ROLLOUTS

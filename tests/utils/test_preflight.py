@@ -78,7 +78,8 @@ def test_num_epoch_zero_is_refused():
 def test_colocate_with_disagreeing_gpu_counts_names_what_to_set():
     with pytest.raises(UserError) as error:
         parse("--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1")
-    assert "--rollout-num-gpus (1) must equal --actor-num-nodes x --actor-num-gpus-per-node (1 x 2 = 2)" in str(error.value)
+    expected = "--rollout-num-gpus (1) must equal --actor-num-nodes x --actor-num-gpus-per-node (1 x 2 = 2)"
+    assert expected in str(error.value)
     assert "set --rollout-num-gpus 2" in str(error.value)
     args = parse("--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2")  # agreeing: accepted
     assert args.rollout_num_gpus == 2 and args.colocate
@@ -169,7 +170,7 @@ def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
     (["--custom-rm-path", f"{HOOKS}.async_rewrd"], "has no attribute 'async_rewrd'"),
     (["--custom-rm-path", "reward"], "expected a dotted path"),
     (["--custom-rm-path", f"{HOOKS}.reward_without_sample"], "cannot be called with (args, sample)"),
-    (["--custom-rm-path", f"{HOOKS}.NOT_A_FUNCTION"], "is a int, not a function"),
+    (["--custom-rm-path", f"{HOOKS}.NOT_A_FUNCTION"], "is not callable (found int 42); expected [async] def reward("),
     (["--custom-rm-path", "tests.utils.preflight_broken_module.reward"],
      "importing it raised RuntimeError: this module is broken on purpose"),
     (["--custom-generate-function-path", f"{HOOKS}.plain_generate"],
@@ -270,7 +271,8 @@ def test_malformed_last_line_of_eval_data_is_found_at_start(tmp_path):
     evaluation = write_jsonl(tmp_path / "eval.jsonl", rows)
     with pytest.raises(UserError) as error:
         check_data_files(parse("--prompt-data", good, "--eval-prompt-data", "aime", evaluation, "--eval-interval", "1"))
-    assert str(error.value).startswith("--eval-prompt-data (aime): ") and "eval.jsonl:50: malformed JSON" in str(error.value)
+    message = str(error.value)
+    assert message.startswith("--eval-prompt-data (aime): ") and "eval.jsonl:50: malformed JSON" in message
 
 
 def test_unsupported_data_format_is_named(tmp_path):

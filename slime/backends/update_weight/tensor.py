@@ -1,10 +1,11 @@
 """Colocated transport: tensors handed to the engine by handle (``/update_weights_from_tensor``).
 
 On CPU the bucket is one flattened uint8 tensor in shared memory (``file_system`` sharing, so an
-unrelated engine process can map it); on GPU torch pickles CUDA-IPC handles. A CPU payload is pickled once
-per engine: each pickling takes a reference on the shared-memory file that the receiving engine gives back,
-so one pickle read by two engines gives back one too many and the file is unlinked before the next push. The buffer is kept
-alive until every engine has answered, since the engine copies from it while handling the request.
+unrelated engine process can map it); on GPU torch pickles CUDA-IPC handles. A CPU payload is pickled
+once per engine: each pickling takes a reference on the shared-memory file that the receiving engine
+gives back, so one pickle read by two engines gives back one too many and the file is unlinked before
+the next push. The buffer is kept alive until every engine has answered, since the engine copies from
+it while handling the request.
 For SGLang engines (``--rollout-backend sglang``) the payload is built from SGLang's own metadata class
 and serializer, the only ones its unpickler accepts (``wire_format``).
 """
