@@ -61,7 +61,9 @@ HOOK_SIGNATURES: dict[str, tuple[tuple[str, ...], str, bool | None]] = {
                                       "def postprocess(args, rollout_id, rollout_data)", False),
     "custom_loss_function_path": (("args", "batch", "logits", "sum_of_sample_mean"),
                                   "def loss(args, batch, logits, sum_of_sample_mean)", False),
-    "custom_tis_function_path": ((), "def tis(*, args, pg_loss, train_log_probs, rollout_log_probs, ..., **kwargs)",
+    "custom_tis_function_path": (("*", "args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",
+                                  "total_lengths", "response_lengths"),  # "*": called with keywords only
+                                 "def tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs)",
                                  False),
     "custom_pg_loss_reducer_function_path": (("total_lengths", "response_lengths", "loss_masks"),
                                              "def make_reducer(total_lengths, response_lengths, loss_masks, "
@@ -189,12 +191,15 @@ def check_hook(dest: str, path: str, *, batched: bool = False):
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return fn  # builtins and C callables: nothing to compare
+    positional, keywords = (params, {}) if params[:1] != ("*",) else ((), dict.fromkeys(params[1:]))
+    if dest in ("rollout_function_path", "eval_function_path"):
+        keywords = {"evaluation": False}
     try:
-        signature.bind(*params, **({"evaluation": False} if dest in ("rollout_function_path", "eval_function_path")
-                                   else {}))
+        signature.bind(*positional, **keywords)
     except TypeError as e:
+        called = ", ".join(p for p in params if p != "*")
         raise UserError(f"{_flag(dest)} {path} has the signature {path.rpartition('.')[2]}{signature}, which cannot "
-                        f"be called with ({', '.join(params)}) ({e}); expected {expected}") from None
+                        f"be called with ({called}) ({e}); expected {expected}") from None
     return fn
 
 
@@ -379,3 +384,10 @@ def main(entry, parse=None) -> None:
     except UserError as e:  # also raised in a Ray actor: the task error is an instance of it
         cause = getattr(e, "cause", None)
         _report(cause if isinstance(cause, UserError) else e, 0 if isinstance(e, RunFinished) else 1)
+    except Exception as e:
+        if not getattr(e, "_actor_init_failed", False):  # ray.exceptions.RayActorError of a constructor
+            raise
+        # a component's constructor rejected the input (e.g. the data source: every prompt too long);
+        # Ray keeps only the text of the error, whose last line is the exception and its message
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        _report(RuntimeError(f"a component failed to start: {lines[-1].strip() if lines else e}"), 1)

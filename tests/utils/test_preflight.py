@@ -185,6 +185,8 @@ def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
     (["--loss-type", "custom_loss", "--custom-loss-function-path", f"{HOOKS}.loss_with_two_args"],
      "expected def loss(args, batch, logits, sum_of_sample_mean)"),
     (["--buffer-filter-path", f"{HOOKS}.missing"], "--buffer-filter-path"),
+    (["--use-tis", "--custom-tis-function-path", f"{HOOKS}.loss_with_two_args"],
+     "missing a required argument: 'batch'); expected def tis(args, *, pg_loss"),
 ])
 def test_bad_hook_is_refused_at_start_naming_flag_and_expected_signature(flags, message):
     with pytest.raises(UserError) as error:
@@ -199,6 +201,7 @@ def test_bad_hook_is_refused_at_start_naming_flag_and_expected_signature(flags, 
     ["--rollout-function-path", f"{HOOKS}.rollout_fn"],
     ["--buffer-filter-path", f"{HOOKS}.buffer_filter"],
     ["--rollout-sample-hook-path", f"{HOOKS}.sample_hook"],
+    ["--use-tis", "--custom-tis-function-path", "slime.utils.ppo_utils.vanilla_tis_function"],  # keyword-called
 ])
 def test_good_hooks_pass(flags):
     check_hooks(parse(*flags))
@@ -371,3 +374,20 @@ def test_train_py_with_a_typo_in_load_exits_before_anything_starts(tmp_path):
     assert "slime: error: --load" in result.stderr and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot(save) == before and not (tmp_path / "run").exists()
+
+
+def test_a_component_that_fails_to_start_on_bad_input_is_one_message(monkeypatch):
+    """A constructor in a Ray actor (the data source) rejecting the data: Ray keeps only the error's text."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    monkeypatch.delenv("SLIME_DEBUG", raising=False)
+    error = ValueError("d.jsonl: every prompt (4) is longer than 8 tokens")
+    task_error = RayTaskError("RolloutManager.__init__", "Traceback (most recent call last):\n  File x\n"
+                              f"ValueError: {error}", error)
+
+    def entry(args):
+        raise ActorDiedError(task_error)
+
+    code, err = _main(["--rm-type", "math"], entry=entry)
+    assert code == 1 and err.startswith("slime: error: a component failed to start: ")
+    assert "every prompt (4) is longer than 8 tokens" in err.splitlines()[0] and "Traceback" not in err
