@@ -14,6 +14,7 @@ import pytest
 from tests.ray.test_shutdown import _processes_mentioning
 
 REPO = Path(__file__).parents[2]
+pytestmark = pytest.mark.slow
 
 
 def _command(model_dir, data, run_dir, reward, *extra):
