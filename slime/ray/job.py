@@ -227,7 +227,14 @@ class Job:
         if self.args.offload_rollout:
             self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
         self.weight_version += 1
-        metrics = self.actor.update_weights(self.weight_version)
+        try:
+            metrics = self.actor.update_weights(self.weight_version)
+        except Exception as e:  # without fault tolerance a dead engine ends the run: say so, with the flag
+            if not self.args.use_fault_tolerance and not self.args.rollout_external:
+                from slime.rollout.engine_control import raise_if_engines_dead_sync
+
+                raise_if_engines_dead_sync(list(getattr(self.args, "rollout_engine_urls", None) or []), e)
+            raise
         if offload_train:
             self._timed("offload_train", self.actor.offload)
         if self.args.use_fault_tolerance:

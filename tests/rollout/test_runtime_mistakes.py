@@ -3,6 +3,7 @@ failed, an engine that died, prompts longer than the context. Each asserts what 
 
 import asyncio
 import json
+import threading
 import time
 from argparse import Namespace
 
@@ -18,8 +19,12 @@ async def hanging_reward(args, sample, **kwargs):
     await asyncio.sleep(3600)
 
 
+RELEASE = threading.Event()  # set once the rewards were awaited: the blocked worker thread then returns
+
+
 def slow_sync_reward(args, sample, **kwargs):
-    time.sleep(0.3 if sample.index == 0 else 0)
+    if sample.index == 0:
+        RELEASE.wait(30)
     return float(sample.index)
 
 
@@ -43,7 +48,9 @@ def _reward(args, samples):
     from slime.rollout.sglang_rollout import _reward_one
 
     async def go():
+        RELEASE.clear()
         await asyncio.gather(*(_reward_one(args, s, evaluation=False) for s in samples))
+        RELEASE.set()
 
     asyncio.run(go())
 
@@ -51,13 +58,13 @@ def _reward(args, samples):
 # ----------------------------------------------------------------------------- rewards
 
 def test_reward_over_the_timeout_fails_its_sample_with_the_reason_and_the_rest_go_on():
-    args = _args(custom_rm_path=f"{HOOKS}.slow_sync_reward", reward_timeout=0.1)
+    args = _args(custom_rm_path=f"{HOOKS}.slow_sync_reward", reward_timeout=1.0)
     samples = _samples(3)
     start = time.monotonic()
     _reward(args, samples)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # sample 0 alone would block for 30 s
     assert samples[0].status == Sample.Status.FAILED and samples[0].reward == 0.0
-    assert "did not return within --reward-timeout 0.1 s" in samples[0].metadata["reward_error"]
+    assert "did not return within --reward-timeout 1 s" in samples[0].metadata["reward_error"]
     assert [s.reward for s in samples[1:]] == [1.0, 2.0] and samples[1].status == Sample.Status.COMPLETED
 
 
@@ -66,14 +73,14 @@ def test_hanging_async_reward_is_cut_by_the_timeout():
     samples = _samples(2)
     start = time.monotonic()
     _reward(args, samples)
-    assert time.monotonic() - start < 2 and all(s.status == Sample.Status.FAILED for s in samples)
+    assert time.monotonic() - start < 10 and all(s.status == Sample.Status.FAILED for s in samples)
 
 
 def test_plain_def_reward_is_called():
     args = _args(custom_rm_path=f"{HOOKS}.slow_sync_reward")
-    samples = _samples(3)
+    samples = _samples(3)[1:]  # sample 0 would wait for RELEASE
     _reward(args, samples)
-    assert [s.reward for s in samples] == [0.0, 1.0, 2.0] and all(s.status != Sample.Status.FAILED for s in samples)
+    assert [s.reward for s in samples] == [1.0, 2.0] and all(s.status != Sample.Status.FAILED for s in samples)
 
 
 # ----------------------------------------------------------------------------- steps that cannot learn
@@ -124,6 +131,15 @@ def test_dead_engine_is_named_with_the_flag_that_would_have_restarted_it():
         asyncio.run(raise_if_engines_dead(Namespace(rollout_engine_urls=[url]), RuntimeError("HTTP 503")))
     assert time.monotonic() - start < 5
     assert url in str(error.value) and "--use-fault-tolerance" in str(error.value) and "HTTP 503" in str(error.value)
+
+
+def test_dead_engine_found_after_a_failed_weight_push_is_named_too():
+    from slime.rollout.engine_control import EngineDead, raise_if_engines_dead_sync
+    from slime.utils.process import find_free_port
+
+    url = f"http://127.0.0.1:{find_free_port()}"
+    with pytest.raises(EngineDead, match=f"rollout engine\\(s\\) {url} .*--use-fault-tolerance.*ConnectionRefusedError"):
+        raise_if_engines_dead_sync([url], ConnectionRefusedError("[Errno 111] Connection refused"))
 
 
 def test_live_engine_is_not_reported_dead():
