@@ -116,9 +116,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Apply docs/INTERFACES.md §4.4 in order: raise naming the flags involved; fill documented derived
     values; never override a value the user set explicitly."""
     from slime.utils.eval_config import resolve_eval_datasets
+    from slime.utils.preflight import check_flag_values, check_load_and_save
 
-    # 0. flags slime accepts for upstream scripts but does not implement
+    # 0. flags slime accepts for upstream scripts but does not implement; counts and intervals in range
     _refuse_unimplemented(args)
+    check_flag_values(args)
     _validate_model_shape_flags(args)
     # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
@@ -140,7 +142,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             logger.info("--ref-load %s has no latest_checkpointed_iteration.txt; loading it as a plain checkpoint", args.ref_load)
     # 4. on-policy distillation
     _validate_opd(args)
-    # 5. load resolution
+    # 5. load resolution (a --load that does not exist, a --save of another run: refused first)
+    check_load_and_save(args)
     _resolve_load(args)
     # 6.-7.
     if args.eval_interval is not None and not args.eval_datasets:

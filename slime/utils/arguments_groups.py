@@ -357,7 +357,14 @@ def _add_reward_args(parser) -> None:
     g.add_argument("--eval-reward-key", type=str, default=None, help="Same for eval (default: --reward-key).")
     g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole prompt group at once.")
     g.add_argument("--rm-url", type=str, default=None, help="Endpoint for remote_rm / OPD teacher.")
-    g.add_argument("--custom-rm-path", type=str, default=None, help="Custom reward.")
+    g.add_argument("--custom-rm-path", type=str, default=None,
+                   help="Custom reward: module.function, `async def` or plain `def` (run in a worker thread).")
+    g.add_argument("--reward-timeout", type=float, default=None,
+                   help="Seconds a reward may take per sample (per group with --group-rm); one that takes longer "
+                        "fails its sample(s) with the reason and the run goes on. Default: no limit.")
+    g.add_argument("--stop-on-failed-ratio", type=float, default=1.0,
+                   help="Stop the run when this share of a training step's samples FAILED (e.g. every reward "
+                        "raised), naming the first failure's reason; 1.0 stops only when every sample failed.")
     g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="Hook on rewards after the reward model (signature: docs/customization.md).")
     g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None, help="Converts samples to train data (signature: docs/customization.md).")
 
@@ -445,6 +452,9 @@ def _add_checkpoint_args(parser) -> None:
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
     g.add_argument("--save", type=str, default=None, help="Save dir.")
+    g.add_argument("--overwrite-save", action="store_true", default=False,
+                   help="Allow --save to be a directory holding another run's checkpoints (a --load other than "
+                        "--save, or none): without it such a run is refused at start and nothing is overwritten.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
     g.add_argument("--async-save", action="store_true", default=False,
                    help="Write checkpoints in the background: the state is copied to host memory, then written "

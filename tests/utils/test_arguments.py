@@ -192,6 +192,7 @@ def test_debug_rollout_only_rewrites_gpus():  # 21
 
 
 def test_load_resolution(tmp_path):  # 5
+    (tmp_path / "empty").mkdir()  # an existing directory with no checkpoint yet (one that does not exist is refused)
     args = parse("--load", tmp_path / "empty", "--ref-load", tmp_path)
     assert args.load == str(tmp_path) and args.no_load_optim and args.finetune and args.start_rollout_id == 0
     ckpt = tmp_path / "ckpt"

@@ -1,7 +1,7 @@
 """HTTP surface of the embedded engine: SGLang's native endpoints (docs/SGLANG_PROTOCOL.md §1–§6, §8).
 
 Status codes and body shapes follow SGLang: native errors ``400 {"error": {"message"}}``, request
-validation errors ``400 {"object": "error", ...}``, unknown sampling keys 500, control endpoints
+validation errors ``400 {"object": "error", ...}``, unknown sampling keys 400 (SGLang: 500), control endpoints
 ``{"success", "message"}``, ``/flush_cache`` plain text, memory endpoints JSON ``null``,
 ``/abort_request`` an empty 200. OpenAI routes live in :mod:`openai_api`.
 """

@@ -258,7 +258,9 @@ def test_api_key_required(server):
 
 @pytest.mark.parametrize("body,status,field", [
     ("{not json", 400, "JSON"),
-    ({"input_ids": [1], "sampling_params": {"tempreature": 0.5}}, 500, "tempreature"),
+    ({"input_ids": [1], "sampling_params": {"tempreature": 0.5}}, 400, "did you mean 'temperature'"),
+    ({"input_ids": [1], "sampling_params": "greedy"}, 400, "sampling_params must be an object"),
+    ({"input_ids": [1], "sampling_params": [{"temperature": 0.5}]}, 400, "sampling_params must be an object"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temperature": -0.5}}, 400, "temperature"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "top_k"),
