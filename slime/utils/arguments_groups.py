@@ -45,6 +45,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
     "--min-batch-collection-ratio": "the rollout-buffer service is not supported",
     "--rollout-task-type": "the rollout-buffer service is not supported",
+    "--attention-backend": "the trainer's attention is chosen per backend: --fsdp-attn-implementation (FSDP), "
+                           "Megatron-Core's layer spec (--spec); the engine's is --sglang-attention-backend",
     "--ci-test": "upstream's CI guards are not implemented; slime's tests live in tests/",
     "--ci-disable-kl-checker": "upstream's CI guards are not implemented",
     "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
