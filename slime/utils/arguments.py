@@ -22,6 +22,7 @@ import os
 import sys
 
 from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add_training_arguments, mark_refused_flags
+from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY, refuse_other_backend_flags
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
                                      rename_legacy_sglang_flags)
 
@@ -121,6 +122,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 0. flags slime accepts for upstream scripts but does not implement; counts and intervals in range
     _refuse_unimplemented(args)
     check_flag_values(args)
+    refuse_other_backend_flags(args)  # before the derived values below (e.g. --finetune from --ref-load)
     _validate_model_shape_flags(args)
     # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
@@ -624,6 +626,13 @@ def flag_reference_markdown() -> str:
              "implement them, and a non-default value fails at start-up with the alternative below.", "",
              "| flag | instead |", "|---|---|"]
     lines += [f"| `{flag}` | {hint} |" for flag, hint in REFUSED_FLAGS.items()]
+    lines.append("")
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    lines += ["### Read by one training backend only", "",
+              "Set away from its default under the other `--train-backend`, each fails at start-up with the "
+              "alternative below.", "", "| flag | read by | under the other backend |", "|---|---|---|"]
+    lines += [f"| `{flags[dest]}` | megatron | {hint} |" for dest, hint in MEGATRON_ONLY.items()]
+    lines += [f"| `{flags[dest]}` | fsdp | {hint} |" for dest, hint in FSDP_ONLY.items()]
     lines.append("")
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]

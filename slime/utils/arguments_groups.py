@@ -45,6 +45,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
     "--min-batch-collection-ratio": "the rollout-buffer service is not supported",
     "--rollout-task-type": "the rollout-buffer service is not supported",
+    "--attention-backend": "the trainer's attention is chosen per backend: --fsdp-attn-implementation (FSDP), "
+                           "Megatron-Core's layer spec (--spec); the engine's is --sglang-attention-backend",
     "--ci-test": "upstream's CI guards are not implemented; slime's tests live in tests/",
     "--ci-disable-kl-checker": "upstream's CI guards are not implemented",
     "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
@@ -147,6 +149,12 @@ def _add_megatron_lm_refusals() -> None:
 
 
 _add_megatron_lm_refusals()
+
+
+# the reference model of --kl-coef / --use-kl-loss, said where each flag is described
+_REFERENCE_HELP = (" The reference model is --ref-load; under --train-backend fsdp without an HF --ref-load it is "
+                   "the --hf-checkpoint weights as loaded at start, kept frozen (also when --load resumes the actor); "
+                   "the Megatron backend needs --ref-load.")
 
 
 def megatron_lm_passthrough_dests() -> tuple[str, ...]:
@@ -379,8 +387,10 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant (> 1).")
     g.add_argument("--value-clip", type=float, default=0.2)
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward.")
-    g.add_argument("--use-kl-loss", action="store_true", default=False)
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL penalty to the reference model in the reward." + _REFERENCE_HELP)
+    g.add_argument("--use-kl-loss", action="store_true", default=False,
+                   help="Add a KL-to-reference term (--kl-loss-coef) to the loss." + _REFERENCE_HELP)
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
     g.add_argument("--use-unbiased-kl", action="store_true", default=False)
@@ -406,7 +416,10 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--use-rollout-entropy", action="store_true", default=False)
     g.add_argument("--use-routing-replay", action="store_true", default=False)
     g.add_argument("--use-rollout-routing-replay", action="store_true", default=False)
-    g.add_argument("--ref-load", type=str, default=None, help="Reference model checkpoint.")
+    g.add_argument("--ref-load", type=str, default=None,
+                   help="Reference model checkpoint (--kl-coef, --use-kl-loss). Under --train-backend fsdp the reference is "
+                        "this directory when it is an HF one (config.json), else the --hf-checkpoint weights as loaded "
+                        "at start.")
     g.add_argument("--ref-ckpt-step", type=int, default=None)
     g.add_argument("--ref-update-interval", type=int, default=None)
     g.add_argument("--keep-old-actor", action="store_true", default=False,

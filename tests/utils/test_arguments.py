@@ -35,8 +35,9 @@ def test_megatron_style_flags_and_custom_arguments():
         parser.add_argument("--my-hook-param", type=int, default=3)
         return parser
 
-    args = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lr-decay-style", "cosine",
-                              "--adam-beta2", "0.98", "--recompute-granularity", "full", "--num-layers", "28"],
+    megatron = [a if a != "fsdp" else "megatron" for a in BASE] + ["--debug-rollout-only"]  # no Megatron-Core needed
+    args = parse_args(megatron + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lr-decay-style", "cosine",
+                                  "--adam-beta2", "0.98", "--recompute-granularity", "full", "--num-layers", "28"],
                       add_custom_arguments=add)
     assert args.tensor_model_parallel_size == 2 and args.sequence_parallel and args.lr_decay_style == "cosine"
     assert args.adam_beta2 == 0.98 and args.num_layers == 28 and args.my_hook_param == 3

@@ -1,35 +1,5 @@
-"""Coding-agent harnesses: run a real agent CLI in a sandbox against slime's agent adapter.
-
-A harness installs its CLI into the sandbox, writes the CLI's configuration so that every model call
-goes to the adapter under the episode's session id, and runs the CLI on the task prompt as the
-``agent`` user within a time budget:
-
-    adapter = AnthropicAdapter(tokenizer=..., sglang_url=...)
-    handle = run_app_in_thread(adapter.app)
-    adapter.open_session(sid, sampling_defaults=sampling_params, max_context_tokens=args.rollout_max_context_len)
-    async with LocalSandbox() as sb:
-        exit_code = await ClaudeCodeHarness().run(sb, workdir="/work/repo", session_id=sid,
-                                                  adapter_url=handle.url, time_budget_sec=600, prompt=task)
-        reward = ...  # e.g. run the task's tests in sb
-    samples = await adapter.finish_session(sid, base_sample=sample, reward=reward)
-
-The adapter authenticates by session id, which the harness passes as the CLI's API key. The CLIs come
-from tarballs (no network needed in the sandbox): the ``npm pack`` of a CLI's native linux-x64 build (both
-CLIs now ship as native binaries), or of an older JavaScript build plus, where the sandbox has no Node.js, a
-Node.js binary tarball (nodejs.org's ``node-vX-linux-x64.tar.xz``); ``scripts/fetch-agent-clis.sh`` fetches the
-tested versions.
-Each environment variable below names a file on this machine (uploaded into the sandbox) or an
-http(s) URL (downloaded inside it). A CLI already on the sandbox's PATH is used as it is.
-
-* ``ClaudeCodeHarness`` — Claude Code (``claude -p``) through the Anthropic adapter:
-  ``SLIME_AGENT_CC_TARBALL`` (``@anthropic-ai/claude-code-linux-x64``), ``SLIME_AGENT_NODE_TARBALL``; extra command-line
-  arguments in ``SLIME_AGENT_CC_EXTRA_ARGS`` (shell words), extra environment as a JSON object in
-  ``SLIME_AGENT_CC_EXTRA_ENVS``.
-* ``CodexHarness`` — OpenAI's Codex CLI (``codex exec``) through the OpenAI adapter, configured with a
-  model provider whose ``base_url`` is the adapter's ``/v1``: ``SLIME_AGENT_CODEX_TARBALL``
-  (``@openai/codex@<version>-linux-x64``), ``SLIME_AGENT_NODE_TARBALL``, ``SLIME_AGENT_CODEX_EXTRA_ARGS``,
-  ``SLIME_AGENT_CODEX_EXTRA_ENVS``.
-"""
+"""What every coding-agent harness shares: the episode's context (:class:`HarnessContext`), the
+install-configure-launch cycle (:class:`BaseHarness`) and the CLI install helpers."""
 
 from __future__ import annotations
 
@@ -42,7 +12,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from slime.agent.sandbox import AGENT_USER, INSTALL_ROOT, LocalSandbox, Sandbox, ensure_agent_user, exec_and_wait
+from slime.agent.sandbox import AGENT_USER, INSTALL_ROOT, LocalSandbox, Sandbox, ensure_agent_user
 
 logger = logging.getLogger(__name__)
 
@@ -215,79 +185,3 @@ async def _unpack(sb: Sandbox, source: str, target: str, *, strip: int) -> None:
             await sb.write_file(archive, f.read())
     unpack = f"mkdir -p {target} && tar -xf {shlex.quote(archive)} -C {target} --strip-components={strip}"
     (await sb.exec(unpack, timeout=600)).check(f"unpacking {name}")
-
-
-class ClaudeCodeHarness(BaseHarness):
-    """Claude Code in print mode (``claude -p``) against the Anthropic adapter.
-
-    The adapter's coordinates go into the agent user's ``~/.claude/settings.json`` (``env``), so a
-    ``claude`` started by hand in the sandbox reaches the same session; every model alias (haiku,
-    sonnet, opus) names the policy. Claude Code refuses its no-permission-prompt mode as root, hence
-    the agent user. Useful extra arguments: ``--tools Bash,Read,Edit`` (fewer tool schemas in every
-    prompt), ``--system-prompt TEXT``, ``--max-turns N``, ``--output-format json``.
-    """
-
-    async def install_cli(self, sb: Sandbox) -> None:
-        await self.install_package(sb, command="claude", tarball_env="SLIME_AGENT_CC_TARBALL",
-                                   package="@anthropic-ai/claude-code")
-
-    def settings(self, ctx: HarnessContext) -> dict:
-        models = {name: ctx.model_label for name in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL",
-                                                     "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                                                     "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
-        quiet = {name: "1" for name in ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "DISABLE_AUTOUPDATER",
-                                        "DISABLE_TELEMETRY", "DISABLE_ERROR_REPORTING")}
-        return {"env": {"ANTHROPIC_BASE_URL": ctx.adapter_url, "ANTHROPIC_AUTH_TOKEN": ctx.session_id, **models, **quiet}}
-
-    async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:
-        home = await self.home(sb)
-        await sb.write_file(f"{home}/.claude/settings.json", json.dumps(self.settings(ctx), indent=1), user=self.user)
-
-    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: float) -> int:
-        prompt_file = await self.prompt_file(sb, ctx, prompt)
-        extra = os.environ.get("SLIME_AGENT_CC_EXTRA_ARGS", "")
-        cmd = (f"claude -p --dangerously-skip-permissions --model {shlex.quote(ctx.model_label)} {extra} "
-               f"< {shlex.quote(prompt_file)}")
-        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir, env=self.launch_env(sb, "SLIME_AGENT_CC_EXTRA_ENVS"),
-                                   timeout=time_budget_sec, log_path=await self.log_path(sb, ctx.session_id))
-
-
-class CodexHarness(BaseHarness):
-    """OpenAI's Codex CLI (``codex exec``) against the OpenAI adapter's Responses API.
-
-    ``~/.codex/config.toml`` makes the adapter the model provider (``base_url`` its ``/v1``, the
-    session id as ``OPENAI_API_KEY``; Codex speaks only the Responses wire API). Codex runs with its own
-    sandbox and approvals off: the sandbox it runs in is the boundary. Useful extra arguments shrink its
-    prompt: ``-c model_instructions_file="PATH"``, ``-c features.multi_agent=false``.
-    """
-
-    provider = "slime"
-
-    async def install_cli(self, sb: Sandbox) -> None:
-        await self.install_package(sb, command="codex", tarball_env="SLIME_AGENT_CODEX_TARBALL", package="@openai/codex")
-
-    def config_toml(self, ctx: HarnessContext) -> str:
-        return "\n".join([
-            f"model = {json.dumps(ctx.model_label)}",
-            f"model_provider = {json.dumps(self.provider)}",
-            "check_for_update_on_startup = false",
-            "",
-            f"[model_providers.{self.provider}]",
-            'name = "slime"',
-            f"base_url = {json.dumps(ctx.adapter_url + '/v1')}",
-            'env_key = "OPENAI_API_KEY"',
-            'wire_api = "responses"',
-            "",
-        ])
-
-    async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:
-        await sb.write_file(f"{await self.home(sb)}/.codex/config.toml", self.config_toml(ctx), user=self.user)
-
-    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: float) -> int:
-        prompt_file = await self.prompt_file(sb, ctx, prompt)
-        extra = os.environ.get("SLIME_AGENT_CODEX_EXTRA_ARGS", "")
-        cmd = (f"codex exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox {extra} "
-               f"\"$(cat {shlex.quote(prompt_file)})\" < /dev/null")
-        env = {"OPENAI_API_KEY": ctx.session_id, **self.launch_env(sb, "SLIME_AGENT_CODEX_EXTRA_ENVS")}
-        return await exec_and_wait(sb, cmd, user=self.user, cwd=ctx.workdir, env=env, timeout=time_budget_sec,
-                                   log_path=await self.log_path(sb, ctx.session_id))
