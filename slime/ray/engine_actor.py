@@ -14,20 +14,9 @@ import os
 
 import ray
 
-logger = logging.getLogger(__name__)
+from slime.utils.passthrough import EMBEDDED_FLAG_FOR, EMBEDDED_SGLANG_FLAGS
 
-# --sglang-* flags the embedded engine understands (SGLang names); others are SGLang-only.
-EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tokens", "max-running-requests",
-                         "chunked-prefill-size", "tool-call-parser", "served-model-name", "api-key", "dtype",
-                         "random-seed", "log-level", "custom-pull-weights-pre-read-hook", "attention-backend",
-                         "disable-cuda-graph", "cuda-graph-max-bs", "cuda-graph-bs", "quantization", "fp8-gemm-backend",
-                         "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver", "enable-weights-cpu-backup",
-                         "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
-                         "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
-                         "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config"}
-# SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
-EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "cuda-graph-bs-decode": "cuda-graph-bs",
-                     "fp8-gemm-runner-backend": "fp8-gemm-backend"}
+logger = logging.getLogger(__name__)
 
 
 def memory_saver_installed() -> bool:

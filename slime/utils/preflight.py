@@ -131,7 +131,7 @@ def check_sglang_passthrough(args) -> None:
 
     if getattr(args, "rollout_backend", None) != "embedded" or getattr(args, "sglang_server_fields", None) is not None:
         return
-    from slime.ray.engine_actor import EMBEDDED_FLAG_FOR, EMBEDDED_SGLANG_FLAGS
+    from slime.utils.passthrough import EMBEDDED_FLAG_FOR, EMBEDDED_SGLANG_FLAGS
 
     for name in getattr(args, "sglang_passthrough", None) or {}:
         if EMBEDDED_FLAG_FOR.get(name, name) in EMBEDDED_SGLANG_FLAGS:
