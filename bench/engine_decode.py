@@ -313,7 +313,7 @@ def weight_update_seconds(model_path: str, device: str, quantization: str | None
     through the engine's update path: quantized into FP8 blocks (``Fp8Weights.load``) or copied."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.embedded_engine import fp8
+    from slime.backends.embedded_engine.fp8 import block as fp8
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -393,7 +393,7 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 
     tmp = None
     model_path = args.model_path

@@ -85,7 +85,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import hbm_peak, hbm_peak_config, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
-from slime.backends.embedded_engine import fp8  # noqa: E402
+from slime.backends.embedded_engine.fp8 import block as fp8  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_hidden_layers=2)
@@ -108,7 +108,7 @@ def layer_shapes(arch: dict, layout: str = "separate") -> dict[str, tuple[int, i
 
 
 def _paths(device: torch.device, out_features: int, in_features: int) -> list[str]:
-    from slime.backends.embedded_engine import fp8_cublas
+    from slime.backends.embedded_engine.fp8 import cublas as fp8_cublas
 
     paths = ["weight_only", "fused", "two_kernel"]
     if fp8_cublas.available(device) and fp8_cublas.shape_supported(out_features, in_features):
@@ -117,7 +117,8 @@ def _paths(device: torch.device, out_features: int, in_features: int) -> list[st
 
 
 def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tiles=None):
-    from slime.backends.embedded_engine import fp8_cublas, fp8_triton
+    from slime.backends.embedded_engine.fp8 import cublas as fp8_cublas
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     if path == "cublas":
         return fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
@@ -131,7 +132,7 @@ def bench_weight_quantize(out_features: int, in_features: int, device: torch.dev
     """One weight's quantization (an FP8 weight update's cost per matrix): the torch version
     (``fp8._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
     one-launch kernel writing into the storage (``fp8_triton.quantize_weight_into``); bf16 weight."""
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     weight = torch.randn(out_features, in_features, device=device).to(torch.bfloat16)
     values, scales = fp8._quantize_weight_torch(weight)
@@ -183,7 +184,7 @@ def time_each(candidates: list, timer) -> list[tuple[float, object]]:
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   device: torch.device, repeats: int, copies: int, sweep: bool) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
-    from slime.backends.embedded_engine import fp8_channel
+    from slime.backends.embedded_engine.fp8 import channel as fp8_channel
 
     quantized = fp8_channel.quantize_rows(x)
     w8, w_scales = fp8_channel.quantize_rows(weight)
@@ -228,7 +229,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
 
 
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     generator = torch.Generator().manual_seed(out_features * 7 + in_features)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(device, torch.bfloat16)
@@ -342,7 +343,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.rowwise and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         parser.error("--rowwise: torch._scaled_mm's row-wise FP8 GEMM runs on sm_90 (H100/H200) only")
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     if not fp8_triton.available(device):
         parser.error(f"the FP8 Triton kernel cannot run on {device.type}: it needs CUDA with triton, or "

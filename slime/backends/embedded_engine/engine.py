@@ -41,7 +41,7 @@ from slime.backends.embedded_engine.profiler import EngineProfiler
 from slime.backends.embedded_engine.sampler import (GREEDY_EPS, RowSampling, kept_token_ids, on_fast_path, sample,
                                                     sample_on_device)
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
-from slime.backends.embedded_engine.speculative import SpeculativeDecoder
+from slime.backends.embedded_engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slime.backends.embedded_engine import sampling_kernel
+from slime.backends.embedded_engine.kernels import sampling_kernel
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 #: CPU: untruncated, unseeded rows sample by inverse transform (:func:`_draw_inverse_cdf`); False
