@@ -152,6 +152,7 @@ class ModelRunner:
         if quantization is None:
             return None
         from slime.backends.embedded_engine.fp8 import block as fp8
+        from slime.backends.embedded_engine.fp8 import install as fp8_install
 
         if quantization not in fp8.QUANTIZATIONS:
             raise ValueError(f"--quantization {quantization!r} is not supported by the embedded engine; choose "
@@ -164,11 +165,11 @@ class ModelRunner:
         else:
             backend = fp8.resolve_backend(gemm_backend, self.device)
         # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype
-        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
-                                     per_channel=per_channel)
+        weights = fp8_install.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
+                                             per_channel=per_channel)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
-            fp8.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
+            fp8_install.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
         return weights
 
     def _resolve_kv_cache(self, name: str) -> tuple[torch.dtype, tuple[list[float], list[float]] | None]:

@@ -52,7 +52,8 @@ import logging
 import torch
 from torch import nn
 
-from slime.backends.embedded_engine.fp8.block import FP8_DTYPE, FP8_MAX, Fp8Experts, QuantizedLinear, _scales_from_amax
+from slime.backends.embedded_engine.fp8.block import Fp8Experts, QuantizedLinear
+from slime.backends.embedded_engine.fp8.numerics import FP8_DTYPE, FP8_MAX, _scales_from_amax
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from slime.backends.embedded_engine.fp8.block import BLOCK, FP8_DTYPE, FP8_MAX
+from slime.backends.embedded_engine.fp8.numerics import BLOCK, FP8_DTYPE, FP8_MAX
 from slime.backends.embedded_engine.tickets import Tickets
 
 try:

@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from slime.backends.embedded_engine.fp8 import block as fp8
+from slime.backends.embedded_engine.fp8 import install as fp8_install
+from slime.backends.embedded_engine.fp8 import numerics as fp8_numerics
+from slime.backends.embedded_engine.fp8 import quantize as fp8_quantize
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -29,18 +32,18 @@ def _error_bound(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Half an e4m3 spacing of each element, in weight units: 2^-4 relative for normal e4m3 values
     (3 mantissa bits), 2^-10 of the block scale in the subnormal range (|w / s| < 2^-6)."""
     rows, cols = weight.shape[-2:]
-    scale = scales.repeat_interleave(fp8.BLOCK, -2)[..., :rows, :].repeat_interleave(fp8.BLOCK, -1)[..., :cols]
+    scale = scales.repeat_interleave(fp8_numerics.BLOCK, -2)[..., :rows, :].repeat_interleave(fp8_numerics.BLOCK, -1)[..., :cols]
     return torch.maximum(weight.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("shape", RAGGED)
 def test_weight_round_trip_is_within_half_an_e4m3_spacing(shape):
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, shape[-1])
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     assert values.dtype == torch.float8_e4m3fn and values.shape == weight.shape
     assert scales.dtype == torch.float32
     assert scales.shape == (*shape[:-2], math.ceil(shape[-2] / 128), math.ceil(shape[-1] / 128))
-    back = fp8.dequantize_weight(values, scales)
+    back = fp8_numerics.dequantize_weight(values, scales)
     assert torch.all((back - weight).abs() <= _error_bound(weight, scales))
     # the scale of each block is its amax / 448, so every block's largest element maps to exactly 448
     rows, cols = shape[-2:]
@@ -56,16 +59,16 @@ def test_weight_round_trip_is_within_half_an_e4m3_spacing(shape):
 def test_zero_blocks_and_bf16_inputs():
     weight = torch.zeros(130, 130, dtype=torch.bfloat16)
     weight[129, 129] = 3.0  # only the ragged corner block is non-zero
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     assert scales.tolist() == [[1.0, 1.0], [1.0, float(torch.tensor(3.0) / 448)]]  # fp32 division
-    back = fp8.dequantize_weight(values, scales, torch.bfloat16)
+    back = fp8_numerics.dequantize_weight(values, scales, torch.bfloat16)
     assert back.dtype == torch.bfloat16 and torch.equal(back, weight)
 
 
 def test_activation_quantization_is_per_token_and_group():
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
     x[2] *= 1000  # one loud token does not coarsen the others
-    values, scales = fp8.quantize_activation(x)
+    values, scales = fp8_numerics.quantize_activation(x)
     assert scales.shape == (5, 3)
     torch.testing.assert_close(scales[:, 0], x[:, :128].abs().amax(-1) / 448, rtol=0, atol=0)
     scale = scales.repeat_interleave(128, -1)[:, :300]
@@ -79,7 +82,7 @@ def test_dequant_linear_equals_matmul_with_the_dequantized_weight():
     module = fp8.Fp8Linear(linear, "dequant")
     x = torch.randn(4, 7, 300)
     linear.requires_grad_(False)
-    weight = fp8.dequantize_weight(module.weight_fp8, module.weight_scale_inv)
+    weight = fp8_numerics.dequantize_weight(module.weight_fp8, module.weight_scale_inv)
     torch.testing.assert_close(module(x), x @ weight.T + linear.bias)
     # and close to the full-precision layer (e4m3 keeps ~2 significant digits of each weight)
     exact = linear(x)
@@ -124,9 +127,9 @@ def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_feature
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles and _tiles(*tiles))
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     # the same quantized operands, summed in another order: fp32 rounding apart (one activation
     # element an e4m3 step off moves an output by ~1e-3 of its scale)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
@@ -139,7 +142,7 @@ def test_triton_gemm_interpreted_equals_reference(rows, out_features, in_feature
 
 def _weight_only_reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 ``x @ W_deqᵀ`` with the weight dequantized to ``x``'s dtype (the ``dequant`` path's numbers)."""
-    return x.float() @ fp8.dequantize_weight(values, scales, x.dtype).float().T
+    return x.float() @ fp8_numerics.dequantize_weight(values, scales, x.dtype).float().T
 
 
 @needs_interpreter
@@ -161,7 +164,7 @@ def test_weight_only_gemm_interpreted_equals_the_dequantized_matmul(rows, out_fe
     generator = torch.Generator().manual_seed(rows + out_features)
     x = (torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator) * torch.logspace(1, -2, out_features)[:, None]
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     out = fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles and fp8_triton.WeightOnlyTiles(*tiles))
     assert out.dtype == dtype and out.shape == (rows, out_features)
     reference = _weight_only_reference(x, values, scales)
@@ -237,15 +240,15 @@ def test_triton_gemm_interpreted_rounds_ties_like_the_gpu_cast():
     x[:, ::128] = 448.0  # amax 448 -> scale 1 in every group
     x[0, 5] = 124.3
     weight = torch.randn(64, cols, generator=generator) / cols**0.5
-    w_values, w_scales = fp8.quantize_weight(weight)
+    w_values, w_scales = fp8_quantize.quantize_weight(weight)
     out = fp8_triton.w8a8_block_matmul(x, w_values, w_scales, torch.float32, tiles=_tiles(16, 32, 2))
-    reference = fp8.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
     tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     torch.testing.assert_close(out, reference, **tolerance)
     # the check has teeth: rounding the ties away from zero instead moves the outputs well past it
     ties = torch.isin(x.abs(), _e4m3_midpoints())
     away = torch.where(ties, torch.nextafter(x, 2 * x), x)
-    assert not torch.allclose(fp8.reference_matmul(away, w_values, w_scales, quantize_inputs=True), reference, **tolerance)
+    assert not torch.allclose(fp8_numerics.reference_matmul(away, w_values, w_scales, quantize_inputs=True), reference, **tolerance)
 
 
 @needs_interpreter
@@ -269,15 +272,15 @@ def test_triton_gemm_interpreted_divides_like_the_reference_next_to_ties():
     x[:, :, 1:] = near[:, torch.randperm(groups * 127, generator=generator) % near.shape[1]].view(rows, groups, 127)
     x = x.view(rows, groups * 128)
     weight = torch.randn(96, groups * 128, generator=generator) / 25
-    w_values, w_scales = fp8.quantize_weight(weight)
+    w_values, w_scales = fp8_quantize.quantize_weight(weight)
     out = fp8_triton.w8a8_block_matmul(x, w_values, w_scales, torch.float32, tiles=_tiles(64, 32, 2))
-    reference = fp8.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, w_values, w_scales, quantize_inputs=True)
     tolerance = dict(rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     torch.testing.assert_close(out, reference, **tolerance)
     # the check has teeth: multiplying by the rounded reciprocal alone lands elsewhere
     inverse = (1 / scale)[:, None, None]
     naive = (x.view(rows, groups, 128) * inverse).to(torch.float8_e4m3fn).float() * scale[:, None, None]
-    naive_out = naive.view(rows, -1) @ fp8.dequantize_weight(w_values, w_scales).T
+    naive_out = naive.view(rows, -1) @ fp8_numerics.dequantize_weight(w_values, w_scales).T
     assert not torch.allclose(naive_out, reference, **tolerance)
 
 
@@ -505,7 +508,7 @@ def test_triton_linear_interpreted_bf16_with_bias(batch):
     assert triton_out.dtype == torch.bfloat16 and triton_out.shape == (*batch, 96)
     assert float((triton_out.float() - dequant_out.float()).norm() / dequant_out.float().norm()) < 0.06
     # the quantized-activation product itself, up to two bf16 roundings (the GEMM's output, then + bias)
-    reference = fp8.reference_matmul(x.reshape(-1, 256), module.weight_fp8, module.weight_scale_inv, True) + linear.bias
+    reference = fp8_numerics.reference_matmul(x.reshape(-1, 256), module.weight_fp8, module.weight_scale_inv, True) + linear.bias
     torch.testing.assert_close(triton_out.reshape(-1, 96).float(), reference, rtol=2**-6, atol=2**-6)
 
 
@@ -519,9 +522,9 @@ def mma_tolerance(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     (wgmma tiles) and 3.6e-8 (mma.sync, 16-row tiles), with bit-exact quantized inputs. A wrong scale
     or a dropped split-K partial moves an output by a sizeable part of that sum (see
     ``test_mma_tolerance_catches_wrong_scales_and_missing_splits``)."""
-    q, s = fp8.quantize_activation(x)
-    x_q = q.float() * s.repeat_interleave(fp8.BLOCK, dim=-1)[:, : x.shape[1]]
-    magnitude = x_q.abs() @ fp8.dequantize_weight(values, scales, torch.float32).abs().T
+    q, s = fp8_numerics.quantize_activation(x)
+    x_q = q.float() * s.repeat_interleave(fp8_numerics.BLOCK, dim=-1)[:, : x.shape[1]]
+    magnitude = x_q.abs() @ fp8_numerics.dequantize_weight(values, scales, torch.float32).abs().T
     return magnitude * 2.0**-12 + 1e-12
 
 
@@ -544,22 +547,22 @@ def test_mma_tolerance_catches_wrong_scales_and_missing_splits():
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(64, 1024, generator=generator)
     weight = torch.randn(256, 1024, generator=generator) / 32
-    values, scales = fp8.quantize_weight(weight)
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    values, scales = fp8_quantize.quantize_weight(weight)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     tolerance = mma_tolerance(x, values, scales)
-    reordered = sum(fp8.reference_matmul(x[:, k:k + 256], values[:, k:k + 256], scales[:, k // 128:(k + 256) // 128],
+    reordered = sum(fp8_numerics.reference_matmul(x[:, k:k + 256], values[:, k:k + 256], scales[:, k // 128:(k + 256) // 128],
                                          quantize_inputs=True) for k in range(0, 1024, 256))
     assert_within_mma_tolerance(reordered, reference, tolerance)
     wrong_block = scales.clone()
     wrong_block[1, 3] *= 2
-    mutants = {"weight block scale x2": fp8.reference_matmul(x, values, wrong_block, quantize_inputs=True)}
-    q, s = fp8.quantize_activation(x)
+    mutants = {"weight block scale x2": fp8_numerics.reference_matmul(x, values, wrong_block, quantize_inputs=True)}
+    q, s = fp8_numerics.quantize_activation(x)
     s[5, 2] *= 2
     x_wrong = q.float() * s.repeat_interleave(128, dim=-1)
-    mutants["token scale x2"] = x_wrong @ fp8.dequantize_weight(values, scales).T
+    mutants["token scale x2"] = x_wrong @ fp8_numerics.dequantize_weight(values, scales).T
     missing = x.clone()
     missing[:, 512:768] = 0  # split 3 of 4 (two K steps each) never added
-    mutants["split partial missing"] = fp8.reference_matmul(missing, values, scales, quantize_inputs=True)
+    mutants["split partial missing"] = fp8_numerics.reference_matmul(missing, values, scales, quantize_inputs=True)
     for name, mutant in mutants.items():
         with pytest.raises(AssertionError, match="exceeds the MMA bound"):
             assert_within_mma_tolerance(mutant, reference, tolerance)
@@ -580,7 +583,7 @@ def _ties_and_random_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
 @needs_interpreter
 @pytest.mark.parametrize("rows,cols,row_align", [(5, 300, 16), (16, 256, 16), (3, 128, 1), (17, 128, 16)])
 def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
-    """The separate quantizer (two-kernel and cuBLASLt paths) writes exactly ``fp8.quantize_activation``'s
+    """The separate quantizer (two-kernel and cuBLASLt paths) writes exactly ``fp8_numerics.quantize_activation``'s
     values and scales, ties included; padding rows are 0 with scale 1; the scales are group-major
     (strides ``(1, rows')``), the layout cuBLASLt's 1 x 128 scaling reads."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
@@ -590,7 +593,7 @@ def test_activation_quantizer_interpreted_is_bit_exact(rows, cols, row_align):
     padded = -(-rows // row_align) * row_align
     assert values.shape == (padded, cols) and values.dtype == torch.float8_e4m3fn
     assert scales.shape == (padded, -(-cols // 128)) and scales.stride() == (1, padded)
-    expected_values, expected_scales = fp8.quantize_activation(x.to(torch.bfloat16).float())
+    expected_values, expected_scales = fp8_numerics.quantize_activation(x.to(torch.bfloat16).float())
     assert torch.equal(values[:rows].float(), expected_values.float())  # (the interpreter's rounding writes -0 as +0)
     assert torch.equal(scales[:rows], expected_scales)
     assert not values[rows:].float().any() and bool((scales[rows:] == 1).all())
@@ -618,14 +621,14 @@ def _weight_blocks(shape: tuple[int, ...], seed: int) -> torch.Tensor:
                                          ((3, 130, 257), torch.bfloat16), ((2, 256, 384), torch.float32)])
 def test_weight_quantizer_interpreted_is_bit_exact(shape, dtype):
     """``fp8_triton.quantize_weight_into`` (one launch, the FP8 weight update's quantizer on CUDA) writes
-    ``fp8.quantize_weight``'s torch numbers: ragged edges (zero padding: the amax of the block's real
+    ``fp8_quantize.quantize_weight``'s torch numbers: ragged edges (zero padding: the amax of the block's real
     values), all-zero blocks (scale 1), e4m3 ties, scales far from 1 (where ``w · (1/s)`` instead of a
     correctly rounded ``w / s`` would differ: checked to differ on this data), stacked experts."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     weight = _weight_blocks(shape, seed=sum(shape)).to(dtype)
     weight[..., 128:, :128] = 0  # an all-zero block (where there are rows past 128)
-    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
+    expected_values, expected_scales = fp8_numerics._quantize_weight_torch(weight)
     values = torch.empty_like(expected_values)
     scales = torch.full_like(expected_scales, float("nan"))
     fp8_triton.quantize_weight_into(weight, values, scales)
@@ -649,7 +652,7 @@ def test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows()
     wide = _weight_blocks((256, 640), seed=3)
     weight = wide[:, 64:64 + 384]  # row stride 640
     assert weight.stride() == (640, 1)
-    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
+    expected_values, expected_scales = fp8_numerics._quantize_weight_torch(weight)
     storage = torch.full((512, 384), 3.0).to(torch.float8_e4m3fn)
     storage_scales = torch.full((4, 3), 7.0)
     fp8_triton.quantize_weight_into(weight, storage[128:384], storage_scales[1:3])
@@ -666,7 +669,7 @@ def test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows()
     # ...experts.gate_up_proj), a 3-d input whose experts lie 2I rows apart
     fused = _weight_blocks((3, 2 * 130, 257), seed=4)
     up = fused[:, 130:]
-    expected_values, expected_scales = fp8._quantize_weight_torch(up)
+    expected_values, expected_scales = fp8_numerics._quantize_weight_torch(up)
     up_values, up_scales = torch.empty_like(expected_values), torch.empty_like(expected_scales)
     fp8_triton.quantize_weight_into(up, up_values, up_scales)
     assert torch.equal(up_values.float(), expected_values.float()) and torch.equal(up_scales, expected_scales)
@@ -688,10 +691,10 @@ def test_two_kernel_gemm_interpreted_equals_reference(rows, out_features, in_fea
     generator = torch.Generator().manual_seed(rows + 1)
     x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     out = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles and _tiles(*tiles),
                                        quantize_first=True)
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
@@ -710,7 +713,7 @@ def test_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_feat
     generator = torch.Generator().manual_seed(rows + in_features)
     x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     assert fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
     tiles = tiles and _tiles(*tiles)
     by_tma = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles, quantize_first=True)
@@ -720,7 +723,7 @@ def test_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_feat
                                                                                         in_features, x.device),
                                                quantize_first=True)
     assert torch.equal(by_tma, by_pointers)
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     torch.testing.assert_close(by_tma, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
@@ -731,8 +734,8 @@ def test_tma_usable_needs_16_byte_rows():
 
     if fp8_triton.TensorDescriptor is None:
         pytest.skip("this Triton has no host-side tensor descriptors")
-    aligned = torch.zeros(4, 320, dtype=fp8.FP8_DTYPE)
-    ragged = torch.zeros(4, 300, dtype=fp8.FP8_DTYPE)
+    aligned = torch.zeros(4, 320, dtype=fp8_numerics.FP8_DTYPE)
+    ragged = torch.zeros(4, 300, dtype=fp8_numerics.FP8_DTYPE)
     interpreting = fp8_triton._interpreting()
     assert fp8_triton.tma_usable(aligned, aligned) is interpreting  # a CPU tensor: only under the interpreter
     assert not fp8_triton.tma_usable(ragged, ragged)
@@ -837,10 +840,10 @@ def test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_sh
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(5, 512, generator=generator)
     weight = torch.randn(144, 512, generator=generator) / 23  # N = 144: one ragged row of weight blocks
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     out = fp8_cublas.block_matmul(x, values, scales, torch.float32)
     assert out.shape == (5, 144) and calls == [(16, 144, 512)]
-    torch.testing.assert_close(out, fp8.reference_matmul(x, values, scales, quantize_inputs=True), rtol=1e-5,
+    torch.testing.assert_close(out, fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True), rtol=1e-5,
                                atol=1e-6)
     linear = nn.Linear(512, 144, bias=False)
     linear.weight.data.copy_(weight)
@@ -851,7 +854,7 @@ def test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_sh
     ragged = fp8.Fp8Linear(nn.Linear(300, 200, bias=False), "cublas")  # K = 300: not whole 128-channel groups
     with caplog.at_level(logging.INFO, logger=fp8.__name__):
         y = torch.randn(3, 300, generator=generator)
-        torch.testing.assert_close(ragged(y), fp8.reference_matmul(y, ragged.weight_fp8, ragged.weight_scale_inv,
+        torch.testing.assert_close(ragged(y), fp8_numerics.reference_matmul(y, ragged.weight_fp8, ragged.weight_scale_inv,
                                                                    quantize_inputs=True), rtol=1e-5, atol=1e-6)
         ragged(y)
     assert len(calls) == 2
@@ -887,7 +890,7 @@ def test_cublas_check_gemm_catches_a_refused_or_misread_recipe(monkeypatch):
 
 
 def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypatch):
-    """``fp8.warm_up`` runs one GEMM per distinct compiled launch (shape x path x tiles) of the
+    """``fp8_install.warm_up`` runs one GEMM per distinct compiled launch (shape x path x tiles) of the
     linears and routed experts, once per shape however many layers or experts share it (an expert's
     gate and up are one shape), and after it every token count up to the
     limit maps to a launch it ran — so no decode bucket or prefill compiles mid-rollout; far fewer
@@ -899,7 +902,7 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
     calls = []
     monkeypatch.setattr(fp8_triton, "available", lambda device: True)
     accumulating = []  # the two-kernel launches' epilogue-add variant (fused_ops' residual in the down GEMM)
-    monkeypatch.setattr(fp8, "fp8_linear", lambda x, values, scales, bias, backend, accumulate_into=None: (
+    monkeypatch.setattr(fp8_install, "fp8_linear", lambda x, values, scales, bias, backend, accumulate_into=None: (
         accumulating if accumulate_into is not None else calls).append((x.shape[0], *values.shape)))
     class Experts(nn.Module):  # transformers' fused routed-experts layout: 4 experts, I = 384, H = 256
         def __init__(self):
@@ -912,9 +915,9 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
         nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False),
                        "experts": Experts()})
         for _ in range(3))})
-    weights = fp8.quantize_model(model, "triton")
+    weights = fp8_install.quantize_model(model, "triton")
     assert len(weights.experts) == 3
-    count, _ = fp8.warm_up(weights, max_rows=600)
+    count, _ = fp8_install.warm_up(weights, max_rows=600)
     assert count == len(calls) and len({(rows, n, k) for rows, n, k in calls}) == len(calls)
     shapes = [(1024, 256), (256, 1024), (384, 256), (256, 384)]  # linears; experts' gate = up, down
     assert {(n, k) for _, n, k in calls} == set(shapes)
@@ -932,7 +935,7 @@ def test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count(monkeypat
         assert two_kernel and two_kernel == {call for call in accumulating if call[1:] == (n, k)}
     calls.clear()
     monkeypatch.setattr(fp8_triton, "available", lambda device: False)  # no Triton path: nothing to compile
-    assert fp8.warm_up(weights, max_rows=600)[0] == 0 and not calls
+    assert fp8_install.warm_up(weights, max_rows=600)[0] == 0 and not calls
 
 
 @needs_interpreter
@@ -947,9 +950,9 @@ def test_warm_up_interpreted_runs_the_real_gemms():
         nn.ModuleDict({"up": nn.Linear(256, 384, bias=False), "down": nn.Linear(384, 256, bias=False)})
         for _ in range(2))})
     x = torch.randn(70, 256)
-    weights = fp8.quantize_model(model, "triton")
+    weights = fp8_install.quantize_model(model, "triton")
     before = model["layers"][1]["down"](model["layers"][0]["up"](x))
-    count, _ = fp8.warm_up(weights, max_rows=80)
+    count, _ = fp8_install.warm_up(weights, max_rows=80)
     cpu = torch.device("cpu")
     expected = {(n, k, *fp8_triton.launch_key(fp8.gemm_path("triton", rows, n, k, cpu), rows, n, k, cpu, True))
                 for n, k in [(384, 256), (256, 384)] for rows in range(1, 81)}
@@ -1022,8 +1025,8 @@ def test_get_weight_answers_the_dequantized_weight(runners, name):
     full, quantized = runners[None].get_weight(name), runners["fp8"].get_weight(name)
     assert quantized.shape == full.shape and quantized.dtype == torch.float32
     assert not torch.equal(quantized, full)
-    values, scales = fp8.quantize_weight(full)
-    assert torch.equal(quantized, fp8.dequantize_weight(values, scales))
+    values, scales = fp8_quantize.quantize_weight(full)
+    assert torch.equal(quantized, fp8_numerics.dequantize_weight(values, scales))
 
 
 def test_a_fused_part_updates_only_its_own_blocks(runners):
@@ -1033,7 +1036,7 @@ def test_a_fused_part_updates_only_its_own_blocks(runners):
     gate = runner.get_weight("model.layers.0.mlp.gate_proj.weight").clone()
     new = torch.randn(gate.shape, generator=torch.Generator().manual_seed(7)) * 0.05
     assert runner.load_named_tensors([("model.layers.0.mlp.gate_proj.weight", new)]) == 1
-    expected_values, expected_scales = fp8.quantize_weight(new)
+    expected_values, expected_scales = fp8_quantize.quantize_weight(new)
     assert torch.equal(fused.weight_fp8[:384].view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(fused.weight_scale_inv[:3], expected_scales)
     # up_proj's rows and scales are untouched
@@ -1041,7 +1044,7 @@ def test_a_fused_part_updates_only_its_own_blocks(runners):
     assert torch.equal(fused.weight_scale_inv[3:], scales_before[3:])
     # and the layer computes with the new gate: the fused GEMM's gate columns are x @ dequant(new)ᵀ
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(8))
-    torch.testing.assert_close(fused(x)[:, :384], x @ fp8.dequantize_weight(expected_values, expected_scales).T)
+    torch.testing.assert_close(fused(x)[:, :384], x @ fp8_numerics.dequantize_weight(expected_values, expected_scales).T)
     runner.load_named_tensors([("model.layers.0.mlp.gate_proj.weight", gate)])
 
 
@@ -1053,7 +1056,7 @@ def test_weight_update_quantizes_by_name_and_refuses_bad_names(runners):
     storage = runner.fp8.linears["model.layers.0.mlp.down_proj"].weight_fp8
     before = storage.data_ptr()
     assert runner.load_named_tensors([(name, new.to(torch.bfloat16))]) == 1
-    expected = fp8.dequantize_weight(*fp8.quantize_weight(new.to(torch.bfloat16)))
+    expected = fp8_numerics.dequantize_weight(*fp8_quantize.quantize_weight(new.to(torch.bfloat16)))
     assert torch.equal(runner.get_weight(name), expected)
     assert storage.data_ptr() == before  # updated in place: captured CUDA graphs stay valid
     with pytest.raises(ValueError, match=r"expected shape \(128, 384\)"):
@@ -1071,7 +1074,7 @@ def test_disk_update_is_quantized(runners, tiny_model_dir, tmp_path):
     runner = runners["fp8"]
     runner.load_from_disk(str(new_dir))
     name = "model.layers.2.self_attn.q_proj.weight"
-    assert torch.equal(runner.get_weight(name), fp8.dequantize_weight(*fp8.quantize_weight(state[name])))
+    assert torch.equal(runner.get_weight(name), fp8_numerics.dequantize_weight(*fp8_quantize.quantize_weight(state[name])))
     assert torch.equal(runner.get_weight("model.norm.weight"), state["model.norm.weight"])
     runner.load_from_disk(tiny_model_dir)
 
@@ -1107,14 +1110,14 @@ def test_moe_experts_are_quantized_and_updated_by_checkpoint_and_fused_names(tin
     new_gate = torch.randn(gate.shape, generator=torch.Generator().manual_seed(0)) * 0.05
     runner.load_named_tensors([(f"{prefix}.3.gate_proj.weight", new_gate)])
     assert torch.equal(runner.get_weight(f"{prefix}.3.gate_proj.weight"),
-                       fp8.dequantize_weight(*fp8.quantize_weight(new_gate)))
+                       fp8_numerics.dequantize_weight(*fp8_quantize.quantize_weight(new_gate)))
     fused = runner.get_weight(f"{prefix}.gate_up_proj")
     assert torch.equal(fused[3, :gate.shape[0]], runner.get_weight(f"{prefix}.3.gate_proj.weight"))
     new_fused = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1)) * 0.05
     runner.load_named_tensors([(f"{prefix}.gate_up_proj", new_fused)])
     half = fused.shape[1] // 2
     assert torch.equal(runner.get_weight(f"{prefix}.5.up_proj.weight"),
-                       fp8.dequantize_weight(*fp8.quantize_weight(new_fused[5, half:])))
+                       fp8_numerics.dequantize_weight(*fp8_quantize.quantize_weight(new_fused[5, half:])))
     with pytest.raises(ValueError, match="expected shape"):
         runner.load_named_tensors([(f"{prefix}.gate_up_proj", new_fused[:, :half])])
 
@@ -1191,8 +1194,8 @@ def test_gpu_triton_gemm_equals_reference(rows, out_features, in_features):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
-    values, scales = fp8.quantize_weight(weight)
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    values, scales = fp8_quantize.quantize_weight(weight)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     tolerance = mma_tolerance(x, values, scales)
     print(rows, out_features, in_features, fp8_triton.plan_tiles(rows, out_features, in_features, x.device))
     for quantize_first in (False, True):
@@ -1217,7 +1220,7 @@ def test_gpu_weight_only_gemm_equals_the_dequantized_matmul(rows, out_features, 
 
     generator = torch.Generator().manual_seed(rows)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     print(rows, out_features, in_features, fp8_triton.plan_weight_only(rows, out_features, in_features,
                                                                         torch.device("cuda")))
     for dtype in (torch.bfloat16, torch.float32):
@@ -1239,7 +1242,7 @@ def test_gpu_weight_only_split_k_replays_in_a_cuda_graph():
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     generator = torch.Generator().manual_seed(0)
-    values, scales = fp8.quantize_weight((torch.randn(1024, 2048, generator=generator) / 45).cuda())
+    values, scales = fp8_quantize.quantize_weight((torch.randn(1024, 2048, generator=generator) / 45).cuda())
     x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
     tiles = fp8_triton.WeightOnlyTiles(64, 64, 4)
     fp8_triton.weight_only_matmul(x, values, scales, tiles=tiles)  # compile, counters: not in capture
@@ -1263,7 +1266,7 @@ def test_gpu_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     generator = torch.Generator().manual_seed(rows)
-    values, scales = fp8.quantize_weight((torch.randn(out_features, in_features, generator=generator)
+    values, scales = fp8_quantize.quantize_weight((torch.randn(out_features, in_features, generator=generator)
                                           / in_features**0.5).cuda())
     x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
     assert fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
@@ -1275,7 +1278,7 @@ def test_gpu_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_
     for seed in range(2):
         x.copy_(torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed + 1)).cuda())
         graph.replay()
-        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
         assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales))
         with monkeypatch.context() as patch:
             patch.setattr(fp8_triton, "USE_TMA", False)
@@ -1287,7 +1290,7 @@ def test_gpu_two_kernel_gemm_by_tma_equals_pointer_loads(monkeypatch, rows, out_
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton", "weight_only"])
 def test_gpu_warm_up_leaves_nothing_to_compile(backend):
-    """After ``fp8.warm_up``, a GEMM of any token count up to the limit finds its kernel compiled: the
+    """After ``fp8_install.warm_up``, a GEMM of any token count up to the limit finds its kernel compiled: the
     JIT caches of the FP8 kernels do not grow (an argument that varies with the batch, specialized
     on, would add a compile mid-rollout)."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
@@ -1304,8 +1307,8 @@ def test_gpu_warm_up_leaves_nothing_to_compile(backend):
     model = nn.ModuleDict({"layers": nn.ModuleList(
         nn.ModuleDict({"up": nn.Linear(1024, 3072, bias=False), "down": nn.Linear(3072, 1024, bias=False)})
         for _ in range(2))}).cuda().to(torch.bfloat16)
-    weights = fp8.quantize_model(model, fp8.resolve_backend(backend, torch.device("cuda")))
-    fp8.warm_up(weights, max_rows=300)
+    weights = fp8_install.quantize_model(model, fp8.resolve_backend(backend, torch.device("cuda")))
+    fp8_install.warm_up(weights, max_rows=300)
     before = compiled()
     layer = model["layers"][0]
     for rows in range(1, 301):
@@ -1321,7 +1324,7 @@ def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
 
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(1024, 2048, generator=generator) / 45).cuda()
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
     tiles = _tiles(64, 64, 4)
     fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles)  # compile, counters: not in capture
@@ -1331,14 +1334,14 @@ def test_gpu_split_k_gemm_replays_in_a_cuda_graph():
     for seed in range(3):
         x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
         graph.replay()
-        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
         assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales))
 
 
 @pytest.mark.gpu
 def test_gpu_activation_quantizer_is_bit_exact():
     """The compiled quantizer (the GPU's own fp32 -> e4m3 cast; the fused GEMM quantizes with the same
-    code) writes exactly ``fp8.quantize_activation``'s values and scales, e4m3 ties and their fp32
+    code) writes exactly ``fp8_numerics.quantize_activation``'s values and scales, e4m3 ties and their fp32
     neighbours included: no MMA in between, so no tolerance. One difference is allowed, the sign of a
     zero: the kernel's fma correction of ``x / s`` turns -0 into +0 (measured on the H200: the only 32
     of 78,848 values that differed), which no product can tell apart."""
@@ -1347,7 +1350,7 @@ def test_gpu_activation_quantizer_is_bit_exact():
     x = _ties_and_random_rows(77, 1024, seed=0).cuda()
     for source in (x, x.to(torch.bfloat16)):
         values, scales = fp8_triton.quantize_activation(source, row_align=16)
-        expected_values, expected_scales = fp8.quantize_activation(source)
+        expected_values, expected_scales = fp8_numerics.quantize_activation(source)
         got = values[:77]
         same_bits = got.view(torch.uint8) == expected_values.view(torch.uint8)
         both_zero = (got.float() == 0) & (expected_values.float() == 0)
@@ -1412,15 +1415,15 @@ def test_weight_quantizer_compiles_for_h200(tmp_path):
 @pytest.mark.parametrize("shape,dtype", [((19456, 2560), torch.bfloat16), ((2560, 9728), torch.bfloat16),
                                          ((1000, 1000), torch.float32), ((8, 768, 2048), torch.bfloat16)])
 def test_gpu_weight_quantizer_is_bit_exact(shape, dtype):
-    """The compiled weight quantizer (``fp8.quantize_weight`` on CUDA, every FP8 weight update) writes
+    """The compiled weight quantizer (``fp8_quantize.quantize_weight`` on CUDA, every FP8 weight update) writes
     the bits of the torch version (the GPU's own e4m3 cast; in fp32 next to ties, its division):
     Qwen3-4B's gate_up and down, a ragged matrix, a stack of experts."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     weight = _weight_blocks(shape, seed=len(shape)).to(dtype).cuda()
-    expected_values, expected_scales = fp8._quantize_weight_torch(weight)
-    values, scales = fp8.quantize_weight(weight)  # dispatches to the kernel on CUDA
-    assert fp8._triton_quantizes(weight) and fp8_triton.available(weight.device)
+    expected_values, expected_scales = fp8_numerics._quantize_weight_torch(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)  # dispatches to the kernel on CUDA
+    assert fp8_quantize._triton_quantizes(weight) and fp8_triton.available(weight.device)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(scales, expected_scales)
 
@@ -1445,9 +1448,9 @@ def test_gpu_cublas_gemm_equals_reference(rows, out_features, in_features):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).cuda().to(torch.bfloat16)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).cuda()
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     assert fp8.gemm_path("cublas", rows, out_features, in_features, x.device) == "cublas"
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+    reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
     out = fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales), output_rounding=2.0**-8)
@@ -1464,7 +1467,7 @@ def test_gpu_cublas_gemm_replays_in_a_cuda_graph():
 
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(1024, 2048, generator=generator) / 45).cuda()
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     x = torch.randn(64, 2048, generator=generator).cuda().to(torch.bfloat16)
     fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)  # compile the quantizer, pick the cuBLASLt algorithm
     torch.cuda.synchronize()
@@ -1474,7 +1477,7 @@ def test_gpu_cublas_gemm_replays_in_a_cuda_graph():
     for seed in range(3):
         x.copy_(torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed + 1)).cuda())
         graph.replay()
-        reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
+        reference = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True)
         assert_within_mma_tolerance(out, reference, mma_tolerance(x, values, scales), output_rounding=2.0**-8)
 
 
@@ -1580,7 +1583,7 @@ def test_gpu_fp8_moe_engine_decodes_through_cuda_graphs(tiny_deepseek_v3_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer(dtype):
     """``fused_ops``' RMSNorm, residual add + RMSNorm and SiLU gate with ``quantize=True`` return the same
-    output and, beside it, exactly ``fp8.quantize_activation`` of that output (values and group-major
+    output and, beside it, exactly ``fp8_numerics.quantize_activation`` of that output (values and group-major
     scales): the FP8 GEMM that reads them computes what it would after its own quantize launch."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
     from slime.backends.embedded_engine.kernels import fused_ops
@@ -1596,7 +1599,7 @@ def test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer(dtype):
         assert scales.shape == want_scales.shape and scales.stride() == want_scales.stride()  # group-major
         assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
         assert torch.equal(scales, want_scales)
-        torch_values, torch_scales = fp8.quantize_activation(out)  # and torch's numbers (-0.0 comes out +0.0)
+        torch_values, torch_scales = fp8_numerics.quantize_activation(out)  # and torch's numbers (-0.0 comes out +0.0)
         assert torch.equal(values.float(), torch_values.float()) and torch.equal(scales, torch_scales)
 
     out, quantized = fused_ops.rms_norm(x, weight, 1e-6, quantize=True)
@@ -1624,7 +1627,7 @@ def test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epil
 
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(40, 768, generator=generator)
-    values, scales = fp8.quantize_weight(torch.randn(256, 768, generator=generator) / 28)
+    values, scales = fp8_quantize.quantize_weight(torch.randn(256, 768, generator=generator) / 28)
     tiles = tiles and _tiles(*tiles)
     plain = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles, quantize_first=True)
     given = fp8_triton.w8a8_block_matmul(x, values, scales, torch.float32, tiles=tiles,
@@ -1674,7 +1677,7 @@ def test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path(monke
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config).eval()
     assert fused_projections.install(model, row_multiple=128) == {"qkv": 2, "gate_up": 2}
-    weights = fp8.quantize_model(model, "triton")
+    weights = fp8_install.quantize_model(model, "triton")
     swap_in_fused_layer_forwards(model)
     offered, epilogue = [], []
     linear_forward = fp8.Fp8Linear.forward
