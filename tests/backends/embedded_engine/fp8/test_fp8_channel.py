@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine.fp8 import channel as fp8_channel
-from test_fp8 import (_SM90_COMPILE, MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
-                      check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs, swap_in_fused_layer_forwards)
+from fp8_test_utils import (_SM90_COMPILE, MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
+                            check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs,
+                            swap_in_fused_layer_forwards)
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -383,7 +384,7 @@ def test_gpu_w8a8_moe_engine_decodes_through_cuda_graphs(tiny_deepseek_v3_dir, b
     import httpx
     from engine_test_utils import hf_logprobs, load_hf
     from slime.backends.embedded_engine.serving.launch import running_engine
-    from test_fp8 import _greedy
+    from fp8_test_utils import _greedy
 
     _needs_sm90()
     hf = load_hf(tiny_deepseek_v3_dir)
