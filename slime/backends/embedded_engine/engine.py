@@ -51,7 +51,7 @@ class Engine:
                  seed: int = 0, speculative: "SpeculativeDecoder | None" = None, num_threads: int | None = None):
         self.runner = runner
         self.num_threads = num_threads  # torch intra-op threads of the engine thread (None: leave as is)
-        self.speculative = speculative  # draft + verify decode steps (speculative.py), None: one token a step
+        self.speculative = speculative  # draft + verify decode steps (speculative/decoder.py), None: one token a step
         self.tokenizer = runner.tokenizer
         shape = runner.kv_cache.shape
         self.scheduler = Scheduler(shape.num_slots, max_prefill_tokens=chunked_prefill_size,

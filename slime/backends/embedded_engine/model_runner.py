@@ -147,8 +147,8 @@ class ModelRunner:
         return DTYPES[dtype]
 
     def _quantize(self, quantization: str | None, gemm_backend: str):
-        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise (``fp8.py``) or
-        per channel (``fp8_channel.py``)."""
+        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise
+        (``fp8/block.py``) or per channel (``fp8/channel.py``)."""
         if quantization is None:
             return None
         from slime.backends.embedded_engine.fp8 import block as fp8
@@ -616,7 +616,7 @@ class ModelRunner:
 
     def _named_tensor(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The tensor an HF name denotes: a parameter/buffer, or a view of the fused expert or fused
-        projection parameter that holds it (``fused_projections.py``)."""
+        projection parameter that holds it (``kernels/fused_projections.py``)."""
         tensor = params.get(name)
         if tensor is None:
             tensor = _fused_expert_slice(params, name)

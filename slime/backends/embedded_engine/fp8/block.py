@@ -26,7 +26,7 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
   weight. About bf16's speed up to 16 tokens, 0.4-0.7x from 64 up on the H200 (the dequantization
   and its register layout cost more than the bytes it saves); its point is the smaller train/rollout
   log-prob gap (no activation rounding).
-* ``triton`` (CUDA): Triton kernels (``fp8_triton.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
+* ``triton`` (CUDA): Triton kernels (``triton_kernels.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
   kernel, which quantizes the activations per token and 128-channel group (``1 x 128`` blocks, the
   same formula) in registers inside the GEMM and multiplies e4m3 by e4m3; above, the two-kernel path:
   the activations quantized once by a separate kernel, then the GEMM on e4m3 A and its scales (the
@@ -34,7 +34,7 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
   of bf16 from 64 tokens up on the H200). The two-kernel GEMM loads its tiles by TMA where the rows are
   16-byte aligned (``fp8_triton.tma_usable``; all Qwen3 shapes), pointer loads elsewhere.
 * ``cublas`` (Hopper, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through ``torch._scaled_mm``
-  (``fp8_cublas.py``), after the same separate activation quantizer; weight shapes it does not take
+  (``cublas.py``), after the same separate activation quantizer; weight shapes it does not take
   fall back to the two-kernel Triton path (a log line once per shape).
 * ``auto`` (the default): on CUDA, the fused kernel up to :data:`FUSED_MAX_ROWS` tokens, the
   two-kernel path up to :data:`TWO_KERNEL_MAX_ROWS` and cuBLASLt above where it runs (else the
@@ -61,7 +61,7 @@ from slime.backends.embedded_engine.fp8.quantize import quantize_weight, quantiz
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in fp8_channel.py
+QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in channel.py
 GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 

@@ -120,7 +120,7 @@ def _warm_up_channel_gemm(values: torch.Tensor, scales: torch.Tensor, dtype: tor
 def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = (), per_channel: bool = False) -> Fp8Weights:
     """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place: 128 x 128
     blocks (``--quantization fp8``), or one scale per output channel (``per_channel``: ``--quantization
-    w8a8_fp8``, ``fp8_channel.py``; ``backend`` is then one of its backends). ``keep``: module-name suffixes
+    w8a8_fp8``, ``channel.py``; ``backend`` is then one of its backends). ``keep``: module-name suffixes
     left in the model dtype (besides routers, embeddings and the head)."""
     from slime.backends.embedded_engine.fp8.channel import ChannelFp8Experts, ChannelFp8Linear
 

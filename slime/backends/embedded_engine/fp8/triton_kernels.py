@@ -57,7 +57,7 @@ from slime.backends.embedded_engine.tickets import Tickets
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the dequantize path of fp8.py is used
+except ImportError:  # CPU-only installs: the dequantize path of block.py is used
     triton = None
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
