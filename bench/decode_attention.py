@@ -54,7 +54,7 @@ def launch_name(launch) -> str:
 def candidates(kv_length: int, dim: int) -> list:
     """Every launch the sweep times: 32/64/128 positions a step (64 at most for heads over 128 wide),
     1-16 splits while each keeps a whole block, 4 or 8 warps, 1-3 stages."""
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
 
     launches = []
     for block in (32, 64, 128):
@@ -72,7 +72,7 @@ def candidates(kv_length: int, dim: int) -> list:
 
 def measure(arch: dict, batch: int, position: int, kv_dtype: str, device: torch.device, repeats: int,
             sweep: bool) -> dict:
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
     from slime.backends.embedded_engine.model_runner import ModelRunner
 
     heads, kv_heads, dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]
@@ -146,7 +146,7 @@ def main() -> None:
     for kv_dtype in args.kv_dtypes.split(","):
         if kv_dtype not in KV_DTYPES:
             parser.error(f"--kv-dtypes: unknown {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
 
     triton_attention.FP8_DOTS_IN_FP16 = args.fp8_dots == "fp16"
     config = {"models": models, "batch": args.batch, "positions": args.positions, "kv_dtypes": args.kv_dtypes,

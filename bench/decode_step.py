@@ -186,35 +186,35 @@ def main() -> None:
             if "fused_norm_rope" in vars(module):
                 del module.fused_norm_rope
     if "attention_merge_in_split" in args.with_:
-        from slime.backends.embedded_engine import triton_attention
+        from slime.backends.embedded_engine.kernels import triton_attention
 
         triton_attention.MERGE_IN_SPLIT_KERNEL = True
     if "attention_early_v" in args.without:
-        from slime.backends.embedded_engine import triton_attention
+        from slime.backends.embedded_engine.kernels import triton_attention
 
         triton_attention.EARLY_V_LOAD = False
     if "small_m_gemm" in args.with_:
-        from slime.backends.embedded_engine import small_gemm
+        from slime.backends.embedded_engine.kernels import small_gemm
 
         small_gemm.ENABLED = True
     if "kv_write_fusion" in args.without:
-        from slime.backends.embedded_engine import fused_ops
+        from slime.backends.embedded_engine.kernels import fused_ops
 
         fused_ops.KV_WRITE_IN_NORM_ROPE = False
     if "fp8_quant_in_producer" in args.without:
-        from slime.backends.embedded_engine import fused_ops
+        from slime.backends.embedded_engine.kernels import fused_ops
 
         fused_ops.FP8_QUANT_IN_PRODUCER = False
     if "down_hand_off" in args.without:
-        from slime.backends.embedded_engine import fused_ops
+        from slime.backends.embedded_engine.kernels import fused_ops
 
         fused_ops.DOWN_SCALES_TO_NEXT_LAYER = False
     if "mlp_residual_gemm" in args.without:
-        from slime.backends.embedded_engine import fused_ops
+        from slime.backends.embedded_engine.kernels import fused_ops
 
         fused_ops.MLP_RESIDUAL_IN_GEMM = False
     if args.attention_block_n is not None:
-        from slime.backends.embedded_engine import triton_attention
+        from slime.backends.embedded_engine.kernels import triton_attention
 
         triton_attention.block_n = lambda dim: args.attention_block_n
     # the runner captured its decode graphs at start (and again in grow_cache), before any switch above: recapture

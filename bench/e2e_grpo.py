@@ -234,7 +234,7 @@ def run_engine_alone(args, model_dir: str, data: dict) -> dict:
 
     from slime.utils import http_utils
 
-    from slime.backends.embedded_engine.launch import running_engine
+    from slime.backends.embedded_engine.serving.launch import running_engine
     from slime.rollout.engine_control import engine_counters, engine_time_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -26,7 +26,7 @@ by ``copies``. The quantize kernel of the two-kernel and cuBLASLt paths is insid
 Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``; per FP8 path ``<path>_us`` (path in
 ``weight_only``, ``fused``, ``two_kernel``, ``cublas``; ``cublas`` absent where it does not run),
 ``<path>_speedup`` (bf16 / it) and ``<path>_max_rel_err`` (its bf16 output against
-``fp8.reference_matmul``, with quantized activations for the W8A8 paths, over the largest output: a
+``fp8_numerics.reference_matmul``, with quantized activations for the W8A8 paths, over the largest output: a
 sanity check that the timed path computes the right thing; the bf16 rounding gives up to ~4e-3, a
 wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``auto_path`` (what
 ``--fp8-gemm-backend auto`` runs there today) and ``auto_over_best`` (its time over the best's:
@@ -84,7 +84,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import hbm_peak, hbm_peak_config, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
-from slime.backends.embedded_engine import fp8  # noqa: E402
+from slime.backends.embedded_engine.fp8 import block as fp8  # noqa: E402
+from slime.backends.embedded_engine.fp8 import numerics as fp8_numerics  # noqa: E402
+from slime.backends.embedded_engine.fp8 import quantize as fp8_quantize  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_hidden_layers=2)
@@ -107,7 +109,7 @@ def layer_shapes(arch: dict, layout: str = "separate") -> dict[str, tuple[int, i
 
 
 def _paths(device: torch.device, out_features: int, in_features: int) -> list[str]:
-    from slime.backends.embedded_engine import fp8_cublas
+    from slime.backends.embedded_engine.fp8 import cublas as fp8_cublas
 
     paths = ["weight_only", "fused", "two_kernel"]
     if fp8_cublas.available(device) and fp8_cublas.shape_supported(out_features, in_features):
@@ -116,7 +118,8 @@ def _paths(device: torch.device, out_features: int, in_features: int) -> list[st
 
 
 def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tiles=None):
-    from slime.backends.embedded_engine import fp8_cublas, fp8_triton
+    from slime.backends.embedded_engine.fp8 import cublas as fp8_cublas
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     if path == "cublas":
         return fp8_cublas.block_matmul(x, values, scales, torch.bfloat16)
@@ -128,15 +131,15 @@ def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Te
 
 def bench_weight_quantize(out_features: int, in_features: int, device: torch.device, repeats: int) -> dict:
     """One weight's quantization (an FP8 weight update's cost per matrix): the torch version
-    (``fp8._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
+    (``fp8_numerics._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
     one-launch kernel writing into the storage (``fp8_triton.quantize_weight_into``); bf16 weight."""
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     weight = torch.randn(out_features, in_features, device=device).to(torch.bfloat16)
-    values, scales = fp8._quantize_weight_torch(weight)
+    values, scales = fp8_numerics._quantize_weight_torch(weight)
 
     def torch_update():
-        new_values, new_scales = fp8._quantize_weight_torch(weight)
+        new_values, new_scales = fp8_numerics._quantize_weight_torch(weight)
         values.copy_(new_values)
         scales.copy_(new_scales)
 
@@ -182,7 +185,7 @@ def time_each(candidates: list, timer) -> list[tuple[float, object]]:
 def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   device: torch.device, repeats: int, copies: int, sweep: bool) -> dict:
     """The ``--rowwise`` columns (see the module doc)."""
-    from slime.backends.embedded_engine import fp8_channel
+    from slime.backends.embedded_engine.fp8 import channel as fp8_channel
 
     quantized = fp8_channel.quantize_rows(x)
     w8, w_scales = fp8_channel.quantize_rows(weight)
@@ -203,7 +206,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
     exact = x.float() @ weight.float().t()
     scale = exact.abs().mean()
     reference = fp8_channel.reference_matmul(x, w8, w_scales)
-    block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
+    block = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True).float()
     def unscaled(w8, w_scales):  # the cublas backend's GEMM: its reader applies the scales
         return fp8_channel.unscaled_mm(quantized[0], w8, torch.bfloat16)
 
@@ -227,11 +230,11 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
 
 
 def bench_shape(out_features: int, in_features: int, rows_list: list[int], device: torch.device, args) -> dict:
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     generator = torch.Generator().manual_seed(out_features * 7 + in_features)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(device, torch.bfloat16)
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     copies = max(1, min(MAX_COPIES, math.ceil(COLD_WEIGHT_BYTES / weight.numel() / weight.element_size())))
     if device.type != "cuda":
         copies = 1
@@ -247,7 +250,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         fp8_bytes = values.numel() + scales.numel() * 4 + moved_in_out
         result = {"bf16_us": time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device,
                                      args.repeats)}
-        references = {quantized: fp8.reference_matmul(x, values, scales, quantize_inputs=quantized)
+        references = {quantized: fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=quantized)
                       for quantized in (False, True)}
 
         def fp8_calls(path, tiles=None):
@@ -341,7 +344,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.rowwise and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         parser.error("--rowwise: torch._scaled_mm's row-wise FP8 GEMM runs on sm_90 (H100/H200) only")
-    from slime.backends.embedded_engine import fp8_triton
+    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     if not fp8_triton.available(device):
         parser.error(f"the FP8 Triton kernel cannot run on {device.type}: it needs CUDA with triton, or "

@@ -107,7 +107,7 @@ async def burst(url: str, prompts, max_new_tokens: int, temperature: float) -> f
 
 
 def measure(engine_name: str, model_path: str, engine_args: list[str], prompts, args, env: dict | None = None) -> dict:
-    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 
     context = max(512, max(len(p) for p in prompts) + args.max_new_tokens + 16)
     engine = EmbeddedEngineProcess(model_path, env=env, extra_args=[
@@ -191,7 +191,7 @@ def main() -> None:
         else:
             model_path = build_checkpoint(args.model, tmp + "/target")
         if "nextn" in wanted and not args.model_path:
-            from slime.backends.embedded_engine.mtp import add_mtp_layer, make_markov_checkpoint
+            from slime.backends.embedded_engine.speculative.mtp import add_mtp_layer, make_markov_checkpoint
 
             if "deepseek" not in args.model:
                 raise SystemExit(f"--engines nextn needs a DeepSeek-V3 architecture (--model deepseek-v3-1b), "

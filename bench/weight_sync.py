@@ -88,7 +88,7 @@ def nccl_broadcast_gbytes_per_s(nbytes: int = 1 << 30) -> float:
     """NCCL broadcast GPU 0 -> GPU 1 of a 1 GiB buffer, best of 5, in two fresh processes."""
     import torch.multiprocessing as mp
 
-    from slime.backends.embedded_engine.launch import find_free_port
+    from slime.backends.embedded_engine.serving.launch import find_free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -107,7 +107,7 @@ def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, 
     """One engine, every bucket size in turn: ``{bucket_bytes: {bytes, seconds, gbytes_per_s}}``."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
     from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
 
     gpu = torch.cuda.is_available()

@@ -149,7 +149,7 @@ class EngineActor:
         # starts in seconds, and a hung start should fail a test run well before its own timeout
         timeout = timeout if timeout is not None else (1800.0 if gpu else 300.0)
         if self.args.rollout_backend == "embedded":
-            from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+            from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 
             env = dict(os.environ)
             if not gpu:

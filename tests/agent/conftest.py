@@ -13,7 +13,7 @@ def scripted_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(scripted_model_dir):
-    from slime.backends.embedded_engine.launch import running_engine
+    from slime.backends.embedded_engine.serving.launch import running_engine
 
     with running_engine(scripted_model_dir, extra_args=["--context-length", "1024"]) as proc:
         yield proc
@@ -40,7 +40,7 @@ def long_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_engine(long_model_dir):
-    from slime.backends.embedded_engine.launch import running_engine
+    from slime.backends.embedded_engine.serving.launch import running_engine
 
     with running_engine(long_model_dir, extra_args=["--context-length", str(LONG_CONTEXT)]) as proc:
         yield proc

@@ -16,7 +16,7 @@ import pytest
 from examples.multi_agent.data import build
 from examples.multi_agent.generate import critic_messages, critic_reward
 from examples.multi_agent.reward import balanced_critic_rewards, post_process
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout

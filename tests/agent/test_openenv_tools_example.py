@@ -74,7 +74,7 @@ def thermometer_model(tiny_model_dir, tmp_path_factory):
 
 
 def test_one_rollout_step_of_the_example(thermometer, thermometer_model, tmp_path):
-    from slime.backends.embedded_engine.launch import running_engine
+    from slime.backends.embedded_engine.serving.launch import running_engine
     from slime.backends.router import running_router
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.sglang_rollout import generate_rollout

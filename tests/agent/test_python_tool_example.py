@@ -15,7 +15,7 @@ from agent_script import teach_script
 from examples.python_tool.generate import run_tool
 from examples.python_tool.sandbox import run_python
 from examples.python_tool.task import GUESS, PREAMBLE, QUESTIONS, TOOLS, build, prelude
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.arguments import parse_args

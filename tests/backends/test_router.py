@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 
 pytestmark = pytest.mark.timeout(180)

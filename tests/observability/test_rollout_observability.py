@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.observability.rollout_data_utils import save_debug_rollout_data
 from slime.rollout.data_source import RolloutDataSourceWithBuffer

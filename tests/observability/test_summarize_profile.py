@@ -31,8 +31,8 @@ def two_steps():
     """Two engine steps of 3 ms (host) each with 1 ms of verify and 0.5 ms of lookups, and 1.5 ms of
     kernels in the 5 ms between the first kernel and the last: the GPU waits 70% of the time."""
     step = "slime/backends/embedded_engine/engine.py(214): step"
-    verify = "slime/backends/embedded_engine/speculative.py(475): _verify"
-    lookup = "slime/backends/embedded_engine/speculative.py(192): ngram_propose"
+    verify = "slime/backends/embedded_engine/speculative/decoder.py(475): _verify"
+    lookup = "slime/backends/embedded_engine/speculative/decoder.py(192): ngram_propose"
     events = [{"ph": "M", "name": "process_name"}]  # metadata without a duration is ignored
     for t0 in (0, 4000):
         events += [event("python_function", step, t0, 3000), event("python_function", verify, t0 + 500, 1000),
@@ -51,8 +51,8 @@ def test_summary_reads_steps_functions_and_the_gpu_idle_time():
     assert summary["gpu_busy_fraction"] == pytest.approx(0.3)
     assert summary["top_kernels"][0] == ["nvjet_gemm", 0.7]
     functions = {name: (ms, calls) for name, ms, calls in summary["python_inclusive_ms"]}
-    assert functions["slime/backends/embedded_engine/speculative.py(192): ngram_propose"] == (1.0, 4)
-    assert functions["slime/backends/embedded_engine/speculative.py(475): _verify"] == (2.0, 2)
+    assert functions["slime/backends/embedded_engine/speculative/decoder.py(192): ngram_propose"] == (1.0, 4)
+    assert functions["slime/backends/embedded_engine/speculative/decoder.py(475): _verify"] == (2.0, 2)
     assert not any("len" in name for name in functions)  # only names under --match
     order = [name for name, _, _ in summary["python_inclusive_ms"]]
     assert order[0].endswith(": step")  # by inclusive time

@@ -192,7 +192,7 @@ def test_fp8_rollout_mismatch_is_reported_and_tis_corrects_it(tiny_model_dir, ti
     """--sglang-quantization fp8 (block-wise) / w8a8_fp8 (per channel): the engine samples from FP8 weights
     (quantized when the first sync lands), so the trainer's recomputed log-probs differ from the engine's by
     more than the 1e-3 the full-precision runs above stay under, the metric shows it, and TIS reweights the
-    loss. One step: the update path's re-quantization is covered in tests/backends/embedded_engine/test_fp8*.py."""
+    loss. One step: the update path's re-quantization is covered in tests/backends/embedded_engine/fp8/test_fp8*.py."""
     run_train(grpo_args(tiny_model_dir, tiny_task_data, tmp_path / "run", "--sglang-quantization", quantization,
                         "--use-tis", steps=1))
     records = read_metrics(tmp_path / "run")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout import fully_async_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer

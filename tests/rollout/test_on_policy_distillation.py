@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout import on_policy_distillation as opd
 from slime.rollout.data_source import RolloutDataSourceWithBuffer

@@ -130,7 +130,7 @@ def _teach(model_dir, out_dir, rows):
 
 
 def test_one_rollout_step(tiny_model_dir, tmp_path):
-    from slime.backends.embedded_engine.launch import running_engine
+    from slime.backends.embedded_engine.serving.launch import running_engine
     from slime.backends.router import running_router
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.sglang_rollout import generate_rollout

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_rollout_metrics

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sglang_rollout import generate_rollout

@@ -23,7 +23,7 @@ def build_server(args: ServerArgs):
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
     from slime.backends.embedded_engine.model_runner import ModelRunner
-    from slime.backends.embedded_engine.server import ServerState, build_app
+    from slime.backends.embedded_engine.serving.server import ServerState, build_app
     from slime.backends.update_weight.wire_format import use_file_system_sharing
 
     use_file_system_sharing()
@@ -72,17 +72,17 @@ def build_server(args: ServerArgs):
 def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
     """The speculative decoder of ``--speculative-algorithm`` (None when off); STANDALONE loads its draft
     model here, with as many slots as the target and the target's device, dtype and attention backend;
-    NEXTN builds the model's MTP layer from its checkpoint (``mtp.py``)."""
+    NEXTN builds the model's MTP layer from its checkpoint (``speculative/mtp.py``)."""
     from slime.backends.embedded_engine.config import speculative_config
     from slime.backends.embedded_engine.model_runner import ModelRunner
-    from slime.backends.embedded_engine.speculative import DraftModel, SpeculativeDecoder
+    from slime.backends.embedded_engine.speculative.decoder import DraftModel, SpeculativeDecoder
 
     config = speculative_config(args)
     if config is None:
         return None
     draft = None
     if config.algorithm == "NEXTN":
-        from slime.backends.embedded_engine.mtp import NextNDrafter
+        from slime.backends.embedded_engine.speculative.mtp import NextNDrafter
 
         try:
             draft = NextNDrafter(runner, prefill_tokens)

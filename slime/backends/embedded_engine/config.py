@@ -244,7 +244,7 @@ def validate_args(args: ServerArgs) -> None:
 
 def speculative_config(args: ServerArgs):
     """The engine's speculative-decoding settings (None: off); ValueError naming the flag otherwise."""
-    from slime.backends.embedded_engine.speculative import resolve_config
+    from slime.backends.embedded_engine.speculative.decoder import resolve_config
 
     return resolve_config(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                           args.speculative_num_draft_tokens, args.speculative_eagle_topk,

@@ -21,12 +21,13 @@ from typing import Iterable
 
 import torch
 
-from slime.backends.embedded_engine import attention, fused_projections
+from slime.backends.embedded_engine.kernels import attention
+from slime.backends.embedded_engine.kernels import fused_projections
 from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
 from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, DecodeCacheView, SlotCacheView,
                                                      SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
 from slime.backends.embedded_engine.memory_saver import MemorySaver
-from slime.backends.embedded_engine.mla_decode import MLA_CLASSES
+from slime.backends.embedded_engine.kernels.mla_decode import MLA_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +77,18 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}
         if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
-            from slime.backends.embedded_engine import fused_ops
+            from slime.backends.embedded_engine.kernels import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
         elif self.device.type == "cpu" and quantization is None:  # the same, as fewer torch ops (fp32)
-            from slime.backends.embedded_engine import cpu_ops
+            from slime.backends.embedded_engine.kernels import cpu_ops
 
             self.fused_ops = cpu_ops.install(self.model)
         if mla_decode not in ("absorbed", "expanded"):
             raise ValueError(f"--mla-decode {mla_decode!r}: choose absorbed or expanded")
         self.mla_layers = 0  # multi-latent attention layers decoding with absorbed weights
         if mla_decode == "absorbed":
-            from slime.backends.embedded_engine import mla_decode as mla
+            from slime.backends.embedded_engine.kernels import mla_decode as mla
 
             self.mla_layers = mla.install(self.model)
         #: speculative verify steps run as T-token decode steps (can_verify); multi-latent attention takes
@@ -146,28 +147,29 @@ class ModelRunner:
         return DTYPES[dtype]
 
     def _quantize(self, quantization: str | None, gemm_backend: str):
-        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise (``fp8.py``) or
-        per channel (``fp8_channel.py``)."""
+        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise
+        (``fp8/block.py``) or per channel (``fp8/channel.py``)."""
         if quantization is None:
             return None
-        from slime.backends.embedded_engine import fp8
+        from slime.backends.embedded_engine.fp8 import block as fp8
+        from slime.backends.embedded_engine.fp8 import install as fp8_install
 
         if quantization not in fp8.QUANTIZATIONS:
             raise ValueError(f"--quantization {quantization!r} is not supported by the embedded engine; choose "
                              f"{' or '.join(fp8.QUANTIZATIONS)} (or run SGLang for its other methods)")
         per_channel = quantization == "w8a8_fp8"
         if per_channel:
-            from slime.backends.embedded_engine import fp8_channel
+            from slime.backends.embedded_engine.fp8 import channel as fp8_channel
 
             backend = fp8_channel.resolve_backend(gemm_backend, self.device, self.dtype)
         else:
             backend = fp8.resolve_backend(gemm_backend, self.device)
         # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype
-        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
-                                     per_channel=per_channel)
+        weights = fp8_install.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
+                                             per_channel=per_channel)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
-            fp8.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
+            fp8_install.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
         return weights
 
     def _resolve_kv_cache(self, name: str) -> tuple[torch.dtype, tuple[list[float], list[float]] | None]:
@@ -192,7 +194,7 @@ class ModelRunner:
                            k_scales=k_scales, v_scales=v_scales, saver=self.saver)
 
     def _resolve_attention_backend(self, requested: str | None) -> str:
-        from slime.backends.embedded_engine import triton_attention
+        from slime.backends.embedded_engine.kernels import triton_attention
 
         if requested is None:
             return "triton" if triton_attention.available(self.device) else "torch_native"
@@ -614,7 +616,7 @@ class ModelRunner:
 
     def _named_tensor(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The tensor an HF name denotes: a parameter/buffer, or a view of the fused expert or fused
-        projection parameter that holds it (``fused_projections.py``)."""
+        projection parameter that holds it (``kernels/fused_projections.py``)."""
         tensor = params.get(name)
         if tensor is None:
             tensor = _fused_expert_slice(params, name)

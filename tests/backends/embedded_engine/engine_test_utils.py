@@ -36,7 +36,7 @@ def replay_graph_forwards(monkeypatch) -> list:
 
 def start_cuda_engine(model_dir, *extra, env=None):
     """An embedded engine on CUDA with ``extra`` flags, started and healthy (stopped if it is not)."""
-    from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+    from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 
     proc = EmbeddedEngineProcess(model_dir, extra_args=["--device", "cuda", *extra], env=env)
     proc.start()
@@ -116,7 +116,7 @@ def dumps(obj) -> str:
 def markov_checkpoint(base: str, out, mtp: str, noise: float = 0.0) -> str:
     """A copy of the DeepSeek-V3 checkpoint ``base`` made a "Markov" model with an ``exact`` or ``wrong``
     MTP layer (``mtp.make_markov_checkpoint``: the exact layer predicts the target's next-next token)."""
-    from slime.backends.embedded_engine.mtp import make_markov_checkpoint
+    from slime.backends.embedded_engine.speculative.mtp import make_markov_checkpoint
 
     shutil.copytree(base, out)
     return make_markov_checkpoint(str(out), mtp, noise)

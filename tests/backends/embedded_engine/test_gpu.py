@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine_test_utils import copy_with_weights, perturbed_state_dict, start_cuda_engine
-from slime.backends.embedded_engine.launch import find_free_port
+from slime.backends.embedded_engine.serving.launch import find_free_port
 from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 
 # NVLink multicast stays off on the lent machines, also in the engine processes we start.

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine import kv_cache as kv
-from slime.backends.embedded_engine.attention import decode_attention, slot_attention_forward
+from slime.backends.embedded_engine.kernels.attention import decode_attention, slot_attention_forward
 from slime.backends.embedded_engine.kv_cache import CacheShape, DecodeCacheView, SlotCacheView, SlotKVCache
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner, kv_tokens_for_memory
 
@@ -71,7 +71,7 @@ def test_fp8_cache_is_one_byte_a_value_and_doubles_the_token_budget(tiny_model_d
 
 
 def test_server_reports_the_cache_dtype_and_its_token_bytes(tiny_model_dir):
-    from slime.backends.embedded_engine.server import _memory_usage
+    from slime.backends.embedded_engine.serving.server import _memory_usage
 
     runner = ModelRunner(tiny_model_dir, device="cpu", num_slots=2, max_total_tokens=1024, kv_cache_dtype="fp8_e5m2")
     usage = _memory_usage(runner)
@@ -262,7 +262,7 @@ def test_speculative_verify_and_retraction_over_an_fp8_cache_keep_greedy_outputs
 
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import SamplingParams
-    from slime.backends.embedded_engine.speculative import DraftModel, SpeculativeConfig, SpeculativeDecoder
+    from slime.backends.embedded_engine.speculative.decoder import DraftModel, SpeculativeConfig, SpeculativeDecoder
 
     gen = torch.Generator().manual_seed(3)
     draft_dir = copy_with_weights(scaled_model_dir, tmp_path / "draft", {
@@ -335,7 +335,7 @@ def test_triton_decode_kv_write_interpreted_saturates_and_scales(dtype):
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 def test_triton_decode_kv_write_on_cuda_equals_quantize(dtype, source):
     """The compiled write kernel stores exactly :func:`kv_cache.quantize` (divide, saturate, round to nearest)."""
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
     from slime.backends.embedded_engine.kv_cache import write_decode_kv
 
     if not (torch.cuda.is_available() and triton_attention.available(torch.device("cuda"))):
@@ -366,7 +366,7 @@ def _fp8_kernel_case(device, batch=3, heads=4, kv_heads=2, dim=32, capacity=400,
 @needs_interpreter
 def test_triton_decode_attention_interpreted_over_fp8_equals_the_dequantized_reference():
     """The flash-decoding kernel reading the FP8 bytes and scales = the dense reference over stored x scale."""
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
     from test_attention import reference
 
     cache, gen = _fp8_kernel_case("cpu")
@@ -398,7 +398,7 @@ def test_triton_decode_attention_interpreted_over_fp8_with_a_bf16_query_dots_in_
     reference over the dequantized cache (outputs ~0.6), and a query past fp16's range (2e5, a bf16 value)
     still gives finite, correct outputs. (The bf16-dot path is checked on the GPU only: the interpreter's
     e4m3 -> bf16 conversion is wrong.)"""
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
     from test_attention import reference
 
     gen = torch.Generator().manual_seed(3)
@@ -432,7 +432,7 @@ def test_triton_decode_attention_interpreted_over_fp8_with_a_bf16_query_dots_in_
 def test_triton_decode_attention_over_fp8_matches_reference_on_cuda(batch, heads, kv_heads, monkeypatch):
     """Compiled, a bf16 query over an FP8 cache, with the dots in fp16 (the default) and in bf16: both match the
     fp32 reference, and the fp16 dots are no less accurate on average."""
-    from slime.backends.embedded_engine import triton_attention
+    from slime.backends.embedded_engine.kernels import triton_attention
     from test_attention import reference
 
     if not (torch.cuda.is_available() and triton_attention.available(torch.device("cuda"))):
@@ -521,7 +521,7 @@ def test_cuda_decode_path_interpreted_with_fp8_kv_stays_close(scaled_model_dir, 
     the H200: ``test_engine_fp8_kv_under_cuda_graphs_decodes_close_to_bf16_kv``)."""
     import types
 
-    from slime.backends.embedded_engine import fused_ops
+    from slime.backends.embedded_engine.kernels import fused_ops
 
     def runner(kv_dtype: str, cuda_path: bool) -> ModelRunner:
         r = ModelRunner(scaled_model_dir, device="cpu", dtype="bfloat16", num_slots=4, kv_cache_dtype=kv_dtype)

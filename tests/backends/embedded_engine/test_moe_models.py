@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_test_utils import hf_greedy, hf_logprobs, load_hf
-from slime.backends.embedded_engine.launch import running_engine
+from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.update_weight.wire_format import serialize_for_engine, use_file_system_sharing
 
 pytestmark = pytest.mark.timeout(300)

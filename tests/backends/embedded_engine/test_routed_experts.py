@@ -95,7 +95,7 @@ def test_flag_needs_an_moe_model(tiny_model_dir):
 def test_a_server_without_the_flag_answers_without_the_field(tiny_glm4_moe_dir):
     """As SGLang without --enable-return-routed-experts (no capturer): the request is served and its
     meta_info has no routed_experts."""
-    from slime.backends.embedded_engine.async_engine import AsyncEngine
+    from slime.backends.embedded_engine.serving.async_engine import AsyncEngine
 
     engine = Engine(ModelRunner(tiny_glm4_moe_dir, num_slots=2, slot_capacity=32))
     engine.start()
@@ -139,8 +139,8 @@ def test_speculative_verify_steps_record_the_accepted_tokens_experts(tiny_deepse
     accepted): positions filled by verify forwards — accepted drafts, rejected ones overwritten later
     — report the experts of the tokens finally there."""
     from engine_test_utils import markov_checkpoint
-    from slime.backends.embedded_engine.mtp import NextNDrafter
-    from slime.backends.embedded_engine.speculative import SpeculativeConfig, SpeculativeDecoder
+    from slime.backends.embedded_engine.speculative.mtp import NextNDrafter
+    from slime.backends.embedded_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 
     model_dir = markov_checkpoint(tiny_deepseek_v3_dir, tmp_path / "markov", "exact", 0.03)
     hf = load_hf(model_dir)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slime.backends.embedded_engine.launch import ServerProcess
+from slime.backends.embedded_engine.serving.launch import ServerProcess
 
 from sglang_env import REPO, run_module, subprocess_env
 

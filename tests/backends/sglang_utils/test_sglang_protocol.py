@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from slime.backends.embedded_engine.launch import ServerProcess
+from slime.backends.embedded_engine.serving.launch import ServerProcess
 from slime.backends.router import running_router
 from slime.backends.sglang_utils.external import describe_external_engines
 from slime.backends.sglang_utils.router_launch import register_workers

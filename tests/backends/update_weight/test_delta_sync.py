@@ -355,7 +355,7 @@ def _hook_rank(rank, world_size, port, args):
 def test_post_write_hook_runs_on_every_rank_after_the_files_are_written(tmp_path, fail_on_rank):
     import torch.multiprocessing as mp
 
-    from slime.backends.embedded_engine.launch import find_free_port
+    from slime.backends.embedded_engine.serving.launch import find_free_port
 
     args = SimpleNamespace(update_weight_mode="full", update_weight_disk_dir=str(tmp_path / "published"),
                            hf_checkpoint=str(tmp_path), update_weight_disk_keep_files=False,

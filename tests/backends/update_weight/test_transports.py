@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from slime.backends.embedded_engine.launch import EmbeddedEngineProcess
+from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
 from slime.backends.update_weight.base import cpu_engines_on_this_host
 from slime.backends.update_weight.distributed import DistributedWeightUpdater
