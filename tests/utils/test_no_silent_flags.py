@@ -159,8 +159,7 @@ def test_a_flag_added_without_a_reader_is_reported_for_each_backend():
 def test_a_flag_one_backend_reads_is_silent_on_the_other():
     """The scan is per backend: FSDP's reads do not count for Megatron and the other way round."""
     fsdp, megatron = silent_flags("fsdp"), silent_flags("megatron")
-    for dest in ("tensor_model_parallel_size", "sequence_parallel", "recompute_granularity", "optimizer_cpu_offload",
-                 "custom_megatron_init_path"):
+    for dest in ("tensor_model_parallel_size", "sequence_parallel", "recompute_granularity", "optimizer_cpu_offload"):
         assert dest in fsdp and dest not in megatron, dest
     for dest in ("fsdp_compile", "gradient_checkpointing", "fsdp_mixed_precision"):
         assert dest in megatron and dest not in fsdp, dest
