@@ -34,7 +34,7 @@ def run_engine(runner, prompts, params):
 def test_length_free_graphs_are_captured_ahead_and_serve_every_length(tiny_model_dir, monkeypatch, replayed_graphs):
     """Where attention is the flash-decoding kernel (``ModelRunner.kernel_attention``), a decode graph reads the
     whole slot and the kernel stops at each row's own length: one graph per batch bucket, all recorded before
-    the first request (``capture_ahead``). Requests whose lengths cross what used to be four KV-length buckets
+    the first request (``capture_ahead``). Requests whose lengths span four KV-length buckets of a per-length capture
     then decode without one more capture, every step a replay; a request longer than the slots grows the cache,
     which records the graphs again at the new capacity. Greedy outputs equal an engine without graphs."""
     from slime.backends.embedded_engine.io_struct import SamplingParams

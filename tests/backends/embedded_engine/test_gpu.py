@@ -27,7 +27,7 @@ from engine_test_utils import copy_with_weights, perturbed_state_dict, start_cud
 from slime.backends.embedded_engine.serving.launch import find_free_port
 from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
 
-# NVLink multicast stays off on the lent machines, also in the engine processes we start.
+# NVLink multicast off (not needed; some drivers refuse it), also in the engine processes we start.
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_var, _val)
 

@@ -65,17 +65,10 @@ QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in channel.p
 GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
-# Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order,
-# None = no upper bound. Source: bench/results/fp8_gemm-nvidia-h200-20261204-tma-s20.json (one decoder
-# layer's linears of Qwen3-0.6B / 1.7B / 4B as the engine runs them, q/k/v and gate/up fused; the
-# layer's time in bf16 over each path's), after the two-kernel GEMM moved to TMA loads: M = 16 fused
-# W8A8 0.84 / 0.94 / 1.10, two-kernel 0.73 / 0.99 / 1.21; M = 64 two-kernel 0.55 / 0.79 / 1.13, cuBLASLt
-# 0.62 / 0.74 / 0.85; M = 128 two-kernel 0.57 / 0.87 / 1.01, cuBLASLt 0.61 / 0.79 / 0.84; M = 256
-# two-kernel 0.72 / 0.92 / 1.01, cuBLASLt 0.68 / 0.81 / 0.97; M = 512 cuBLASLt 0.75 / 1.08 / 1.18,
-# two-kernel 0.79 / 1.06 / 1.06; weight-only 0.89 / 0.90 / 1.02 at 16, <= 0.85 from 32 up. ``auto`` keeps
-# the W8A8 recipe (SGLang's block FP8) at every size, chosen for the larger models (FP8 does not pay on
-# 0.6B at any size); the weight-only path (W8A16: the numbers of ``dequant``) is a backend of its own,
-# for its smaller train/rollout gap, not its speed (docs/embedded_engine.md).
+# Which path a GEMM of M tokens takes, per backend: (largest M of the range, path), ranges in order, None = no upper
+# bound. ``auto``'s ranges come from a decoder layer's linears timed on every path on the H200, chosen for the
+# models where FP8 pays (Qwen3-1.7B and 4B; docs/embedded_engine.md's block-wise GEMM table,
+# bench/results/fp8_gemm-nvidia-h200-qwen3.json). ``weight_only`` (W8A16) is a backend of its own, never ``auto``'s.
 FUSED_MAX_ROWS = 16
 TWO_KERNEL_MAX_ROWS = 256
 GEMM_DISPATCH = {

@@ -60,8 +60,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "cutlass", "triton", "cublas", "dequant")
 # The token quantizer holds a row of up to QUANTIZE_ONE_PASS columns whole (one read; 8 warps: 16 values a thread
 # at 4096, o_proj's input on Qwen3-4B) and streams longer rows QUANTIZE_BLOCK columns at a time, twice (its peak,
-# then the values), as fused_ops' per-token SiLU gate. H200, Qwen3-4B decode step at 128 rows (session 26): o_proj's
-# quantize launches 108 -> 65 us a step.
+# then the values), as fused_ops' per-token SiLU gate: one read of the row instead of two (o_proj's quantize launches,
+# docs/embedded_engine.md's ``w8a8_fp8`` section).
 QUANTIZE_ONE_PASS = 16384
 QUANTIZE_BLOCK = 1024
 # The ``cublas`` backend's deferred-scale GEMMs serve calls of up to this many tokens (decode and verify steps,
@@ -318,16 +318,9 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
-# ``auto``'s preference among the FP8 paths, the first that runs here taken. cublas first: the H100 A/B of session 28
-# (Qwen3-4B, bench/results/*-nvidia-h100-20261205-*-s27.json, at 9db6952; no H200 was lent): cuBLASLt's unscaled GEMMs
-# at 128 tokens took 9.7 / 8.5 us for q/k/v and o against the Triton GEMM's 11.4 / 12.0 (bf16 14.8 / 11.3), a decode
-# step of 128 rows 4.57 ms against 4.75 (bf16 5.50), engine_decode 128 x (16 + 256) 216.6 steps/s against 206.4 (bf16
-# 179.6). The H200 agrees (session 30, aef5920, bench/results/engine_decode-nvidia-h200-20261205-*-s29.json, with the
-# down projection's hand-off): engine_decode 262.0 steps/s on cublas against triton's 242.1 (bf16 225.9); the H100 with
-# the hand-off 223.4 against bf16's 181.6 (f78b2b9, *-s30.json). triton before cutlass: the H200 A/B of session 25
-# (bench/results/*-20261205-*-s25.json): per layer at 16 / 64 / 128 tokens the Triton GEMMs took 52 / 52 / 58 us against
-# torch._scaled_mm's row-wise 79 / 77 / 76 (bf16: 70 / 71 / 74); a decode step of 128 rows 4.19 ms against 4.78 (bf16
-# 4.36). cutlass stays for where Triton is missing.
+# ``auto``'s preference among the FP8 paths, the first that runs here taken: the order of their Qwen3-4B decode speed
+# at 128 rows on the H200 and the H100 (cublas > triton > cutlass; docs/embedded_engine.md's ``w8a8_fp8`` tables,
+# docs/performance.md). cutlass stays for where Triton is missing.
 AUTO_ORDER = ("cublas", "triton", "cutlass")
 
 

@@ -34,7 +34,7 @@ def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int,
     ``weights`` can take for 1..``max_rows`` tokens: one GEMM on zeros per distinct :func:`fp8_triton.launch_key`
     (tiles and TMA; the token count is not specialized on), so no decode step or prefill stalls on a
     first-use compile (~1 s each) — the engine captures CUDA graphs lazily per batch bucket, and a
-    bucket whose tiles were new used to compile inside the rollout. Also allocates the split-K
+    bucket whose tiles were new would otherwise compile inside the rollout. Also allocates the split-K
     counters. Where the Triton kernels run (CUDA; the CPU only under Triton's interpreter, where the
     engine does not call it).
     Returns (launches compiled or loaded from Triton's cache, seconds)."""

@@ -439,10 +439,10 @@ def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int, a_q
                key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms, a_quantized))
 
 
-# The two-kernel GEMM loads its tiles by TMA (``TensorDescriptor``) where it can: on the H200 that
-# made it 1.0-1.7x the pointer-load kernel on Qwen3-4B's linears at 128 tokens (session 20; the
-# pointer kernel waits on each K step's scaled dot before its loads move on) and faster than
-# cuBLASLt's block-scaled GEMM there. False: pointer loads everywhere (A/B runs, bench/fp8_gemm.py).
+# The two-kernel GEMM loads its tiles by TMA (``TensorDescriptor``) where it can: the pointer-load kernel waits on each
+# K step's scaled dot before its loads move on, and TMA loads made a Qwen3-4B layer's linears ~1.5x faster at 128
+# tokens on the H200 (docs/embedded_engine.md's block-wise GEMM table). False: pointer loads everywhere (A/B runs,
+# bench/fp8_gemm.py).
 USE_TMA = True
 
 
@@ -462,7 +462,7 @@ def tma_usable(a: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 TMA_DECODE_MAX_ROWS = 128  # plan_tma_tiles: <= 20 K steps a program up to here
-TMA_MID_MAX_ROWS = 256  # <= 40 K steps up to here (same column and split rule); session 20's above
+TMA_MID_MAX_ROWS = 256  # <= 40 K steps up to here (same column and split rule); 128 columns above
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -473,16 +473,12 @@ def plan_tma_tiles(rows: int, out_features: int, in_features: int, device: torch
     """The launch of the two-kernel GEMM with TMA loads: a rule fitted to H200 sweeps of every
     candidate launch (``bench/fp8_gemm.py --sweep two_kernel``; :func:`tma_candidates`). Always 4
     warps and 64 rows (16 up to 16 tokens: few launch variants, fewer compiles, :func:`launch_key`).
-    Up to 128 tokens (session 21: Qwen3-0.6B/1.7B/4B at 32/64/128, split-K partials vectorized):
-    64 output columns unless 128-column tiles alone give >= 0.7 programs an SM (the MLP's gate/up
-    on 1.7B/4B), then K split 1, 2, 4 or 8 ways, the fewest giving >= a quarter as many programs as
-    SMs with <= 20 K steps each; 5 pipeline stages without a split, else 4 (the sweep's best tile
-    in 26 of 36 shapes). From 129 to 256 tokens (session 22's sweep at 256) the same rule with
-    <= 40 K steps a program: the three models' layer sums come within 1-2.4% of the best launches
-    (session 20's rule was 13% / 6% / 1% over on 0.6B / 1.7B / 4B, its 128-column output
-    projections worst). Above 256 tokens (session 20: Qwen3-4B at 128/256, not swept beyond): 128
-    columns, the fewest split giving >= half as many programs as SMs with <= 40 K steps. With
-    128 columns 4 stages while <= 2 programs share an SM, else 3. A split needs >= 2 K steps each."""
+    Up to 256 tokens: 64 output columns unless 128-column tiles alone give >= 0.7 programs an SM (the MLP's
+    gate/up on 1.7B/4B), then K split 1, 2, 4 or 8 ways, the fewest giving >= a quarter as many programs as SMs
+    with <= 20 K steps each (<= 40 from 129 tokens); 5 pipeline stages without a split, else 4. Above 256 tokens:
+    128 columns, the fewest split giving >= half as many programs as SMs with <= 40 K steps. With 128 columns 4
+    stages while <= 2 programs share an SM, else 3. A split needs >= 2 K steps each. How close the rule comes to
+    the sweeps' best launches: docs/embedded_engine.md (block-wise GEMM, two-kernel Triton)."""
     return _planned_tma_tiles(rows, out_features, in_features, _sm_count(device) if device.type == "cuda" else 132)
 
 

@@ -60,17 +60,14 @@ MLP_RESIDUAL_IN_GEMM = True  # the MLP's residual add inside the down projection
 SMALL_M_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # small_gemm.py's linears (decode-sized inputs)
 KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k norm + rotary kernel (A/B switch)
 # FP8 projections on the two-kernel GEMM take their e4m3 activations from the RMSNorm / SiLU gate that
-# produced them, and the MLP's residual add runs in the down GEMM's epilogue (A/B switch; H200, session 21:
-# a 4B decode step at 128 rows 4.88 ms with it, 5.03 without)
+# produced them, and the MLP's residual add runs in the down GEMM's epilogue: fewer launches and reads of a decode
+# step (docs/embedded_engine.md, block-wise FP8; ``bench/decode_step.py --without fp8_quant_in_producer``)
 FP8_QUANT_IN_PRODUCER = True
 # Under fp8_channel's cublas backend the down projection's product leaves the layer unscaled (cuBLASLt's plain FP8 GEMM)
 # and the next decoder layer's input RMSNorm applies its scales and adds the residual (add_rms_norm's x_scales;
-# :class:`_HandOff`), instead of the Triton GEMM with the residual add in its epilogue. H100, Qwen3-4B at 128 tokens
-# (session 28, bench/results/fp8_gemm-nvidia-h100-20261205-*): the unscaled down GEMM 14.7 us against the Triton one's
-# 19.6. As a decode step (session 30, H100, bench/decode_step.py 4B 128 rows at position 143, twice each, and a third
-# time on another H100, bench/results/decode_step-nvidia-h100-20261205-*-s30.json): 4.33 / 4.33 / 4.34 ms with it
-# against 4.54 / 4.54 / 4.55 without, 4.02 against 4.22 over an FP8 KV cache (bf16 5.48). Kept; A/B switch (``--without
-# down_hand_off``).
+# :class:`_HandOff`), instead of the Triton GEMM with the residual add in its epilogue: cuBLASLt's down GEMM is the
+# faster one, which makes a Qwen3-4B decode step ~5% shorter on an H100 (docs/embedded_engine.md's ``w8a8_fp8``
+# section; ``bench/decode_step.py --without down_hand_off`` for the A/B).
 DOWN_SCALES_TO_NEXT_LAYER = True
 
 

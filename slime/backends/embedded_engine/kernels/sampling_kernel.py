@@ -9,9 +9,9 @@ truncation, no per-request seed, no banned ids — the common RL case) computes,
 The Gumbel-max draw is the exponential race the torch path runs (``argmax(log p - log E)`` with
 ``E = -log U``; ``log p`` and ``x`` differ by the row's constant ``logsumexp``), so both draw from
 ``softmax(x)``. In torch that is ~8 passes over a ``[rows, vocab]`` fp32 tensor (scale, log-softmax,
-exponential noise, its log, the difference, argmax, gather): 1.6-2.1 ms alone for 128 rows of a 152k
-vocabulary on an H200 (~0.2 ms of each 2.2-3.5 ms decode step inside the engine's run-ahead loop);
-these two kernels take 0.11-0.20 ms (``bench/decode_step.py --sample``). Here:
+exponential noise, its log, the difference, argmax, gather); these two kernels read the logits once, about a
+tenth of the torch ops' time (docs/embedded_engine.md, "Sampling in one read of the logits";
+``bench/decode_step.py --sample``). Here:
 
 * :func:`_partial_kernel`, grid ``(rows, splits)``: each program streams one slice of a row once
   and keeps, per lane, the running max and the sum of ``exp(x - max)`` (the online log-sum-exp) and

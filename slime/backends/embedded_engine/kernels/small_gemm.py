@@ -4,7 +4,7 @@ At decode batch sizes a linear layer reads its whole weight to produce a handful
 time is the weight's bytes over the bandwidth it reaches. cuBLAS reaches little of it there: on an
 H200 a Qwen3-0.6B decode step at 16 rows spends 5–6 µs on each of a layer's four GEMMs (4–13 MB of
 weights, ~1.3 TB/s of the 4.8 TB/s) and a fifth kernel for the split-K reduction of the down
-projection (``bench/results/decode_step-nvidia-h200-20261201-qwen3-0.6b-b16-qknormrope.json``).
+projection (``bench/results/decode_step-nvidia-h200-qwen3-0.6b-bf16-b16-p383.json``).
 This kernel is laid out for that shape:
 
 * one 16-row tile covers every row; program ``(column tile, k split)`` streams its
@@ -42,10 +42,9 @@ except ImportError:
     triton = None
 
 MAX_ROWS = 16  # one 16-row tile (the smallest tensor-core tile)
-# fused_ops routes decoder linears here when True; SLIME_SMALL_M_GEMM=1 turns it on (the H200 A/B:
-# bench/decode_step.py --with small_m_gemm). Off: measured slower than cuBLAS with these tiles (Qwen3-0.6B
-# decode step at 16 rows, position 383: 1.648 ms with it vs 1.439 ms; bench/results/
-# decode_step-nvidia-h200-20261202-qwen3-0.6b-b16-v2-smallm.json). The engine's GPU tests pass with it on.
+# fused_ops routes decoder linears here when True; SLIME_SMALL_M_GEMM=1 turns it on (``bench/decode_step.py --with
+# small_m_gemm``). Off: slower than cuBLAS with these tiles at 16 rows of Qwen3-0.6B on the H200
+# (docs/embedded_engine.md, "What the fusions buy"). The engine's GPU tests pass with it on.
 ENABLED = os.environ.get("SLIME_SMALL_M_GEMM", "0") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 PROGRAMS_PER_SM = 2

@@ -200,18 +200,12 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-# Splits until there are this many (row, KV head, split) programs. Was 2048 (~16 per SM of an H100/H200) until
-# session 23's sweeps of Qwen3-4B's shapes on the H200 (8 KV heads of 128; bench/results/
-# decode_attention-nvidia-h200-20261204-sweep-*-s23.json): fewer, longer splits won at every batch measured.
-# 128 rows (1024 programs at one split): one split 27.3 / 70.5 us at 143 / 511 positions vs 32.5 / 79.5 with two;
-# 64 rows: one split 38.5 / 130.8 us at 511 / 2047 vs 43.7 / 141.0 with two; 16 rows (128 programs): two splits
-# 14.5 / 41.0 (bf16) and 13.5 / 37.4 (FP8 cache) vs eight 15.5 / 44.6 and 14.8 / 37.6, where one split of an FP8
-# cache falls behind at 2047 (49.8: too few programs to hide the dequantization).
+# Splits until there are this many (row, KV head, split) programs (~2 per SM of an H100/H200): fewer, longer splits
+# won at every batch of the H200 sweeps of Qwen3-4B's shapes (docs/embedded_engine.md, "Kernels").
 TARGET_PROGRAMS = 256
-# The last split program of a (row, kv_head) merging the splits itself, instead of a second kernel.
-# Measured on the H200 (Qwen3-0.6B decode step, bench/results/decode_step-nvidia-h200-20261202-*): B=16 at
-# 383 1.439 ms with it vs 1.440 without (the launch saved = the merge's own time), B=128 at 511 3.398 vs
-# 3.225 ms (slower: the merging programs run after the others as a serial tail). Off; kept for the A/B.
+# The last split program of a (row, kv_head) merging the splits itself, instead of a second kernel. Off: no faster at
+# 16 rows and slower at 128, where the merging programs run after the others as a serial tail (docs/embedded_engine.md,
+# "What the fusions buy"); kept for the A/B.
 MERGE_IN_SPLIT_KERNEL = False
 # An FP8 cache's blocks convert to fp16 for the dots, the query too (scaled by the softmax scale first, so a
 # query element only overflows fp16's 65504 past ~7e5 at 128-wide heads), and the probabilities: sm_90 turns two
@@ -219,19 +213,17 @@ MERGE_IN_SPLIT_KERNEL = False
 # (cvt.bf16.f16, plus moves): the sm_90 PTX of the loop over one 64-position block of a 128-wide head (GROUP 4,
 # the JIT's 16-divisible strides) is 557 instructions a thread with fp16 dots, 830 (e5m2: 814) with bf16 ones,
 # 312 over a bf16 cache. fp16's 10-bit mantissa also holds every FP8 value and rounds the query and probabilities
-# less than bf16's 7. Measured before it (session 23, 4B at 128 rows): an FP8 cache read at 1.5-2.4 TB/s where
-# bf16 reads at 2.8-4.3. The A/B (session 26, H200, Qwen3-4B, bench/decode_attention.py --fp8-dots): 128 rows at
-# 143 / 511 / 2047 positions 27.0 / 53.2 / 185.6 us with fp16 dots against 28.9 / 62.1 / 225.6 with bf16 (False).
+# less than bf16's 7. False: bf16 dots, slower at every context of the H200 measurement (docs/embedded_engine.md,
+# "FP8 KV cache"; bench/decode_attention.py --fp8-dots).
 FP8_DOTS_IN_FP16 = True
 EARLY_V_LOAD = True  # load a block's values with its keys (False: after the scores; A/B: no difference measured)
 _tickets = Tickets("flash-decoding merge tickets", minimum=1 << 16)  # one per (row, kv_head)
 
 
 def block_n(dim: int) -> int:
-    """Positions per inner step: 64. On the H200 (bench/decode_attention.py --sweep, 128 rows of Qwen3-4B / 0.6B,
-    8 KV heads of 128) 64 beat 128 at every split count and KV dtype: one split at 143 positions 27.3 vs 32.1 us,
-    at 511 70.5 vs 72.5; 32 was within 3-10% at 143 and 20% slower at 511. Heads wider than 128 need it too (two
-    128 x 256 bf16 key/value tiles, double-buffered, would not fit in shared memory)."""
+    """Positions per inner step: 64, faster than 128 at every split count and KV dtype of the H200 sweeps, and than
+    32 (docs/embedded_engine.md, "Kernels"). Heads wider than 128 need it too (two 128 x 256 bf16 key/value tiles,
+    double-buffered, would not fit in shared memory)."""
     return 64
 
 

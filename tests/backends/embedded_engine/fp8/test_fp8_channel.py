@@ -310,7 +310,7 @@ def test_gpu_channel_gemm_equals_reference_and_replays_in_a_cuda_graph(rows, out
     _needs_sm90()
     assert fp8_channel.resolve_backend("auto", torch.device("cuda")) == "cublas"  # AUTO_ORDER: the H100 A/B
     assert fp8_channel.resolve_backend(backend, torch.device("cuda")) == backend
-    # fp16: the unscaled e4m3 product overflows it (the H100 run of session 29 found this assert wrong as "cublas")
+    # fp16: the unscaled e4m3 product overflows it, so cuBLASLt's plain FP8 GEMM cannot write an fp16 model
     assert fp8_channel.resolve_backend("auto", torch.device("cuda"), torch.float16) == "triton"
     assert fp8_channel._unscaled_mm_problem(torch.device("cuda", torch.cuda.current_device()), torch.float16) \
         is not None  # and the probe catches it on the GPU too (an overflowed or refused GEMM)
@@ -821,8 +821,8 @@ def test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits(tiny_model
 @pytest.mark.gpu
 def test_gpu_decode_step_bench_switch_reaches_the_captured_graphs(tiny_model_dir, tmp_path):
     """``bench/decode_step.py --without down_hand_off`` times graphs captured with the switch off: the runner
-    captures its decode graphs at start, before the bench applies its switches (session 29's A/B timed the same
-    graphs twice). With the hand-off every layer's down projection but the last runs on cuBLASLt, without it all
+    captures its decode graphs at start, before the bench applies its switches (otherwise an A/B would time the
+    same graphs twice). With the hand-off every layer's down projection but the last runs on cuBLASLt, without it all
     of them run on the Triton GEMM beside gate/up: the profiled step has ``layers - 1`` more Triton GEMMs."""
     import json
     import subprocess

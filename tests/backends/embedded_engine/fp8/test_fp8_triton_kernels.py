@@ -539,34 +539,33 @@ def test_tma_usable_needs_16_byte_rows():
 
 
 def test_tma_tiles_plan_matches_the_h200_sweeps():
-    """``plan_tma_tiles`` picks what the H200 sweeps found best, or the launches measured next to it:
-    up to 128 tokens session 21's sweep of every candidate on Qwen3-0.6B/1.7B/4B (64-column tiles
-    unless 128-column ones fill the GPU, K split only where too few programs or > 20 K steps, 5 stages
-    unsplit); to 256 the same with <= 40 K steps (session 22's sweep at 256); above, session 20's
-    (128 columns). On every Qwen3 shape: the split's programs and K steps as the rule says, never
-    more splits than K steps allow."""
+    """``plan_tma_tiles`` picks what the H200 sweeps of every candidate on Qwen3-0.6B/1.7B/4B found best, or the
+    launches measured next to it: up to 128 tokens 64-column tiles unless 128-column ones fill the GPU, K split only
+    where too few programs or > 20 K steps, 5 stages unsplit; to 256 the same with <= 40 K steps; above, 128
+    columns. On every Qwen3 shape: the split's programs and K steps as the rule says, never more splits than K
+    steps allow."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     plan, tiles = fp8_triton._planned_tma_tiles, fp8_triton.Tiles
-    # (rows, out, in): the sweep's best launch (bench/results/fp8_gemm-nvidia-h200-20261204-sweep-s21c.json)
-    assert plan(32, 4096, 1024, 132) == tiles(64, 64, 1, 4, 5)  # 0.6B qkv: 6.3 us (session 20's plan 10.4)
-    assert plan(64, 1024, 2048, 132) == tiles(64, 64, 4, 4, 4)  # 0.6B o: 8.3 (11.6)
-    assert plan(32, 1024, 3072, 132) == tiles(64, 64, 4, 4, 4)  # 0.6B down: 8.8 (11.9)
-    assert plan(32, 4096, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 1.7B qkv: 8.8 (11.7)
-    assert plan(32, 12288, 2048, 132) == tiles(64, 128, 1, 4, 4)  # 1.7B gate_up: 13.7 with 5 stages (this 13.8)
-    assert plan(64, 2048, 6144, 132) == tiles(64, 64, 4, 4, 4)  # 1.7B down: 12.2 with 5 stages (15.3)
-    assert plan(64, 6144, 2560, 132) == tiles(64, 64, 1, 4, 5)  # 4B qkv: 10.8 (12.9)
-    assert plan(32, 2560, 4096, 132) == tiles(64, 64, 2, 4, 4)  # 4B o: 12.2 (12.6)
-    assert plan(128, 2560, 9728, 132) == tiles(64, 64, 4, 4, 4)  # 4B down: 20.6 (22.8)
-    assert plan(128, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 23.7, session 20's plan
-    # 129-256 tokens (bench/results/fp8_gemm-nvidia-h200-20261204-sweep-s22.json at 256; session 20's
-    # rule in brackets): the output projection unsplit in 64 columns, the MLP's down split in two
-    assert plan(256, 1024, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 0.6B o: 8.4 us, the best (11.0)
-    assert plan(256, 2048, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 1.7B o: 9.1, the best (11.4)
-    assert plan(256, 2048, 6144, 132) == tiles(64, 64, 2, 4, 4)  # 1.7B down: 17.5, the best (18.0)
-    assert plan(256, 6144, 2560, 132) == tiles(64, 128, 1, 4, 4)  # 4B qkv: 14.4, the best (as planned)
-    assert plan(256, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 36.0, the best (as planned)
-    # above 256 tokens: session 20's rule, 128 columns
+    # (rows, out, in): the planned launch's time in the sweep and the best one's where they differ
+    # (bench/results/fp8_gemm-nvidia-h200-qwen3-two_kernel-sweep.json)
+    assert plan(32, 4096, 1024, 132) == tiles(64, 64, 1, 4, 5)  # 0.6B qkv: 6.3 us, the best
+    assert plan(64, 1024, 2048, 132) == tiles(64, 64, 4, 4, 4)  # 0.6B o: 8.2, the best
+    assert plan(32, 1024, 3072, 132) == tiles(64, 64, 4, 4, 4)  # 0.6B down: 8.8, the best
+    assert plan(32, 4096, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 1.7B qkv: 9.2, the best
+    assert plan(32, 12288, 2048, 132) == tiles(64, 128, 1, 4, 4)  # 1.7B gate_up: 13.5 (the best 13.0)
+    assert plan(64, 2048, 6144, 132) == tiles(64, 64, 4, 4, 4)  # 1.7B down: 12.3, the best
+    assert plan(64, 6144, 2560, 132) == tiles(64, 64, 1, 4, 5)  # 4B qkv: 10.9, the best
+    assert plan(32, 2560, 4096, 132) == tiles(64, 64, 2, 4, 4)  # 4B o: 11.9 (the best 11.8)
+    assert plan(128, 2560, 9728, 132) == tiles(64, 64, 4, 4, 4)  # 4B down: 20.4, the best
+    assert plan(128, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 25.2, the best
+    # 129-256 tokens (the same file at 256): the output projection unsplit in 64 columns, the MLP's down split in two
+    assert plan(256, 1024, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 0.6B o: 8.4 us, the best
+    assert plan(256, 2048, 2048, 132) == tiles(64, 64, 1, 4, 5)  # 1.7B o: 9.1, the best
+    assert plan(256, 2048, 6144, 132) == tiles(64, 64, 2, 4, 4)  # 1.7B down: 17.5, the best
+    assert plan(256, 6144, 2560, 132) == tiles(64, 128, 1, 4, 4)  # 4B qkv: 14.3, the best
+    assert plan(256, 19456, 2560, 132) == tiles(64, 128, 1, 4, 3)  # 4B gate_up: 36.0, the best
+    # above 256 tokens: 128 columns
     assert plan(512, 2560, 9728, 132) == tiles(64, 128, 2, 4, 3)
     assert plan(512, 2560, 4096, 132) == tiles(64, 128, 1, 4, 4)
     assert plan(8, 1024, 1024, 132).block_m == 16

@@ -203,15 +203,15 @@ def test_triton_decode_attention_interpreted_every_launch_matches_reference():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_plan_launch_picks_the_h200_sweeps_best_launches():
-    """The default launch at the shapes session 23 swept on the H200 (Qwen3-4B: 8 KV heads of 128;
-    bench/results/decode_attention-nvidia-h200-20261204-sweep-*-s23.json): one split of 64-position steps
-    from 32 rows up (the old plan's two splits of 128 were 1.16-1.41x the best at 128 rows), two at 16 rows,
-    three stages over an FP8 cache and in launches of fewer than 512 programs."""
+    """The default launch at the shapes swept on the H200 (Qwen3-4B: 8 KV heads of 128;
+    bench/results/decode_attention-nvidia-h200-qwen3-b128-sweep-kv-*.json and
+    decode_attention-nvidia-h200-qwen3-4b-b16-64-sweep-kv-bf16-fp8-p511-2047.json): one split of 64-position steps
+    from 32 rows up, two at 16 rows, three stages over an FP8 cache and in launches of fewer than 512 programs."""
     from slime.backends.embedded_engine.kernels.triton_attention import Launch, plan_launch
 
-    assert plan_launch(128, 8, 160, 128) == Launch(64, 1, 4, 2)  # 27.3 us, the sweep's best (was 38.5)
-    assert plan_launch(128, 8, 512, 128, kv_element_bytes=1) == Launch(64, 1, 4, 3)  # 60.5, the best (was 76.1)
-    assert plan_launch(64, 8, 2048, 128) == Launch(64, 1, 4, 2)  # 130.8 vs best 130.2 (was 141.4 with two)
+    assert plan_launch(128, 8, 160, 128) == Launch(64, 1, 4, 2)  # 27.3 us, the sweep's best
+    assert plan_launch(128, 8, 512, 128, kv_element_bytes=1) == Launch(64, 1, 4, 3)  # 60.5, the best
+    assert plan_launch(64, 8, 2048, 128) == Launch(64, 1, 4, 2)  # 130.8 vs best 130.2 (141.0 with two splits)
     assert plan_launch(16, 8, 2048, 128, kv_element_bytes=1) == Launch(64, 2, 4, 3)  # 37.4, the best (one: 49.8)
     assert plan_launch(16, 8, 512, 128) == Launch(64, 2, 4, 3)  # 14.5 vs 16.1 with two stages
     assert plan_launch(1, 8, 2048, 128).splits == 32  # a lone row still spreads over the GPU: 256 programs
