@@ -830,7 +830,7 @@ def test_gpu_decode_step_bench_switch_reaches_the_captured_graphs(tiny_model_dir
     from pathlib import Path
 
     _needs_sm90()
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     counts = {}
     for name, extra in (("with", []), ("without", ["--without", "down_hand_off"])):
