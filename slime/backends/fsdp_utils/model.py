@@ -127,8 +127,9 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
         from slime.backends.training import varlen_attention
 
         if device_type != "cuda" or not varlen_attention.available():
-            raise ValueError("--fsdp-attn-implementation slime_varlen needs CUDA and a PyTorch with "
-                             "torch.nn.attention.varlen (2.10+); use auto or sdpa")
+            raise ValueError("--fsdp-attn-implementation slime_varlen needs CUDA and a PyTorch whose "
+                             "torch.nn.attention.varlen (2.10+) passes its start-up gradient check (see the "
+                             "warning above, if any); use auto or sdpa")
         return varlen_attention.register()
     if requested != "auto":
         return requested

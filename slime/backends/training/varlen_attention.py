@@ -14,8 +14,11 @@ functions) and no mask.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 VARLEN_NAME = "slime_varlen"
 _registered = False
@@ -29,9 +32,53 @@ def _varlen_fn():
     return varlen_attn
 
 
+_gradients_checked: dict[str, bool] = {}
+
+
 def available() -> bool:
-    """True on CUDA with a PyTorch that ships ``varlen_attn``."""
-    return torch.cuda.is_available() and _varlen_fn() is not None
+    """True on CUDA with a PyTorch whose ``varlen_attn`` trains: it exists, and one tiny packed
+    forward/backward gives q, k and v the gradients SDPA gives (checked once a process)."""
+    if not torch.cuda.is_available() or _varlen_fn() is None:
+        return False
+    if "cuda" not in _gradients_checked:
+        _gradients_checked["cuda"] = gradients_match_sdpa(_varlen_fn(), torch.device("cuda"), torch.bfloat16)
+        if not _gradients_checked["cuda"]:
+            logger.warning("torch %s: varlen_attn's backward does not give q, k and v SDPA's gradients; packed "
+                           "micro-batches use sdpa with a block-causal mask instead", torch.__version__)
+    return _gradients_checked["cuda"]
+
+
+def gradients_match_sdpa(varlen_attn, device: torch.device, dtype: torch.dtype, tolerance: float = 0.05) -> bool:
+    """One packed batch of two causal samples through ``varlen_attn``'s causal forward and backward against
+    SDPA per sample: every one of q, k and v must get a gradient within ``tolerance`` of SDPA's (relative to
+    its largest value; bf16 rounding is ~1e-2). A kernel whose backward leaves out an input would train
+    a model whose attention projections never move."""
+    lengths, heads, dim = (5, 11), 2, 64
+    generator = torch.Generator().manual_seed(0)
+    base = [torch.randn(sum(lengths), heads, dim, generator=generator).to(device, dtype) for _ in range(3)]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    q, k, v = (t.clone().requires_grad_(True) for t in base)
+    try:
+        out = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), scale=dim ** -0.5, **causal)
+        out.float().square().sum().backward()
+    except Exception as error:  # noqa: BLE001 — any failure means the kernel cannot be used for training
+        logger.warning("varlen_attn's forward/backward failed on a tiny batch: %s", error)
+        return False
+    ref = [t.clone().requires_grad_(True) for t in base]
+    outs = []
+    for start, end in ((0, lengths[0]), (lengths[0], sum(lengths))):
+        rq, rk, rv = (t[start:end].transpose(0, 1).unsqueeze(0) for t in ref)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(rq, rk, rv, is_causal=True)[0].transpose(0, 1))
+    torch.cat(outs).float().square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref)):
+        if got is None or not bool(torch.isfinite(got).all()):
+            return False
+        scale = float(want.float().abs().max()) or 1.0
+        if float((got.float() - want.float()).abs().max()) > tolerance * scale:
+            return False
+    return True
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

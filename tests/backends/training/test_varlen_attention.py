@@ -57,3 +57,37 @@ def test_varlen_attention_pads_head_sizes_the_kernel_needs_equal(monkeypatch, qk
     assert out.shape == (1, total, heads, value_dim)
     expected = reference(query, key, value, cu, scaling if scaling is not None else 1 / math.sqrt(qk_dim))
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _segments_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, is_causal=False, detach=()):
+    """A stand-in kernel with autograd: causal SDPA per packed sample; ``detach`` names inputs whose
+    gradient it drops, as a kernel with a partial backward would."""
+    inputs = {"q": q, "k": k, "v": v}
+    q, k, v = (t.detach() if name in detach else t for name, t in inputs.items())
+    pieces = []
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        pieces.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(pieces)
+
+
+def test_gradient_check_accepts_a_kernel_that_trains_and_refuses_one_that_drops_q_and_k():
+    """The start-up check behind ``available()``: a kernel whose backward reaches q, k and v passes; one
+    that leaves q and k without a gradient (attention projections that never train), one that scales a
+    gradient wrongly, or one that raises, fails — so ``auto`` falls back to sdpa on that PyTorch."""
+    cpu = torch.device("cpu")
+    assert varlen_attention.gradients_match_sdpa(_segments_sdpa, cpu, torch.float32)
+
+    def no_qk_grad(*args, **kwargs):
+        return _segments_sdpa(*args, **kwargs, detach=("q", "k"))
+
+    def half_v_grad(q, k, v, *args, **kwargs):
+        v = v * 0.5 + v.detach() * 0.5  # same forward, half the gradient to v
+        return _segments_sdpa(q, k, v, *args, **kwargs)
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("no backward for this dtype")
+
+    for broken in (no_qk_grad, half_v_grad, raises):
+        assert not varlen_attention.gradients_match_sdpa(broken, cpu, torch.float32), broken.__name__
