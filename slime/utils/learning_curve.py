@@ -43,7 +43,8 @@ def learning_curve(records: list[dict], eval_name: str) -> dict:
     start = evals[0]["time"] if evals[0]["step"] == 0 else min(r["time"] for r in records)
     rollouts = [r for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
     perf = {r["step"]: r for r in records if r["kind"] == "perf" and "perf/step_time" in r}
-    steps = [{"step": r["step"] + 1, "seconds": round(r["time"] - start, 3),
+    # a step ends when its perf record is written (after training, the weight push and any evaluation)
+    steps = [{"step": r["step"] + 1, "seconds": round(perf.get(r["step"], r)["time"] - start, 3),
               "reward": r["rollout/raw_reward/mean"],
               "response_length": r.get("rollout/response_len/mean"),
               **{k[len("perf/"):]: round(v, 4) for k, v in perf.get(r["step"], {}).items()
