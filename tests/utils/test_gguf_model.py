@@ -87,7 +87,7 @@ def test_unsupported_architecture_names_file_architecture_and_supported_ones(tmp
     write_raw_gguf(path, arch="bert")
     message = _error(path)
     assert str(path) in message and "'bert'" in message and "llama, mistral, qwen2" in message
-    assert "--hf-checkpoint" in message and "python -m slime.utils.gguf_model convert" in message
+    assert "--hf-checkpoint" in message and "python -m slime.utils.gguf_model convert FILE" in message
 
 
 def test_unreadable_quantization_type_names_the_type_tensor_and_install_command(tmp_path):
