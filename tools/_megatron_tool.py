@@ -19,6 +19,14 @@ def parse(argv: list[str], extra) -> "argparse.Namespace":  # noqa: F821
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from slime.utils.gguf_model import GGUFError, resolve_hf_checkpoint
+
+    try:  # a GGUF checkpoint is read as its cached, dequantized HF directory
+        args.hf_checkpoint = resolve_hf_checkpoint(args.hf_checkpoint, "--hf-checkpoint")
+        if getattr(args, "origin_hf_dir", None):
+            args.origin_hf_dir = resolve_hf_checkpoint(args.origin_hf_dir, "--origin-hf-dir")
+    except GGUFError as e:
+        parser.error(str(e))
     return args
 
 

@@ -123,6 +123,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _refuse_unimplemented(args)
     check_flag_values(args)
     refuse_other_backend_flags(args)  # before the derived values below (e.g. --finetune from --ref-load)
+    _resolve_gguf_checkpoints(args)
     _validate_model_shape_flags(args)
     # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
@@ -379,6 +380,17 @@ def _validate_opd(args) -> None:
                          "needs --rm-url: the teacher engine's /generate URL")
     if not args.use_opd and args.opd_teacher_load is not None:
         raise ValueError("--opd-teacher-load is set but --use-opd is not")
+
+
+def _resolve_gguf_checkpoints(args) -> None:
+    """A GGUF file (or a directory holding one) given as an HF checkpoint becomes its cached, dequantized HF
+    directory here, so every later reader (trainer, engine, Megatron) sees an HF directory."""
+    from slime.utils.gguf_model import resolve_hf_checkpoint
+
+    args.hf_checkpoint = resolve_hf_checkpoint(args.hf_checkpoint, "--hf-checkpoint")
+    args.ref_load = resolve_hf_checkpoint(args.ref_load, "--ref-load")
+    if getattr(args, "critic_hf_checkpoint", None):
+        args.critic_hf_checkpoint = resolve_hf_checkpoint(args.critic_hf_checkpoint, "--critic-hf-checkpoint")
 
 
 def _is_hf_dir(path: str | None) -> bool:
