@@ -60,11 +60,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_result(benchmark: str, config: dict, metrics: dict, out: str | None, echo: bool = True) -> dict:
-    """The results file (``echo``: printed too; a long bench writes its partial results quietly as it goes)."""
+def write_result(benchmark: str, config: dict, metrics: dict, out: str | None, echo: bool = True,
+                 extra: dict | None = None) -> dict:
+    """The results file (``echo``: printed too; a long bench writes its partial results quietly as it goes);
+    ``extra``: more top-level fields beside ``metrics`` (e.g. per-step curves, which are not flat numbers)."""
     today = datetime.date.today()
     result = {"benchmark": benchmark, "date": today.isoformat(), "machine": machine_name(),
-              "command": "python " + " ".join(sys.argv), "git_commit": git_commit(), "config": config, "metrics": metrics}
+              "command": "python " + " ".join(sys.argv), "git_commit": git_commit(), "config": config, "metrics": metrics,
+              **(extra or {})}
     if echo:
         print(json.dumps(result, indent=2))
     if out:
