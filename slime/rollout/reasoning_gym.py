@@ -12,9 +12,10 @@ Three ways in, all on reasoning-gym's own generators and ``score_answer`` verifi
 * **the reward** ``slime.rollout.reasoning_gym.reward`` (``--custom-rm-path``), the same scorer.
 
 The answer is read from the reply as the row's ``answer_format`` says: ``tag`` (reasoning-gym's
-convention, the last ``<answer>...</answer>``; pair with ``--system-prompt default``) or ``plain``
+convention, the last ``<answer>...</answer>``; pair with ``--system-prompt default``), ``plain``
 (the whole reply, special tokens and any ``<think>`` block removed; for small models that answer
-bare).
+bare) or ``number`` (the last number in the reply, for numeric tasks that a small instruct model
+answers in a sentence: "The answer is 42.").
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from pathlib import Path
 
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
-ANSWER_FORMATS = ("tag", "plain")
+ANSWER_FORMATS = ("tag", "plain", "number")
 _SPECIAL = re.compile(r"<\|[^|>]*\|>")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _jsonable(value):
@@ -90,6 +92,9 @@ def extract_answer(response: str, answer_format: str) -> str | None:
     text = _SPECIAL.sub("", response or "")
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
+    if answer_format == "number":
+        numbers = _NUMBER.findall(text)
+        return numbers[-1].replace(",", "").rstrip(".") if numbers else ""
     return text.strip()
 
 

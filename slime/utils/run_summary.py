@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     if "sft_loss_first" in s:
         rows.append(("SFT loss (first -> last step)", f"{s['sft_loss_first']:.3f} -> {s['sft_loss_last']:.3f}"))
     for name, e in s["eval"].items():
-        rows.append((f"eval/{name}: after SFT -> after GRPO", f"{e['before']:.3f} -> {e['after']:.3f}"))
+        start = "after SFT" if args.sft_run else "before"
+        rows.append((f"eval/{name}: {start} -> after GRPO", f"{e['before']:.3f} -> {e['after']:.3f}"))
         rows.append((f"eval/{name} curve (step: reward)", ", ".join(f"{step}: {value:.2f}" for step, value in e["curve"])))
     if "train_reward_first" in s:
         rows.append(("rollout reward, mean of first -> last 10 steps", f"{s['train_reward_first']:.3f} -> {s['train_reward_last']:.3f}"))

@@ -68,6 +68,21 @@ def test_verifier_as_rm_type_and_custom_rm():
     assert score(words["label"], words["metadata"]) == 1.0 and score("zzzz", words["metadata"]) < 1.0
 
 
+def test_number_format_scores_the_last_number_of_a_sentence():
+    """A small instruct model answers in a sentence; the number format reads its last number (sign and
+    thousands separators kept, a full stop dropped), and a reply with no number or the wrong one scores 0."""
+    (row,) = make_rows("chain_sum", size=1, seed=0, answer_format="number",
+                       config={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2})
+    answer = int(row["label"])
+    assert score(f"The final answer to this problem is {answer}.<|im_end|>", row["metadata"]) == 1.0
+    assert score(f"{abs(answer) + 1} ... so the answer is {answer}", row["metadata"]) == 1.0
+    assert score(f"The answer is {answer} plus 1 = {answer + 1}.", row["metadata"]) == 0.0  # the last number counts
+    assert score("I do not know.", row["metadata"]) == 0.0
+    (big,) = make_rows("products", size=1, seed=0, answer_format="number",
+                       config={"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 3})
+    assert int(big["label"]) >= 1000 and score(f"It is {int(big['label']):,}.", big["metadata"]) == 1.0
+
+
 def test_data_source(tiny_model_dir, tmp_path):
     from slime.utils.arguments import parse_args
 

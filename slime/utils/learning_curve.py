@@ -1,0 +1,120 @@
+"""A GRPO run's learning curve from its ``metrics.jsonl``: a JSON summary (held-out accuracy before and
+after, the per-step reward and accuracy curves against steps and wall-clock seconds, the step time by
+phase, the model and the hardware) and a PNG of the same curves.
+
+    python -m slime.utils.learning_curve --run outputs/real/runs/grpo --eval-name heldout \\
+        --model SmolLM2-135M-Instruct --task "chain_sum" --json out.json --png out.png
+
+Wall-clock seconds count from the end of the evaluation before the first step, so the curves show the
+time the loop took (evaluations during training included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from statistics import mean
+
+from slime.utils.run_summary import read_metrics
+
+
+def hardware_name() -> str:
+    """The accelerator the run used, else the CPU model and its core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"1x {torch.cuda.get_device_name(0)}"
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def learning_curve(records: list[dict], eval_name: str) -> dict:
+    key = f"eval/{eval_name}"
+    evals = [r for r in records if r["kind"] == "eval" and key in r]
+    if not evals:
+        raise ValueError(f"no {key} records: was the run given --eval-prompt-data {eval_name} FILE and --eval-interval?")
+    start = evals[0]["time"] if evals[0]["step"] == 0 else min(r["time"] for r in records)
+    rollouts = [r for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
+    perf = {r["step"]: r for r in records if r["kind"] == "perf" and "perf/step_time" in r}
+    # a step ends when its perf record is written (after training, the weight push and any evaluation)
+    steps = [{"step": r["step"] + 1, "seconds": round(perf.get(r["step"], r)["time"] - start, 3),
+              "reward": r["rollout/raw_reward/mean"],
+              "response_length": r.get("rollout/response_len/mean"),
+              **{k[len("perf/"):]: round(v, 4) for k, v in perf.get(r["step"], {}).items()
+                 if k.startswith("perf/") and k.endswith("_time")}} for r in rollouts]
+    heldout = [{"step": r["step"], "seconds": round(r["time"] - start, 3), "accuracy": r[key]} for r in evals]
+    split = {}
+    for name in sorted({k for s in steps for k in s if k.endswith("_time")}):
+        values = [s[name] for s in steps if name in s]
+        split[name] = round(mean(values), 4)
+    return {"before": heldout[0]["accuracy"], "after": heldout[-1]["accuracy"],
+            "gain": round(heldout[-1]["accuracy"] - heldout[0]["accuracy"], 4),
+            "best": max(h["accuracy"] for h in heldout), "eval_name": eval_name,
+            "steps": len(steps), "seconds": steps[-1]["seconds"] if steps else 0.0,
+            "step_time_split_mean_s": split, "heldout_curve": heldout, "step_curve": steps}
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    return [mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, held = summary["step_curve"], summary["heldout_curve"]
+    rewards = [s["reward"] for s in steps]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, x_key, label in ((axes[0], "step", "GRPO step"), (axes[1], "seconds", "wall-clock seconds")):
+        xs = [s[x_key] for s in steps]
+        ax.plot(xs, rewards, color="tab:blue", alpha=0.25, lw=1)
+        ax.plot(xs, _smooth(rewards, 10), color="tab:blue", lw=2, label="rollout reward (sampled, 10-step mean)")
+        ax.plot([h[x_key] for h in held], [h["accuracy"] for h in held], "o-", color="tab:red", lw=2,
+                label=f"held-out accuracy (greedy, {summary['eval_name']})")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward / accuracy")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"GRPO on {summary.get('task', 'the task')}: {summary.get('model', 'model')} on "
+                 f"{summary.get('hardware', 'this machine')}\nheld-out accuracy {summary['before']:.3f} -> "
+                 f"{summary['after']:.3f} in {summary['steps']} steps, {summary['seconds']:.0f} s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="the GRPO run directory (--run-dir; holds metrics.jsonl)")
+    parser.add_argument("--eval-name", required=True, help="the held-out eval dataset's name (--eval-prompt-data)")
+    parser.add_argument("--model", required=True, help="the model's name, written into the JSON and the figure")
+    parser.add_argument("--task", required=True, help="the task's name, written into the JSON and the figure")
+    parser.add_argument("--json", required=True, help="where to write the JSON summary")
+    parser.add_argument("--png", default=None, help="where to write the learning-curve figure")
+    parser.add_argument("--extra", default="{}", help="JSON object merged into the summary (config, seed, load)")
+    args = parser.parse_args(argv)
+    summary = {"model": args.model, "task": args.task, "hardware": hardware_name(), **json.loads(args.extra),
+               **learning_curve(read_metrics(args.run), args.eval_name)}
+    summary["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(summary, f, indent=1)
+    if args.png:
+        plot(summary, args.png)
+    print(f"held-out accuracy ({args.eval_name}, greedy): {summary['before']:.3f} -> {summary['after']:.3f} "
+          f"({summary['gain']:+.3f}) in {summary['steps']} steps, {summary['seconds']:.0f} s on {summary['hardware']}")
+    print(f"summary: {args.json}" + (f"\nlearning curve: {args.png}" if args.png else ""))
+
+
+if __name__ == "__main__":
+    main()
