@@ -6,7 +6,7 @@
 # It sizes itself: on a GPU 32 prompts x 8 samples a step for 100 steps (a few minutes on one H100/H200,
 # trainer and engine colocated); on a CPU 4 x 4 for 60 steps (about 20 minutes on 2 idle cores).
 #   bash scripts/run-real.sh               outputs under outputs/real-<cpu|gpu>
-#   SEED=2 OUT=dir STEPS=N bash scripts/run-real.sh
+#   SEED=2 OUT=dir STEPS=N LR=x bash scripts/run-real.sh     (seed, output directory, GRPO steps, learning rate)
 # Writes OUT/summary.json (accuracy before/after, per-step curves, step time by phase, model, hardware) and
 # OUT/learning_curve.png (reward and held-out accuracy against steps and against wall-clock seconds).
 set -euo pipefail
@@ -24,6 +24,7 @@ else
   device=cpu prompts=4 samples=4 steps="${STEPS:-60}" num_eval=128 eval_every=15 lr=2e-5
   placement=(--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --max-tokens-per-gpu 2048)
 fi
+lr="${LR:-$lr}"
 out="${OUT:-outputs/real-$device}"
 rm -rf "$out" && mkdir -p "$out"
 task='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'

@@ -384,6 +384,8 @@ def _resolve_gguf_checkpoints(args) -> None:
 
     args.hf_checkpoint = resolve_hf_checkpoint(args.hf_checkpoint, "--hf-checkpoint")
     args.ref_load = resolve_hf_checkpoint(args.ref_load, "--ref-load")
+    if getattr(args, "critic_hf_checkpoint", None):
+        args.critic_hf_checkpoint = resolve_hf_checkpoint(args.critic_hf_checkpoint, "--critic-hf-checkpoint")
 
 
 def _is_hf_dir(path: str | None) -> bool:

