@@ -43,12 +43,23 @@ def plot(results: list[dict], path: str) -> None:
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"slime": "tab:blue", "trl": "tab:orange"}
+    by_side: dict[str, list[dict]] = {}
     for result in results:
         seed = result["config"].get("seed")
         for side, curve in result.get("curves", {}).items():
+            by_side.setdefault(side, []).append(curve)
             label = f"{side} seed {seed}"
-            by_step.plot(curve["step"], curve["reward"], color=colors.get(side), alpha=0.75, label=label)
-            by_time.plot(curve["seconds"], curve["reward"], color=colors.get(side), alpha=0.75, label=label)
+            by_step.plot(curve["step"], curve["reward"], color=colors.get(side), alpha=0.35, lw=1, label=label)
+            by_time.plot(curve["seconds"], curve["reward"], color=colors.get(side), alpha=0.35, lw=1, label=label)
+    for side, curves in by_side.items():  # the mean over seeds, step by step (as far as every seed went)
+        if len(curves) < 2:
+            continue
+        steps = min(len(c["reward"]) for c in curves)
+        reward = [sum(c["reward"][i] for c in curves) / len(curves) for i in range(steps)]
+        seconds = [sum(c["seconds"][i] for c in curves) / len(curves) for i in range(steps)]
+        label = f"{side}, mean of {len(curves)} seeds"
+        by_step.plot(range(steps), reward, color=colors.get(side), lw=2.5, label=label)
+        by_time.plot(seconds, reward, color=colors.get(side), lw=2.5, label=label)
     config = results[0]["config"]
     title = (f"{config['model']} on {results[0]['machine']}: {config['prompts']} prompts × {config['n_samples_per_prompt']} "
              f"samples × ≤{config['max_new_tokens']} tokens, {config.get('task')}")
