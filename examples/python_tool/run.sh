@@ -40,7 +40,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --custom-generate-function-path examples.python_tool.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 48 \
+  --rollout-batch-size "${GRPO_PROMPTS:-8}" --n-samples-per-prompt 8 --rollout-max-response-len 48 \
   --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
   --num-steps-per-rollout 1 --lr "${GRPO_LR:-$(smollm2_or 1e-5 3e-4)}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval 5 --eval-temperature 0.01 \
