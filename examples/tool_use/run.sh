@@ -7,21 +7,24 @@
 #   bash examples/tool_use/run.sh          (outputs under outputs/tool-use; OUT=dir to change)
 #   SFT_STEPS=.. SFT_TOOL_FRACTION=.. GRPO_STEPS=.. GRPO_LR=.. to change the two phases; SKIP_SFT=1 reruns
 #   GRPO only, from the SFT checkpoint of an earlier run in the same OUT.
+#   MODEL=smollm2: SmolLM2-135M-Instruct instead of the tiny model (the tiny model's ChatML template with the
+#   one-line tool list, SFT and GRPO at lr 1e-5); SFT_STEPS / GRPO_STEPS / GRPO_PROMPTS to size it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 bash scripts/setup-env.sh dev  # the example's agent uses the openai client (dev extra)
 py=.venv/bin/python
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-out="${OUT:-outputs/tool-use}"
+source examples/model.sh
+out="${OUT:-outputs/tool-use$(smollm2_or -smollm2 '')}"
 common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
         --adam-beta2 0.99)
 
 if [ "${SKIP_SFT:-0}" != 1 ]; then
 rm -rf "$out" && mkdir -p "$out"
-echo "== 1/4 tiny model and the temperature task"
-$py -m slime.utils.tiny_model --out "$out/model" --size tiny --seed 0
-$py -m examples.tool_use.template "$out/model"  # one-line tool list instead of the 250-token Qwen preamble
+echo "== 1/4 the model (MODEL=${MODEL:-tiny}) and the temperature task"
+example_model "$out/model"
+$py -m examples.tool_use.template "$out/model" $(smollm2_or --chatml '')  # one-line tool list instead of the 250-token Qwen preamble
 $py -m examples.tool_use.task --out "$out/data" --seed 0 --num-train 256 --num-eval 64 --num-sft 4096 \
   --sft-tool-fraction "${SFT_TOOL_FRACTION:-0.3}"
 
@@ -30,7 +33,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --rollout-function-path slime.rollout.sft_rollout.generate_rollout \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --tool-key tools --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
-  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-400}" --lr 3e-3 \
+  --rollout-batch-size 16 --num-rollout "${SFT_STEPS:-400}" --lr "$(smollm2_or 1e-5 3e-3)" \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 fi
 rm -rf "$out/runs/grpo" "$out/dumps"
@@ -43,7 +46,7 @@ $py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf
   --sglang-tool-call-parser qwen25 --router-policy consistent_hashing \
   --rollout-batch-size "${GRPO_PROMPTS:-8}" --n-samples-per-prompt 8 --rollout-max-response-len 32 \
   --rollout-max-context-len 512 --rollout-temperature 1.0 --num-rollout "${GRPO_STEPS:-20}" \
-  --num-steps-per-rollout 1 --lr "${GRPO_LR:-3e-4}" --eps-clip 0.2 \
+  --num-steps-per-rollout 1 --lr "${GRPO_LR:-$(smollm2_or 1e-5 3e-4)}" --eps-clip 0.2 \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" --eval-temperature 0.01 \
   --n-samples-per-eval-prompt 1 --save-debug-rollout-data "$out/dumps/rollout_{rollout_id}.pt" \
   --run-dir "$out/runs/grpo"

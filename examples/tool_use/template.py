@@ -42,19 +42,25 @@ def compact_template(template: str = CHAT_TEMPLATE) -> str:
     return COMPACT_TOOLS_PREAMBLE + template[end:]
 
 
-def install(model_dir: str | Path) -> None:
-    """Rewrite the chat template of the tokenizer saved in ``model_dir``."""
+def install(model_dir: str | Path, chatml: bool = False) -> None:
+    """Rewrite the chat template of the tokenizer saved in ``model_dir`` (``chatml``: replace it by the tiny
+    model's, for a ChatML model whose own template renders no tools, e.g. SmolLM2-135M-Instruct)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    tokenizer.chat_template = compact_template(tokenizer.chat_template or CHAT_TEMPLATE)
+    if chatml and "<|im_start|>" not in tokenizer.get_vocab():
+        raise ValueError(f"{model_dir}: --chatml needs a tokenizer with ChatML's <|im_start|> token")
+    tokenizer.chat_template = compact_template(CHAT_TEMPLATE if chatml else tokenizer.chat_template or CHAT_TEMPLATE)
     tokenizer.save_pretrained(str(model_dir))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", help="a checkpoint built by slime.utils.tiny_model")
-    install(parser.parse_args(argv).model_dir)
+    parser.add_argument("--chatml", action="store_true",
+                        help="replace the checkpoint's own template by the tiny model's ChatML one (SmolLM2's renders no tools)")
+    args = parser.parse_args(argv)
+    install(args.model_dir, chatml=args.chatml)
 
 
 if __name__ == "__main__":
