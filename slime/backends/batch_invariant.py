@@ -22,14 +22,16 @@ refused off the CPU and outside fp32, see :func:`check_supported`).
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_NAME = "slime_invariant"
-TILE_ROWS = 32  # rows of every GEMM call: one shape, so one kernel and one reduction order
+#: rows of every GEMM call: one shape, so one kernel and one reduction order. None falls back to
+#: ``F.linear`` (the tests' demonstration that exactness rests on the tiles: a 1-row decode step is a GEMV)
+TILE_ROWS: int | None = 32
 SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _registered = False
@@ -52,6 +54,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with every row computed in a ``[TILE_ROWS, K]`` tile of one batched GEMM."""
+    if TILE_ROWS is None:
+        return F.linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
@@ -157,36 +161,47 @@ def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.variance_epsilon)
 
 
-def check_supported(model: nn.Module, where: str) -> None:
-    """Refuse what the ops cannot make exact yet: other architectures, other dtypes, other devices."""
+@functools.lru_cache(maxsize=None)
+def _invariant_class(cls: type, forward) -> type:
+    """``cls`` with ``forward`` swapped in, under the same name (checks by class name still match). A class,
+    not an instance attribute: transformers' ``train()`` resets instance ``forward``s of hub-kernel layers."""
+    return type(cls.__name__, (cls,), {"forward": forward, "_slime_batch_invariant": True})
+
+
+def _swap(module: nn.Module, forward) -> None:
+    if not getattr(module, "_slime_batch_invariant", False):
+        module.__class__ = _invariant_class(type(module), forward)
+
+
+def check_supported(model: nn.Module, flag: str) -> None:
+    """Refuse what the ops cannot make exact yet: other architectures, other dtypes, other devices.
+    ``flag``: what asked for them, for the message."""
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
-        raise ValueError(f"--true-on-policy ({where}): {name} is not supported (batch-invariant forwards exist for "
+        raise ValueError(f"{flag}: {name} is not supported (batch-invariant forwards exist for "
                          f"{', '.join(SUPPORTED_MODELS)}); drop the flag and correct the mismatch with TIS/MIS")
     first = next(model.parameters())
     if first.dtype != torch.float32 or first.device.type != "cpu":
-        raise ValueError(f"--true-on-policy ({where}): exact only in fp32 on the CPU today (got {first.dtype} on "
+        raise ValueError(f"{flag}: exact only in fp32 on the CPU today (got {first.dtype} on "
                          f"{first.device.type}); the GPU bf16 path needs the same ops as fixed-tile Triton kernels, "
                          "which are not written yet: on a GPU use TIS/MIS (--use-tis) instead")
 
 
-def install(model: nn.Module, tiled_linear: bool = True) -> dict:
+def install(model: nn.Module) -> dict:
     """Swap the batch-invariant ops into ``model`` (every ``nn.Linear`` including the LM head, RMSNorm,
     the SiLU gate); the attention comes from loading with ``attn_implementation=register()``.
-    ``tiled_linear=False`` keeps ``F.linear`` (the default GEMM): the demonstration that exactness rests
-    on the tiles. Returns how many modules of each kind were swapped."""
+    Returns how many modules of each kind were swapped."""
     counts = {"linear": 0, "rmsnorm": 0, "silu": 0}
     for module in list(model.modules()):
         if isinstance(module, nn.Linear):
-            if tiled_linear:
-                module.forward = types.MethodType(_linear_forward, module)
-                counts["linear"] += 1
+            _swap(module, _linear_forward)
+            counts["linear"] += 1
         elif type(module).__name__ in RMSNORM_CLASSES:
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            _swap(module, _rms_norm_forward)
             counts["rmsnorm"] += 1
         if hasattr(module, "act_fn") and hasattr(module, "down_proj"):
             if getattr(getattr(module, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
-                raise ValueError(f"--true-on-policy: activation {module.config.hidden_act!r} has no batch-invariant form")
+                raise ValueError(f"batch-invariant ops: activation {module.config.hidden_act!r} has no batch-invariant form")
             module.act_fn = _SiLU()
             counts["silu"] += 1
     return counts

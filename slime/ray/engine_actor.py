@@ -24,7 +24,8 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver", "enable-weights-cpu-backup",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
-                         "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config"}
+                         "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config",
+                         "enable-deterministic-inference"}
 # SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
 EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "cuda-graph-bs-decode": "cuda-graph-bs",
                      "fp8-gemm-runner-backend": "fp8-gemm-backend"}
@@ -37,6 +38,10 @@ def memory_saver_installed() -> bool:
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
     argv = ["--device", "cuda" if gpu else "cpu"]
+    if getattr(args, "true_on_policy", False) or getattr(args, "deterministic_mode", False):
+        # batch-invariant ops (slime/backends/batch_invariant.py): a sample's tokens and log-probs do not depend
+        # on the batch it decoded in (and are the trainer's with --true-on-policy)
+        argv.append("--enable-deterministic-inference")
     if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine returns its routed experts (SGLang's flag)
         argv.append("--enable-return-routed-experts")
     if gpu and args.colocate and args.offload_rollout and memory_saver_installed():

@@ -22,6 +22,7 @@ import os
 import sys
 
 from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add_training_arguments, mark_refused_flags
+from slime.utils.exactness import validate_exactness
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
                                      rename_legacy_sglang_flags)
 
@@ -252,6 +253,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_observability(args)
     _validate_sglang_side(args)
     _validate_backends(args)
+    validate_exactness(args)
     _parse_json_flags(args)
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node

@@ -69,9 +69,10 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation=attn)
         self.model.to(self.device).eval()
         if true_on_policy:
-            batch_invariant.check_supported(self.model, "embedded engine")
+            flag = "--enable-deterministic-inference (slime: --deterministic-mode / --true-on-policy)"
+            batch_invariant.check_supported(self.model, flag)
             if quantization is not None:
-                raise ValueError("--true-on-policy: the engine cannot serve quantized weights exactly")
+                raise ValueError(f"{flag}: quantized weights (--quantization {quantization}) are not batch-invariant")
         self.config = self.model.config
         _refuse_sliding_windows(self.model, model_path)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])

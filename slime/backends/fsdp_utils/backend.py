@@ -74,7 +74,7 @@ class FSDPBackend(TrainBackend):
 
         model = load_model(path, self.role, self.attn_implementation, self.args.seed)
         if self.true_on_policy:
-            batch_invariant.check_supported(model, "FSDP trainer")
+            batch_invariant.check_supported(model, "--true-on-policy (FSDP trainer)")
             batch_invariant.install(model)
         if trainable:
             apply_freeze_lists(model, self.args)
