@@ -313,12 +313,12 @@ def weight_update_seconds(model_path: str, device: str, quantization: str | None
     through the engine's update path: quantized into FP8 blocks (``Fp8Weights.load``) or copied."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.embedded_engine.fp8 import block as fp8
+    from slime.backends.embedded_engine.fp8 import install as fp8_install
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     source = [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
-    weights = (fp8.quantize_model(model, "dequant", per_channel=quantization == "w8a8_fp8") if quantization
+    weights = (fp8_install.quantize_model(model, "dequant", per_channel=quantization == "w8a8_fp8") if quantization
                else None)
     params = dict(model.named_parameters(remove_duplicate=False))
     best = float("inf")

@@ -26,7 +26,7 @@ by ``copies``. The quantize kernel of the two-kernel and cuBLASLt paths is insid
 Metrics, per ``<model>/<shape>/M<rows>``: ``bf16_us``; per FP8 path ``<path>_us`` (path in
 ``weight_only``, ``fused``, ``two_kernel``, ``cublas``; ``cublas`` absent where it does not run),
 ``<path>_speedup`` (bf16 / it) and ``<path>_max_rel_err`` (its bf16 output against
-``fp8.reference_matmul``, with quantized activations for the W8A8 paths, over the largest output: a
+``fp8_numerics.reference_matmul``, with quantized activations for the W8A8 paths, over the largest output: a
 sanity check that the timed path computes the right thing; the bf16 rounding gives up to ~4e-3, a
 wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``auto_path`` (what
 ``--fp8-gemm-backend auto`` runs there today) and ``auto_over_best`` (its time over the best's:
@@ -86,6 +86,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import hbm_peak, hbm_peak_config, time_us, write_result  # noqa: E402
 from bench.engine_decode import ARCHITECTURES  # noqa: E402
 from slime.backends.embedded_engine.fp8 import block as fp8  # noqa: E402
+from slime.backends.embedded_engine.fp8 import numerics as fp8_numerics  # noqa: E402
+from slime.backends.embedded_engine.fp8 import quantize as fp8_quantize  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_hidden_layers=2)
@@ -130,15 +132,15 @@ def _fp8_call(path: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Te
 
 def bench_weight_quantize(out_features: int, in_features: int, device: torch.device, repeats: int) -> dict:
     """One weight's quantization (an FP8 weight update's cost per matrix): the torch version
-    (``fp8._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
+    (``fp8_numerics._quantize_weight_torch``, three fp32 copies, then the copy into the storage) against the
     one-launch kernel writing into the storage (``fp8_triton.quantize_weight_into``); bf16 weight."""
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     weight = torch.randn(out_features, in_features, device=device).to(torch.bfloat16)
-    values, scales = fp8._quantize_weight_torch(weight)
+    values, scales = fp8_numerics._quantize_weight_torch(weight)
 
     def torch_update():
-        new_values, new_scales = fp8._quantize_weight_torch(weight)
+        new_values, new_scales = fp8_numerics._quantize_weight_torch(weight)
         values.copy_(new_values)
         scales.copy_(new_scales)
 
@@ -205,7 +207,7 @@ def rowwise_probe(x: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, s
     exact = x.float() @ weight.float().t()
     scale = exact.abs().mean()
     reference = fp8_channel.reference_matmul(x, w8, w_scales)
-    block = fp8.reference_matmul(x, values, scales, quantize_inputs=True).float()
+    block = fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=True).float()
     def unscaled(w8, w_scales):  # the cublas backend's GEMM: its reader applies the scales
         return fp8_channel.unscaled_mm(quantized[0], w8, torch.bfloat16)
 
@@ -233,7 +235,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
 
     generator = torch.Generator().manual_seed(out_features * 7 + in_features)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(device, torch.bfloat16)
-    values, scales = fp8.quantize_weight(weight)
+    values, scales = fp8_quantize.quantize_weight(weight)
     copies = max(1, min(MAX_COPIES, math.ceil(COLD_WEIGHT_BYTES / weight.numel() / weight.element_size())))
     if device.type != "cuda":
         copies = 1
@@ -249,7 +251,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
         fp8_bytes = values.numel() + scales.numel() * 4 + moved_in_out
         result = {"bf16_us": time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device,
                                      args.repeats)}
-        references = {quantized: fp8.reference_matmul(x, values, scales, quantize_inputs=quantized)
+        references = {quantized: fp8_numerics.reference_matmul(x, values, scales, quantize_inputs=quantized)
                       for quantized in (False, True)}
 
         def fp8_calls(path, tiles=None):

@@ -24,21 +24,21 @@ if [ -d .venv/sglang-args/triton ]; then
   echo "[test] the Triton kernels under TRITON_INTERPRET=1"
   PYTHONPATH="$interp_dir" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -ra --timeout=900 -p no:cacheprovider \
     tests/backends/training/test_logprob_head.py tests/backends/megatron_utils/test_logprobs.py \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_triton_gemm_interpreted_equals_reference \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_triton_gemm_interpreted_rounds_ties_like_the_gpu_cast \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_triton_gemm_interpreted_divides_like_the_reference_next_to_ties \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_e4m3_grid_rounding_equals_torch_cast \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_planned_tiles_compile_for_h200_without_spilling \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_triton_linear_interpreted_bf16_with_bias \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_only_gemm_interpreted_equals_the_dequantized_matmul \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_only_linear_interpreted_equals_the_dequant_backend \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_only_plan_fills_the_gpu_for_qwen3_decode_shapes \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_only_tiles_compile_for_h200_on_register_fed_wgmma \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_activation_quantizer_interpreted_is_bit_exact \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_quantizer_interpreted_is_bit_exact \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_weight_quantizer_compiles_for_h200 \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_triton_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_triton_gemm_interpreted_rounds_ties_like_the_gpu_cast \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_triton_gemm_interpreted_divides_like_the_reference_next_to_ties \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_e4m3_grid_rounding_equals_torch_cast \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_tile_plan_fills_the_gpu_for_qwen3_decode_shapes \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_planned_tiles_compile_for_h200_without_spilling \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_triton_linear_interpreted_bf16_with_bias \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_only_gemm_interpreted_equals_the_dequantized_matmul \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_only_linear_interpreted_equals_the_dequant_backend \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_only_plan_fills_the_gpu_for_qwen3_decode_shapes \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_only_tiles_compile_for_h200_on_register_fed_wgmma \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_activation_quantizer_interpreted_is_bit_exact \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_quantizer_interpreted_is_bit_exact \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_quantizer_interpreted_writes_into_views_and_reads_strided_rows \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_weight_quantizer_compiles_for_h200 \
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_token_quantizer_interpreted_is_bit_exact \
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_auto_picks_cublas_else_triton_else_cutlass_for_bf16_on_sm90_else_dequant \
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_norm_kernels_quantize_per_token_like_the_quantizer \
@@ -50,17 +50,17 @@ if [ -d .venv/sglang-args/triton ]; then
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_warm_up_compiles_every_launch_of_the_channel_gemm \
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_readers_of_an_unscaled_product_scale_it_as_apply_scales_does \
     tests/backends/embedded_engine/fp8/test_fp8_channel.py::test_cublas_decode_steps_scale_in_the_readers_and_keep_the_logits \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_two_kernel_gemm_interpreted_equals_reference \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_two_kernel_gemm_by_tma_equals_pointer_loads \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_tma_usable_needs_16_byte_rows \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_warm_up_interpreted_runs_the_real_gemms \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epilogue \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_producer_quantizing_kernels_compile_for_h200 \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \
-    tests/backends/embedded_engine/fp8/test_fp8.py::test_cublas_check_gemm_catches_a_refused_or_misread_recipe \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_two_kernel_gemm_interpreted_equals_reference \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_two_kernel_gemm_by_tma_equals_pointer_loads \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_tma_usable_needs_16_byte_rows \
+    tests/backends/embedded_engine/fp8/test_fp8_install.py::test_warm_up_runs_one_gemm_per_launch_and_covers_every_token_count \
+    tests/backends/embedded_engine/fp8/test_fp8_install.py::test_warm_up_interpreted_runs_the_real_gemms \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_norm_and_silu_kernels_quantize_their_output_like_the_quantizer \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_two_kernel_gemm_takes_quantized_activations_and_accumulates_in_its_epilogue \
+    tests/backends/embedded_engine/fp8/test_fp8_block.py::test_fp8_decoder_layers_with_quantizing_producers_equal_the_plain_path \
+    tests/backends/embedded_engine/fp8/test_fp8_triton_kernels.py::test_producer_quantizing_kernels_compile_for_h200 \
+    tests/backends/embedded_engine/fp8/test_fp8_cublas.py::test_cublas_path_calls_scaled_mm_by_its_contract_and_falls_back_for_other_shapes \
+    tests/backends/embedded_engine/fp8/test_fp8_cublas.py::test_cublas_check_gemm_catches_a_refused_or_misread_recipe \
     tests/backends/embedded_engine/kernels/test_attention.py::test_triton_decode_kv_write_interpreted_equals_index_put \
     tests/backends/embedded_engine/kernels/test_attention.py::test_triton_decode_attention_interpreted_matches_reference \
     tests/backends/embedded_engine/kernels/test_attention.py::test_triton_decode_attention_interpreted_every_launch_matches_reference \

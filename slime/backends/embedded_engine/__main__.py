@@ -75,7 +75,7 @@ def build_server(args: ServerArgs):
 def build_speculative(args: ServerArgs, runner, prefill_tokens: int):
     """The speculative decoder of ``--speculative-algorithm`` (None when off); STANDALONE loads its draft
     model here, with as many slots as the target and the target's device, dtype and attention backend;
-    NEXTN builds the model's MTP layer from its checkpoint (``mtp.py``)."""
+    NEXTN builds the model's MTP layer from its checkpoint (``speculative/mtp.py``)."""
     from slime.backends.embedded_engine.config import speculative_config
     from slime.backends.embedded_engine.model_runner import ModelRunner
     from slime.backends.embedded_engine.speculative.decoder import DraftModel, SpeculativeDecoder

@@ -12,16 +12,38 @@ the same forward runs eagerly at the exact length.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
-    from slime.backends.embedded_engine.model_runner import ModelRunner
+    from slime.backends.embedded_engine.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
+
+
+class GraphedRunner(Protocol):
+    """What the graphs use of the model runner that owns them (``model_runner.ModelRunner``): its device,
+    dtype, cache and sizes, its capturable decode forward and the expert dispatch a capture needs."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: nn.Module
+    kv_cache: "SlotKVCache"
+    max_slots: int
+    vocab_size: int
+
+    @property
+    def kernel_attention(self) -> bool: ...
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int,
+                       out: torch.Tensor | None = None, hidden_out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def capturable_experts(self) -> contextlib.AbstractContextManager: ...
 
 
 def _buckets(limit: int, sizes: list[int] | None = None) -> list[int]:
@@ -71,7 +93,7 @@ class DecodeGraphs:
 
     MIN_KV_BUCKET = 128
 
-    def __init__(self, runner: ModelRunner, enabled: bool, max_batch: int, sizes: list[int] | None = None):
+    def __init__(self, runner: GraphedRunner, enabled: bool, max_batch: int, sizes: list[int] | None = None):
         self.runner = runner
         self.enabled = enabled
         self.batch_buckets = _buckets(max_batch, sizes) if enabled else []

@@ -51,7 +51,7 @@ class Engine:
                  seed: int = 0, speculative: "SpeculativeDecoder | None" = None, num_threads: int | None = None):
         self.runner = runner
         self.num_threads = num_threads  # torch intra-op threads of the engine thread (None: leave as is)
-        self.speculative = speculative  # draft + verify decode steps (speculative.py), None: one token a step
+        self.speculative = speculative  # draft + verify decode steps (speculative/decoder.py), None: one token a step
         self.tokenizer = runner.tokenizer
         shape = runner.kv_cache.shape
         self.scheduler = Scheduler(shape.num_slots, max_prefill_tokens=chunked_prefill_size,
@@ -364,7 +364,7 @@ class Engine:
     def _launch(self, running: list[Sequence], previous: "_Launched | None") -> "_Launched":
         """Launch one decode step (forward + sampling) of ``running``; ``previous`` feeds it from the device."""
         positions = [seq.num_computed for seq in running]
-        settings = [self._row_sampling(seq) for seq in running]
+        settings = [self.row_sampling(seq) for seq in running]
         if previous is None:
             logits = self.runner.decode([seq.output_ids[-1] for seq in running], positions)
         else:
@@ -406,7 +406,7 @@ class Engine:
         launched.event.synchronize()
         tokens, logprobs = launched.host.tolist()
         live = [(seq, int(t), lp) for seq, t, lp in zip(launched.seqs, tokens, logprobs) if seq.finished is None]
-        return self._append(live)
+        return self.append_tokens(live)
 
     def _drain(self) -> int:
         """Complete the step in flight, if any."""
@@ -415,7 +415,7 @@ class Engine:
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor,
                            settings: list[RowSampling] | None = None) -> int:
-        settings = settings or [self._row_sampling(seq) for seq in seqs]
+        settings = settings or [self.row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
         if self.runner.true_on_policy:  # the trainer's log-softmax, bit for bit
             logprobs = exact_log_probs(logits, settings, tokens)
@@ -424,9 +424,9 @@ class Engine:
             kept = kept_token_ids(logits[replay], [settings[i] for i in replay])
             for i, ids in zip(replay, kept):
                 seqs[i].text_cache.setdefault("top_p_token_ids", []).append(ids)
-        return self._append(list(zip(seqs, tokens, logprobs)))
+        return self.append_tokens(list(zip(seqs, tokens, logprobs)))
 
-    def _append(self, results: list[tuple[Sequence, int, float]]) -> int:
+    def append_tokens(self, results: list[tuple[Sequence, int, float]]) -> int:
         """Append each sampled token to its sequence; finish or stream it. Returns the tokens appended: a
         sequence that finishes drops its later results (a stop inside a speculative step's accepted run)."""
         now = time.monotonic()
@@ -449,7 +449,7 @@ class Engine:
         self.scheduler.stats.generated_tokens += appended
         return appended
 
-    def _row_sampling(self, seq: Sequence, ahead: int = 0) -> RowSampling:
+    def row_sampling(self, seq: Sequence, ahead: int = 0) -> RowSampling:
         """Sampling settings of ``seq``'s next token, or (speculation) of the one ``ahead`` tokens later."""
         params = seq.request.params
         position = len(seq.output_ids) + ahead

@@ -160,11 +160,12 @@ class ModelRunner:
         return DTYPES[dtype]
 
     def _quantize(self, quantization: str | None, gemm_backend: str):
-        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise (``fp8.py``) or
-        per channel (``fp8_channel.py``)."""
+        """``--quantization fp8`` / ``w8a8_fp8``: the decoder's linear layers become FP8, block-wise
+        (``fp8/block.py``) or per channel (``fp8/channel.py``)."""
         if quantization is None:
             return None
         from slime.backends.embedded_engine.fp8 import block as fp8
+        from slime.backends.embedded_engine.fp8 import install as fp8_install
 
         if quantization not in fp8.QUANTIZATIONS:
             raise ValueError(f"--quantization {quantization!r} is not supported by the embedded engine; choose "
@@ -177,11 +178,11 @@ class ModelRunner:
         else:
             backend = fp8.resolve_backend(gemm_backend, self.device)
         # the absorbed MLA decode reads kv_b_proj as a matrix every step: it stays in the model dtype
-        weights = fp8.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
-                                     per_channel=per_channel)
+        weights = fp8_install.quantize_model(self.model, backend, keep=("kv_b_proj",) if self.mla_layers else (),
+                                             per_channel=per_channel)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced full-precision weights
-            fp8.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
+            fp8_install.warm_up(weights)  # compile the Triton GEMMs of every token count now, not inside a rollout
         return weights
 
     def _resolve_kv_cache(self, name: str) -> tuple[torch.dtype, tuple[list[float], list[float]] | None]:
@@ -628,7 +629,7 @@ class ModelRunner:
 
     def _named_tensor(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The tensor an HF name denotes: a parameter/buffer, or a view of the fused expert or fused
-        projection parameter that holds it (``fused_projections.py``)."""
+        projection parameter that holds it (``kernels/fused_projections.py``)."""
         tensor = params.get(name)
         if tensor is None:
             tensor = _fused_expert_slice(params, name)

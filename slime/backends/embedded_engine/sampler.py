@@ -30,7 +30,7 @@ GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 #: CPU: untruncated, unseeded rows sample by inverse transform (:func:`_draw_inverse_cdf`); False
 #: keeps the exponential race there too (bench A/B switch)
 CPU_INVERSE_CDF = True
-#: CUDA: the fast path (:func:`on_fast_path`) as one read of the logits (``sampling_kernel.py``);
+#: CUDA: the fast path (:func:`on_fast_path`) as one read of the logits (``kernels/sampling_kernel.py``);
 #: SLIME_FUSED_SAMPLING=0 keeps the torch ops (the A/B of bench/engine_decode.py and decode_step.py)
 FUSED_ON_CUDA = os.environ.get("SLIME_FUSED_SAMPLING", "1") != "0"
 
@@ -84,7 +84,7 @@ def on_fast_path(rows: list[RowSampling], vocab: int) -> bool:
 def sample_on_device(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without the final copy: ``(token ids [rows] int64, log-probs [rows] fp32)`` on the
-    logits' device. On CUDA the fast path runs as two Triton kernels (``sampling_kernel.py``): the same
+    logits' device. On CUDA the fast path runs as two Triton kernels (``kernels/sampling_kernel.py``): the same
     distribution and log-probs, drawn with Philox noise instead of torch's exponential noise."""
     if (FUSED_ON_CUDA and logits.is_cuda and sampling_kernel.available(logits)
             and on_fast_path(rows, logits.shape[1])):
@@ -163,7 +163,7 @@ def sampling_distribution(logits: torch.Tensor, rows: list[RowSampling]) -> tupl
     * ``probs``: the distribution :func:`sample` draws from: top-k / top-p / min-p truncation of
       ``softmax(logits / T)``, renormalised; a greedy row is one-hot at its argmax.
 
-    Speculative verification (``speculative.py``) accepts draft tokens against ``probs`` so that the
+    Speculative verification (``speculative/decoder.py``) accepts draft tokens against ``probs`` so that the
     tokens it emits follow exactly what :func:`sample` would have drawn."""
     logits = _banned(logits, rows)
     temperatures = [1.0 if r.greedy else r.temperature for r in rows]

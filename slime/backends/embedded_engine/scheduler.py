@@ -95,7 +95,7 @@ class SchedulerStats:
     prefill_tokens: int = 0
     prefill_shared_rows: int = 0  # requests that took another's prefill (same tokens admitted together)
     busy_seconds: float = 0.0
-    # Speculative decoding (speculative.py): target forwards that verified drafts, drafts proposed
+    # Speculative decoding (speculative/decoder.py): target forwards that verified drafts, drafts proposed
     # and accepted over all requests (decode_steps counts verify forwards too); verify forwards that ran
     # as T-token decode steps (ModelRunner.verify: a CUDA graph on CUDA), the others the generic forward.
     spec_verify_forwards: int = 0

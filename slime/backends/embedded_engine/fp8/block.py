@@ -26,7 +26,7 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
   weight. About bf16's speed up to 16 tokens, 0.4-0.7x from 64 up on the H200 (the dequantization
   and its register layout cost more than the bytes it saves); its point is the smaller train/rollout
   log-prob gap (no activation rounding).
-* ``triton`` (CUDA): Triton kernels (``fp8_triton.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
+* ``triton`` (CUDA): Triton kernels (``triton_kernels.py``). Up to :data:`FUSED_MAX_ROWS` tokens the fused
   kernel, which quantizes the activations per token and 128-channel group (``1 x 128`` blocks, the
   same formula) in registers inside the GEMM and multiplies e4m3 by e4m3; above, the two-kernel path:
   the activations quantized once by a separate kernel, then the GEMM on e4m3 A and its scales (the
@@ -34,7 +34,7 @@ GEMM backends (``--fp8-gemm-backend``), each a row of :data:`GEMM_DISPATCH` (tok
   of bf16 from 64 tokens up on the H200). The two-kernel GEMM loads its tiles by TMA where the rows are
   16-byte aligned (``fp8_triton.tma_usable``; all Qwen3 shapes), pointer loads elsewhere.
 * ``cublas`` (Hopper, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through ``torch._scaled_mm``
-  (``fp8_cublas.py``), after the same separate activation quantizer; weight shapes it does not take
+  (``cublas.py``), after the same separate activation quantizer; weight shapes it does not take
   fall back to the two-kernel Triton path (a log line once per shape).
 * ``auto`` (the default): on CUDA, the fused kernel up to :data:`FUSED_MAX_ROWS` tokens, the
   two-kernel path up to :data:`TWO_KERNEL_MAX_ROWS` and cuBLASLt above where it runs (else the
@@ -56,12 +56,12 @@ import re
 import torch
 from torch import nn
 
+from slime.backends.embedded_engine.fp8.numerics import BLOCK, dequantize_weight
+from slime.backends.embedded_engine.fp8.quantize import quantize_weight, quantize_weight_into
+
 logger = logging.getLogger(__name__)
 
-BLOCK = 128
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in fp8_channel.py
+QUANTIZATIONS = ("fp8", "w8a8_fp8")  # block-wise here; per-channel in channel.py
 GEMM_BACKENDS = ("auto", "weight_only", "triton", "cublas", "dequant")
 GEMM_PATHS = ("weight_only", "fused", "two_kernel", "cublas", "dequant")  # what a GEMM call runs; see GEMM_DISPATCH
 
@@ -85,103 +85,6 @@ GEMM_DISPATCH = {
     "cublas": ((None, "cublas"),),
     "dequant": ((None, "dequant"),),
 }
-
-
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
-def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    # divided by a tensor, not the Python number: PyTorch's CUDA kernels multiply by the reciprocal
-    # of a scalar divisor (off by an ulp), and the Triton quantizer divides with correct rounding
-    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-
-
-def _triton_quantizes(weight: torch.Tensor) -> bool:
-    """Whether :func:`quantize_weight` runs ``fp8_triton``'s one-pass kernel on ``weight``: on CUDA with
-    Triton (the CPU keeps the torch version, the reference the kernel is tested against)."""
-    if not weight.is_cuda or weight.dim() > 3:
-        return False
-    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
-
-    return fp8_triton.available(weight.device)
-
-
-@torch.no_grad()
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [..., N, K]`` -> (e4m3 values ``[..., N, K]``, fp32 scales ``[..., ceil(N/128), ceil(K/128)]``).
-    Leading dimensions (experts) are quantized independently. On CUDA one Triton launch
-    (``fp8_triton.quantize_weight_into``, the same numbers), elsewhere :func:`_quantize_weight_torch`."""
-    if _triton_quantizes(weight):
-        *lead, rows, cols = weight.shape
-        values = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-        scales = torch.empty((*lead, _blocks(rows), _blocks(cols)), dtype=torch.float32, device=weight.device)
-        quantize_weight_into(weight, values, scales)
-        return values, scales
-    return _quantize_weight_torch(weight)
-
-
-@torch.no_grad()
-def quantize_weight_into(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """:func:`quantize_weight` into existing storage (a weight update: captured CUDA graphs keep
-    reading the same buffers); on CUDA without an intermediate copy."""
-    if _triton_quantizes(weight) and values.stride(-1) == 1 and scales.stride(-1) == 1:
-        from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
-
-        fp8_triton.quantize_weight_into(weight, values, scales)
-        return
-    new_values, new_scales = _quantize_weight_torch(weight)
-    values.copy_(new_values)
-    scales.copy_(new_scales)
-
-
-def _quantize_weight_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_weight` in torch ops (the reference; the CPU's path)."""
-    *lead, rows, cols = weight.shape
-    w = weight.float().reshape(-1, rows, cols)
-    nb, kb = _blocks(rows), _blocks(cols)
-    padded = torch.zeros((w.shape[0], nb * BLOCK, kb * BLOCK), dtype=torch.float32, device=w.device)
-    padded[:, :rows, :cols] = w  # zero padding does not change a ragged block's amax
-    tiles = padded.view(-1, nb, BLOCK, kb, BLOCK)
-    scales = _scales_from_amax(tiles.abs().amax(dim=(2, 4)))
-    values = (tiles / scales[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    values = values.view(-1, nb * BLOCK, kb * BLOCK)[:, :rows, :cols]
-    return values.reshape(*lead, rows, cols).contiguous(), scales.reshape(*lead, nb, kb)
-
-
-def dequantize_weight(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_weight`: ``values * scale`` of each element's block, in ``dtype``."""
-    *lead, rows, cols = values.shape
-    nb, kb = scales.shape[-2:]
-    if rows == nb * BLOCK and cols == kb * BLOCK:  # whole blocks: broadcast the scales, no expanded copy
-        tiles = values.float().view(*lead, nb, BLOCK, kb, BLOCK) * scales[..., :, None, :, None]
-        return tiles.view(*lead, rows, cols).to(dtype)
-    expanded = scales.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].repeat_interleave(BLOCK, dim=-1)[..., :cols]
-    return (values.float() * expanded).to(dtype)
-
-
-@torch.no_grad()
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``): one scale per token and
-    128-channel group (the reference of the Triton activation quantizer and of the fused GEMM's own)."""
-    rows, cols = x.shape
-    kb = _blocks(cols)
-    padded = torch.zeros((rows, kb * BLOCK), dtype=torch.float32, device=x.device)
-    padded[:, :cols] = x.float()
-    groups = padded.view(rows, kb, BLOCK)
-    scales = _scales_from_amax(groups.abs().amax(dim=-1))
-    values = (groups / scales[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, -1)[:, :cols]
-    return values.contiguous(), scales
-
-
-def reference_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
-                     quantize_inputs: bool) -> torch.Tensor:
-    """fp32 ``x [M, K] @ dequant(W)ᵀ`` (``x`` rounded through :func:`quantize_activation` first when
-    ``quantize_inputs``): what the Triton GEMM computes, written plainly."""
-    if quantize_inputs:
-        q, s = quantize_activation(x)
-        x = q.float() * s.repeat_interleave(BLOCK, dim=-1)[:, : x.shape[1]]
-    return x.float() @ dequantize_weight(values, scales, torch.float32).T
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -501,136 +404,3 @@ class Fp8Weights:
         module, parts, expert = self._target(name)
         matrices = [module.dequantize(*self._storage(module, kind, expert), module.dtype) for kind, _ in parts]
         return matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
-
-
-def _is_fused_experts(module: nn.Module) -> bool:
-    """transformers' ``[gate; up]``-concatenated, untransposed, bias-free expert layout (other layouts
-    stay in the model dtype)."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not getattr(module, "is_concatenated", True) or getattr(module, "is_transposed", False):
-        return False
-    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
-            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
-            and hasattr(module, "act_fn") and not getattr(module, "has_bias", False))
-
-
-WARM_UP_MAX_ROWS = 4096  # token counts whose Triton launches fp8.warm_up compiles before serving
-
-
-@torch.no_grad()
-def warm_up(weights: Fp8Weights, max_rows: int = WARM_UP_MAX_ROWS) -> tuple[int, float]:
-    """Compile, before the engine serves, every Triton GEMM launch the FP8 linears and routed experts of
-    ``weights`` can take for 1..``max_rows`` tokens: one GEMM on zeros per distinct :func:`fp8_triton.launch_key`
-    (tiles and TMA; the token count is not specialized on), so no decode step or prefill stalls on a
-    first-use compile (~1 s each) — the engine captures CUDA graphs lazily per batch bucket, and a
-    bucket whose tiles were new used to compile inside the rollout. Also allocates the split-K
-    counters. Where the Triton kernels run (CUDA; the CPU only under Triton's interpreter, where the
-    engine does not call it).
-    Returns (launches compiled or loaded from Triton's cache, seconds)."""
-    import time
-
-    from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
-    from slime.backends.embedded_engine.fp8.channel import ChannelFp8Experts, fallback_backend
-
-    start = time.perf_counter()
-    seen: set[tuple] = set()
-    shapes = {}  # one matrix per (shape, dtype, backend, device): the launches depend on nothing else
-    matrices = [(module.weight_fp8, module.weight_scale_inv, module.dtype, module.backend)
-                for module in weights.linears.values() if isinstance(module, Fp8Linear)]
-    per_channel = [module for module in weights.linears.values()
-                   if not isinstance(module, Fp8Linear) and module.backend != "dequant"]
-    if per_channel:  # one call compiles the token quantizer for every token count (and starts the row-wise GEMM)
-        module = per_channel[0]
-        module(torch.zeros((1, module.in_features), dtype=module.dtype, device=module.weight_fp8.device))
-        seen.add(("w8a8_fp8",))
-    # the per-channel Triton GEMM: the two-kernel launches, in the kernel's PER_CHANNEL mode
-    def channel_path(backend: str, device: torch.device) -> str:  # cublas: its other calls' path
-        return fallback_backend(device) if backend == "cublas" else backend
-
-    matrices += [(module.weight_fp8, module.weight_scale, module.dtype, "channel_triton")
-                 for module in per_channel if channel_path(module.backend, module.weight_fp8.device) == "triton"]
-    for module in weights.experts.values():  # every expert's matrices share a shape
-        if isinstance(module, ChannelFp8Experts):  # per channel: only the Triton GEMM has launches to compile
-            triton_gemm = channel_path(module.backend, module.matrix("gate", 0)[0].device) == "triton"
-            backend = "channel_triton" if triton_gemm else "dequant"
-        else:
-            backend = module.backend
-        matrices += [(*module.matrix(kind, 0), module.dtype, backend) for kind in ("gate", "up", "down")]
-    for values, scales, dtype, backend in matrices:
-        shapes.setdefault((*values.shape, dtype, backend, str(values.device)), (values, scales, dtype, backend))
-    for values, scales, dtype, backend in shapes.values():
-        if backend == "dequant" or not fp8_triton.available(values.device):
-            continue
-        out_features, in_features = values.shape
-        tma = fp8_triton.tma_usable_for(values)
-        for rows in range(1, max_rows + 1):
-            if backend == "channel_triton":
-                key = ("channel", out_features, in_features, dtype,
-                       *fp8_triton.launch_key("two_kernel", rows, out_features, in_features, values.device, tma))
-                if key not in seen:
-                    seen.add(key)
-                    _warm_up_channel_gemm(values, scales, dtype, rows)
-                continue
-            path = gemm_path(backend, rows, out_features, in_features, values.device)
-            if path == "cublas":
-                key = (path, out_features, in_features, dtype)  # no Triton tiles: the quantizer and cuBLASLt
-            else:
-                launch = fp8_triton.launch_key(path, rows, out_features, in_features, values.device, tma)
-                key = (out_features, in_features, dtype, *launch)
-            if key in seen:
-                continue
-            seen.add(key)
-            zeros = torch.zeros((rows, in_features), dtype=dtype, device=values.device)
-            fp8_linear(zeros, values, scales, None, backend)
-            if path == "two_kernel":  # and its epilogue-add variant (fused_ops: the MLP's residual in the down GEMM)
-                fp8_linear(zeros, values, scales, None, backend,
-                           accumulate_into=torch.zeros((rows, out_features), dtype=dtype, device=values.device))
-    if seen and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    if seen:
-        logger.info("fp8: warmed up %d GEMM launches (shapes x tiles) for 1-%d tokens in %.1f s", len(seen),
-                    max_rows, seconds)
-    return len(seen), seconds
-
-
-def _warm_up_channel_gemm(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: int) -> None:
-    """One per-channel Triton GEMM of ``rows`` tokens on zeros, and its epilogue-add variant (``fused_ops``: the
-    MLP's residual in the down GEMM)."""
-    from slime.backends.embedded_engine.fp8.channel import channel_linear
-
-    zeros = torch.zeros((rows, values.shape[1]), dtype=dtype, device=values.device)
-    channel_linear(zeros, values, scales, None, "triton")
-    channel_linear(zeros, values, scales, None, "triton",
-                   accumulate_into=torch.zeros((rows, values.shape[0]), dtype=dtype, device=values.device))
-
-
-@torch.no_grad()
-def quantize_model(model: nn.Module, backend: str, keep: tuple[str, ...] = (), per_channel: bool = False) -> Fp8Weights:
-    """Replace the decoder's linear layers and fused experts of ``model`` with FP8 ones, in place: 128 x 128
-    blocks (``--quantization fp8``), or one scale per output channel (``per_channel``: ``--quantization
-    w8a8_fp8``, ``fp8_channel.py``; ``backend`` is then one of its backends). ``keep``: module-name suffixes
-    left in the model dtype (besides routers, embeddings and the head)."""
-    from slime.backends.embedded_engine.fp8.channel import ChannelFp8Experts, ChannelFp8Linear
-
-    linears, experts = {}, {}
-    for name, module in list(model.named_modules()):
-        if ".layers." not in f".{name}." or (keep and name.endswith(keep)):
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        if isinstance(module, nn.Linear):
-            if leaf == "gate":  # the MoE router: its logits pick the experts, kept exact
-                continue
-            replacement = linears[name] = (ChannelFp8Linear if per_channel else Fp8Linear)(module, backend)
-        elif _is_fused_experts(module):
-            replacement = experts[name] = (ChannelFp8Experts if per_channel else Fp8Experts)(module, backend)
-        else:
-            continue
-        setattr(model.get_submodule(parent_name), leaf, replacement)
-    method = "w8a8_fp8" if per_channel else "fp8"
-    if not linears:
-        raise ValueError(f"--quantization {method}: {type(model).__name__} has no nn.Linear inside its decoder "
-                         "layers to quantize")
-    logger.info("%s: %d linear layers and %d expert groups quantized (%s, %s GEMM)", method, len(linears),
-                len(experts), "one scale per output channel" if per_channel else "128x128 blocks", backend)
-    return Fp8Weights(linears, experts)

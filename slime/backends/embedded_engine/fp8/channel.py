@@ -5,7 +5,7 @@ What SGLang does with ``--quantization w8a8_fp8`` on a bf16 checkpoint on Hopper
 to a checkpoint without ``weight_block_size``): each weight ``W [N, K]`` becomes e4m3 values and one fp32
 scale per output channel, ``s_n = amax(|W[n, :]|) / 448``, ``Q = e4m3(W / s)``; each activation row is
 quantized the same way per token at every call (dynamic); the GEMM multiplies the e4m3 operands with fp32
-accumulation and applies ``s_token · s_channel`` once, in its epilogue. The block-wise form (``fp8.py``)
+accumulation and applies ``s_token · s_channel`` once, in its epilogue. The block-wise form (``block.py``)
 instead rescales at every 128-wide K group, which the Triton GEMM pays for on sm_90 (its wgmma waits on
 each group); here the scales stay out of the main loop.
 
@@ -32,7 +32,7 @@ Paths (``--fp8-gemm-backend``; SGLang's ``--fp8-gemm-runner-backend`` names wher
   multiples of 16 and a bf16 or fp32 model (the unscaled product, in the model's dtype, overflows fp16).
 * ``auto``: ``cublas`` where it runs, else ``triton``, else ``cutlass`` (:data:`AUTO_ORDER`), else ``dequant``.
 * ``dequant`` (the CPU's): ``x`` times the dequantized weight in ``x``'s dtype (the weights' rounding only,
-  like ``fp8.py``'s ``dequant``).
+  like ``block.py``'s ``dequant``).
 
 Both FP8 paths take their activations quantized by one Triton launch (:func:`quantize_tokens`) or already
 by the kernel that produced them (``fused_ops``, ``quantize="token"``: the RMSNorms for q/k/v and gate/up,
@@ -52,7 +52,8 @@ import logging
 import torch
 from torch import nn
 
-from slime.backends.embedded_engine.fp8.block import FP8_DTYPE, FP8_MAX, Fp8Experts, QuantizedLinear, _scales_from_amax
+from slime.backends.embedded_engine.fp8.block import Fp8Experts, QuantizedLinear
+from slime.backends.embedded_engine.fp8.numerics import FP8_DTYPE, FP8_MAX, _scales_from_amax
 
 logger = logging.getLogger(__name__)
 

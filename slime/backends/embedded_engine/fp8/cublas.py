@@ -34,7 +34,8 @@ import logging
 
 import torch
 
-from slime.backends.embedded_engine.fp8.block import BLOCK
+from slime.backends.embedded_engine.fp8.numerics import BLOCK, dequantize_weight, quantize_activation, reference_matmul
+from slime.backends.embedded_engine.fp8.quantize import quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -103,21 +104,19 @@ def check_block_matmul(device: torch.device) -> str | None:
     when every output is within the tensor cores' accumulation bound plus the bf16 output's rounding
     (``2^-12 · (|x_q| @ |W|ᵀ) + 2^-8 · |reference|``), else what went wrong (the library's error, or
     how far out the result is)."""
-    from slime.backends.embedded_engine.fp8 import block as fp8
-
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(32, 1024, generator=generator) * torch.logspace(-2, 2, 32)[:, None]
     x = (x * torch.logspace(-1, 1, 8).repeat_interleave(128)[None, :]).to(device, torch.bfloat16)
     weight = torch.randn(384, 1024, generator=generator) * torch.logspace(-1, 1, 3).repeat_interleave(128)[:, None]
     weight = weight * torch.logspace(1, -1, 8).repeat_interleave(128)[None, :] / 32
-    values, scales = fp8.quantize_weight(weight.to(device))
+    values, scales = quantize_weight(weight.to(device))
     try:
         out = block_matmul(x, values, scales, torch.bfloat16).float()
     except (RuntimeError, ValueError, TypeError) as error:  # NotImplementedError is a RuntimeError
         return f"torch._scaled_mm refused the block-scaled GEMM: {type(error).__name__}: {str(error)[:400]}"
-    reference = fp8.reference_matmul(x, values, scales, quantize_inputs=True)
-    q, s = fp8.quantize_activation(x)
-    magnitude = (q.float() * s.repeat_interleave(BLOCK, dim=-1)).abs() @ fp8.dequantize_weight(values, scales).abs().T
+    reference = reference_matmul(x, values, scales, quantize_inputs=True)
+    q, s = quantize_activation(x)
+    magnitude = (q.float() * s.repeat_interleave(BLOCK, dim=-1)).abs() @ dequantize_weight(values, scales).abs().T
     excess = float(((out - reference).abs() / (magnitude * 2.0**-12 + reference.abs() * 2.0**-8 + 1e-12)).max())
     if not excess <= 1:  # NaN included
         return (f"its result differs from fp8.reference_matmul by {excess:.3g}x the accumulation bound (a layout "

@@ -51,13 +51,13 @@ import os
 
 import torch
 
-from slime.backends.embedded_engine.fp8.block import BLOCK, FP8_DTYPE, FP8_MAX
+from slime.backends.embedded_engine.fp8.numerics import BLOCK, FP8_DTYPE, FP8_MAX
 from slime.backends.embedded_engine.tickets import Tickets
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the dequantize path of fp8.py is used
+except ImportError:  # CPU-only installs: the dequantize path of block.py is used
     triton = None
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor

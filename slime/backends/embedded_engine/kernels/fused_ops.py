@@ -297,7 +297,7 @@ def _quantized_outputs(rows: int, cols: int, block: int, out: torch.Tensor, quan
     program to fill: ``quantize`` True / "group" per 128-channel group (whole groups only; scales
     ``[ceil(cols/128), rows]``), "token" per token (the kernel holds the whole row; scales ``[rows, 1]``);
     else ``out`` twice: a valid pointer the kernel does not touch."""
-    from slime.backends.embedded_engine.fp8.block import FP8_DTYPE
+    from slime.backends.embedded_engine.fp8.numerics import FP8_DTYPE
 
     if not quantize:
         return out, out

@@ -41,17 +41,30 @@ import abc
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from slime.backends.embedded_engine.speculative.acceptance import accept_drafts, accept_greedy, draw
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 from slime.backends.embedded_engine.sampler import RowSampling, greedy_distribution, sampling_distribution, to_device
+from slime.backends.embedded_engine.speculative.acceptance import accept_drafts, accept_greedy, draw
 
 if TYPE_CHECKING:
-    from slime.backends.embedded_engine.engine import Engine
-    from slime.backends.embedded_engine.scheduler import Sequence
+    from slime.backends.embedded_engine.scheduler import Scheduler, Sequence
+
+
+class DecodingEngine(Protocol):
+    """What a speculative step uses of the engine that runs it (``engine.Engine``): its runner, its scheduler's
+    counters and generator, each row's sampling settings, and emitting tokens through its stop checks. The engine
+    hands itself to :meth:`SpeculativeDecoder.step`; this module does not import it."""
+
+    runner: ModelRunner
+    scheduler: "Scheduler"
+    generator: torch.Generator
+
+    def row_sampling(self, seq: "Sequence", ahead: int = 0) -> RowSampling: ...
+
+    def append_tokens(self, results: list[tuple["Sequence", int, float]]) -> int: ...
 
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
@@ -436,7 +449,7 @@ class SpeculativeDecoder:
         if self.adaptive is not None and running:
             self.adaptive.observe(len(running), [])
 
-    def step(self, engine: "Engine", running: list["Sequence"]) -> int | None:
+    def step(self, engine: DecodingEngine, running: list["Sequence"]) -> int | None:
         """Draft, verify and emit for ``running`` (no step in flight); None when no row has a draft
         (the engine then runs an ordinary decode step, counted as a verify step with no drafts)."""
         for seq in running:
@@ -479,16 +492,16 @@ class SpeculativeDecoder:
         return max(0, min(most, room - 1))
 
     @staticmethod
-    def _run_settings(engine: "Engine", seq: "Sequence", k: int) -> list[RowSampling]:
+    def _run_settings(engine: DecodingEngine, seq: "Sequence", k: int) -> list[RowSampling]:
         """Sampling settings of the row's ``k + 1`` verified positions. They differ only in ``position``,
         which only seeded draws read, and in the stop ids banned before ``min_new_tokens``: where neither
         differs, one object stands for every position (its ``position`` the first's)."""
-        first = engine._row_sampling(seq)
+        first = engine.row_sampling(seq)
         if k == 0:
             return [first]
-        if first.seed is None and first.banned_token_ids == engine._row_sampling(seq, ahead=k).banned_token_ids:
+        if first.seed is None and first.banned_token_ids == engine.row_sampling(seq, ahead=k).banned_token_ids:
             return [first] * (k + 1)
-        return [first] + [engine._row_sampling(seq, ahead=j) for j in range(1, k + 1)]
+        return [first] + [engine.row_sampling(seq, ahead=j) for j in range(1, k + 1)]
 
     def _windows(self, runner: ModelRunner, running: list["Sequence"], rows: list[ForwardRow]
                  ) -> tuple[list[list[int]], list[int], list[int]] | None:
@@ -517,7 +530,7 @@ class SpeculativeDecoder:
                 return None
         return (tokens, starts, offsets) if runner.can_verify(starts, width) else None
 
-    def _verify(self, engine: "Engine", running: list["Sequence"], drafts: list[list[int]],
+    def _verify(self, engine: DecodingEngine, running: list["Sequence"], drafts: list[list[int]],
                 draft_probs: list[torch.Tensor | None] | None, settings: list[list[RowSampling]] | None) -> int:
         runner = engine.runner
         rows = [ForwardRow([seq.output_ids[-1]] + d, seq.num_computed, want_all_logits=True)
@@ -580,14 +593,14 @@ class SpeculativeDecoder:
             if result.kept[i] is None:
                 batch += [(seq, token, lp) for token, lp in zip(result.tokens[i], result.logprobs[i])]
                 continue
-            produced += engine._append(batch)
+            produced += engine.append_tokens(batch)
             batch = []
             for j, (token, lp) in enumerate(zip(result.tokens[i], result.logprobs[i])):
                 if seq.finished is not None:
                     break
                 seq.text_cache.setdefault("top_p_token_ids", []).append(result.kept[i][j])
-                produced += engine._append([(seq, token, lp)])
-        produced += engine._append(batch)
+                produced += engine.append_tokens([(seq, token, lp)])
+        produced += engine.append_tokens(batch)
         stats.spec_proposed_drafts += sum(len(d) for d in drafts)
         stats.spec_accepted_drafts += sum(result.accepted)
         if self.adaptive is not None:  # the drafts accepted per request that drafted

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from slime.backends.embedded_engine.fp8 import channel as fp8_channel
-from test_fp8 import (_SM90_COMPILE, MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
-                      check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs, swap_in_fused_layer_forwards)
+from fp8_test_utils import (_SM90_COMPILE, MAX_MEAN_LOGPROB_GAP, PROMPTS, _engine_greedy,
+                            check_engine_decodes_close_to_fp32_and_updates_under_cuda_graphs,
+                            swap_in_fused_layer_forwards)
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -383,7 +384,7 @@ def test_gpu_w8a8_moe_engine_decodes_through_cuda_graphs(tiny_deepseek_v3_dir, b
     import httpx
     from engine_test_utils import hf_logprobs, load_hf
     from slime.backends.embedded_engine.serving.launch import running_engine
-    from test_fp8 import _greedy
+    from fp8_test_utils import _greedy
 
     _needs_sm90()
     hf = load_hf(tiny_deepseek_v3_dir)
@@ -467,7 +468,7 @@ def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatc
     e4m3 activations and the down projection takes the residual — the logits are the same bits as without."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from slime.backends.embedded_engine.fp8 import block as fp8
+    from slime.backends.embedded_engine.fp8 import install as fp8_install
     from slime.backends.embedded_engine.kernels import fused_ops
     from slime.backends.embedded_engine.kernels import fused_projections
 
@@ -477,7 +478,7 @@ def test_decoder_layers_with_per_token_producers_equal_the_plain_path(monkeypatc
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     assert fused_projections.install(model, row_multiple=1) == {"qkv": 2, "gate_up": 2}
-    fp8.quantize_model(model, backend, per_channel=True)
+    fp8_install.quantize_model(model, backend, per_channel=True)
     swap_in_fused_layer_forwards(model)
     offered, epilogue = [], []
     linear_forward = fp8_channel.ChannelFp8Linear.forward
@@ -618,12 +619,12 @@ def test_channel_gemm_compiles_for_h200_keeping_a_wgmma_in_flight(tmp_path):
 
 
 def test_warm_up_compiles_every_launch_of_the_channel_gemm(monkeypatch):
-    """``fp8.warm_up`` on ``w8a8_fp8`` linears on the ``triton`` path runs the per-channel GEMM (and its
+    """``fp8_install.warm_up`` on ``w8a8_fp8`` linears on the ``triton`` path runs the per-channel GEMM (and its
     epilogue-add variant) once per distinct launch of each weight shape, however many layers share it, and every
     token count up to the limit maps to a launch it ran: no decode bucket or prefill compiles mid-rollout."""
     from torch import nn
 
-    from slime.backends.embedded_engine.fp8 import block as fp8
+    from slime.backends.embedded_engine.fp8 import install as fp8_install
     from slime.backends.embedded_engine.fp8 import triton_kernels as fp8_triton
 
     if fp8_triton.triton is None:
@@ -631,13 +632,13 @@ def test_warm_up_compiles_every_launch_of_the_channel_gemm(monkeypatch):
     monkeypatch.setattr(fp8_triton, "available", lambda device: True)
     monkeypatch.setattr(fp8_channel.ChannelFp8Linear, "forward", lambda self, x, accumulate_into=None: None)
     ran = []
-    monkeypatch.setattr(fp8, "_warm_up_channel_gemm", lambda values, scales, dtype, rows: ran.append(
+    monkeypatch.setattr(fp8_install, "_warm_up_channel_gemm", lambda values, scales, dtype, rows: ran.append(
         (rows, *values.shape)))
     model = nn.ModuleDict({"layers": nn.ModuleList(
         nn.ModuleDict({"up": nn.Linear(256, 1024, bias=False), "down": nn.Linear(1024, 256, bias=False)})
         for _ in range(3))})
-    weights = fp8.quantize_model(model, "triton", per_channel=True)
-    count, _ = fp8.warm_up(weights, max_rows=600)
+    weights = fp8_install.quantize_model(model, "triton", per_channel=True)
+    count, _ = fp8_install.warm_up(weights, max_rows=600)
     assert count == len(ran) + 1  # and the first linear's call: the token quantizer
     cpu = torch.device("cpu")
     for n, k in ((1024, 256), (256, 1024)):

@@ -282,7 +282,7 @@ def test_run_settings_are_the_per_position_ones_where_a_draw_can_tell(tiny_model
         seq = Sequence(GenerateRequest(rid=name, input_ids=[5, 6], params=params), max_new_tokens=20)
         seq.output_ids = [7, 8]
         run = SpeculativeDecoder._run_settings(engine, seq, 4)
-        per_position = [engine._row_sampling(seq, ahead=j) for j in range(5)]
+        per_position = [engine.row_sampling(seq, ahead=j) for j in range(5)]
         assert [s.banned_token_ids for s in run] == [s.banned_token_ids for s in per_position], name
         if params.sampling_seed is not None:
             assert run == per_position
