@@ -252,8 +252,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_health_check(args)
     _validate_observability(args)
     _validate_sglang_side(args)
-    _validate_backends(args)
     validate_exactness(args)
+    _validate_backends(args)
     _parse_json_flags(args)
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
