@@ -3,11 +3,10 @@
     python train.py --hf-checkpoint MODEL --prompt-data train.jsonl --rollout-batch-size 8 ... (see docs/usage.md)
 """
 
-import logging
 import time
 
 from slime.ray.job import Job
-from slime.utils.arguments import parse_args
+from slime.utils.preflight import main
 
 
 def train(args) -> None:
@@ -35,5 +34,4 @@ def train(args) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train(parse_args())
+    main(train)  # a mistake in the command line, data or hooks: one message before anything starts

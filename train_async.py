@@ -5,18 +5,17 @@ finished (so no sample mixes two policies). ``--colocate`` is rejected: generati
 cannot overlap on the same devices.
 """
 
-import logging
 import time
 
 import ray
 
 from slime.ray.job import Job
-from slime.utils.arguments import parse_args
+from slime.utils.preflight import UserError, main
 
 
 def train_async(args) -> None:
     if args.colocate:
-        raise ValueError("train_async.py overlaps generation and training, which --colocate cannot do; use train.py")
+        raise UserError("train_async.py overlaps generation and training, which --colocate cannot do; use train.py")
     args.rollout_overlaps_training = True  # engines and trainers run at once (CPU engines size their threads by it)
     with Job(args) as job:
         rollout_ids = range(args.start_rollout_id, args.num_rollout)
@@ -43,5 +42,4 @@ def train_async(args) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train_async(parse_args())
+    main(train_async)

@@ -11,7 +11,7 @@ the planned one — the table the launch plan is fitted to.
         --batch 2 --positions 5 --sweep --repeats 1             # CPU: a check that it runs, no timing worth reading
 
 The call is what the engine's decode graphs make: every row at ``position`` (it reads position + 1
-keys), ``kv_length`` the slot capacity the graph is captured over (since session 26: the engine's first
+keys), ``kv_length`` the slot capacity the graph is captured over (the engine's first
 512 positions, or the request grown to whole 256-position steps; each row stops at its own length), the cache ``[rows, kv_heads, capacity, head_dim]`` in the cache dtype (FP8: e4m3 / e5m2
 values with scale 1). Timing: ``bench.common.time_us`` (as ``bench/fp8_gemm.py``), a CUDA graph of
 ``copies`` calls, each on its own cache (>= 256 MiB of KV in all, so the reads come from HBM, not the

@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--without", action="append", default=[],
                         choices=["qk_norm_rope", "mlp_residual_gemm", "kv_write_fusion", "attention_early_v",
                                  "fp8_quant_in_producer", "down_hand_off"],
-                        help="run without this fusion (repeatable), for an A/B of it in one visit (down_hand_off: "
+                        help="run without this fusion (repeatable), for an A/B of it in one run (down_hand_off: "
                              "w8a8_fp8's cublas backend hands the down projection's unscaled product to the next "
                              "layer's input RMSNorm; without, the Triton GEMM adds the residual in its epilogue)")
     parser.add_argument("--with", dest="with_", action="append", default=[],

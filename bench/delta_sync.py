@@ -1,7 +1,7 @@
 """Delta weight sync on a real RL update: how many bf16 elements change, how many bytes go on the
 wire, and how fast one CPU core encodes and applies the delta.
 
-Prints JSON (and writes bench/results/delta_sync-<machine>-<date>.json with --out bench/results).
+Prints JSON (and writes bench/results/delta_sync-<machine>-<model>.json with --out bench/results).
 
     python bench/delta_sync.py --models tiny qwen3-0.5b --out bench/results
 

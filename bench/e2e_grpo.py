@@ -38,10 +38,10 @@ process, the same device, the same launch flags as the loop's engine) given each
 slime's default rollout sends them (one batched ``/generate`` per prompt group, the same sampling
 parameters), straight from an HTTP client — no router, rollout code, rewards or trainer.
 ``rollout_time`` is a step's wall time from the first request to the last answer, and
-``slime/rollout_over_engine_alone`` = slime's rollout time / that (issue 18 asks for <= 1.2), with the
+``slime/rollout_over_engine_alone`` = slime's rollout time / that (1.0 would be no overhead over the engine), with the
 engine's own account of those steps (``engine_busy_fraction``, ``engine_decode_time``, ... as for slime).
 ``--side both`` runs all three; ``--side engine`` only the reference. ``--out`` writes
-``bench/results/e2e_grpo-<machine>-<YYYYMMDD>[-<tag>].json``.
+``bench/results/e2e_grpo-<machine>-<model>-<variant>[-<tag>].json`` (bench/common.py ``result_name``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from statistics import mean
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import machine_name, write_result  # noqa: E402
+from bench.common import machine_name, result_name, write_result  # noqa: E402
 
 REWARD_PATH = "loop_plugins.even_token_fraction_reward"
 
@@ -306,7 +306,7 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="slime's micro-batch token budget (README flags)")
     parser.add_argument("--trl-grad-accum", type=int, default=1)
     parser.add_argument("--trl-kwargs", default="{}", help="more GRPOConfig fields, as JSON")
-    parser.add_argument("--tag", default="", help="suffix of the results file name")
+    parser.add_argument("--tag", default="", help="a variant the flags do not name (e.g. an environment variable), added to the file name")
     parser.add_argument("--verbose", action="store_true", help="show both sides' output")
     parser.add_argument("--out", action="store_true")
     parser.add_argument("--slime-extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags (last)")
@@ -336,9 +336,10 @@ def main() -> None:
         import trl
 
         config["trl_version"] = trl.__version__
+    config["side"] = args.side
     out = None
     if args.out:
-        name = f"e2e_grpo-{machine_name()}-{time.strftime('%Y%m%d')}" + (f"-{args.tag}" if args.tag else "") + ".json"
+        name = result_name("e2e_grpo", machine_name(), config) + (f"-{args.tag}" if args.tag else "") + ".json"
         out = os.path.join(REPO, "bench", "results", name)
     write_result("e2e_grpo", config, metrics, out)
 

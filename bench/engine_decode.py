@@ -74,7 +74,7 @@ first start on a machine), the cache allocation and the decode CUDA graphs captu
 (``start_cuda_graph_captures`` of them in ``start_capture_seconds``: every batch bucket where attention is
 the flash-decoding kernel, none where graphs are captured lazily).
 
-``--out`` writes ``bench/results/engine_decode-<machine>-<YYYYMMDD>.json`` (../shared/docs/DEVICE.md).
+``--out`` writes ``bench/results/engine_decode-<machine>-<model>[-<variant>].json`` (bench/common.py ``result_name``).
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def build_checkpoint(model: str, out_dir: str) -> str:
     else:
         config = Qwen3Config(**ARCHITECTURES[model], max_position_embeddings=40960, rope_theta=1000000.0, **tokens)
     torch.manual_seed(0)
-    # initialized on the GPU where there is one: a 4B model's fp32 init took 250 of a device visit's seconds on the
-    # 16 host cores (session 29); the weights then come from the GPU's generator (same distribution, other values)
+    # initialized on the GPU where there is one (a 4B model's fp32 init takes minutes on a host's cores); the
+    # weights then come from the GPU's generator (same distribution, other values)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         qwen = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     qwen.generation_config = generation_config

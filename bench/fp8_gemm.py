@@ -3,7 +3,7 @@ weight-only Triton kernel (W8A16: bf16 activations, the e4m3 weight dequantized 
 fused Triton W8A8 kernel (activations quantized inside the GEMM), the two-kernel Triton W8A8 path (a
 quantize kernel, then the GEMM on e4m3 A) and cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``
 after the same quantize kernel; where it runs: sm_90, torch with CUDA >= 12.9), on the decoder linear
-shapes of the Qwen3 architectures, per batch size. Prints JSON; one visit shows which path wins where,
+shapes of the Qwen3 architectures, per batch size. Prints JSON; one run shows which path wins where,
 the data ``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
 
     python bench/fp8_gemm.py --out                         # H200: qwen3-0.6b/1.7b/4b, M in 1,16,64,128,256,2048
@@ -13,7 +13,7 @@ the data ``fp8.GEMM_DISPATCH`` (the ``auto`` table) is updated from.
 
 Shapes (per decoder layer, ``bench/engine_decode.py``'s ``ARCHITECTURES``), ``--layout fused`` (the
 default, what the engine runs): ``qkv`` [(heads + 2·kv_heads)·head_dim, H], ``o`` [H, heads·head_dim],
-``gate_up`` [2·I, H], ``down`` [H, I]; ``--layout separate`` (the 2026-12-01 results): ``q``, ``kv``
+``gate_up`` [2·I, H], ``down`` [H, I]; ``--layout separate``: ``q``, ``kv``
 (two per layer), ``o``, ``gate_up`` [I, H] (two per layer), ``down``. ``--models tiny`` is a CPU-sized
 stand-in (H 256, I 512).
 
@@ -35,8 +35,8 @@ wrong scale or a lost partial ~1e-1); ``best_path`` (the fastest FP8 path), ``au
 picks by predicted: ``fp8_triton.weight_only_cycles`` / ``estimated_cycles``; not for the two-kernel
 GEMM where it loads by TMA, whose tiles come from ``fp8_triton.plan_tma_tiles``' rule);
 ``two_kernel_tma`` (whether the two-kernel GEMM loaded by TMA) and, where it did,
-``two_kernel_pointer_us`` (the same GEMM with pointer loads and the cost model's tiles, the kernel
-before session 20); ``bf16_tb_s`` /
+``two_kernel_pointer_us`` (the same GEMM with pointer loads and the cost model's tiles, an earlier
+form of the kernel, kept for comparison); ``bf16_tb_s`` /
 ``fp8_tb_s`` (bytes moved at least, weight + scales + activations in + output out, per second of
 bf16 / of the best FP8 path, in TB/s) and ``*_hbm_fraction`` (that over the GPU's HBM spec,
 ``bench.common.hbm_peak``: the H200's 4.8 TB/s, the H100's 3.35). Per ``<model>/<shape>``: ``quantize_weight_torch_us`` / ``quantize_weight_triton_us`` (the FP8 weight
@@ -59,8 +59,7 @@ its ``cutlass`` path (``fp8_channel.scaled_mm``: ``torch._scaled_mm`` with row-w
 cuBLASLt with unit scales, the two scales left to the kernel that reads the product), each alone on activations
 quantized beforehand (as the RMSNorms and the SiLU gate hand them over); ``rowwise_speedup`` /
 ``channel_triton_speedup`` / ``unscaled_gemm_speedup`` are bf16 over them (per layer also ``channel_cublas_us``: what
-the ``cublas`` backend runs, the unscaled GEMM for q/k/v, o and down and the Triton one for gate/up; until session 28
-down was on Triton too), ``*_hbm_fraction`` their bytes
+the ``cublas`` backend runs, the unscaled GEMM for q/k/v, o and down and the Triton one for gate/up), ``*_hbm_fraction`` their bytes
 (e4m3 weight, fp32 scales, activations in and out) per second over the HBM spec. ``rowwise_quant_err`` /
 ``block_quant_err`` are each scheme's mean |error| against the fp32 product of the unquantized bf16 operands,
 over the mean |output| (what the coarser scales cost in accuracy; random weights have no outlier channels, real
@@ -271,7 +270,7 @@ def bench_shape(out_features: int, in_features: int, rows_list: list[int], devic
             result["unscaled_gemm_speedup"] = result["bf16_us"] / result["unscaled_gemm_us"]
         tma = fp8_triton.tma_usable(fp8_triton.quantize_activation(x)[0], values)
         result["two_kernel_tma"] = tma
-        if tma:  # the same GEMM with pointer loads and the cost model's tiles (before session 20)
+        if tma:  # the same GEMM with pointer loads and the cost model's tiles (the earlier kernel)
             fp8_triton.USE_TMA = False
             try:
                 result["two_kernel_pointer_us"] = time_us(fp8_calls("two_kernel"), device, args.repeats)
@@ -330,7 +329,7 @@ def main(argv=None) -> dict:
                              "bare --sweep = fused; slow: compiles each)")
     parser.add_argument("--layout", choices=("fused", "separate"), default="fused",
                         help="fused (default): q/k/v and gate/up as one GEMM each, as the engine runs them; "
-                             "separate: each Hugging Face linear alone (the layout of the 2026-12-01 results)")
+                             "separate: each Hugging Face linear alone")
     parser.add_argument("--rowwise", action="store_true",
                         help="also time the per-channel x per-token FP8 GEMMs of --quantization w8a8_fp8 "
                              "(torch._scaled_mm row-wise, and the per-channel Triton GEMM; CUDA sm_90)")

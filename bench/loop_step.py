@@ -3,7 +3,7 @@
 Builds a model (tiny, or a Qwen3 architecture with random bf16 weights and the tiny tokenizer) and the
 tiny arithmetic task, runs a few GRPO steps with a reward that needs no trained model (even first
 token), and reports the mean time per step split into rollout / train / weight update, plus the
-trainer's tokens/s. Writes bench/results/loop_step-<machine>-<date>.json with --out.
+trainer's tokens/s. Writes bench/results/loop_step-<machine>-<model>.json with --out.
 
     python bench/loop_step.py --model qwen3-0.6b --steps 4 --out            # GPU: trainer GPU 0, engine GPU 1
     python bench/loop_step.py --model tiny --steps 4 --cpu                  # CPU

@@ -38,7 +38,7 @@ Workloads (``--model`` builds random weights, so there is no text to copy; the t
 Every request asks for ``--max-new-tokens`` with ``ignore_eos``. Per engine and workload (best of
 ``--repeats``): ``output_tokens_per_s``, ``speedup_vs_off``, and from the server's counters over the
 burst ``verify_forwards``, ``decode_steps``, ``accept_rate`` (accepted / proposed drafts) and
-``tokens_per_row_step`` (generated tokens per request and decode step). ``--out`` writes ``bench/results/spec_decode-<machine>-<date>.json``.
+``tokens_per_row_step`` (generated tokens per request and decode step). ``--out`` writes ``bench/results/spec_decode-<machine>-<model>-b<requests>[-<engines>].json``.
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ def main() -> None:
               "prompt_len": args.prompt_len or "8-64", "max_new_tokens": args.max_new_tokens,
               "ngram_drafts": args.ngram_drafts, "draft_layers": args.draft_layers, "draft_steps": args.draft_steps,
               "nextn_steps": args.nextn_steps, "mtp": args.mtp if "nextn" in args.engines.split(",") else None,
+              "engines": args.engines.split(","),
               "workloads": WORKLOADS, "engine_args": args.engine_args, "repeats": args.repeats,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     write_result("spec_decode", config, results, args.out)

@@ -3,7 +3,7 @@
     python bench/train_step.py                                  # tiny model on CPU
     python bench/train_step.py --model qwen3-0.6b --max-tokens-per-gpu 16384   # GPU, random bf16 weights
     torchrun --nproc-per-node 2 bench/train_step.py --model qwen3-1.7b ...      # several GPUs
-    python bench/train_step.py --out                            # also write bench/results/train_step-<device>-<date>.json
+    python bench/train_step.py --out                            # also write bench/results/train_step-<machine>-<model>-<variant>.json
 
 Metrics: ``tokens_per_s`` (trained tokens / optimizer-step wall time, all ranks), ``mfu`` (achieved
 training FLOP/s per device — 6·N per token + causal attention — over the matmul peak *measured in
@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_name, result_name  # noqa: E402
 
 # Architectures of public Qwen3 checkpoints (shapes only; weights are random).
 ARCHITECTURES = {
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
                              "e.g. bench/engine_decode.py's deepseek-v3-1b)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="torch.profiler over the last timed step: a Chrome trace in DIR and the top ops printed")
-    parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<device>-<date>.json")
+    parser.add_argument("--out", action="store_true", help="write bench/results/train_step-<machine>-<model>-<variant>.json")
     parser.add_argument("--machine", default=None, help="machine name for the results file (default: cpu-<n>core / cuda name)")
     bench = parser.parse_args(argv)
 
@@ -213,7 +215,7 @@ def main(argv=None) -> None:
 
     metrics = workload_metrics(results, shard, bench, peak, device)
     if rank == 0:
-        machine = bench.machine or (f"cpu-{os.cpu_count()}core" if device.type == "cpu" else torch.cuda.get_device_name().replace(" ", "-").lower())
+        machine = bench.machine or machine_name()
         report = {
             "benchmark": "train_step",
             "date": datetime.date.today().isoformat(),
@@ -225,14 +227,14 @@ def main(argv=None) -> None:
                        "iters": bench.iters, "dtype": "bf16" if worker.backend.mixed_precision else "fp32",
                        "attn_implementation": worker.backend.attn_implementation,
                        "gradient_checkpointing": bench.gradient_checkpointing, "log_probs_chunk_rows": worker.backend.chunk_rows,
-                       "fsdp_compile": bench.compile, "warmup_steps": bench.warmup},
+                       "fsdp_compile": bench.compile, "warmup_steps": bench.warmup, "profile": bool(bench.profile)},
             "metrics": metrics,
         }
         print(json.dumps(report, indent=2))
         if bench.out:
             out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
             os.makedirs(out_dir, exist_ok=True)
-            path = os.path.join(out_dir, f"train_step-{machine}-{datetime.date.today():%Y%m%d}.json")
+            path = os.path.join(out_dir, result_name("train_step", machine, report["config"]) + ".json")
             with open(path, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {path}", file=sys.stderr)

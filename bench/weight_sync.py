@@ -1,6 +1,6 @@
 """Weight sync throughput: trainer → engine over the tensor (colocated) and distributed transports.
 
-Prints JSON (and writes bench/results/weight_sync-<machine>-<date>.json with --out bench/results):
+Prints JSON (and writes bench/results/weight_sync-<machine>-<models>[-pipelined].json with --out bench/results):
 per transport and model, the bytes sent, seconds, GB/s and the fraction of the limit measured in the
 same run — memcpy bandwidth of this machine on CPU, device copy / NCCL broadcast on GPU.
 

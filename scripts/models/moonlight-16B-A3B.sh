@@ -1,6 +1,6 @@
 # Source (checked 2026-12-01): https://huggingface.co/moonshotai/Moonlight-16B-A3B/blob/main/config.json
 # (model_type deepseek_v3; its fields as quoted verbatim by public tests of other projects, the model page itself
-# not being in this session's search index; the shape agrees with NVIDIA NeMo's model card: 27 layers, hidden
+# not being readable here; the shape agrees with NVIDIA NeMo's model card: 27 layers, hidden
 # 2048, 16 heads): hidden 2048, intermediate 11264, 27 layers (first_k_dense_replace 1), 16 heads, no query LoRA
 # (q_lora_rank null), kv_lora_rank 512, qk_nope/rope/v 128/64/128, 64 routed + 2 shared experts of 1408, top-6
 # of one group, routed_scaling_factor 2.446, rope_theta 50000 without rope_scaling, rms_norm_eps 1e-5, vocab

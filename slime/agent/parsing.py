@@ -15,6 +15,7 @@ Tool-call arguments are always a dict. Arguments that are not a JSON object beco
 ``{"_raw_arguments": <text>}`` and the turn is ``ill_formed``; so is a ``<tool_call>`` block that
 could not be parsed at all (it stays in the visible text, so the agent sees what the model wrote).
 Nothing here raises on model output: a bad turn is data for training, not a server error.
+``parse_tool_uses`` and ``parse_xml_tool_uses`` are the tool-call half on its own.
 """
 
 from __future__ import annotations
@@ -69,17 +70,25 @@ def check_parser_names(tool_parser_name: str | None, reasoning_parser_name: str 
 def parse_model_output(raw: str, *, tools_schema: list[dict] | None, tool_parser_name: str | None,
                        reasoning_parser_name: str | None) -> ParsedModelOutput:
     reasoning, text = split_reasoning(raw, reasoning_parser_name)
-    tool_uses, ill_formed = [], False
-    names = {t["function"]["name"] for t in tools_schema or []}
-    if tool_parser_name and tools_schema:
-        text, tool_uses, ill_formed = _parse_tool_calls(text, tools_schema, tool_parser_name)
-    if not tool_uses and names:
-        text, tool_uses, xml_ill_formed = _parse_xml_tool_calls(text, names)
-        ill_formed = ill_formed or xml_ill_formed
-    if tools_schema and "<tool_call>" in text:
-        ill_formed = True  # a call block the parsers could not read stays visible to the agent
+    text, tool_uses, ill_formed = parse_tool_uses(text, tools_schema, tool_parser_name)
     return ParsedModelOutput(reasoning=reasoning.strip(), text=text.strip(), tool_uses=tool_uses,
                              ill_formed=ill_formed)
+
+
+def parse_tool_uses(body_text: str, tools_schema: list[dict] | None,
+                    tool_parser_name: str | None) -> tuple[str, list[dict], bool]:
+    """``(visible_text, tool_uses, ill_formed)`` of a turn's text after the reasoning: the named parser
+    first (SGLang's when it imports, else slime's), then, if it found nothing, the XML fallback
+    (:func:`parse_xml_tool_uses`). Each use is ``{"name", "input"}``; without a tools schema no text
+    is a call."""
+    text, tool_uses, ill_formed = body_text, [], False
+    if tool_parser_name and tools_schema:
+        text, tool_uses, ill_formed = _parse_tool_calls(text, tools_schema, tool_parser_name)
+    if not tool_uses and tools_schema:
+        text, tool_uses = parse_xml_tool_uses(text, tools_schema)
+    if tools_schema and "<tool_call>" in text:
+        ill_formed = True  # a call block the parsers could not read stays visible to the agent
+    return text, tool_uses, ill_formed
 
 
 def split_reasoning(raw: str, reasoning_parser_name: str | None) -> tuple[str, str]:
@@ -140,9 +149,15 @@ def _sglang_tool_calls(text: str, tools_schema: list[dict], parser_name: str) ->
     return [(call.name, call.parameters) for call in calls], normal_text or ""
 
 
-def _parse_xml_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict], bool]:
+def parse_xml_tool_uses(body_text: str, tools_schema: list[dict] | None) -> tuple[str, list[dict]]:
+    """``(visible_text, tool_uses)``: the calls written as
+    ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`` (the
+    ``qwen3_coder`` markup) whose NAME is a tool of ``tools_schema``, taken out of the text. A value that
+    is JSON is decoded (``5`` -> 5, ``["a"]`` -> list), anything else stays a string; a block naming an
+    unknown tool stays in the text."""
+    names = {t["function"]["name"] for t in tools_schema or []}
     tool_uses, kept, position = [], [], 0
-    for match in _XML_CALL.finditer(text):
+    for match in _XML_CALL.finditer(body_text):
         if match.group(1) not in names:
             continue
         arguments = {}
@@ -153,7 +168,7 @@ def _parse_xml_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict], 
             except json.JSONDecodeError:
                 arguments[key] = value
         tool_uses.append({"name": match.group(1), "input": arguments})
-        kept.append(text[position:match.start()])
+        kept.append(body_text[position:match.start()])
         position = match.end()
-    kept.append(text[position:])
-    return "".join(kept), tool_uses, False
+    kept.append(body_text[position:])
+    return "".join(kept), tool_uses

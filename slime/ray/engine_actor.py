@@ -67,7 +67,7 @@ def embedded_engine_argv(args, gpu: bool) -> list[str]:
             argv.append(f"--{name}")
         elif isinstance(value, (list, tuple)):  # nargs="+" (--cuda-graph-bs 1 2 4 8)
             argv += [f"--{name}", *map(str, value)]
-        elif value not in (False, None):
+        elif value is not False and value is not None:  # not `in (False, None)`: 0 == False, and 0 is a value
             argv += [f"--{name}", str(value)]
     return argv
 

@@ -56,15 +56,23 @@ class Job:
         try:
             self._start()
         except BaseException:
-            self.shutdown()
+            self.shutdown(dispose_timeout=self.INTERRUPTED_DISPOSE_S)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.shutdown()
+        # interrupted (SIGTERM, Ctrl-C, an error): the rollout manager may be busy in a hook that never
+        # returns, so it gets seconds, not minutes, to stop its engines before it is killed
+        self.shutdown(dispose_timeout=self.INTERRUPTED_DISPOSE_S if exc_type is not None else 180)
+
+    #: seconds an interrupted run waits for the rollout side to stop cleanly (engines die with it anyway)
+    INTERRUPTED_DISPOSE_S = 5
 
     def _start(self) -> None:
+        from slime.utils.preflight import preflight
+
         args = self.args
+        preflight(args)  # hooks, reward, data files, --save: before Ray or any engine starts
         if not os.path.isdir(args.hf_checkpoint or ""):
             raise FileNotFoundError(f"--hf-checkpoint {args.hf_checkpoint!r} is not a directory")
         if getattr(load_function(args.rollout_function_path), "overlaps_training", False):
@@ -219,7 +227,14 @@ class Job:
         if self.args.offload_rollout:
             self._timed("onload_rollout_weights", lambda: ray.get(self.rollout_manager.onload.remote(["weights"])))
         self.weight_version += 1
-        metrics = self.actor.update_weights(self.weight_version)
+        try:
+            metrics = self.actor.update_weights(self.weight_version)
+        except Exception as e:  # without fault tolerance a dead engine ends the run: say so, with the flag
+            if not self.args.use_fault_tolerance and not self.args.rollout_external:
+                from slime.rollout.engine_control import raise_if_engines_dead_sync
+
+                raise_if_engines_dead_sync(list(getattr(self.args, "rollout_engine_urls", None) or []), e)
+            raise
         if offload_train:
             self._timed("offload_train", self.actor.offload)
         if self.args.use_fault_tolerance:
@@ -300,8 +315,10 @@ class Job:
 
     # ------------------------------------------------------------------ shutdown
 
-    def shutdown(self) -> None:
-        """Trainers, then the rollout manager (router before engines), then Ray. Safe to call twice."""
+    def shutdown(self, dispose_timeout: float = 180) -> None:
+        """Trainers, then the rollout manager (router before engines), then Ray. Safe to call twice.
+        A rollout manager that has not stopped within ``dispose_timeout`` s is killed; the engine and
+        router processes die with it (``die_with_parent``)."""
         for group in (self.actor, self.critic):
             if group is not None and self.args.async_save:
                 try:  # the end of the run waits for the checkpoint still being written
@@ -314,7 +331,7 @@ class Job:
         self.actor = self.critic = None
         if self.rollout_manager is not None:
             try:
-                ray.get(self.rollout_manager.dispose.remote(), timeout=180)
+                ray.get(self.rollout_manager.dispose.remote(), timeout=dispose_timeout)
             except Exception as e:  # still stop Ray, which kills what is left
                 logger.warning("rollout manager did not shut down cleanly: %s", e)
             ray.kill(self.rollout_manager)

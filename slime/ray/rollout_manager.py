@@ -456,6 +456,10 @@ class RolloutManager:
 
             save_debug_rollout_data(self.args.save_debug_rollout_data, samples, rollout_id=rollout_id, evaluation=False)
         metrics = self._rollout_metrics(rollout_id, samples, extra_metrics, rollout_time)
+        if not self.args.load_debug_rollout_data:
+            from slime.rollout.step_checks import check_step_can_learn
+
+            check_step_can_learn(self.args, samples, rollout_id)  # after the dump: a failed step can be inspected
         if self.args.debug_rollout_only:
             return [], metrics
         if self.dp_size is None:

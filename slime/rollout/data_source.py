@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import json
 import logging
 import os
 
@@ -81,7 +82,7 @@ class RolloutDataSource(DataSource):
             args.prompt_data,
             tokenizer,
             processor,
-            getattr(args, "rollout_max_prompt_len", None),
+            getattr(args, "rollout_max_prompt_len", None) or _engine_max_prompt_len(args),
             prompt_key=getattr(args, "input_key", "input"),
             label_key=getattr(args, "label_key", None),
             tool_key=getattr(args, "tool_key", "tools"),
@@ -256,3 +257,17 @@ def _sample_from_dict(data):
     if isinstance(data, list):
         return [_sample_from_dict(d) for d in data]
     return Sample.from_dict(data)
+
+
+def _engine_max_prompt_len(args) -> int | None:
+    """The longest prompt the engines accept (their context length - 1: ``--sglang-context-length``, else the
+    model's ``max_position_embeddings``). Longer prompts are left out at load, counted in a warning, instead of
+    failing at the engine."""
+    context = getattr(args, "sglang_context_length", None)
+    config_path = os.path.join(getattr(args, "hf_checkpoint", None) or "", "config.json")
+    if not context and os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        config = config.get("text_config", config)  # multimodal models keep the language model's beside
+        context = config.get("max_position_embeddings")
+    return int(context) - 1 if context else None

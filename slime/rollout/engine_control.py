@@ -12,6 +12,7 @@ import logging
 import time
 
 from slime.utils.http_utils import HTTPRequestError, get, post
+from slime.utils.preflight import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +115,53 @@ def engine_time_metrics(before: dict | None, after: dict | None, rollout_time: f
             "perf/engine_decode_time": delta["decode_seconds"] / num_engines,
             "perf/engine_prefill_time": delta["prefill_seconds"] / num_engines,
             "perf/engine_decode_steps": delta["decode_steps"], "perf/engine_prefill_forwards": delta["prefill_forwards"]}
+
+
+class EngineDead(UserError):
+    """An engine stopped answering while the run has no fault tolerance to restart it (reported in one message)."""
+
+
+def engine_dead_error(dead: list[str], error: BaseException) -> EngineDead:
+    error = getattr(error, "cause", None) or error  # a Ray task error: the exception raised in the actor
+    return EngineDead(f"rollout engine(s) {', '.join(dead)} stopped answering: the engine process died (its log "
+                      f"says why). slime restarts dead engines only with --use-fault-tolerance: rerun with it (and "
+                      f"--load to resume from the last checkpoint). Last error: {type(error).__name__}: {error}")
+
+
+def raise_if_engines_dead_sync(engine_urls: list[str], error: BaseException, timeout_s: float = 3.0) -> None:
+    """:func:`raise_if_engines_dead` for the driver (a weight push that failed)."""
+    import httpx
+
+    dead = []
+    for url in engine_urls:
+        try:
+            status = httpx.get(f"{url}/health", timeout=timeout_s).status_code
+            if status >= 500:
+                dead.append(f"{url} (/health answered {status})")
+        except httpx.HTTPError as e:
+            dead.append(f"{url} ({type(e).__name__}: {e or 'no answer'})")
+    if dead:
+        raise engine_dead_error(dead, error) from None
+
+
+async def raise_if_engines_dead(args, error: BaseException, timeout_s: float = 3.0) -> None:
+    """After requests have failed: probe every engine's ``/health``; if one does not answer, raise
+    :class:`EngineDead` naming it and ``--use-fault-tolerance`` (a restart is what would have saved the run)."""
+    import aiohttp
+
+    try:
+        urls = await get_engine_urls(args)
+    except Exception:
+        return  # no list of engines (the router is down too): the retries report what failed
+    dead = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for url in urls:
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status >= 500:
+                        dead.append(f"{url} (/health answered {response.status})")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                dead.append(f"{url} ({type(e).__name__}: {e or 'no answer'})")
+    if dead:
+        raise engine_dead_error(dead, error)
+

@@ -36,7 +36,8 @@ from collections import Counter
 from slime.observability.trace_utils import (bind_trace, build_sglang_meta_trace_attrs, inherit_trace, trace_event,
                                              trace_next_attempt, trace_span)
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.engine_control import abort_all, get_engine_urls, router_base_url, wait_until_idle
+from slime.rollout.engine_control import (abort_all, get_engine_urls, raise_if_engines_dead, router_base_url,
+                                          wait_until_idle)
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
@@ -336,13 +337,20 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, evalu
 # With --use-fault-tolerance a request that no engine can serve waits as long as an engine restart
 # may take (the restart's own start-up timeout), so with a single engine its samples survive it.
 RESTART_RETRY_S = 1800
+DEAD_ENGINE_PROBE_AFTER = 3  # failed attempts (a second apart) before the engines' /health is probed
 
 
 async def _post_generate(args, url: str, payload: dict, headers: dict | None):
     """POST /generate to the router. With --use-fault-tolerance, also wait out the router's
     "No worker available" (404) while the health monitor restarts the engines behind it."""
     if not getattr(args, "use_fault_tolerance", False):
-        return await post(url, payload, headers=headers)
+        try:  # a few quick retries, then ask the engines whether they are alive before retrying for a minute
+            return await post(url, payload, headers=headers, max_retries=DEAD_ENGINE_PROBE_AFTER)
+        except HTTPRequestError as e:
+            if e.status_code is not None and e.status_code < 500:
+                raise
+            await raise_if_engines_dead(args, e)
+        return await post(url, payload, headers=headers, max_retries=60 - DEAD_ENGINE_PROBE_AFTER)
     deadline = time.monotonic() + RESTART_RETRY_S
     while True:
         try:
@@ -403,10 +411,21 @@ def _mark_reward_failure(args, samples: list[Sample], error: BaseException, eval
         sample.reward = _failed_reward(args, evaluation)
 
 
+async def _within_reward_timeout(args, coro):
+    """``--reward-timeout``: a reward still running after it fails its sample(s) with the reason."""
+    timeout = getattr(args, "reward_timeout", None)
+    if not timeout:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the reward did not return within --reward-timeout {timeout:g} s") from None
+
+
 async def _reward_one(args, sample: Sample, evaluation: bool) -> None:
     async with trace_span(sample, "reward_model") as span:
         try:
-            sample.reward = await async_rm(args, sample)
+            sample.reward = await _within_reward_timeout(args, async_rm(args, sample))
         except Exception as e:  # a reward function that raises marks the sample FAILED; the run goes on
             _mark_reward_failure(args, [sample], e, evaluation)
             span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
@@ -418,7 +437,7 @@ async def _reward_batch(args, samples: list[Sample], evaluation: bool) -> None:
         return
     async with trace_span(samples, "group_reward_model", attrs={"num_samples": len(samples)}) as span:
         try:
-            rewards = await batched_async_rm(args, samples)
+            rewards = await _within_reward_timeout(args, batched_async_rm(args, samples))
         except Exception as e:  # same policy for batch reward functions
             _mark_reward_failure(args, samples, e, evaluation)
             span.update({"error_type": type(e).__name__, "error_message": str(e)[:500]})
@@ -616,7 +635,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
         while len(kept) < target:
             if len(kept) + len(pending) < target:
                 if drawn >= max_drawn:  # a filter that drops (nearly) everything would loop forever
-                    raise RuntimeError(
+                    from slime.rollout.step_checks import RunCannotLearn
+
+                    raise RunCannotLearn(
                         f"dynamic sampling kept {len(kept)} of {target} groups after drawing {drawn} prompt groups "
                         f"(--dynamic-sampling-filter-path {filter_path}; drops: {dict(drop_reasons)}). The filter "
                         f"rejects almost every group: check the reward function or relax the filter."

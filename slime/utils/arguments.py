@@ -22,6 +22,7 @@ import os
 import sys
 
 from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add_training_arguments, mark_refused_flags
+from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY, refuse_other_backend_flags
 from slime.utils.exactness import validate_exactness
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
                                      rename_legacy_sglang_flags)
@@ -117,9 +118,12 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Apply docs/INTERFACES.md §4.4 in order: raise naming the flags involved; fill documented derived
     values; never override a value the user set explicitly."""
     from slime.utils.eval_config import resolve_eval_datasets
+    from slime.utils.preflight import check_flag_values, check_load_and_save
 
-    # 0. flags slime accepts for upstream scripts but does not implement
+    # 0. flags slime accepts for upstream scripts but does not implement; counts and intervals in range
     _refuse_unimplemented(args)
+    check_flag_values(args)
+    refuse_other_backend_flags(args)  # before the derived values below (e.g. --finetune from --ref-load)
     _validate_model_shape_flags(args)
     # 1. eval datasets; prompt files exist
     resolve_eval_datasets(args)
@@ -141,7 +145,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             logger.info("--ref-load %s has no latest_checkpointed_iteration.txt; loading it as a plain checkpoint", args.ref_load)
     # 4. on-policy distillation
     _validate_opd(args)
-    # 5. load resolution
+    # 5. load resolution (a --load that does not exist, a --save of another run: refused first)
+    check_load_and_save(args)
     _resolve_load(args)
     # 6.-7.
     if args.eval_interval is not None and not args.eval_datasets:
@@ -623,6 +628,13 @@ def flag_reference_markdown() -> str:
              "implement them, and a non-default value fails at start-up with the alternative below.", "",
              "| flag | instead |", "|---|---|"]
     lines += [f"| `{flag}` | {hint} |" for flag, hint in REFUSED_FLAGS.items()]
+    lines.append("")
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    lines += ["### Read by one training backend only", "",
+              "Set away from its default under the other `--train-backend`, each fails at start-up with the "
+              "alternative below.", "", "| flag | read by | under the other backend |", "|---|---|---|"]
+    lines += [f"| `{flags[dest]}` | megatron | {hint} |" for dest, hint in MEGATRON_ONLY.items()]
+    lines += [f"| `{flags[dest]}` | fsdp | {hint} |" for dest, hint in FSDP_ONLY.items()]
     lines.append("")
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]

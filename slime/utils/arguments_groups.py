@@ -45,6 +45,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "--fetch-trajectory-retry-times": "the rollout-buffer service is not supported",
     "--min-batch-collection-ratio": "the rollout-buffer service is not supported",
     "--rollout-task-type": "the rollout-buffer service is not supported",
+    "--attention-backend": "the trainer's attention is chosen per backend: --fsdp-attn-implementation (FSDP), "
+                           "Megatron-Core's layer spec (--spec); the engine's is --sglang-attention-backend",
     "--ci-test": "upstream's CI guards are not implemented; slime's tests live in tests/",
     "--ci-disable-kl-checker": "upstream's CI guards are not implemented",
     "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
@@ -147,6 +149,12 @@ def _add_megatron_lm_refusals() -> None:
 
 
 _add_megatron_lm_refusals()
+
+
+# the reference model of --kl-coef / --use-kl-loss, said where each flag is described
+_REFERENCE_HELP = (" The reference model is --ref-load; under --train-backend fsdp without an HF --ref-load it is "
+                   "the --hf-checkpoint weights as loaded at start, kept frozen (also when --load resumes the actor); "
+                   "the Megatron backend needs --ref-load.")
 
 
 def megatron_lm_passthrough_dests() -> tuple[str, ...]:
@@ -357,7 +365,14 @@ def _add_reward_args(parser) -> None:
     g.add_argument("--eval-reward-key", type=str, default=None, help="Same for eval (default: --reward-key).")
     g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole prompt group at once.")
     g.add_argument("--rm-url", type=str, default=None, help="Endpoint for remote_rm / OPD teacher.")
-    g.add_argument("--custom-rm-path", type=str, default=None, help="Custom reward.")
+    g.add_argument("--custom-rm-path", type=str, default=None,
+                   help="Custom reward: module.function, `async def` or plain `def` (run in a worker thread).")
+    g.add_argument("--reward-timeout", type=float, default=None,
+                   help="Seconds a reward may take per sample (per group with --group-rm); one that takes longer "
+                        "fails its sample(s) with the reason and the run goes on. Default: no limit.")
+    g.add_argument("--stop-on-failed-ratio", type=float, default=1.0,
+                   help="Stop the run when this share of a training step's samples FAILED (e.g. every reward "
+                        "raised), naming the first failure's reason; 1.0 stops only when every sample failed.")
     g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="Hook on rewards after the reward model (signature: docs/customization.md).")
     g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None, help="Converts samples to train data (signature: docs/customization.md).")
 
@@ -372,8 +387,10 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant (> 1).")
     g.add_argument("--value-clip", type=float, default=0.2)
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward.")
-    g.add_argument("--use-kl-loss", action="store_true", default=False)
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL penalty to the reference model in the reward." + _REFERENCE_HELP)
+    g.add_argument("--use-kl-loss", action="store_true", default=False,
+                   help="Add a KL-to-reference term (--kl-loss-coef) to the loss." + _REFERENCE_HELP)
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
     g.add_argument("--use-unbiased-kl", action="store_true", default=False)
@@ -403,7 +420,10 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--use-rollout-entropy", action="store_true", default=False)
     g.add_argument("--use-routing-replay", action="store_true", default=False)
     g.add_argument("--use-rollout-routing-replay", action="store_true", default=False)
-    g.add_argument("--ref-load", type=str, default=None, help="Reference model checkpoint.")
+    g.add_argument("--ref-load", type=str, default=None,
+                   help="Reference model checkpoint (--kl-coef, --use-kl-loss). Under --train-backend fsdp the reference is "
+                        "this directory when it is an HF one (config.json), else the --hf-checkpoint weights as loaded "
+                        "at start.")
     g.add_argument("--ref-ckpt-step", type=int, default=None)
     g.add_argument("--ref-update-interval", type=int, default=None)
     g.add_argument("--keep-old-actor", action="store_true", default=False,
@@ -449,6 +469,9 @@ def _add_checkpoint_args(parser) -> None:
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--load", type=str, default=None, help="Actor checkpoint dir (resume point).")
     g.add_argument("--save", type=str, default=None, help="Save dir.")
+    g.add_argument("--overwrite-save", action="store_true", default=False,
+                   help="Allow --save to be a directory holding another run's checkpoints (a --load other than "
+                        "--save, or none): without it such a run is refused at start and nothing is overwritten.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N rollout steps.")
     g.add_argument("--async-save", action="store_true", default=False,
                    help="Write checkpoints in the background: the state is copied to host memory, then written "

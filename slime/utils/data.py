@@ -36,8 +36,13 @@ def _parse_path_slice(path: str) -> tuple[str, int | None, int | None]:
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes, so that an encoding error can name its line
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 f"save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -191,10 +196,13 @@ class Dataset:
                 dropped += 1
                 continue
             self.origin_samples.append(sample)
-        if max_length is not None:
-            logger.info(
-                "%s: dropped %d prompts longer than %d tokens; %d remain", path, dropped, max_length, len(self.origin_samples)
-            )
+        if max_length is not None and dropped:
+            if not self.origin_samples:
+                raise ValueError(f"{path}: every prompt ({dropped}) is longer than {max_length} tokens, the longest "
+                                 f"prompt the engines accept (--rollout-max-prompt-len, or the context length - 1): "
+                                 f"raise --rollout-max-context-len / --sglang-context-length or shorten the prompts")
+            logger.warning("%s: dropped %d prompts longer than %d tokens (--rollout-max-prompt-len, or the context "
+                           "length - 1); %d remain", path, dropped, max_length, len(self.origin_samples))
         self.dropped_by_length = dropped
         self.samples = self.origin_samples
 
@@ -271,6 +279,8 @@ class Dataset:
                 logger.warning("%s: prompts are message lists; --rollout-max-prompt-len does not filter them", self.path)
                 self._warned_list_prompt = True
             return False
+        if len(sample.prompt.encode("utf-8")) + 1 <= max_length:
+            return False  # a token spans >= 1 byte (+1: a tokenizer's prefix space): fits without tokenizing
         if self.tokenizer is None:
             raise ValueError("prompt-length filtering needs a tokenizer (set --hf-checkpoint)")
         return len(self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]) > max_length

@@ -5,12 +5,10 @@ the timeout once per process; ``post``/``get`` then reuse one ``aiohttp.ClientSe
 (a session is bound to the loop it was made in, and slime normally has exactly one: the background
 loop of :mod:`slime.utils.async_utils`).
 
-aiohttp rather than httpx for the rollout's requests: a 128-request burst of 16 + 256 tokens (the
-embedded engine on 2 CPU cores, 2026-12-03) arrived at an httpx.AsyncClient over 0.27-0.42 s after the
-server had sent every answer within 0.05 s (pure-Python HTTP parsing and anyio, request by request),
-and over 0.07-0.08 s at an aiohttp session: the burst took 1.80-2.09 s against 1.54-1.77 s. The
+aiohttp rather than httpx for the rollout's requests: httpx's pure-Python parsing takes a burst of answers
+one after another, several times slower than the engine sends them (docs/loop.md, "Speed of the loop"). The
 blocking admin client (:func:`sync_client`) stays httpx. Bodies are encoded and parsed with orjson (json for
-what orjson refuses): parsing 128 answers of 256 tokens with log-probs took 11 ms with json, 3 ms with orjson.
+what orjson refuses), a few times faster than json on answers with log-probs.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ def get_client() -> aiohttp.ClientSession:
 
 def sync_client() -> httpx.Client:
     """The process's blocking client for short admin calls to the engines (step counters, memory
-    release/resume, weight versions). ``httpx.get``/``httpx.post`` build a client per call, ~20 ms of
-    Python each (its SSL context) — the loop paid that several times a step. Pass ``timeout`` per call."""
+    release/resume, weight versions). ``httpx.get``/``httpx.post`` build a client per call (its SSL
+    context costs milliseconds of Python), which the loop would pay several times a step. Pass ``timeout`` per call."""
     global _sync_client
     with _sync_lock:
         if _sync_client is None or _sync_client.is_closed:

@@ -181,7 +181,7 @@ class PassThrough:
         result = dict(self.router_verbatim)
         for dest, default in self.router_dests.items():
             value = getattr(args, dest, default)
-            if value != default and value not in (None, [], False):
+            if value != default and value is not None and value is not False and value != []:  # 0 is a value
                 result[dest[len("router_"):].replace("_", "-")] = value
         return result
 

@@ -200,9 +200,10 @@ def vanilla_gae(
     """Serial reference GAE over one sequence (the obvious backward loop).
 
     δ_t = u_t + γ V_{t+1} − V_t (V_{T} = 0 past the end), A_t = δ_t + γλ A_{t+1}, G_t = A_t + V_t.
-    Accepts 1-D ``[T]`` or batched ``[B, T]`` tensors.
+    Accepts 1-D ``[T]`` or batched ``[B, T]`` tensors; results in the inputs' dtype (float64 stays float64).
     """
-    rewards, values = rewards.float(), values.float()
+    dtype, out_dtype = _scan_dtypes(rewards, values)
+    rewards, values = rewards.to(dtype), values.to(dtype)
     length = rewards.shape[-1]
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[..., 0])
@@ -211,7 +212,18 @@ def vanilla_gae(
         delta = rewards[..., t] + gamma * next_value - values[..., t]
         last = delta + gamma * lambd * last
         advantages[..., t] = last
-    return advantages, advantages + values
+    return advantages.to(out_dtype), (advantages + values).to(out_dtype)
+
+
+def _scan_dtypes(*tensors: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype to compute in, dtype to return): float64 inputs stay float64; half precision is summed in
+    float32 and returned in its own dtype; integer rewards give float32."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if not dtype.is_floating_point:
+        return torch.float32, torch.float32
+    return (torch.float64 if dtype == torch.float64 else torch.float32), dtype
 
 
 def chunked_gae(
@@ -222,11 +234,12 @@ def chunked_gae(
     Inside a chunk of C positions A = δ·Wᵀ with W[i, j] = w^{j−i} (j ≥ i, w = γλ); the chunks are
     then joined right to left, A_t += w^{C_end − t} · A_{first position of next chunk}. Inputs are
     ``[B, T]`` (right-padded with zeros, which contribute nothing after the end of a sample when
-    both reward and value padding are zero) or ``[T]``.
+    both reward and value padding are zero) or ``[T]``. Results in the inputs' dtype.
     """
     squeeze = rewards.dim() == 1
-    rewards = rewards.float().reshape(-1, rewards.shape[-1])
-    values = values.float().reshape(-1, values.shape[-1])
+    dtype, out_dtype = _scan_dtypes(rewards, values)
+    rewards = rewards.to(dtype).reshape(-1, rewards.shape[-1])
+    values = values.to(dtype).reshape(-1, values.shape[-1])
     batch, length = rewards.shape
     next_values = torch.cat([values[:, 1:], torch.zeros(batch, 1, dtype=values.dtype, device=values.device)], dim=1)
     deltas = rewards + gamma * next_values - values
@@ -245,23 +258,23 @@ def chunked_gae(
         local = local + carry[:, None] * tail_power[None, :]
         advantages[:, start:end] = local
         carry = local[:, 0]
-    returns = advantages + values
+    advantages, returns = advantages.to(out_dtype), (advantages + values).to(out_dtype)
     if squeeze:
         return advantages[0], returns[0]
     return advantages, returns
 
 
 def chunked_discounted_returns(rewards: torch.Tensor, gamma: float, chunk_size: int = 128) -> torch.Tensor:
-    """G_t = Σ_{l≥0} γ^l u_{t+l}: GAE with V ≡ 0 and λ = 1."""
-    advantages, _ = chunked_gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), gamma, 1.0, chunk_size)
+    """G_t = Σ_{l≥0} γ^l u_{t+l}: GAE with V ≡ 0 and λ = 1, in the rewards' dtype."""
+    advantages, _ = chunked_gae(rewards, torch.zeros_like(rewards), gamma, 1.0, chunk_size)
     return advantages
 
 
-def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _pad(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     length = max((t.numel() for t in tensors), default=0)
-    out = torch.zeros(len(tensors), length, dtype=torch.float32)
+    out = torch.zeros(len(tensors), length, dtype=dtype)
     for i, t in enumerate(tensors):
-        out[i, : t.numel()] = t.float()
+        out[i, : t.numel()] = t.to(dtype)
     return out
 
 
@@ -303,21 +316,22 @@ def get_reinforce_plus_plus_returns(
 ) -> list[torch.Tensor]:
     """REINFORCE++ (Hu, 2025): u_t = −kl_coef·kl_t·m_t, plus r_i at the last loss-masked position;
     A_t = G_t = Σ_{l≥0} γ^l u_{t+l}. A sample with no loss-masked token is an error. Results are in
-    kl's dtype (computed in float32). ``response_lengths`` / ``total_lengths`` are accepted as
-    upstream's keywords; response lengths are checked against the tensors."""
+    kl's dtype (computed in float32, or float64 for float64 kl). ``response_lengths`` /
+    ``total_lengths`` are accepted as upstream's keywords; response lengths are checked against the tensors."""
     _check_lengths(kl, response_lengths, "get_reinforce_plus_plus_returns")
+    dtype = torch.float64 if any(k.dtype == torch.float64 for k in kl) else torch.float32
     token_rewards = []
     for i, (kl_i, mask_i) in enumerate(zip(kl, loss_masks)):
-        mask_i = mask_i.float()
+        mask_i = mask_i.to(dtype)
         nonzero = torch.nonzero(mask_i > 0)
         if nonzero.numel() == 0:
             raise ValueError(f"reinforce_plus_plus: sample {i} has an all-zero loss mask (no position for its reward)")
-        u = -kl_coef * kl_i.float() * mask_i
+        u = -kl_coef * kl_i.to(dtype) * mask_i
         u[int(nonzero[-1])] += float(rewards[i])
         token_rewards.append(u)
     if not token_rewards:
         return []
-    returns = chunked_discounted_returns(_pad(token_rewards), gamma)
+    returns = chunked_discounted_returns(_pad(token_rewards, dtype), gamma)
     return [returns[i, : t.numel()].to(_out_dtype(kl[i])) for i, t in enumerate(token_rewards)]
 
 

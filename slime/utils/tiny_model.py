@@ -152,7 +152,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-#: architectures the builder makes: the dense Qwen3 default, the two MoE families of issue 23 and Qwen3-MoE
+#: architectures the builder makes: the dense Qwen3 default, DeepSeek-V3, GLM-4.5 (MoE) and Qwen3-MoE
 ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe", "qwen3_moe")
 
 

@@ -100,11 +100,15 @@ def _loss_mask(sample: Sample, position: int) -> list[int]:
     return [int(m) for m in sample.loss_mask]
 
 
-def _optional_per_sample(samples: list[Sample], attribute: str, name: str) -> list | None:
-    """The field for every sample when the first sample has it; error if later samples lack it."""
-    if getattr(samples[0], attribute) is None:
+def _optional_per_sample(samples: list[Sample], attribute: str, name: str, empty=None) -> list | None:
+    """The field for every sample when the first sample with a response has it; error if later samples lack
+    it. A sample that generated nothing (e.g. FAILED: its prompt was refused) gets ``empty()`` when given."""
+    reference = next((s for s in samples if s.response_length > 0), samples[0])
+    if getattr(reference, attribute) is None:
         return None
     values = [getattr(s, attribute) for s in samples]
+    if empty is not None:
+        values = [empty() if v is None and s.response_length == 0 else v for s, v in zip(samples, values)]
     missing = [i for i, v in enumerate(values) if v is None]
     if missing:
         raise ValueError(f"{attribute} is set on the first sample but missing on samples {missing[:10]} ({name})")
@@ -149,7 +153,8 @@ def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, Any]
         ("rollout_top_p_token_offsets", "rollout_top_p_token_offsets"),
         ("rollout_routed_experts", "rollout_routed_experts"),
     ):
-        values = _optional_per_sample(samples, attribute, key)
+        empty = list if key in ("rollout_log_probs", "teacher_log_probs") else None  # one entry per response token
+        values = _optional_per_sample(samples, attribute, key, empty)
         if values is not None:
             data[key] = values
     for key in ("rollout_log_probs", "teacher_log_probs"):

@@ -10,7 +10,7 @@ update, as ``train_async.py`` does. ``--no-update`` never changes the sampling w
 
     python tests/ray/learning_sim.py --runs 100 --steps 6
     python tests/ray/learning_sim.py --runs 40 --steps 8 --async
-    python tests/ray/learning_sim.py --reward first --lr 5e-2 --steps 5   # the recipe before session 3
+    python tests/ray/learning_sim.py --reward first --lr 5e-2 --steps 5   # the earlier recipe, for comparison
 """
 
 from __future__ import annotations

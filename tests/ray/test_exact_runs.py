@@ -5,8 +5,10 @@ step, and two runs with one seed write the same metrics and the same checkpoint 
 Why a broken path fails here: the exactness rests on the shared batch-invariant ops; with the engine's
 GEMM left at ``F.linear`` (``batch_invariant.TILE_ROWS = None``, whose 1-row decode steps run a GEMV)
 the same comparison gives a non-zero difference (tests/backends/test_batch_invariant.py shows it on the
-real engine and trainer code). Without the per-sample seeds, the exponential noise comes from the
-engine's one generator in the order requests reach it, and the two runs' rewards differ.
+real engine and trainer code). What the reproducibility rests on: each sample's sampling seed (from
+``--rollout-seed`` and its index) and the engine's batch-invariant ops; without them a row's noise and
+logits would follow the order requests reach the engine, which the two runs do not share (their
+``rollout/prefix_cache_hit_rate`` differs for that reason).
 """
 
 import json

@@ -4,7 +4,7 @@ Every scenario checks what a user would look at: the first step's invariants (``
 trainer's recomputed log-probs match the engine's) and that the reward rises over a few steps.
 One Ray instance serves the whole module (starting Ray costs ~20 s on two cores).
 
-Why the learning checks are reliable (measured in session 3). The task: 8 prompts x 8 samples a
+Why the learning checks are reliable (measured with tests/ray/learning_sim.py). The task: 8 prompts x 8 samples a
 step, 4-token responses, reward = the fraction of a response's tokens with an even id
 (``loop_plugins.even_token_fraction_reward``; ~0.5 for the random model), GRPO, Adam at lr 3e-2.
 The check: ``rise`` = the best step's mean reward in the second half of the run minus the mean of the
@@ -21,7 +21,7 @@ below 1e-3 (the weights the engine sampled with are the ones trained on).
   0.38; 40 simulated async runs (one step off-policy) by 0.48 +- 0.03 in 8 steps, lowest 0.41. Real
   loop runs: sync 0.43 / 0.45 / 0.47, async 0.44 / 0.45. The threshold is ~9 sd below the mean and
   0.18 below the lowest of 145 runs (``learning_sim.py`` reproduces the simulated figures).
-* Why the best step of the second half (session 14; it was the last two steps' mean): a colocated run
+* Why the best step of the second half (not the last two steps' mean): a colocated run
   in CI dipped at its fifth step, 0.543 0.539 0.66 0.887 0.527 0.824 (last-two rise 0.13), while its
   trainer and engine agreed on every sampled token's log-prob (an optimizer dip at lr 3e-2, not a sync
   fault; six reruns learned normally). Over the simulated runs above the new ``rise`` is >= 0.40 sync and

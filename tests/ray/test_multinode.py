@@ -5,7 +5,8 @@ engine each step; the worker node is then killed mid-run and the run resumed fro
 new worker node.
 
 Takes minutes on two cores (two Ray nodes, two jobs), so it runs only with ``SLIME_TEST_MULTINODE=1``
-(``scripts/run-multinode-cpu.sh`` runs the same scenario by hand).
+(``scripts/run-multinode-cpu.sh`` runs the same scenario by hand; ``.ci/run`` runs this test as a step of
+its own after the suite).
 """
 
 import importlib.util

@@ -250,7 +250,9 @@ def test_dynamic_sampling_that_drops_everything_fails_clearly(tiny_model_dir, tm
     args = make_args(tiny_model_dir, path, engine, "--custom-rm-path", "tests.rollout.test_sglang_rollout.kind_reward",
                      "--dynamic-sampling-filter-path",
                      "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")  # fmt: skip
-    with pytest.raises(RuntimeError, match="kept 0 of 2 groups after drawing 40 prompt groups"):
+    from slime.rollout.step_checks import RunCannotLearn
+
+    with pytest.raises(RunCannotLearn, match="kept 0 of 2 groups after drawing 40 prompt groups"):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 

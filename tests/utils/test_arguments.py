@@ -35,8 +35,9 @@ def test_megatron_style_flags_and_custom_arguments():
         parser.add_argument("--my-hook-param", type=int, default=3)
         return parser
 
-    args = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lr-decay-style", "cosine",
-                              "--adam-beta2", "0.98", "--recompute-granularity", "full", "--num-layers", "28"],
+    megatron = [a if a != "fsdp" else "megatron" for a in BASE] + ["--debug-rollout-only"]  # no Megatron-Core needed
+    args = parse_args(megatron + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lr-decay-style", "cosine",
+                                  "--adam-beta2", "0.98", "--recompute-granularity", "full", "--num-layers", "28"],
                       add_custom_arguments=add)
     assert args.tensor_model_parallel_size == 2 and args.sequence_parallel and args.lr_decay_style == "cosine"
     assert args.adam_beta2 == 0.98 and args.num_layers == 28 and args.my_hook_param == 3
@@ -192,6 +193,7 @@ def test_debug_rollout_only_rewrites_gpus():  # 21
 
 
 def test_load_resolution(tmp_path):  # 5
+    (tmp_path / "empty").mkdir()  # an existing directory with no checkpoint yet (one that does not exist is refused)
     args = parse("--load", tmp_path / "empty", "--ref-load", tmp_path)
     assert args.load == str(tmp_path) and args.no_load_optim and args.finetune and args.start_rollout_id == 0
     ckpt = tmp_path / "ckpt"

@@ -35,3 +35,61 @@ def test_without_a_gpu_the_roofline_is_named_as_assumed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert common.hbm_peak() == (4.8e12, "H200 (assumed; this is no GPU)")
     assert common.machine_name().startswith("cpu-")
+
+
+def _decode_config(**changes):
+    config = {"model": "/ckpt/Qwen3-4B", "batch": 128, "position": 143, "quantization": None, "fp8_gemm_backend": None,
+              "kv_cache_dtype": "torch.bfloat16", "without": [], "with": [], "steps": 100, "sample": "none"}
+    return {**config, **changes}
+
+
+def test_a_rerun_of_the_same_variant_replaces_the_file_and_a_flag_makes_a_new_one():
+    name = common.result_name("decode_step", "nvidia-h200", _decode_config())
+    assert name == "decode_step-nvidia-h200-qwen3-4b-bf16-b128-p143"
+    assert common.result_name("decode_step", "nvidia-h200", _decode_config(steps=50)) == name  # how long it ran: same file
+    variants = {common.result_name("decode_step", "nvidia-h200", _decode_config(**changes)) for changes in (
+        {"quantization": "w8a8_fp8", "fp8_gemm_backend": "cublas"}, {"quantization": "w8a8_fp8"},
+        {"kv_cache_dtype": "torch.float8_e4m3fn"}, {"without": ["down_hand_off"]}, {"batch": 16})}
+    assert len(variants) == 5 and name not in variants
+    assert "w8a8_fp8-cublas" in common.result_name("decode_step", "nvidia-h200",
+                                                   _decode_config(quantization="w8a8_fp8", fp8_gemm_backend="cublas"))
+
+
+def test_write_result_names_the_file_by_model_and_variant(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "machine_name", lambda: "nvidia-h100")
+    config = {"model": "qwen3-0.6b", "num_requests": 32, "prompt_len": 16, "output_len": 256, "quantization": "fp8",
+              "fp8_gemm_backend": "auto", "kv_cache_dtype": "bfloat16", "logprob_gap_requests": 32}
+    common.write_result("engine_decode", config, {"tokens_per_s": 1.0}, str(tmp_path), echo=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["engine_decode-nvidia-h100-qwen3-0.6b-fp8-b32-logprob-gap.json"]
+
+
+def test_results_files_are_named_by_what_they_measure_not_when():
+    import json
+    import pathlib
+    import re
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
+    for path in sorted(results.glob("*.json")):
+        result = json.loads(path.read_text())
+        assert path.name.startswith(f"{result['benchmark']}-{result['machine']}-".replace("NVIDIA H100 80GB HBM3", "nvidia-h100")) \
+            or result["machine"].startswith("NVIDIA"), path.name
+        assert not re.search(r"-20\d{6}|-s\d{2}[a-z]?\b|-run\d|-[0-9a-f]{7,}\b", path.stem), path.name
+        assert result.get("date") and result.get("git_commit") and result.get("command"), path.name
+
+
+@pytest.mark.parametrize("benchmark,config,name", [
+    ("weight_sync", {"runs": ["qwen3-0.6b/tensor", "qwen3-1.7b/distributed"], "bucket_mb": [4096, 1024]},
+     "weight_sync-m-qwen3-pipelined"),
+    ("logprob_head", {"rows": 16384, "hidden": 1024, "vocab": 151936}, "logprob_head-m-head1024x151936"),
+    ("delta_sync", {"models": {"qwen3-0.5b": {"lr": 5e-7}}}, "delta_sync-m-qwen3-0.5b-lr5e-07"),
+    ("e2e_grpo", {"model": "qwen3-0.6b", "prompts": 16, "n_samples_per_prompt": 8, "max_new_tokens": 256,
+                  "side": "slime", "slime_extra": ["--sglang-quantization", "fp8", "--use-tis"]},
+     "e2e_grpo-m-qwen3-0.6b-128x256-slime-only-fp8-tis"),
+    ("spec_decode", {"model": "/ckpt/qwen3-0.6b", "num_requests": 64, "engines": ["off", "ngram", "ngram-adaptive"]},
+     "spec_decode-m-qwen3-0.6b-b64-ngram-adaptive"),
+    ("engine_decode", {"model": "qwen3-0.6b architecture, random bf16 weights", "num_requests": 128, "prompt_len": 256,
+                       "output_len": 512, "quantization": None, "kv_cache_dtype": "bfloat16"},
+     "engine_decode-m-qwen3-0.6b-bf16-256in-512out"),
+])
+def test_each_bench_names_its_model_and_variant(benchmark, config, name):
+    assert common.result_name(benchmark, "m", config) == name

@@ -1,6 +1,10 @@
-"""Every flag does something: it is read by code outside the argument modules, refused at start-up
-when set, feeds a derived value that is read (checked here by its effect), or sits on the short
-allow-list below with the reason it is harmless.
+"""Every flag does something on the backend it is given to: it is read by the code path of the chosen
+``--train-backend`` (the shared code and that backend's package) outside the argument modules, refused
+at start-up when set (for every backend, or for the backend that would ignore it:
+``slime/utils/backend_flags.py``), feeds a derived value that is read (checked here by its effect), or
+sits on the short allow-list below with the reason it is harmless. The embedded engine's package is
+not scanned: the engine process reads its own parser (``embedded_engine/config.py``), whose names
+(``--attention-backend``) would pass for trainer flags.
 
 A "read" is found statically over slime/ and the entry files: ``<x>args.<dest>`` / ``self.args.<dest>``
 in a load context, ``getattr(..., "<dest>")`` / ``hasattr``, or ``"<dest>"`` as an element of a
@@ -20,11 +24,14 @@ import pytest
 
 from slime.utils.arguments import get_parser, parse_args, refused_flag_defaults
 from slime.utils.arguments_groups import REFUSED_FLAGS, megatron_lm_passthrough_dests
+from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARGUMENT_MODULES = {"slime/utils/arguments.py", "slime/utils/arguments_groups.py", "slime/backends/fsdp_utils/arguments.py",
-                    "slime/utils/megatron_lm_flags.py"}
+                    "slime/utils/megatron_lm_flags.py", "slime/utils/backend_flags.py"}
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
+BACKEND_PACKAGES = {"fsdp": "slime/backends/fsdp_utils/", "megatron": "slime/backends/megatron_utils/"}
+ENGINE_PACKAGE = "slime/backends/embedded_engine/"
 
 # Flags nothing reads because what they ask for is what slime always does. Keep this list short.
 ALLOWED_UNREAD = {
@@ -41,6 +48,9 @@ ALLOWED_UNREAD = {
     "bf16": "the default",
     # Megatron-LM's --no-position-embedding: no learned absolute position embedding, which is always so (RoPE only)
     "add_position_embedding": "always so",
+    # checked by validate_args alone: "sglang" is the only teacher implemented ("megatron" needs the refused
+    # --opd-teacher-load); the FSDP backend's read is a second refusal
+    "opd_type": "validated at start",
 }
 
 # Flags validate_args consumes to fill other values that are read: (argv, dest, expected value).
@@ -52,8 +62,13 @@ DERIVED = {
 }
 
 
-def _package_files():
-    yield from (ROOT / "slime").rglob("*.py")
+def _package_files(backend: str | None = None):
+    """The files of ``backend``'s code path: the shared code and that backend's package (None: both)."""
+    others = [package for name, package in BACKEND_PACKAGES.items() if name != backend] if backend else []
+    for path in (ROOT / "slime").rglob("*.py"):
+        relative = str(path.relative_to(ROOT))
+        if not relative.startswith(ENGINE_PACKAGE) and not any(relative.startswith(p) for p in others):
+            yield path
     yield ROOT / "train.py"
     yield ROOT / "train_async.py"
 
@@ -66,10 +81,10 @@ def _base_name(node) -> str | None:
     return None
 
 
-def read_names() -> set[str]:
-    """Attribute and string names read as flags by the package outside the argument modules."""
+def read_names(backend: str | None = None) -> set[str]:
+    """Attribute and string names read as flags outside the argument modules on ``backend``'s code path."""
     names: set[str] = set()
-    for path in _package_files():
+    for path in _package_files(backend):
         if str(path.relative_to(ROOT)) in ARGUMENT_MODULES:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -89,17 +104,18 @@ def read_names() -> set[str]:
     return names
 
 
-def silent_flags() -> dict[str, str]:
-    """``dest -> flag`` of every flag whose value nothing outside the argument modules reads."""
-    parser, passthrough = get_parser(parse_sglang=True)
-    read = read_names()
+def silent_flags(backend: str | None = None, add_custom_arguments=None) -> dict[str, str]:
+    """``dest -> flag`` of every flag whose value nothing outside the argument modules reads on
+    ``backend``'s code path (None: on either backend's)."""
+    parser, passthrough = get_parser(add_custom_arguments, parse_sglang=True)
+    read = read_names(backend)
     forwarded = set()
     if "router_passthrough" in read:
         forwarded |= set(passthrough.router_dests)
     if "sglang_passthrough" in read:
         forwarded |= set(passthrough.sglang_dests)
     # TransformerConfig fields handed to Megatron-Core by name in the Megatron backend's config builder
-    if "megatron_lm_passthrough_dests()" in (ROOT / "slime/backends/megatron_utils/model.py").read_text():
+    if backend != "fsdp" and "megatron_lm_passthrough_dests()" in (ROOT / "slime/backends/megatron_utils/model.py").read_text():
         forwarded |= set(megatron_lm_passthrough_dests())
     silent = {}
     for action in parser._actions:
@@ -110,20 +126,56 @@ def silent_flags() -> dict[str, str]:
     return silent
 
 
-def test_no_flag_is_silently_ignored():
-    refused = set(refused_flag_defaults())
-    unexplained = {dest: flag for dest, flag in silent_flags().items()
-                   if dest not in refused and dest not in ALLOWED_UNREAD and dest not in DERIVED}
+def refused_for(backend: str) -> set[str]:
+    """Dests refused at start when set under ``--train-backend backend``."""
+    if backend == "fsdp":  # Megatron-only flags, and the TransformerConfig passthrough (_validate_model_shape_flags)
+        return set(MEGATRON_ONLY) | set(megatron_lm_passthrough_dests())
+    return set(FSDP_ONLY)
+
+
+def unexplained_flags(backend: str, add_custom_arguments=None) -> dict[str, str]:
+    refused = set(refused_flag_defaults()) | refused_for(backend)
+    return {dest: flag for dest, flag in silent_flags(backend, add_custom_arguments).items()
+            if dest not in refused and dest not in ALLOWED_UNREAD and dest not in DERIVED}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_no_flag_is_silently_ignored(backend):
+    unexplained = unexplained_flags(backend)
     assert not unexplained, (
-        f"flags nobody reads: {sorted(unexplained.values())}. Read each one where it takes effect, or add it to "
-        f"REFUSED_FLAGS (slime/utils/arguments_groups.py) with what to use instead")
+        f"flags the --train-backend {backend} code path does not read: {sorted(unexplained.values())}. Read each "
+        f"one where it takes effect, or refuse it: for every backend in REFUSED_FLAGS (slime/utils/arguments_groups.py), "
+        f"for this backend in slime/utils/backend_flags.py, each with what to use instead")
+
+
+def test_a_flag_added_without_a_reader_is_reported_for_each_backend():
+    def add(parser):
+        parser.add_argument("--brand-new-knob", type=int, default=3)
+
+    for backend in ("fsdp", "megatron"):
+        assert unexplained_flags(backend, add) == {"brand_new_knob": "--brand-new-knob"}
+
+
+def test_a_flag_one_backend_reads_is_silent_on_the_other():
+    """The scan is per backend: FSDP's reads do not count for Megatron and the other way round."""
+    fsdp, megatron = silent_flags("fsdp"), silent_flags("megatron")
+    for dest in ("tensor_model_parallel_size", "sequence_parallel", "recompute_granularity", "optimizer_cpu_offload",
+                 "custom_megatron_init_path"):
+        assert dest in fsdp and dest not in megatron, dest
+    for dest in ("fsdp_compile", "gradient_checkpointing", "fsdp_mixed_precision"):
+        assert dest in megatron and dest not in fsdp, dest
+    assert "lr" not in fsdp and "lr" not in megatron
 
 
 def test_the_lists_hold_only_flags_that_need_them():
-    """A flag that became read must leave the allow-list (refused flags may stay: reading them is harmless)."""
-    silent = silent_flags()
-    assert not set(ALLOWED_UNREAD) - set(silent), "allow-listed flags that are read now: remove them from ALLOWED_UNREAD"
-    assert not set(DERIVED) - set(silent)
+    """A flag that became read must leave the allow-list (refused flags may stay: reading them is harmless);
+    a flag refused for one backend must be one that backend does not read."""
+    silent = {backend: silent_flags(backend) for backend in ("fsdp", "megatron")}
+    either = set(silent["fsdp"]) | set(silent["megatron"])
+    assert not set(ALLOWED_UNREAD) - either, "allow-listed flags that are read now: remove them from ALLOWED_UNREAD"
+    assert not set(DERIVED) - either
+    assert not set(MEGATRON_ONLY) - set(silent["fsdp"]), "MEGATRON_ONLY flags that the FSDP backend reads"
+    assert not set(FSDP_ONLY) - set(silent["megatron"]), "FSDP_ONLY flags that the Megatron backend reads"
     parser, _ = get_parser(parse_sglang=False)
     known = {o for a in parser._actions for o in a.option_strings}
     assert not set(REFUSED_FLAGS) - known, "REFUSED_FLAGS names flags the parser does not define"
@@ -134,10 +186,11 @@ def test_the_scan_finds_a_flag_nobody_reads():
     """The scanner itself: flags the trainer reads are found, a refused (unread) one is reported."""
     assert "seed" in read_names() and "lr" in read_names()
     assert "use_stateless_adam" in silent_flags()  # refused, but still unread
+    assert "attention_backend" in silent_flags()  # the engine's own --attention-backend does not count
 
 
-def _non_default_argv(action) -> list[str]:
-    flag = next(o for o in action.option_strings if o in REFUSED_FLAGS)
+def _non_default_argv(action, flag: str | None = None) -> list[str]:
+    flag = flag or next(o for o in action.option_strings if o in REFUSED_FLAGS)
     if action.nargs == 0:
         return [flag]
     if action.choices:
@@ -186,3 +239,35 @@ def test_a_refused_flag_set_by_custom_config_is_refused_too(tmp_path):
     path.write_text("use_stateless_adam: true\n")
     with pytest.raises(ValueError, match="--use-stateless-adam True is not implemented"):
         parse_args(BASE + ["--custom-config-path", str(path)])
+
+
+def _backend_only_cases():
+    parser, _ = get_parser(parse_sglang=False)
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    architecture = [dest for dest, hint in MEGATRON_ONLY.items() if "config.json" in hint]
+    # the model-shape flags share one message and one check: three of them stand for the rest
+    cases = [("fsdp", actions[dest], hint) for dest, hint in MEGATRON_ONLY.items() if dest not in architecture[3:]]
+    cases += [("megatron", actions[dest], hint) for dest, hint in FSDP_ONLY.items()]
+    # --no-rope-fusion and the like store the default they already hold: they cannot be set away from it
+    return [case for case in cases if not (case[1].nargs == 0 and case[1].const == case[1].default)]
+
+
+@pytest.mark.parametrize("backend,action,hint", _backend_only_cases(),
+                         ids=lambda v: v.option_strings[0] if hasattr(v, "option_strings") else None)
+def test_a_flag_the_chosen_backend_ignores_fails_when_set_and_parses_at_its_default(backend, action, hint):
+    """FSDP asked for TP=2 (or Megatron for --fsdp-compile) fails at start with what to use instead;
+    an upstream script passing the default still parses."""
+    base = [backend if a == "fsdp" else a for a in BASE]
+    argv = [action.option_strings[0], "2"] if action.dest == "moe_layer_freq" else _non_default_argv(action, action.option_strings[0])
+    with pytest.raises(ValueError, match=f"--train-backend {backend} does not read .*{argv[0]} ") as info:
+        parse_args(base + argv)
+    assert hint in str(info.value)
+    if backend == "fsdp" and action.nargs != 0 and action.default is not None:
+        values = action.default if isinstance(action.default, list) else [action.default]
+        parse_args(base + [argv[0], *[str(v) for v in values]])
+
+
+def test_fsdp_asked_for_tensor_parallelism_says_what_to_use():
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 .*tensor, pipeline, expert and sequence "
+                                         "parallelism need --train-backend megatron"):
+        parse_args(BASE + ["--tensor-model-parallel-size", "2"])

@@ -1,4 +1,4 @@
-"""OpenEnv environments in slime's rollout (issue 22): the generate function, its group filter, the
+"""OpenEnv environments in slime's rollout: the generate function, its group filter, the
 episode client and the token-checked server helper. Needs ``pip install slime[openenv]``.
 
     --custom-generate-function-path slime.agent.openenv.generate

@@ -11,6 +11,8 @@ writes answers with orjson (as SGLang's server does).
 
 from __future__ import annotations
 
+import difflib
+
 import json
 import math
 import uuid
@@ -96,9 +98,11 @@ class SamplingParams:
         raw = dict(raw or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
-        if unknown:
-            raise RequestError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r} "
-                               f"(sampling_params keys: {sorted(known)})", status=500)
+        if unknown:  # a client error: 400 (SGLang answers 500, which clients retry)
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RequestError(f"sampling_params: unknown key {unknown[0]!r}{hint} (sampling_params keys: "
+                               f"{sorted(known)})")
         for name, value in raw.items():
             _check_type(name, value)
         params = cls(**raw)
@@ -231,6 +235,9 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
     prompts = _prompts(text, input_ids, batch, tokenize)
     sampling = body.get("sampling_params") or {}
     sampling_list = _as_list(sampling, batch)
+    if not all(isinstance(entry, dict) for entry in sampling_list):
+        raise RequestError(f"sampling_params must be an object (or, for a batch, a list of objects), got "
+                           f"{sampling!r:.100}")
     rids = _rids(body.get("rid"), batch)
     logprob_flags = _as_list(bool(body.get("return_logprob", False)), batch) if not isinstance(
         body.get("return_logprob"), list) else _as_list(body["return_logprob"], batch)

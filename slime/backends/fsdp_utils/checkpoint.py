@@ -156,22 +156,33 @@ class AsyncCheckpointWriter:
 
 
 def load_checkpoint(backend: "FSDPBackend", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
-    """Collective load of the latest checkpoint under ``root``; returns its rollout id."""
+    """Collective load of the latest checkpoint under ``root``; returns its rollout id. Parameters saved
+    without optimizer state (no gradient before the save) resume without it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     with open(os.path.join(root, LATEST_FILE)) as f:
         rollout_id = int(f.read().strip())
     directory = _iteration_dir(root, rollout_id)
+    saved = _saved_keys(directory)
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    load_optim = not no_load_optim and os.path.exists(os.path.join(directory, "dcp")) and _has_optim(directory)
+    load_optim = not no_load_optim and any(key.startswith("optim.") for key in saved)
+    if load_optim:
+        optim_state = _saved_optimizer_state(optim_state, saved)
     state = {"model": model_state, **({"optim": optim_state} if load_optim else {})}
-    load_old_actor = getattr(backend, "old_actor", None) is not None and _has_key(directory, "old_actor")
+    load_old_actor = getattr(backend, "old_actor", None) is not None and any(key.startswith("old_actor.") for key in saved)
     if load_old_actor:
         state["old_actor"] = get_model_state_dict(backend.old_actor)
     dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
-    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"] if load_optim else {})
+    set_model_state_dict(backend.model, state["model"])
+    if load_optim:  # not strict: the parameters saved without state (checked above) stay without it
+        set_optimizer_state_dict(backend.model, backend.optimizer, state["optim"], options=StateDictOptions(strict=False))
     if load_old_actor:
         set_model_state_dict(backend.old_actor, state["old_actor"])
         backend._old_actor_loaded = True
@@ -186,15 +197,31 @@ def load_checkpoint(backend: "FSDPBackend", root: str, no_load_optim: bool = Fal
     return rollout_id
 
 
-def _has_optim(directory: str) -> bool:
-    return _has_key(directory, "optim")
-
-
-def _has_key(directory: str, prefix: str) -> bool:
+def _saved_keys(directory: str) -> set[str]:
+    """The flattened keys of the DCP checkpoint in ``directory`` (empty when it holds none)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(os.path.join(directory, "dcp")).read_metadata()
-    return any(key.startswith(prefix) for key in metadata.state_dict_metadata)
+    if not os.path.exists(os.path.join(directory, "dcp")):
+        return set()
+    return set(FileSystemReader(os.path.join(directory, "dcp")).read_metadata().state_dict_metadata)
+
+
+def _saved_optimizer_state(template: dict, saved: set[str]) -> dict:
+    """The load template's optimizer entries that the checkpoint holds.
+
+    Adam creates a parameter's state at the first step that gives it a gradient, so a parameter that
+    had none before the save (outside the loss's graph so far) is saved without state; the template
+    of a fresh optimizer has state for every parameter (DCP's initialising step), and asking for the
+    missing entries would fail the load. Such a parameter resumes stateless, as it was."""
+    state = {}
+    for fqn, entries in template["state"].items():
+        missing = [key for key in entries if f"optim.state.{fqn}.{key}" not in saved]
+        if not missing:
+            state[fqn] = entries
+        elif len(missing) < len(entries):
+            raise ValueError(f"the checkpoint's optimizer state of {fqn} lacks {missing}: it was not written by this "
+                             "optimizer; resume with --no-load-optim to start the optimizer afresh")
+    return {**template, "state": state}
 
 
 def full_state_dict(backend: "FSDPBackend") -> dict[str, torch.Tensor]:

@@ -111,8 +111,8 @@ class TrainBatch:
     def __getstate__(self) -> dict[str, Any]:
         """What a pickle holds: every column that is a list of 1-D CPU tensors of one dtype as ONE flat tensor
         and the lengths (:class:`_PackedColumn`). The rollout manager puts each shard in Ray's object store, and
-        torch pickles every tensor's storage on its own: 64 samples' 193 tensors took ~10-18 ms of each CPU
-        rollout step, one tensor a column well under 1 ms."""
+        torch pickles every tensor's storage on its own, so one tensor a column costs a fraction of a tensor a
+        sample (docs/loop.md, "Speed of the loop")."""
         state = dict(self.__dict__)
         for name, value in state.items():
             if _packable(value):

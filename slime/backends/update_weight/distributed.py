@@ -101,8 +101,8 @@ class DistributedWeightUpdater:
 
     def _flatten(self, bucket) -> torch.Tensor:
         """The bucket as one uint8 tensor in list order. On the CPU it is copied into one persistent
-        buffer: a fresh ``torch.cat`` page-faulted through the whole bucket every update (34 ms of a
-        ~100 ms update of the 20 MB tiny model). gloo's broadcast has sent the buffer when it returns,
+        buffer: a fresh ``torch.cat`` would page-fault through the whole bucket every update (a third of the
+        tiny model's update time). gloo's broadcast has sent the buffer when it returns,
         so the next bucket may overwrite it; NCCL's runs on its stream, so GPU buckets stay fresh tensors."""
         if self.device.type != "cpu":
             return flatten_tensors([(name, t.to(self.device)) for name, t in bucket])["flattened_tensor"]

@@ -1,8 +1,11 @@
 """Colocated transport: tensors handed to the engine by handle (``/update_weights_from_tensor``).
 
 On CPU the bucket is one flattened uint8 tensor in shared memory (``file_system`` sharing, so an
-unrelated engine process can map it); on GPU torch pickles CUDA-IPC handles. The buffer is kept
-alive until every engine has answered, since the engine copies from it while handling the request.
+unrelated engine process can map it); on GPU torch pickles CUDA-IPC handles. A CPU payload is pickled
+once per engine: each pickling takes a reference on the shared-memory file that the receiving engine
+gives back, so one pickle read by two engines gives back one too many and the file is unlinked before
+the next push. The buffer is kept alive until every engine has answered, since the engine copies from
+it while handling the request.
 For SGLang engines (``--rollout-backend sglang``) the payload is built from SGLang's own metadata class
 and serializer, the only ones its unpickler accepts (``wire_format``).
 """
@@ -65,9 +68,10 @@ class TensorWeightUpdater:
                 flat = flatten_tensors(bucket, self.for_sglang) if on_gpu else self._stage_on_cpu(bucket)
                 payload = serialize_for_engine(flat, self.for_sglang)
                 requests = [
-                    {"serialized_named_tensors": [payload] * max(count, 1), "load_format": "flattened_bucket",
-                     "flush_cache": False, "weight_version": weight_version}
-                    for count in self.engine_gpu_counts  # a CPU engine counts 0 GPUs: one entry, its one rank
+                    {"serialized_named_tensors": [payload if on_gpu or index == 0 else
+                                                  serialize_for_engine(flat, self.for_sglang)] * max(count, 1),
+                     "load_format": "flattened_bucket", "flush_cache": False, "weight_version": weight_version}
+                    for index, count in enumerate(self.engine_gpu_counts)  # a CPU engine counts 0 GPUs: one entry
                 ]
                 packed = time.perf_counter()
                 self.client.post_all("/update_weights_from_tensor", requests)  # engines have copied when they answer

@@ -8,6 +8,7 @@ Dispatch for one sample: ``sample.custom_rm_path`` → ``--custom-rm-path`` → 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 
 from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
@@ -22,6 +23,16 @@ from slime.utils.misc import load_function
 __all__ = ["async_rm", "batched_async_rm", "remote_rm", "RULE_RM_TYPES"]
 
 RULE_RM_TYPES = ("math", "dapo", "deepscaler", "f1", "gpqa", "ifbench", "reasoning_gym", "remote_rm", "random")
+
+
+async def call_reward_function(path: str, *call_args, **kwargs):
+    """Call the reward hook at ``path``: ``async def`` is awaited, a plain ``def`` runs in a worker thread
+    (so a slow one neither blocks the event loop nor escapes ``--reward-timeout``)."""
+    fn = load_function(path)
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return await fn(*call_args, **kwargs)
+    result = await asyncio.to_thread(fn, *call_args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
 
 
 def _rule_reward(rm_type: str, response: str, label, metadata: dict):
@@ -50,7 +61,7 @@ async def async_rm(args, sample, **kwargs):
     """Reward of one sample (custom RM if configured, else the rule RM named by its type)."""
     custom_rm_path = getattr(sample, "custom_rm_path", None) or getattr(args, "custom_rm_path", None)
     if custom_rm_path:
-        return await load_function(custom_rm_path)(args, sample, **kwargs)
+        return await call_reward_function(custom_rm_path, args, sample, **kwargs)
 
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
@@ -69,7 +80,7 @@ async def batched_async_rm(args, samples, **kwargs) -> list:
     """Rewards of a list of samples: one ``--custom-rm-path`` call with the list, else per-sample rule RMs."""
     custom_rm_path = getattr(args, "custom_rm_path", None)
     if custom_rm_path:
-        rewards = await load_function(custom_rm_path)(args, samples, **kwargs)
+        rewards = await call_reward_function(custom_rm_path, args, samples, **kwargs)
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             raise TypeError(
                 f"batched reward {custom_rm_path} must return a list of {len(samples)} rewards, got {rewards!r:.200}"

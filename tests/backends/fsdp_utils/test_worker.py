@@ -146,6 +146,50 @@ def test_save_load_resumes_bit_identical(tiny_model_dir, tmp_path, async_save):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+def _without_gradient(worker, name: str):
+    """Drop ``name``'s gradient before every optimizer step, as for a parameter the loss did not reach
+    (an expert no token was routed to): Adam creates no state for it."""
+    backend = worker.backend
+    param = dict(backend.model.named_parameters())[name]
+    step = backend.optimizer_step
+
+    def optimizer_step():
+        param.grad = None
+        return step()
+
+    backend.optimizer_step = optimizer_step
+    return param
+
+
+def test_resume_with_a_parameter_that_has_no_optimizer_state(tiny_model_dir, tmp_path):
+    """The checkpoint holds Adam state only for parameters that had a gradient; a fresh optimizer's
+    load template has it for all of them. The resume loads what was saved (before: DCP's "Missing key
+    in checkpoint state_dict: optim.state.<name>.step") and goes on exactly as the uninterrupted run."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    extra = ("--num-steps-per-rollout", "2", "--lr", "1e-3")
+    save_dir = str(tmp_path / "ckpt")
+    args = make_args(tiny_model_dir, *extra, "--save", save_dir, rbs=2)
+    data = rank_data(args, make_samples(4))
+    worker = new_worker(args)
+    param = _without_gradient(worker, name)
+    worker.train(0, data)
+    assert param not in worker.backend.optimizer.state and len(worker.backend.optimizer.state) > 1
+    worker.save(0)
+    expected = worker.train(1, copy.copy(data))
+    resumed = TrainWorker(make_args(tiny_model_dir, *extra, "--load", save_dir, rbs=2))
+    assert resumed.init() == 1
+    resumed_param = _without_gradient(resumed, name)
+    state = resumed.backend.optimizer.state
+    assert resumed_param not in state and len(state) == len(worker.backend.optimizer.state)
+    assert {float(s["step"]) for s in state.values()} == {2.0}
+    got = resumed.train(1, copy.copy(data))
+    for key, value in expected.items():
+        if not key.startswith("perf/"):
+            assert got[key] == value, key
+    for (key, a), (_, b) in zip(worker.backend.model.state_dict().items(), resumed.backend.model.state_dict().items()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), key
+
+
 def test_hf_export_reloads_with_same_logits(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -313,6 +357,25 @@ def test_gpu_save_load_resumes_with_fused_adamw(tiny_model_dir, tmp_path, async_
         assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-6), key
     for (name, a), (_, b) in zip(worker.backend.model.state_dict().items(), resumed.backend.model.state_dict().items()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_attention_gradients_reach_every_parameter(tiny_model_dir):
+    """The default GPU attention (varlen flash, or flash-attn) passes gradients to its inputs: every
+    trainable parameter, the q/k/v projections and norms included, gets one, pointing where SDPA's
+    (block-causal mask) points. A parameter without a gradient would get no Adam state."""
+    args = make_args(tiny_model_dir, *LOSS_FLAGS, rbs=4)
+    sdpa_args = make_args(tiny_model_dir, *LOSS_FLAGS, "--fsdp-attn-implementation", "sdpa", rbs=4)
+    data = rank_data(args, make_samples(8, seed=1))
+    worker = new_worker(args)
+    assert worker.backend.attn_implementation != "sdpa"
+    trainable = {name for name, p in worker.backend.model.named_parameters() if p.requires_grad}
+    _, grads = step_zero_gradients(worker, data)
+    _, sdpa_grads = step_zero_gradients(new_worker(sdpa_args), copy.copy(data))
+    assert set(grads) == set(sdpa_grads) == trainable, sorted(trainable - set(grads))
+    for name in grads:
+        cosine = torch.nn.functional.cosine_similarity(grads[name].flatten().float(), sdpa_grads[name].flatten().float(), dim=0)
+        assert cosine > 0.99, (name, float(cosine))
 
 
 @pytest.mark.gpu

@@ -30,8 +30,9 @@ def _hf_dir(path):
 
 
 def _args(tmp_path, *extra):
-    return parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--rollout-batch-size", "1",
-                       "--num-rollout", "1", "--debug-train-only", *extra])
+    # the Megatron backend's flags, parsed without Megatron-Core installed (--debug-rollout-only skips that check)
+    return parse_args(["--train-backend", "megatron", "--rollout-backend", "embedded", "--rollout-batch-size", "1",
+                       "--num-rollout", "1", "--debug-rollout-only", *extra])
 
 
 def test_latest_marker_round_trip(tmp_path):

@@ -313,3 +313,27 @@ def test_rollout_routing_replay_on_the_sigmoid_moe_families(arch, request, tmp_p
     assert result["old_pass_calls"] == 24 and result["train_calls"] == 12, result  # 3 MoE layers
     assert result["old_pass_actions"] == result["train_actions"] == ["RouterReplayAction.REPLAY_FORWARD"], result
     assert result["old_pass_matches"] and result["train_matches"] and result["train_own_choice_differs"] > 0, result
+
+
+def test_megatron_hooks_are_called_with_their_documented_arguments(tiny_model_dir, tmp_path):
+    """--custom-model-provider-path builds the trained and the reference model, --custom-megatron-init-path
+    runs once per rank at the end of initialisation, --custom-megatron-before-log-prob-hook-path before each
+    forward-only log-prob pass (store prefix "" for π_old, "ref_" for the reference) with the provider's model."""
+    import json
+
+    log = tmp_path / "hooks.jsonl"
+    result = _worker_pass(str(tiny_model_dir), tmp_path, 1, "--use-kl-loss", "--kl-loss-coef", "0.1", "--ref-load", str(tiny_model_dir),
+                          "--custom-model-provider-path", "megatron_hooks.provider",
+                          "--custom-megatron-init-path", "megatron_hooks.init",
+                          "--custom-megatron-before-log-prob-hook-path", "megatron_hooks.before_log_prob",
+                          env={"SLIME_TEST_HOOK_LOG": str(log)}, name="hooks")
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    hooks = [c["hook"] for c in calls]
+    # actor, then reference, each one pipeline stage holding the embedding and the head
+    assert [c for c in calls if c["hook"] == "provider"] == [{"rank": 0, "hook": "provider", "pre_process": True,
+                                                              "post_process": True}] * 2
+    assert hooks.count("init") == 1 and hooks.index("init") > max(i for i, h in enumerate(hooks) if h == "provider")
+    assert [c for c in calls if c["hook"] == "init"][0]["hf_checkpoint"] == str(tiny_model_dir)
+    passes = [(c["store_prefix"], c["provider_model"]) for c in calls if c["hook"] == "before_log_prob"]
+    assert ("", True) in passes and ("ref_", True) in passes
+    assert len(result["log_probs"]) == 8  # the run went on with the provider's model

@@ -8,7 +8,7 @@ them from the other two with ``-k "1gpu and not deepseek"`` / ``-k "2gpu and not
 prints one summary line per check at the end (also written to ``$OUT/megatron_gpu_summary.txt``):
 
   1. wheels: ``megatron-core==0.19.2`` only (it imports nothing else the machine lacks; triton
-     comes with the CUDA torch wheel): ``../shared/tools/device-wheels megatron-core==0.19.2``.
+     comes with the CUDA torch wheel; bench/GPU_RUNBOOK.md).
      No Ray, router or server packages for this file (test_megatron_loop_gpu.py needs them);
   2. each call (limit 600 s), with ``-k 1gpu`` or ``-k 2gpu``:
          export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -4,7 +4,7 @@ Marked ``gpu`` (skipped without CUDA or Megatron-Core). Runbook: see test_megatr
 test also needs Ray and the router on the machine (``ray==2.60.0 jsonschema referencing rpds-py
 jsonschema-specifications smg==1.13.0 setproctitle`` — smg imports setproctitle — and the server
 packages fastapi, uvicorn, starlette, pydantic, pydantic-core, annotated-types, typing-inspection).
-Ray's wheel is split over two calls (``../shared/tools/device-wheels``); the colocated test takes
+Ray's wheel is large (bench/GPU_RUNBOOK.md); the colocated test takes
 ~1.5 min once installed. Checks what a user looks at: ppo_kl is exactly 0 at every rollout's first optimizer step,
 the trainer's recomputed log-probs match the engine's at the first step, and the reward rises.
 """

@@ -17,7 +17,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import megatron_cpu  # noqa: E402
 
-BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
+# the Megatron backend's flags, parsed without Megatron-Core installed (--debug-rollout-only skips that check)
+BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "megatron", "--rollout-backend", "embedded",
+        "--debug-rollout-only"]
 MLA_MOE = ["--num-layers", "3", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
            "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--vocab-size", "256",
            "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",

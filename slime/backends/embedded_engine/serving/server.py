@@ -1,7 +1,7 @@
 """HTTP surface of the embedded engine: SGLang's native endpoints (docs/SGLANG_PROTOCOL.md §1–§6, §8).
 
 Status codes and body shapes follow SGLang: native errors ``400 {"error": {"message"}}``, request
-validation errors ``400 {"object": "error", ...}``, unknown sampling keys 500, control endpoints
+validation errors ``400 {"object": "error", ...}``, unknown sampling keys 400 (SGLang: 500), control endpoints
 ``{"success", "message"}``, ``/flush_cache`` plain text, memory endpoints JSON ``null``,
 ``/abort_request`` an empty 200. OpenAI routes live in :mod:`openai_api`.
 """
@@ -298,6 +298,11 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+RELEASE_WAIT_S = 60.0  # how long a release waits for the requests in flight (body "timeout" overrides)
+
+
+class _Busy(RuntimeError):
+    """The engine still has requests; a release retries until they finish or its wait runs out."""
 
 
 async def _memory_op(state: ServerState, body: dict, release: bool):
@@ -306,10 +311,20 @@ async def _memory_op(state: ServerState, body: dict, release: bool):
     unknown = [t for t in tags if t not in MEMORY_TAGS]
     if unknown:
         return JSONResponse({"error": {"message": f"tags: unknown memory tag(s) {unknown}; use {MEMORY_TAGS}"}}, 400)
+    wait = body.get("timeout", RELEASE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        return JSONResponse({"error": {"message": f"timeout must be a number of seconds >= 0, got {wait!r}"}}, 400)
 
     def apply():
-        if release and engine.scheduler.has_work():
-            raise RuntimeError("release_memory_occupation needs an idle server; abort requests and flush first")
+        if release and engine.scheduler.has_work():  # checked and released in one engine-thread call: no gap
+            info = engine.load_info()
+            if engine.paused:  # nothing finishes while paused
+                raise RuntimeError(f"release_memory_occupation: generation is paused with {info['num_running_reqs']} "
+                                   f"running and {info['num_waiting_reqs']} waiting request(s); abort them "
+                                   "(/abort_request with abort_all) or continue generation first")
+            raise _Busy(f"release_memory_occupation waited {wait:g} s for {info['num_running_reqs']} running and "
+                        f"{info['num_waiting_reqs']} waiting request(s) to finish; abort them first "
+                        "(/abort_request with abort_all) or send a longer timeout")
         for tag in tags:
             if not release and tag not in state.released_tags:
                 raise RuntimeError(f"tags: {tag!r} is not released, so it cannot be resumed")
@@ -323,11 +338,19 @@ async def _memory_op(state: ServerState, body: dict, release: bool):
         engine.paused = bool(state.released_tags & {"weights", "kv_cache"}) or engine.paused and release
         return None
 
-    try:
-        await asyncio.wrap_future(engine.call(apply))
-    except RuntimeError as exc:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
-    return JSONResponse(None)
+    # a release waits for what the engine is running (a health probe, a warm-up, the end of a rollout): it
+    # retries between engine steps until the scheduler is empty; a resume needs no idle engine
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            await asyncio.wrap_future(engine.call(apply))
+            return JSONResponse(None)
+        except _Busy as exc:
+            if time.monotonic() >= deadline:
+                return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+            await asyncio.sleep(0.01)
+        except RuntimeError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -40,6 +40,16 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 CHI2_P001 = 22.46  # the 0.001 critical value of chi-square with 6 degrees of freedom (7 buckets at most)
 
 
+def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, rows: int = 1024) -> torch.Tensor:
+    """``log_softmax(logits / T)`` in float64 at the drawn ids, a block of rows at a time: the whole
+    float64 log-softmax of 20k rows of a 152k vocabulary (22.6 GiB, twice over) would not fit an 80 GB card."""
+    out = []
+    for start in range(0, logits.shape[0], rows):
+        block = torch.log_softmax(logits[start:start + rows].double() / temperature, dim=-1)
+        out.append(block.gather(1, tokens[start:start + rows].view(-1, 1)).view(-1))
+    return torch.cat(out)
+
+
 def check_logprobs_and_distribution(device: str, rows: int, vocab: int):
     from slime.backends.embedded_engine.kernels import sampling_kernel
 
@@ -48,9 +58,7 @@ def check_logprobs_and_distribution(device: str, rows: int, vocab: int):
     for temperature in (1.0, 0.6):
         logits = peaked_logits(rows, vocab).to(device)
         tokens, logprobs = sampling_kernel.sample(logits, temperature, False, generator)
-        reference = torch.log_softmax(logits.double() / temperature, dim=-1)
-        torch.testing.assert_close(logprobs.double(), reference.gather(1, tokens.view(-1, 1)).view(-1),
-                                   atol=2e-5, rtol=0)
+        torch.testing.assert_close(logprobs.double(), reference_logprobs(logits, tokens, temperature), atol=2e-5, rtol=0)
         probs = torch.softmax(torch.tensor(PEAK_LOGITS, dtype=torch.float64) / temperature, dim=0).numpy()
         drawn = tokens.cpu().numpy()
         assert np.isin(drawn, ids).all()  # the rest of the vocabulary holds ~1e-12 of the mass

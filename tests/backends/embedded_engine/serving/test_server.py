@@ -236,6 +236,36 @@ def test_pause_continue_flush_and_memory(http):
     assert len(greedy(http, [5], 3)["output_ids"]) == 3
 
 
+def _in_flight(http, prompt, n):
+    """A greedy request of ``n`` tokens running on the engine (returned as its future) once this returns."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(greedy, http, prompt, n)
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 30
+    while http.get("/get_load").json()[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline and not future.done(), "the request never reached the engine"
+        time.sleep(0.005)
+    return future
+
+
+def test_release_waits_for_the_requests_in_flight(http):
+    """A release that arrives while the engine runs something (a health probe, a warm-up, a last request)
+    waits for it, then releases: the request completes in full and the release answers 200 (it used to
+    answer 400 "needs an idle server" at once, which killed a colocated run at its first offload)."""
+    future = _in_flight(http, [7, 8, 9], 400)
+    assert http.post("/release_memory_occupation", json={}).json() is None
+    assert future.done() and len(future.result()["output_ids"]) == 400
+    assert future.result()["meta_info"]["finish_reason"]["type"] == "length"
+    assert http.post("/resume_memory_occupation", json={}).json() is None
+    # a request that outlives the release's wait: refused with what is running and what to do
+    future = _in_flight(http, [7, 8, 9], 400)
+    response = http.post("/release_memory_occupation", json={"timeout": 0})
+    assert response.status_code == 400 and "1 running" in response.json()["error"]["message"]
+    assert len(future.result()["output_ids"]) == 400  # the refused release changed nothing
+    assert http.post("/release_memory_occupation", json={"timeout": "soon"}).status_code == 400
+    assert len(greedy(http, [5], 3)["output_ids"]) == 3
+
+
 def test_info_endpoints(http, server):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] and info["architectures"] == ["Qwen3ForCausalLM"]
@@ -258,7 +288,9 @@ def test_api_key_required(server):
 
 @pytest.mark.parametrize("body,status,field", [
     ("{not json", 400, "JSON"),
-    ({"input_ids": [1], "sampling_params": {"tempreature": 0.5}}, 500, "tempreature"),
+    ({"input_ids": [1], "sampling_params": {"tempreature": 0.5}}, 400, "did you mean 'temperature'"),
+    ({"input_ids": [1], "sampling_params": "greedy"}, 400, "sampling_params must be an object"),
+    ({"input_ids": [1], "sampling_params": [{"temperature": 0.5}]}, 400, "sampling_params must be an object"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temperature": -0.5}}, 400, "temperature"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "top_k"),
