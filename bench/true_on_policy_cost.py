@@ -65,7 +65,8 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab - 1, (args.prompt_len,), generator=generator).tolist() for _ in range(args.requests)]
+    prompts = [torch.randint(3, vocab - 1, (args.prompt_len,), generator=generator).tolist()
+               for _ in range(args.requests)]
     for name, measure in (("engine rollout", _engine_seconds), ("trainer pi_old + fwd/bwd", _trainer_seconds)):
         results = {}
         for invariant in (False, True):

@@ -201,7 +201,8 @@ def install(model: nn.Module) -> dict:
             counts["rmsnorm"] += 1
         if hasattr(module, "act_fn") and hasattr(module, "down_proj"):
             if getattr(getattr(module, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
-                raise ValueError(f"batch-invariant ops: activation {module.config.hidden_act!r} has no batch-invariant form")
+                raise ValueError(f"batch-invariant ops: activation {module.config.hidden_act!r} has no "
+                                 "batch-invariant form")
             module.act_fn = _SiLU()
             counts["silu"] += 1
     return counts

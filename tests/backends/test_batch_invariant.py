@@ -45,8 +45,8 @@ def test_attention_of_a_query_is_the_same_over_a_trainer_row_and_a_longer_cache(
     visible = torch.arange(109).view(1, -1) <= 6  # the decode step of position 6
     step = bi.attention(q[:, :, 6:7], cache_k, cache_v, visible[None, None], 32 ** -0.5)
     assert torch.equal(step[0, 0], rows[0, 6])
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                                 is_causal=True)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     assert torch.allclose(rows.transpose(1, 2), reference, atol=1e-5)
 
 
