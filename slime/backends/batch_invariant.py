@@ -9,8 +9,9 @@ the same bits for the same token. Measured on this project's CPU build (MKL/oneD
   others pick blockings by M) and with its position in the call. A GEMM of a *fixed* shape does not:
   :func:`linear` pads the rows to whole tiles of :data:`TILE_ROWS` and runs one batched GEMM over the
   tiles, each ``[TILE_ROWS, K] x [K, N]``; the same bits for 1 or 2 threads.
-* reductions (softmax sums, RMSNorm's mean, attention's dot products): :func:`tree_sum`, a halving
-  sum over a power-of-two length made only of element-wise adds. Zero padding at the end leaves it
+* reductions (softmax sums, RMSNorm's mean, attention's dot products; a GEMM's value for one row
+  and column also changes with the number of columns, for attention the key length): :func:`tree_sum`,
+  a halving sum over a power-of-two length made only of element-wise adds. Zero padding at the end leaves it
   unchanged (``x + 0 = x``), so a query attending to 40 keys sums the same way whether the keys sit
   in a 40-token trainer row or a 2048-token cache slot.
 * element-wise ops: ``exp``, ``log``, ``rsqrt``, ``sin``/``cos`` give the same bits at any position;
