@@ -83,7 +83,7 @@ def tiny_llama_dir(tiny_model_dir, tmp_path_factory):
     return str(out)
 
 
-def _generate(model_dir, prompts, lengths, perturb=None):
+def _generate(model_dir, prompts, lengths, perturb=None, order=None, seeded=True, runner=None):
     """Sample with the embedded engine on the batch-invariant ops: 3 requests, 3 more joining at later decode
     steps, rows leaving as their budgets end, prompts prefilled in chunks of 7 tokens. Returns each
     request's (tokens, log-probs) and the engine's runner."""
@@ -91,24 +91,28 @@ def _generate(model_dir, prompts, lengths, perturb=None):
     from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
     from slime.backends.embedded_engine.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir, device="cpu", num_slots=8, slot_capacity=128, true_on_policy=True)
+    if runner is None:  # a finished engine's runner serves the next one: every slot is free again
+        runner = ModelRunner(model_dir, device="cpu", num_slots=8, slot_capacity=128, true_on_policy=True)
     if perturb is not None:  # a weight update, as the trainer pushes one
         runner.load_named_tensors(perturb(runner.model).items())
     engine = Engine(runner, chunked_prefill_size=7, seed=0)
 
+    order = list(range(len(prompts))) if order is None else order
+
     def add(i):
-        params = SamplingParams(max_new_tokens=lengths[i], temperature=1.0, ignore_eos=True, sampling_seed=i)
+        params = SamplingParams(max_new_tokens=lengths[i], temperature=1.0, ignore_eos=True,
+                                sampling_seed=i if seeded else None)
         return engine.add_request(GenerateRequest(rid=str(i), input_ids=prompts[i], params=params), lambda s, f: None)
 
-    seqs = [add(i) for i in range(3)]
+    seqs = {i: add(i) for i in order[:3]}
     steps = 0
     while engine.scheduler.has_work() or len(seqs) < len(prompts):
         engine.step()
         steps += 1
         if steps in (2, 4, 5) and len(seqs) < len(prompts):
-            seqs.append(add(len(seqs)))
-    assert [len(s.output_ids) for s in seqs] == lengths
-    return [(list(s.output_ids), list(s.output_logprobs)) for s in seqs], runner
+            seqs[order[len(seqs)]] = add(order[len(seqs)])
+    assert [len(seqs[i].output_ids) for i in range(len(prompts))] == lengths
+    return [(list(seqs[i].output_ids), list(seqs[i].output_logprobs)) for i in range(len(prompts))], runner
 
 
 def _trainer(model_dir, state=None):
@@ -177,3 +181,17 @@ def test_the_default_gemm_on_the_engine_side_breaks_the_equality(tiny_model_dir,
     engine = torch.tensor([lp for out in outputs for lp in out[1]])
     gap = (trainer - engine).abs().max().item()
     assert 0 < gap < 1e-4, gap  # a rounding-level difference, but not zero
+
+
+def test_a_seeded_request_samples_the_same_whatever_batch_and_arrival_order(tiny_model_dir):
+    """``--deterministic-mode``'s engine half: per-request seeds on batch-invariant ops make each request's
+    tokens and log-probs independent of which requests it decoded with; without the seeds the engine's
+    one generator serves the rows in batch order and the draws follow the arrival order."""
+    prompts, lengths = _prompts(tiny_model_dir), [6, 3, 10, 4, 8, 5]
+    first, runner = _generate(tiny_model_dir, prompts, lengths)
+    shuffled, _ = _generate(tiny_model_dir, prompts, lengths, order=[4, 1, 5, 0, 3, 2], runner=runner)
+    assert shuffled == first
+    unseeded, _ = _generate(tiny_model_dir, prompts, lengths, seeded=False, runner=runner)
+    unseeded_shuffled, _ = _generate(tiny_model_dir, prompts, lengths, order=[4, 1, 5, 0, 3, 2], seeded=False,
+                                     runner=runner)
+    assert [out[0] for out in unseeded] != [out[0] for out in unseeded_shuffled]
