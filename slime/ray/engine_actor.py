@@ -26,6 +26,10 @@ def memory_saver_installed() -> bool:
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
     argv = ["--device", "cuda" if gpu else "cpu"]
+    if getattr(args, "true_on_policy", False) or getattr(args, "deterministic_mode", False):
+        # batch-invariant ops (slime/backends/batch_invariant.py): a sample's tokens and log-probs do not depend
+        # on the batch it decoded in (and are the trainer's with --true-on-policy)
+        argv.append("--enable-deterministic-inference")
     if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine returns its routed experts (SGLang's flag)
         argv.append("--enable-return-routed-experts")
     if gpu and args.colocate and args.offload_rollout and memory_saver_installed():

@@ -272,6 +272,13 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     return sample
 
 
+def sample_seed(args, sample: Sample) -> int:
+    """``--deterministic-mode``: the sampling seed of one sample, from ``--rollout-seed`` and the sample's
+    index (unique in a run and the same in every rerun), so its draws depend on nothing else: not the
+    batch it decodes in, not the order requests reach the engine."""
+    return (args.rollout_seed * 1_000_003 + (sample.index or 0)) & 0x7FFFFFFF
+
+
 def batchable_group(args, group: list, evaluation: bool = False) -> bool:
     """Whether the default generator may send a whole prompt group as ONE batched ``/generate``
     (docs/SGLANG_PROTOCOL.md §2.1: ``input_ids`` as a list of lists, one ``sampling_params`` for all).
@@ -284,7 +291,7 @@ def batchable_group(args, group: list, evaluation: bool = False) -> bool:
     if not 2 <= len(group) <= GenerateState(args).concurrency or getattr(args, "custom_generate_function_path", None):
         return False
     if getattr(args, "router_policy", None) == "consistent_hashing" or getattr(
-            args, "sglang_enable_deterministic_inference", False):
+            args, "sglang_enable_deterministic_inference", False) or getattr(args, "deterministic_mode", False):
         return False
     return all(isinstance(s, Sample) and s.status == Sample.Status.PENDING and not s.response_length
                and not s.generate_function_path and not s.multimodal_inputs for s in group)
@@ -544,6 +551,8 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
                 params = copy.deepcopy(sampling_params)
                 if getattr(args, "sglang_enable_deterministic_inference", False):
                     params["sampling_seed"] = args.rollout_seed + slot
+                elif getattr(args, "deterministic_mode", False):
+                    params["sampling_seed"] = sample_seed(args, sample)
                 name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
                 tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation),
                                                  name=name))
@@ -755,6 +764,8 @@ async def _eval_one_dataset(args, config) -> tuple[str, dict]:
             params = sampling_params
             if getattr(args, "sglang_enable_deterministic_inference", False):
                 params = {**sampling_params, "sampling_seed": args.rollout_seed + sample.index % n}
+            elif getattr(args, "deterministic_mode", False):
+                params = {**sampling_params, "sampling_seed": sample_seed(args, sample)}
             coro = generate_and_rm(args, sample, params, evaluation=True)
             tasks.append(asyncio.create_task(coro, name=f"eval[{config.name}][{sample.index}]"))
     results = sorted(_leaves(await _gather_tasks(tasks)), key=lambda s: (s.index is None, s.index))

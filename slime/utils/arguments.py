@@ -23,6 +23,7 @@ import sys
 
 from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add_training_arguments, mark_refused_flags
 from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY, refuse_other_backend_flags
+from slime.utils.exactness import validate_exactness
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
                                      rename_legacy_sglang_flags)
 
@@ -257,6 +258,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_health_check(args)
     _validate_observability(args)
     _validate_sglang_side(args)
+    validate_exactness(args)
     _validate_backends(args)
     _parse_json_flags(args)
     args.rank = 0

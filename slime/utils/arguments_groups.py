@@ -408,6 +408,10 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
     g.add_argument("--use-rollout-logprobs", action="store_true", default=False)
     g.add_argument("--use-tis", action="store_true", default=False)
+    g.add_argument("--true-on-policy", action="store_true", default=False,
+                   help="The engine's log-prob of every sampled token equals the trainer's pi_old bit for bit: both "
+                        "sides run the same batch-invariant ops (slime/backends/batch_invariant.py). Needs "
+                        "--train-backend fsdp and --rollout-backend embedded, fp32 on the CPU (docs/true_on_policy.md).")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0)
     g.add_argument("--custom-tis-function-path", type=str, default=None, help="Custom truncated-importance-sampling function (signature: docs/customization.md).")
@@ -791,7 +795,10 @@ def _add_megatron_misc_arguments(parser) -> None:
     g.add_argument("--fp8-recipe", type=str, default=None, help="FP8 scaling recipe (delayed, tensorwise, blockwise, mxfp8).")
     g.add_argument("--fp8-param-gather", action="store_true", default=False, help="Keep FP8 parameter copies.")
     g.add_argument("--deterministic-mode", action="store_true", default=False,
-                   help="Deterministic kernels (torch.use_deterministic_algorithms; Megatron's deterministic_mode).")
+                   help="Bitwise reproducible runs: deterministic kernels (torch.use_deterministic_algorithms; "
+                        "Megatron's deterministic_mode) and, with the embedded engine, a sampling seed per sample "
+                        "(--rollout-seed and the sample's index), so two runs with one --seed give the same metrics "
+                        "and checkpoints (docs/true_on_policy.md).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
                    default=True, help="Megatron: skip the NaN check of the reduced gradients.")
     # slime never enables these fusions (the local layer spec has no fused kernels, they need TE/Apex):

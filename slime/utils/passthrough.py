@@ -269,7 +269,8 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
                          "kv-cache-dtype", "enable-return-routed-experts", "enable-memory-saver", "enable-weights-cpu-backup",
                          "speculative-algorithm", "speculative-draft-model-path", "speculative-draft-model",
                          "speculative-num-steps", "speculative-num-draft-tokens", "speculative-eagle-topk",
-                         "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config"}
+                         "speculative-ngram-max-trie-depth", "speculative-adaptive", "speculative-adaptive-config",
+                         "enable-deterministic-inference"}
 # SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
 EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "cuda-graph-bs-decode": "cuda-graph-bs",
                      "fp8-gemm-runner-backend": "fp8-gemm-backend"}

@@ -46,7 +46,10 @@ def build_server(args: ServerArgs):
                          quantization=args.quantization,
                          fp8_gemm_backend=args.fp8_gemm_backend, kv_cache_dtype=args.kv_cache_dtype,
                          routed_experts=args.enable_return_routed_experts, memory_saver=args.enable_memory_saver,
-                         weights_cpu_backup=args.enable_weights_cpu_backup)
+                         weights_cpu_backup=args.enable_weights_cpu_backup, true_on_policy=args.enable_deterministic_inference)
+    if args.enable_deterministic_inference and args.speculative_algorithm:
+        raise SystemExit("--enable-deterministic-inference: speculative decoding verifies drafts in a multi-token pass that is not "
+                         "batch-invariant; drop --speculative-algorithm")
     prefill = args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
     engine = Engine(runner, chunked_prefill_size=prefill, weight_version=args.weight_version, seed=args.random_seed,
                     speculative=build_speculative(args, runner, prefill), num_threads=threads)

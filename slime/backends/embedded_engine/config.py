@@ -45,6 +45,7 @@ class ServerArgs:
     speculative_ngram_max_trie_depth: int = 18
     speculative_adaptive: bool = False
     speculative_adaptive_config: str | None = None
+    enable_deterministic_inference: bool = False
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--enable-deterministic-inference", action="store_true", default=False,
+                   help="batch-invariant forward and log-probs (slime/backends/batch_invariant.py; fp32 on the CPU): "
+                        "a request's results do not depend on the batch it runs in, and equal the FSDP trainer's "
+                        "under --true-on-policy bit for bit; refuses quantization and speculative decoding")
     p.add_argument("--health-check-timeout", type=float, default=20.0)
     p.add_argument("--log-level", default="warning")
     p.add_argument("--custom-pull-weights-pre-read-hook", default=None,

@@ -38,7 +38,7 @@ import torch
 from slime.backends.embedded_engine.io_struct import GenerateRequest
 from slime.backends.embedded_engine.model_runner import ForwardRow, ModelRunner
 from slime.backends.embedded_engine.profiler import EngineProfiler
-from slime.backends.embedded_engine.sampler import (GREEDY_EPS, RowSampling, kept_token_ids, on_fast_path, sample,
+from slime.backends.embedded_engine.sampler import (GREEDY_EPS, RowSampling, exact_log_probs, kept_token_ids, on_fast_path, sample,
                                                     sample_on_device)
 from slime.backends.embedded_engine.scheduler import Scheduler, Sequence, SlotMove
 from slime.backends.embedded_engine.speculative.decoder import SpeculativeDecoder
@@ -417,6 +417,8 @@ class Engine:
                            settings: list[RowSampling] | None = None) -> int:
         settings = settings or [self.row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
+        if self.runner.true_on_policy:  # the trainer's log-softmax, bit for bit
+            logprobs = exact_log_probs(logits, settings, tokens)
         replay = [i for i, seq in enumerate(seqs) if seq.request.return_top_p_token_ids]
         if replay:  # top-p replay: the kept set of each position (docs/SGLANG_PROTOCOL.md §2.4)
             kept = kept_token_ids(logits[replay], [settings[i] for i in replay])

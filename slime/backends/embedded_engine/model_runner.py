@@ -21,6 +21,7 @@ from typing import Iterable
 
 import torch
 
+from slime.backends import batch_invariant
 from slime.backends.embedded_engine.kernels import attention
 from slime.backends.embedded_engine.kernels import fused_projections
 from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
@@ -53,16 +54,25 @@ class ModelRunner:
                  cuda_graph_bs: list[int] | None = None,
                  attention_backend: str | None = None, mla_decode: str = "absorbed",
                  quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 routed_experts: bool = False, memory_saver: bool = False, weights_cpu_backup: bool = False):
+                 routed_experts: bool = False, memory_saver: bool = False, weights_cpu_backup: bool = False,
+                 true_on_policy: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
-                                                          attn_implementation=attention.register())
+        #: --true-on-policy: the trainer's batch-invariant ops (batch_invariant.py) instead of the fused ones,
+        #: so every sampled token's log-prob is the trainer's bit for bit
+        self.true_on_policy = true_on_policy
+        attn = batch_invariant.register() if true_on_policy else attention.register()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation=attn)
         self.model.to(self.device).eval()
+        if true_on_policy:
+            flag = "--enable-deterministic-inference (slime: --deterministic-mode / --true-on-policy)"
+            batch_invariant.check_supported(self.model, flag)
+            if quantization is not None:
+                raise ValueError(f"{flag}: quantized weights (--quantization {quantization}) are not batch-invariant")
         self.config = self.model.config
         _refuse_sliding_windows(self.model, model_path)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -72,11 +82,14 @@ class ModelRunner:
         self.attention_backend = self._resolve_attention_backend(attention_backend)
         # q/k/v and gate/up as one GEMM each (exact: the same dot products); under FP8 only where each part
         # is whole 128-row weight blocks (fp8.quantize_model then quantizes the fused weight)
-        self.fused_projections = fused_projections.install(self.model, row_multiple=128 if quantization == "fp8" else 1)
+        self.fused_projections = {} if true_on_policy else fused_projections.install(
+            self.model, row_multiple=128 if quantization == "fp8" else 1)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the separate weights the fused ones replaced: free for the KV budget
         self.fused_ops = {}
-        if self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
+        if true_on_policy:
+            self.fused_ops = batch_invariant.install(self.model)
+        elif self.attention_backend == "triton":  # the Triton path: fused norms, rotary and SiLU gate too
             from slime.backends.embedded_engine.kernels import fused_ops
 
             self.fused_ops = fused_ops.install(self.model)
@@ -87,7 +100,7 @@ class ModelRunner:
         if mla_decode not in ("absorbed", "expanded"):
             raise ValueError(f"--mla-decode {mla_decode!r}: choose absorbed or expanded")
         self.mla_layers = 0  # multi-latent attention layers decoding with absorbed weights
-        if mla_decode == "absorbed":
+        if mla_decode == "absorbed" and not true_on_policy:
             from slime.backends.embedded_engine.kernels import mla_decode as mla
 
             self.mla_layers = mla.install(self.model)

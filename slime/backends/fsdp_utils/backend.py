@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from slime.backends import batch_invariant
 from slime.backends.fsdp_utils import checkpoint as ckpt
 from slime.backends.fsdp_utils.model import (
     forward_log_probs,
@@ -49,7 +50,11 @@ class FSDPBackend(TrainBackend):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.layout = DataLayout(dp_rank=self.rank, dp_size=self.world_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.attn_implementation = resolve_attn_implementation(getattr(args, "fsdp_attn_implementation", "auto"), self.device.type)
+        #: --true-on-policy: the engine's batch-invariant ops (slime/backends/batch_invariant.py) on this side too
+        self.true_on_policy = getattr(args, "true_on_policy", False)
+        self.attn_implementation = (batch_invariant.register() if self.true_on_policy else
+                                    resolve_attn_implementation(getattr(args, "fsdp_attn_implementation", "auto"),
+                                                                self.device.type))
         precision = getattr(args, "fsdp_mixed_precision", "auto")
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
@@ -68,6 +73,9 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         model = load_model(path, self.role, self.attn_implementation, self.args.seed)
+        if self.true_on_policy:
+            batch_invariant.check_supported(model, "--true-on-policy (FSDP trainer)")
+            batch_invariant.install(model)
         if trainable:
             apply_freeze_lists(model, self.args)
         else:
@@ -154,7 +162,7 @@ class FSDPBackend(TrainBackend):
         and whenever full-position logits are asked for (a custom loss sees the packed sequence)."""
         tokens = [batch.tokens[i] for i in micro_batch]
         lengths = [int(batch.response_lengths[i]) for i in micro_batch]
-        if self.attn_implementation == "sdpa" and output.kind != "logits":
+        if self.attn_implementation in ("sdpa", batch_invariant.ATTENTION_NAME) and output.kind != "logits":
             return pad_samples(tokens, lengths, self.device)
         return pack_samples(tokens, lengths, self.device)
 
@@ -186,7 +194,7 @@ class FSDPBackend(TrainBackend):
                                                        "packed_seq_params": {"cu_seqlens": packed.cu_seqlens}})
         log_probs, entropy = forward_log_probs(model, packed, self.attn_implementation, self.args.rollout_temperature,
                                                self.chunk_rows, self._nucleus(batch, micro_batch),
-                                               entropy_grad=output.entropy_grad)
+                                               entropy_grad=output.entropy_grad, exact=self.true_on_policy)
         return ModelOutputs(log_probs=log_probs, entropy=entropy if output.entropy else None)
 
     @torch.no_grad()

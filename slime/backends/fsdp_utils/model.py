@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slime.backends import batch_invariant
 from slime.backends.training.logprob_head import chunked_log_probs_and_entropy
 
 __all__ = ["PackedBatch", "pack_samples", "pad_samples", "forward_log_probs", "forward_response_logits", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
@@ -152,7 +153,7 @@ def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.floa
         inputs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
                       max_length_q=longest, max_length_k=longest)
     elif packed.padded:
-        if attn_implementation != "sdpa":
+        if attn_implementation not in ("sdpa", batch_invariant.ATTENTION_NAME):
             raise ValueError(f"right-padded rows need attn_implementation 'sdpa' (causal, no mask), not {attn_implementation!r}")
     elif attn_implementation != "flash_attention_2":
         inputs["attention_mask"] = block_causal_mask(packed.lengths, packed.input_ids.device, attn_implementation, dtype)
@@ -179,7 +180,8 @@ def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implemen
 
 
 def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation: str, temperature: float,
-                      chunk_rows: int, nucleus=None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_rows: int, nucleus=None, entropy_grad: bool = False,
+                      exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log π(target), entropy) ``[K]`` float32 of a packed micro-batch, computed by
     :func:`~slime.backends.training.logprob_head.chunked_log_probs_and_entropy` from the final
     hidden states and the LM-head weight without materialising the ``[K, V]`` logits.
@@ -188,6 +190,7 @@ def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation
     this call), so under FSDP2 it sees the unsharded weight of the root group exactly as
     ``lm_head`` would (tied embeddings included) and its weight gradient reaches FSDP's
     reduce-scatter. A dummy micro-batch computes one row so its zero loss reaches every parameter.
+    ``exact`` (``--true-on-policy``): the head of :mod:`slime.backends.batch_invariant`, the engine's.
     """
     head = model.get_output_embeddings()
     if head is None or not isinstance(head, nn.Linear):
@@ -202,6 +205,10 @@ def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation
 
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])[packed.predict_positions] if packed.padded else hidden[0]
+        if exact:
+            log_probs, entropy = batch_invariant.log_probs_and_entropy(rows, head.weight, head.bias, targets,
+                                                                       temperature, entropy_grad)
+            return torch.stack([log_probs[None], entropy[None]], dim=-1)
         log_probs, entropy = chunked_log_probs_and_entropy(
             rows, head.weight, targets, temperature, chunk_rows, bias=head.bias,
             nucleus=None if dummy else nucleus, entropy_grad=entropy_grad,

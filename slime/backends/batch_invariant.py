@@ -1,0 +1,209 @@
+"""Batch-invariant ops shared by the embedded engine and the FSDP trainer (``--true-on-policy``).
+
+A row's result must not depend on which other rows share its call, how many there are, or where the
+row sits: then the engine (requests joining and leaving each decode step, chunked prefill, a KV cache
+of any length) and the trainer (packed micro-batches of any split, with or without autograd) compute
+the same bits for the same token. Measured on this project's CPU build (MKL/oneDNN, AVX-512, fp32):
+
+* ``torch.mm`` / ``F.linear``: a row's result changes with the number of rows (a 1-row call is a GEMV,
+  others pick blockings by M) and with its position in the call. A GEMM of a *fixed* shape does not:
+  :func:`linear` pads the rows to whole tiles of :data:`TILE_ROWS` and runs one batched GEMM over the
+  tiles, each ``[TILE_ROWS, K] x [K, N]``; the same bits for 1 or 2 threads.
+* reductions (softmax sums, RMSNorm's mean, attention's dot products; a GEMM's value for one row
+  and column also changes with the number of columns, for attention the key length): :func:`tree_sum`,
+  a halving sum over a power-of-two length made only of element-wise adds. Zero padding at the end leaves it
+  unchanged (``x + 0 = x``), so a query attending to 40 keys sums the same way whether the keys sit
+  in a 40-token trainer row or a 2048-token cache slot.
+* element-wise ops: ``exp``, ``log``, ``rsqrt``, ``sin``/``cos`` give the same bits at any position;
+  ``F.silu`` and ``sigmoid`` do not (their vector tails differ), so :func:`silu` is ``x / (1 + exp(-x))``.
+
+The GPU version keeps this structure with Triton kernels of fixed tiles (not written yet: the flag is
+refused off the CPU and outside fp32, see :func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_NAME = "slime_invariant"
+#: rows of every GEMM call: one shape, so one kernel and one reduction order. None falls back to
+#: ``F.linear`` (the tests' demonstration that exactness rests on the tiles: a 1-row decode step is a GEMV)
+TILE_ROWS: int | None = 32
+SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+_registered = False
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` as a halving tree (zero-padded to a power of two): the same bits for any
+    amount of trailing zero padding and any batch around it."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad = [0, 0] * (x.dim() - dim - 1) + [0, width - n]
+        x = F.pad(x, pad)
+    while width > 1:
+        width //= 2
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x.squeeze(dim)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with every row computed in a ``[TILE_ROWS, K]`` tile of one batched GEMM."""
+    if TILE_ROWS is None:
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    count = rows.shape[0]
+    tiles = -(-max(count, 1) // TILE_ROWS)
+    padded = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - count)).view(tiles, TILE_ROWS, shape[-1])
+    out = torch.bmm(padded, weight.t().unsqueeze(0).expand(tiles, -1, -1)).reshape(tiles * TILE_ROWS, -1)[:count]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x²) + eps) * weight`` over the last dimension, the mean as a :func:`tree_sum`."""
+    variance = tree_sum(x * x) / x.shape[-1]
+    out = x * torch.rsqrt(variance + eps).unsqueeze(-1)
+    return out if weight is None else out * weight
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax over the last dimension: ``x - (max + log Σ exp(x - max))``."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x - (top + torch.log(tree_sum(torch.exp(x - top))).unsqueeze(-1))
+
+
+def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          targets: torch.Tensor, temperature: float, entropy_grad: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's LM head: ``(log π(target), entropy)`` ``[K]`` of ``log_softmax(linear(hidden) / T)``,
+    the engine's sampler's log-prob (``sampler.exact_log_probs``) bit for bit."""
+    logprobs = log_softmax(linear(hidden, weight, bias) / temperature)
+    chosen = logprobs.gather(1, targets.long().unsqueeze(1)).squeeze(1)
+    source = logprobs if entropy_grad else logprobs.detach()
+    entropy = -(torch.exp(source) * source).sum(dim=-1)
+    return chosen, entropy
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
+    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]``. Dot products, the softmax sum and the weighted sum
+    of values are :func:`tree_sum`s; hidden keys weigh exactly 0 (whatever a cache slot holds there)."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, length, value_dim = key.shape[1], key.shape[2], value.shape[-1]
+    groups = heads // kv_heads
+    q = query.reshape(batch, kv_heads, groups, queries, 1, dim)
+    k = key.reshape(batch, kv_heads, 1, 1, length, dim)
+    show = visible.reshape(visible.shape[0], 1, 1, queries, length)
+    scores = (tree_sum(q * k) * scale).masked_fill(~show, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a query that sees nothing: output 0
+    weights = torch.exp(scores - top)
+    probs = weights / tree_sum(weights).unsqueeze(-1)
+    v = value.reshape(batch, kv_heads, 1, 1, length, value_dim)
+    mixed = (probs.unsqueeze(-1) * v).masked_fill(~show.unsqueeze(-1), 0.0)
+    out = tree_sum(mixed, dim=-2)  # [B, Hkv, G, Q, Dv]
+    return out.reshape(batch, heads, queries, value_dim).transpose(1, 2)
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface (``attn_implementation="slime_invariant"``): the
+    engine passes an additive mask over its cache (0 = visible), the trainer's padded rows none (causal)."""
+    queries, length = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        visible = (torch.arange(length, device=query.device).view(1, -1)
+                   <= torch.arange(queries, device=query.device).view(-1, 1) + (length - queries))[None, None]
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask[..., :length]
+    else:
+        visible = attention_mask[..., :length] == 0
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return attention(query, key, value, visible, scale), None
+
+
+def register() -> str:
+    """Make ``attn_implementation="slime_invariant"`` known to transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTENTION_NAME, attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _registered = True
+    return ATTENTION_NAME
+
+
+class _SiLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+@functools.lru_cache(maxsize=None)
+def _invariant_class(cls: type, forward) -> type:
+    """``cls`` with ``forward`` swapped in, under the same name (checks by class name still match). A class,
+    not an instance attribute: transformers' ``train()`` resets instance ``forward``s of hub-kernel layers."""
+    return type(cls.__name__, (cls,), {"forward": forward, "_slime_batch_invariant": True})
+
+
+def _swap(module: nn.Module, forward) -> None:
+    if not getattr(module, "_slime_batch_invariant", False):
+        module.__class__ = _invariant_class(type(module), forward)
+
+
+def check_supported(model: nn.Module, flag: str) -> None:
+    """Refuse what the ops cannot make exact yet: other architectures, other dtypes, other devices.
+    ``flag``: what asked for them, for the message."""
+    name = type(model).__name__
+    if name not in SUPPORTED_MODELS:
+        raise ValueError(f"{flag}: {name} is not supported (batch-invariant forwards exist for "
+                         f"{', '.join(SUPPORTED_MODELS)}); drop the flag and correct the mismatch with TIS/MIS")
+    first = next(model.parameters())
+    if first.dtype != torch.float32 or first.device.type != "cpu":
+        raise ValueError(f"{flag}: exact only in fp32 on the CPU today (got {first.dtype} on "
+                         f"{first.device.type}); the GPU bf16 path needs the same ops as fixed-tile Triton kernels, "
+                         "which are not written yet: on a GPU use TIS/MIS (--use-tis) instead")
+
+
+def install(model: nn.Module) -> dict:
+    """Swap the batch-invariant ops into ``model`` (every ``nn.Linear`` including the LM head, RMSNorm,
+    the SiLU gate); the attention comes from loading with ``attn_implementation=register()``.
+    Returns how many modules of each kind were swapped."""
+    counts = {"linear": 0, "rmsnorm": 0, "silu": 0}
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear):
+            _swap(module, _linear_forward)
+            counts["linear"] += 1
+        elif type(module).__name__ in RMSNORM_CLASSES:
+            _swap(module, _rms_norm_forward)
+            counts["rmsnorm"] += 1
+        if hasattr(module, "act_fn") and hasattr(module, "down_proj"):
+            if getattr(getattr(module, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
+                raise ValueError(f"batch-invariant ops: activation {module.config.hidden_act!r} has no "
+                                 "batch-invariant form")
+            module.act_fn = _SiLU()
+            counts["silu"] += 1
+    return counts

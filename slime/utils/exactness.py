@@ -1,0 +1,73 @@
+"""Start-up checks of ``--true-on-policy`` and ``--deterministic-mode``: refuse every combination whose
+results cannot be exact.
+
+``--true-on-policy`` makes the engine's log-prob of each sampled token equal the trainer's π_old bit for
+bit by running one set of batch-invariant ops on both sides (``slime/backends/batch_invariant.py``);
+``--deterministic-mode`` with the embedded engine runs the engine on the same ops (a sample's tokens must
+not depend on the batch it decoded in) with a sampling seed per sample. Both hold only where slime owns
+the kernels, and only in fp32 on the CPU today.
+"""
+
+from __future__ import annotations
+
+INSTEAD = "drop --true-on-policy and correct the train/rollout mismatch with --use-tis (TIS/MIS)"
+
+
+def validate_exactness(args) -> None:
+    """Raise naming the flag that cannot be exact and what to use instead (nothing without the flags)."""
+    true_on_policy = getattr(args, "true_on_policy", False)
+    if true_on_policy:
+        reason = _trainer_refusal(args)
+        if reason is not None:
+            raise ValueError(f"--true-on-policy: {reason}")
+    embedded = args.rollout_backend == "embedded" and not getattr(args, "rollout_external", False)
+    if true_on_policy or (getattr(args, "deterministic_mode", False) and embedded and not args.debug_train_only):
+        flag = "--true-on-policy" if true_on_policy else "--deterministic-mode (with the embedded engine)"
+        reason = _engine_refusal(args, "drop --true-on-policy and correct the mismatch with --use-tis (TIS/MIS)"
+                                 if true_on_policy else "drop --deterministic-mode")
+        if reason is not None:
+            raise ValueError(f"{flag}: {reason}")
+
+
+def _trainer_refusal(args) -> str | None:
+    if args.train_backend != "fsdp":
+        return (f"--train-backend {args.train_backend} runs Megatron's kernels, which are not the engine's; "
+                "use --train-backend fsdp, or " + INSTEAD)
+    if getattr(args, "rollout_external", False):
+        return "external engines (--rollout-external-engine-addrs) are not slime's embedded engine; " + INSTEAD
+    if args.rollout_backend != "embedded":
+        return ("--rollout-backend sglang samples with SGLang's kernels; even its deterministic build "
+                "(--sglang-enable-deterministic-inference) reproduces itself, not the trainer's log-probs. Use "
+                "--rollout-backend embedded, or " + INSTEAD)
+    if getattr(args, "fsdp_mixed_precision", "auto") == "bf16":
+        return ("--fsdp-mixed-precision bf16: exact only in fp32 on the CPU today (the GPU bf16 path needs the "
+                "ops as fixed-tile Triton kernels, not written yet); drop it, or " + INSTEAD)
+    if getattr(args, "fsdp_compile", False):
+        return "--fsdp-compile lets the compiler choose the trainer's kernels; drop --fsdp-compile"
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        return ("--rollout-top-p < 1 renormalises the trainer's log-probs over the nucleus while the engine "
+                "returns full-vocabulary ones; use --rollout-top-p 1")
+    return None
+
+
+def _engine_refusal(args, instead: str) -> str | None:
+    forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
+    quantization = forwarded.get("quantization") or getattr(args, "sglang_quantization", None)
+    if quantization:
+        return f"FP8 rollout (--sglang-quantization {quantization}) samples from rounded weights; {instead}"
+    kv_dtype = forwarded.get("kv-cache-dtype")
+    if kv_dtype not in (None, "auto"):
+        return f"--sglang-kv-cache-dtype {kv_dtype} rounds the cached keys and values; {instead}"
+    if forwarded.get("speculative-algorithm"):
+        return (f"speculative decoding (--sglang-speculative-algorithm {forwarded['speculative-algorithm']}) "
+                f"verifies drafts in a multi-token pass that is not batch-invariant; drop the speculative flags")
+    dtype = getattr(args, "embedded_engine_dtype", None) or forwarded.get("dtype")
+    if dtype not in (None, "auto", "float32", "fp32"):
+        return (f"engine dtype {dtype}: exact only in fp32 on the CPU today (the GPU bf16 path needs the ops as "
+                f"fixed-tile Triton kernels, not written yet); {instead}")
+    import torch
+
+    if torch.cuda.is_available():
+        return ("exact only in fp32 on the CPU today: on a GPU the engine runs bf16 kernels that are not "
+                f"batch-invariant yet (the fixed-tile Triton versions are not written); {instead}")
+    return None
