@@ -19,6 +19,7 @@ first. What is redirected (test scaffolding only; nothing in ``slime/`` relies o
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -33,14 +34,16 @@ def pythonpath() -> str | None:
     if not (MEGATRON_DIR / "megatron" / "core").is_dir() or not TRITON_DIR.is_dir():
         return None
     # only triton from sglang-args: the rest of it (SGLang itself) must stay invisible
-    link_dir = Path(tempfile.gettempdir()) / f"slime-megatron-triton-{os.getuid()}"
+    # one folder per checkout: a link left by another checkout (or a deleted one) must not be reused
+    checkout = hashlib.sha1(str(TRITON_DIR).encode()).hexdigest()[:12]
+    link_dir = Path(tempfile.gettempdir()) / f"slime-megatron-triton-{os.getuid()}-{checkout}"
     link_dir.mkdir(exist_ok=True)
     link = link_dir / "triton"
-    if not link.exists():
-        try:
-            link.symlink_to(TRITON_DIR)
-        except FileExistsError:
-            pass
+    if not (link.is_symlink() and os.readlink(link) == str(TRITON_DIR)):
+        staged = link_dir / f"triton.{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(TRITON_DIR)
+        os.replace(staged, link)  # atomic, so parallel tests never see a missing link
     return os.pathsep.join([str(MEGATRON_DIR), str(link_dir), str(ROOT)])
 
 
