@@ -62,10 +62,10 @@ def test_command_line_reads_a_gzip_trace(tmp_path):
     path = tmp_path / "ngram-TP-0.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": two_steps()}, f)
-    done = subprocess.run([sys.executable, str(TOOL), str(path), "--match", "speculative.py"],
+    done = subprocess.run([sys.executable, str(TOOL), str(path), "--match", "decoder.py"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
-    assert [name for name, _, _ in summary["python_inclusive_ms"]] == ["speculative.py(475): _verify",
-                                                                      "speculative.py(192): ngram_propose"]
+    assert [name for name, _, _ in summary["python_inclusive_ms"]] == ["decoder.py(475): _verify",
+                                                                      "decoder.py(192): ngram_propose"]
     assert summary["gpu_busy_fraction"] == pytest.approx(0.3)
