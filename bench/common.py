@@ -8,9 +8,10 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
+
+from slime.utils.run_info import git_commit, machine_name  # noqa: F401  (the benches import both from here)
 
 
 # The vendors' HBM bandwidth by GPU name, the roofline's denominator (the first entry whose key the name
@@ -37,29 +38,6 @@ def hbm_peak_config() -> dict:
     """The config fields that say which roofline a result divides by (:func:`hbm_peak`)."""
     peak, of = hbm_peak()
     return {"hbm_peak_bytes_per_s": peak, "hbm_peak_of": of}
-
-
-def machine_name() -> str:
-    """``nvidia-h200``, ``nvidia-h100`` (``-xN`` with N GPUs), another GPU's own name, or ``cpu-Ncore``."""
-    import torch
-
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        name = torch.cuda.get_device_name(0)
-        kind = next((kind for kind in ("H200", "H100") if kind in name and "GH200" not in name), None)
-        return f"nvidia-{kind.lower()}" + (f"-x{count}" if count > 1 else "") if kind else name
-    return f"cpu-{os.cpu_count()}core"
-
-
-def git_commit() -> str:
-    """HEAD, or ``SLIME_GIT_COMMIT`` when set: the GPU machine's copy of the repository can carry a
-    stale ``.git``, so runs there pass the commit they were sent from."""
-    if os.environ.get("SLIME_GIT_COMMIT"):
-        return os.environ["SLIME_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def _model_name(model) -> str:

@@ -16,9 +16,9 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 from statistics import mean
 
+from slime.utils.run_info import git_commit, machine_name
 from slime.utils.run_summary import read_metrics
 
 
@@ -35,24 +35,6 @@ def hardware_name() -> str:
     except (OSError, StopIteration):
         pass
     return f"{model}, {os.cpu_count()} cores"
-
-
-def machine_name() -> str:
-    """The results files' machine name: ``nvidia-h100`` / ``nvidia-h200`` on a GPU, ``cpu-<N>core`` without."""
-    import torch
-
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower()
-        return next((f"nvidia-{card}" for card in ("h100", "h200", "a100") if card in name), "nvidia-gpu")
-    return f"cpu-{os.cpu_count()}core"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SLIME_GIT_COMMIT", "unknown")
 
 
 def learning_curve(records: list[dict], eval_name: str) -> dict:
@@ -125,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     curve = learning_curve(read_metrics(args.run), args.eval_name)
     summary = {"benchmark": "run_real", "date": datetime.date.today().isoformat(), "machine": machine_name(),
-               "git_commit": _git_commit(), "model": args.model, "task": args.task, "hardware": hardware_name(),
+               "git_commit": git_commit(), "model": args.model, "task": args.task, "hardware": hardware_name(),
                **json.loads(args.extra), **curve,
                "metrics": {key: curve[key] for key in ("before", "after", "gain", "best", "steps", "seconds")}}
     summary["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -165,7 +165,8 @@ START_UP_CHECKS = frozenset({"slime/utils/preflight.py", "slime/utils/exactness.
 def test_a_flag_one_backend_reads_is_silent_on_the_other():
     """The scan is per backend: FSDP's reads do not count for Megatron and the other way round."""
     fsdp, megatron = silent_flags("fsdp", skip=START_UP_CHECKS), silent_flags("megatron", skip=START_UP_CHECKS)
-    for dest in ("tensor_model_parallel_size", "sequence_parallel", "recompute_granularity", "optimizer_cpu_offload"):
+    for dest in ("tensor_model_parallel_size", "sequence_parallel", "recompute_granularity", "optimizer_cpu_offload",
+                 "custom_megatron_init_path"):
         assert dest in fsdp and dest not in megatron, dest
     for dest in ("fsdp_compile", "gradient_checkpointing", "fsdp_mixed_precision"):
         assert dest in megatron and dest not in fsdp, dest
