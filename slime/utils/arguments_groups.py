@@ -10,6 +10,15 @@ from __future__ import annotations
 import argparse
 
 
+# Qwen3.5 / Qwen3-Next (gated attention beside gated-DeltaNet linear attention): no Megatron weight mapping
+_HYBRID = ("Qwen3.5 / Qwen3-Next layers (gated attention, gated-DeltaNet linear attention, zero-centred norms) are not "
+           "built by the Megatron backend; train them with --train-backend fsdp, which builds the model from "
+           "--hf-checkpoint's config.json (drop MODEL_ARGS)")
+# GLM-4 dense (glm4): norms on the attention and MLP outputs, which Megatron-Core's TransformerLayer lacks
+_SANDWICH_NORMS = ("GLM-4's norms after the attention and MLP outputs are not in Megatron-Core's TransformerLayer "
+                   "(it has the input and pre-MLP norms only); train GLM-4 (glm4) with --train-backend fsdp, which "
+                   "builds the model from --hf-checkpoint's config.json (drop MODEL_ARGS)")
+
 # Flags upstream slime's scripts pass that slime does not implement. They parse, so a script passing
 # the default still runs; a non-default value is refused at start-up (validate_args) with this hint.
 REFUSED_FLAGS: dict[str, str] = {
@@ -30,7 +39,8 @@ REFUSED_FLAGS: dict[str, str] = {
     "--ckpt-format": "checkpoints use one format per backend (Megatron: torch_dist, FSDP: DCP); drop the flag",
     "--freeze-indexer": "there is no sparse-attention indexer; use --freeze-params-name-list",
     "--allgather-cp": "context parallelism splits sequences one way; drop the flag",
-    "--qwen-gdn-backend": "gated-delta-net (Qwen3-Next) layers are not implemented",
+    "--qwen-gdn-backend": "--train-backend fsdp runs transformers' gated-DeltaNet kernels (flash-linear-attention's "
+                          "when installed, else torch's); drop the flag",
     "--megatron-deepgemm-forward-layers": "DeepGEMM kernels are not used; drop the flag",
     "--megatron-deepgemm-forward-modules": "DeepGEMM kernels are not used; drop the flag",
     "--megatron-deepgemm-moe-forward-layers": "DeepGEMM kernels are not used; drop the flag",
@@ -58,6 +68,10 @@ REFUSED_FLAGS: dict[str, str] = {
     "--fp8-recipe": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
     "--fp8-param-gather": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16",
     "--recompute-modules": "use --recompute-granularity/--recompute-method/--recompute-num-layers",
+    "--use-gated-attention": _HYBRID,
+    "--linear-attention-freq": _HYBRID,
+    "--post-self-attn-layernorm": _SANDWICH_NORMS,
+    "--post-mlp-layernorm": _SANDWICH_NORMS,
 }
 
 
@@ -69,8 +83,9 @@ def _megatron_lm_refusal(dest: str, group: str) -> str | None:
         (("fp8_", "fp4", "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
           "reuse_grad_buf_for_mxfp8"), fp8),
         (("mtp_",), "multi-token-prediction layers are not built; drop the flag"),
-        (("experimental_attention_variant", "dsa_", "linear_"), "gated-delta-net and DSA attention layers are not "
-                                                               "built (no HF mapping); use a softmax-attention model"),
+        (("experimental_attention_variant", "linear_", "attention_output_gate"), _HYBRID),
+        (("dsa_",), "DSA sparse-attention layers (GLM-5, DeepSeek-V3.2) are not built (no HF mapping); use a "
+                    "softmax-attention model"),
         (("mamba_", "is_hybrid_model", "use_mamba_mem_eff_path"), "Mamba hybrid layers are not built"),
         (("inference_", "flash_decode", "nccl_all_reduce_for_prefill", "symmetric_ar_type", "mlp_chunks_for_prefill",
           "moe_pad_experts_for_cuda_graph_inference", "cache_mla_latents"),
@@ -97,7 +112,7 @@ def _megatron_lm_refusal(dest: str, group: str) -> str | None:
          "not wired in"),
         (("qk_clip",), "QK-clip is applied by Megatron-LM's own training loop, not by Megatron-Core's layers"),
         (("softmax_type", "apply_residual_connection_post_layernorm", "glu_linear_offset", "activation_func_clamp_value",
-          "qk_l2_norm", "attention_output_gate", "moe_latent_size", "use_mup", "mup_", "moe_apply_probs_on_input",
+          "qk_l2_norm", "moe_latent_size", "use_mup", "mup_", "moe_apply_probs_on_input",
           "moe_shared_expert_glu_interleave_size", "moe_mlp_glu_interleave_size", "moe_single_grouped_",
           "use_grouped_gemm_for_", "moe_router_force_"),
          "changes the network (or its weight layout) away from the HF architecture that the weight mapping and the "
@@ -612,18 +627,22 @@ def _add_embedded_engine_args(parser) -> None:
                    help="Engine dtype (default: float32 on CPU, bfloat16 on CUDA).")
 
 
-def _moe_layer_freq(text: str):
+def _moe_layer_freq(text: str, flag: str = "--moe-layer-freq"):
     """Megatron's --moe-layer-freq: an int, or a list expression of 0/1 such as ``([0]*1+[1]*47)``."""
     import re
 
     if re.fullmatch(r"\d+", text.strip()):
         return int(text)
     if not re.fullmatch(r"[\s\d\[\]\(\)\*\+,]+", text):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: expected an int or a 0/1 list like '([0]*1+[1]*47)'")
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an int or a 0/1 list like '([0]*1+[1]*47)'")
     value = eval(text, {"__builtins__": {}})  # digits, brackets, * and + only (checked above)
     if not isinstance(value, list) or any(v not in (0, 1) for v in value):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} must give a list of 0/1")
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} must give a list of 0/1")
     return value
+
+
+def _linear_attention_freq(text: str):
+    return _moe_layer_freq(text, "--linear-attention-freq")
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -791,6 +810,18 @@ def _add_megatron_misc_arguments(parser) -> None:
                         "FUNCTION(args, config, vp_stage) returning a ModuleSpec, or a ModuleSpec object.")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
                    help="Zero-centred norm weights (weight + 1).")
+    g.add_argument("--enable-experimental", action="store_true", default=False,
+                   help="Megatron-Core's experimental features (megatron.core.config.set_experimental_flag), e.g. "
+                        "the fused token permutation of its MoE dispatchers under --moe-permute-fusion.")
+    g.add_argument("--use-gated-attention", action="store_true", default=False,
+                   help="Sigmoid gate on the attention output, from a second half of q_proj (Qwen3.5, Qwen3-Next).")
+    g.add_argument("--linear-attention-freq", type=_linear_attention_freq, default=None,
+                   help="Every N-th layer is softmax attention, the rest gated-DeltaNet linear attention (Qwen3.5, "
+                        "Qwen3-Next: 4), or a 0/1 list per layer (1: linear attention).")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
+                   help="A norm on the attention output before the residual add (GLM-4).")
+    g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
+                   help="A norm on the MLP output before the residual add (GLM-4).")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="FP8 training format.")
     g.add_argument("--fp8-recipe", type=str, default=None, help="FP8 scaling recipe (delayed, tensorwise, blockwise, mxfp8).")
     g.add_argument("--fp8-param-gather", action="store_true", default=False, help="Keep FP8 parameter copies.")

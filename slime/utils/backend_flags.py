@@ -19,7 +19,8 @@ _ARCHITECTURE = ("--train-backend fsdp builds the model from --hf-checkpoint's c
                  "model flags (or use --train-backend megatron)")
 _CHECKPOINT = ("--train-backend fsdp resumes from the latest checkpoint under --load; use --no-load-optim "
                "--no-load-rng to start the optimizer afresh")
-_MEGATRON_HOOK = "a Megatron-Core hook; --train-backend fsdp trains the Hugging Face model at --hf-checkpoint"
+_MEGATRON_HOOK = ("a Megatron-Core hook or switch; --train-backend fsdp trains the Hugging Face model at "
+                  "--hf-checkpoint")
 
 _MEGATRON_ONLY_GROUPS: dict[str, tuple[str, ...]] = {
     _PARALLEL: ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -47,7 +48,7 @@ _MEGATRON_ONLY_GROUPS: dict[str, tuple[str, ...]] = {
         "bias_dropout_fusion", "bias_gelu_fusion", "check_for_nan_in_loss_and_grad"),
     _CHECKPOINT: ("ckpt_step", "ref_ckpt_step", "finetune", "megatron_config_path"),
     _MEGATRON_HOOK: ("custom_model_provider_path", "custom_megatron_init_path",
-                     "custom_megatron_before_log_prob_hook_path"),
+                     "custom_megatron_before_log_prob_hook_path", "enable_experimental"),
 }
 
 #: dest -> what to use with ``--train-backend fsdp`` instead

@@ -205,7 +205,7 @@ def _non_default_argv(action, flag: str | None = None) -> list[str]:
     if action.choices:
         return [flag, next(str(c) for c in action.choices if c != action.default and [c] != action.default)]
     value = {int: "7", float: "0.5"}.get(action.type, "/some/value")
-    return [flag, value]
+    return [flag, "4" if action.dest == "linear_attention_freq" else value]  # a layer pattern, not a path
 
 
 def _refused_actions():

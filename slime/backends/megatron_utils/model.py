@@ -220,6 +220,10 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True, vp
     """The ``GPTModel`` of this rank's pipeline stage (``--custom-model-provider-path`` replaces it)."""
     from megatron.core.models.gpt import GPTModel
 
+    if getattr(args, "enable_experimental", False):  # Megatron-Core reads its switch where a feature runs
+        from megatron.core.config import set_experimental_flag
+
+        set_experimental_flag(True)
     config = config or transformer_config(args)
     model = GPTModel(
         config=config, transformer_layer_spec=_layer_spec(args, config, vp_stage), vocab_size=args.padded_vocab_size,

@@ -29,6 +29,9 @@ MODEL_SHAPE_FLAGS = (
     "rotary_percent", "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
     "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
     "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim", "rope_type",
+    "rotary_interleaved", "use_gated_attention", "apply_layernorm_1p", "experimental_attention_variant",
+    "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "post_self_attn_layernorm", "post_mlp_layernorm",
 )
 
 #: families whose MoE is DeepSeek-V3's: sigmoid scores, a per-expert bias for the choice only, group-limited
@@ -36,6 +39,11 @@ MODEL_SHAPE_FLAGS = (
 SIGMOID_MOE_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe")
 #: configs of DeepSeek-V3's architecture (Kimi-K2's config.json names its own model_type, with the same fields)
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+#: hybrid families: gated-DeltaNet linear attention beside gated softmax attention, zero-centred RMSNorm weights
+#: (weight + 1), a sigmoid-gated shared expert in the MoE variants
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+#: GLM-4 dense: RMSNorm on the attention and MLP outputs too, interleaved partial rotary
+SANDWICH_NORM_MODEL_TYPES = ("glm4",)
 
 
 def load_hf_config(path: str) -> dict:
@@ -61,12 +69,40 @@ def _rope_scaling(config: dict) -> dict | None:
     return scaling if kind == "llama3" else None
 
 
+def text_config(config: dict) -> dict:
+    """The language model's fields of a config: a multimodal config's ``text_config`` (Qwen3.5) merged over its
+    top level, under the top-level ``model_type``; a text-only config as it is."""
+    if not isinstance(config.get("text_config"), dict):
+        return config
+    return {**config, **config["text_config"], "model_type": config.get("model_type")}
+
+
+def linear_attention_pattern(config: dict) -> list[int] | None:
+    """Per layer 1 for gated-DeltaNet linear attention, 0 for softmax attention (None: no linear layers)."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None and config.get("model_type") in HYBRID_MODEL_TYPES:
+        interval = int(config.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if not types or "linear_attention" not in types:
+        return None
+    return [int(t == "linear_attention") for t in types]
+
+
+def expand_layer_pattern(freq, num_layers: int) -> list[int]:
+    """Megatron's ``--linear-attention-freq`` as a per-layer list: N means every N-th layer is softmax attention."""
+    if isinstance(freq, int):
+        return [int((i + 1) % freq != 0) for i in range(num_layers)]
+    return list(freq)
+
+
 def _num_experts(config: dict) -> int:
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 def _is_moe(config: dict) -> bool:
-    return str(config.get("model_type")).endswith("_moe") or config.get("model_type") in SIGMOID_MOE_TYPES
+    return (str(config.get("model_type")).endswith("_moe") or config.get("model_type") in SIGMOID_MOE_TYPES
+            or config.get("model_type") == "qwen3_next")
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -94,6 +130,7 @@ def _mla_args(config: dict) -> dict[str, Any]:
 
 def model_args_from_hf_config(config: dict) -> dict[str, Any]:
     """The Megatron shape flags (argparse destinations) that describe ``config``."""
+    config = text_config(config)
     model_type = config.get("model_type")
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -105,7 +142,7 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
     out: dict[str, Any] = {
         "num_layers": int(config["num_hidden_layers"]),
         "hidden_size": int(config["hidden_size"]),
-        "ffn_hidden_size": int(config["intermediate_size"]),
+        "ffn_hidden_size": int(config.get("intermediate_size") or config["moe_intermediate_size"]),
         "num_attention_heads": heads,
         "group_query_attention": kv_heads != heads,
         "num_query_groups": kv_heads,
@@ -116,9 +153,17 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
         "swiglu": config.get("hidden_act", "silu") == "silu",
         "disable_bias_linear": True,
         "add_qkv_bias": model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe") or bool(config.get("use_qk_norm", False)),
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES) or bool(config.get("use_qk_norm", False)),
         "untie_embeddings_and_output_weights": not bool(config.get("tie_word_embeddings", False)),
         "vocab_size": int(config["vocab_size"]),
+        "rotary_interleaved": model_type in SANDWICH_NORM_MODEL_TYPES,
+        "use_gated_attention": model_type in HYBRID_MODEL_TYPES,
+        "apply_layernorm_1p": model_type in HYBRID_MODEL_TYPES,
+        "post_self_attn_layernorm": model_type in SANDWICH_NORM_MODEL_TYPES,
+        "post_mlp_layernorm": model_type in SANDWICH_NORM_MODEL_TYPES,
+        "experimental_attention_variant": None, "linear_attention_freq": None, "linear_conv_kernel_dim": None,
+        "linear_key_head_dim": None, "linear_value_head_dim": None, "linear_num_key_heads": None,
+        "linear_num_value_heads": None,
         "num_experts": experts or None,
         "moe_ffn_hidden_size": int(config["moe_intermediate_size"]) if experts else None,
         "moe_router_topk": int(config.get("num_experts_per_tok", 2)) if experts else 2,
@@ -135,11 +180,21 @@ def model_args_from_hf_config(config: dict) -> dict[str, Any]:
         "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rotary_scaling_factor": 1.0, "mscale": 1.0,
         "mscale_all_dim": 0.0, "rope_type": None, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
         "yarn_original_max_position_embeddings": 4096,
-        "moe_shared_expert_gate": model_type == "qwen2_moe" and bool(config.get("shared_expert_intermediate_size")),
+        "moe_shared_expert_gate": (model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
+                                   and bool(config.get("shared_expert_intermediate_size"))),
         "moe_layer_freq": 1,
         "use_rope_scaling": _rope_scaling(config) is not None,
         "rope_scaling_factor": float(_rope_scaling(config)["factor"]) if _rope_scaling(config) else 8.0,
     }
+    pattern = linear_attention_pattern(config)
+    if pattern is not None:
+        regular = next((n for n in range(2, len(pattern) + 1) if pattern == expand_layer_pattern(n, len(pattern))), None)
+        out.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=regular or pattern,
+                   linear_conv_kernel_dim=int(config.get("linear_conv_kernel_dim", 4)),
+                   linear_key_head_dim=int(config["linear_key_head_dim"]),
+                   linear_value_head_dim=int(config["linear_value_head_dim"]),
+                   linear_num_key_heads=int(config["linear_num_key_heads"]),
+                   linear_num_value_heads=int(config["linear_num_value_heads"]))
     if model_type in MLA_MODEL_TYPES:
         out.update(_mla_args(config))
         out["num_query_groups"], out["group_query_attention"] = heads, False
@@ -163,6 +218,7 @@ def hf_validate_args(args, config: dict | None = None) -> None:
     rope_theta 1000000.0``). Flags left unset (None) are not compared."""
     if config is None:
         config = load_hf_config(args.hf_checkpoint)
+    config = text_config(config)
     expected = model_args_from_hf_config(config)
     experts = _num_experts(config) if _is_moe(config) else 0
     mla = expected["multi_latent_attention"]
@@ -174,13 +230,21 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         ("multi_latent_attention", "model_type"),
         ("untie_embeddings_and_output_weights", "tie_word_embeddings"), ("qk_layernorm", "model_type"),
         ("add_qkv_bias", "model_type/attention_bias"), ("swiglu", "hidden_act"),
+        ("use_gated_attention", "model_type"), ("apply_layernorm_1p", "model_type"),
+        ("post_self_attn_layernorm", "model_type"), ("post_mlp_layernorm", "model_type"),
+        ("experimental_attention_variant", "layer_types"),
     ]
+    if expected["experimental_attention_variant"] or getattr(args, "experimental_attention_variant", None):
+        checks += [("linear_attention_freq", "layer_types"), ("linear_conv_kernel_dim", "linear_conv_kernel_dim"),
+                   ("linear_key_head_dim", "linear_key_head_dim"), ("linear_value_head_dim", "linear_value_head_dim"),
+                   ("linear_num_key_heads", "linear_num_key_heads"),
+                   ("linear_num_value_heads", "linear_num_value_heads")]
     if not all_moe:
         checks.append(("ffn_hidden_size", "intermediate_size"))
     if expected["group_query_attention"] or getattr(args, "group_query_attention", False):
         checks.append(("num_query_groups", "num_key_value_heads"))
     if not mla:  # (MLA's head sizes are checked below; DeepSeek configs' head_dim is the rotary part)
-        checks.append(("kv_channels", "head_dim"))
+        checks += [("kv_channels", "head_dim"), ("rotary_interleaved", "model_type")]
     if mla or getattr(args, "multi_latent_attention", False):
         checks += [("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
                    ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
@@ -203,6 +267,8 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         if given is None:
             continue
         want = expected[dest]
+        if dest == "linear_attention_freq" and want is not None:  # 4 and its per-layer list say the same
+            given, want = (expand_layer_pattern(v, expected["num_layers"]) for v in (given, want))
         same = abs(float(given) - float(want)) <= 1e-12 * max(1.0, abs(float(want))) if isinstance(want, float) else given == want
         if not same:
             hf_value = _hf_value(config, hf_key, want)
@@ -218,6 +284,8 @@ def _hf_value(config: dict, key: str, derived):
         return config.get("head_dim", derived)
     if key in ("model_type", "model_type/attention_bias"):
         return config.get("model_type")
+    if key == "layer_types":
+        return f"{config.get('layer_types') or config.get('model_type')} (linear-attention layers {derived})"
     if key.startswith("rope_scaling."):
         return _rope_parameters(config).get(key.split(".", 1)[1], derived)
     if key == "shared_expert_intermediate_size" and config.get("model_type") in SIGMOID_MOE_TYPES:
@@ -255,7 +323,8 @@ def parameter_count(args) -> int:
     else:
         head = args.kv_channels or h // heads
         groups = args.num_query_groups if args.group_query_attention else heads
-        attention = h * (heads + 2 * groups) * head + heads * head * h
+        gate = heads if getattr(args, "use_gated_attention", False) else 0  # q_proj also emits the output gate
+        attention = h * (heads + gate + 2 * groups) * head + heads * head * h
         attention += (heads + 2 * groups) * head if args.add_qkv_bias else 0
         attention += 2 * head * norm if args.qk_layernorm else 0
     mlp_matrices = 3 if args.swiglu else 2
@@ -269,7 +338,23 @@ def parameter_count(args) -> int:
         moe_mlp = h * args.num_experts + args.num_experts * mlp_matrices * h * args.moe_ffn_hidden_size
         moe_mlp += mlp_matrices * h * (args.moe_shared_expert_intermediate_size or 0)
         moe_mlp += h if getattr(args, "moe_shared_expert_gate", False) else 0
-    per_layer_norms = 2 * h * norm
-    total = layers * (attention + per_layer_norms) + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+    per_layer_norms = (2 + bool(getattr(args, "post_self_attn_layernorm", False))
+                       + bool(getattr(args, "post_mlp_layernorm", False))) * h * norm
+    linear_layers = 0
+    if getattr(args, "linear_attention_freq", None) is not None:
+        linear_layers = sum(expand_layer_pattern(args.linear_attention_freq, layers))
+    linear = _gated_delta_net_parameters(args) if linear_layers else 0
+    total = ((layers - linear_layers) * attention + linear_layers * linear + layers * per_layer_norms + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp)
     total += vocab * h * (2 if args.untie_embeddings_and_output_weights else 1) + h * norm
     return total
+
+
+def _gated_delta_net_parameters(args) -> int:
+    """One gated-DeltaNet layer: q/k/v (through a depthwise causal conv), output gate z, beta and decay inputs,
+    per-head decay (A_log, dt_bias), the gated norm of a value head, the output projection."""
+    h = args.hidden_size
+    key_dim = args.linear_num_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_num_value_heads * args.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    return (h * conv_dim + conv_dim * args.linear_conv_kernel_dim + h * value_dim + 2 * h * args.linear_num_value_heads
+            + 2 * args.linear_num_value_heads + args.linear_value_head_dim + value_dim * h)

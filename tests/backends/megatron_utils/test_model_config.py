@@ -84,12 +84,62 @@ PUBLISHED = {
                     **QWEN),
 }
 
+# Qwen3.5: multimodal checkpoints; the language model's fields sit in text_config (transformers' Qwen3_5TextConfig)
+QWEN35_TEXT = dict(head_dim=256, rms_norm_eps=1e-6, hidden_act="silu", vocab_size=248320, attention_bias=False,
+                   full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_num_key_heads=16,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def _qwen35(model_type, tie, **text):
+    layers = text["num_hidden_layers"]
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return dict(model_type=model_type, tie_word_embeddings=tie,
+                text_config=dict(model_type=model_type + "_text", layer_types=layer_types, tie_word_embeddings=tie,
+                                 **QWEN35_TEXT, **text))
+
+
+PUBLISHED.update({
+    "qwen3.5-0.8B": _qwen35("qwen3_5", True, num_hidden_layers=24, hidden_size=1024, intermediate_size=3584,
+                            num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16),
+    "qwen3.5-4B": _qwen35("qwen3_5", True, num_hidden_layers=32, hidden_size=2560, intermediate_size=9216,
+                          num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
+    "qwen3.5-9B": _qwen35("qwen3_5", False, num_hidden_layers=32, hidden_size=4096, intermediate_size=12288,
+                          num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
+    "qwen3.5-27B": _qwen35("qwen3_5", False, num_hidden_layers=64, hidden_size=5120, intermediate_size=17408,
+                           num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+    "qwen3.5-35B-A3B": _qwen35("qwen3_5_moe", False, num_hidden_layers=40, hidden_size=2048, num_attention_heads=16,
+                               num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    "qwen3-next-80B-A3B": dict(model_type="qwen3_next", num_hidden_layers=48, hidden_size=2048, intermediate_size=5120,
+                               num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=151936,
+                               rope_theta=10000000, partial_rotary_factor=0.25, tie_word_embeddings=False,
+                               full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+                               num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[], attention_bias=False, **QWEN),
+    "glm4-9B": dict(model_type="glm4", num_hidden_layers=40, hidden_size=4096, intermediate_size=13696,
+                    num_attention_heads=32, num_key_value_heads=2, head_dim=128, vocab_size=151552, rope_theta=10000.0,
+                    partial_rotary_factor=0.5, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+                    hidden_act="silu"),
+    "glm4-32B": dict(model_type="glm4", num_hidden_layers=61, hidden_size=6144, intermediate_size=23040,
+                     num_attention_heads=48, num_key_value_heads=2, head_dim=128, vocab_size=151552, rope_theta=10000.0,
+                     partial_rotary_factor=0.5, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+                     hidden_act="silu"),
+})
+
 # Total parameters each model's card publishes (billions; MTP modules excluded where the card counts them apart)
 PUBLISHED_TOTAL_B = {
     "qwen2.5-0.5B": 0.49, "qwen2.5-1.5B": 1.54, "qwen2.5-7B": 7.61, "qwen3-0.6B": 0.6, "qwen3-1.7B": 1.7,
     "qwen3-4B": 4.0, "qwen3-8B": 8.2, "qwen3-30B-A3B": 30.5, "llama3.1-8B": 8.03, "deepseek-v3": 671,
     "glm4.5-355B-A32B": 355, "glm4.5-air": 106, "moonlight-16B-A3B": 16, "kimi-k2": 1000,
+    "qwen3-next-80B-A3B": 80, "glm4-9B": 9.4, "glm4-32B": 32.6,
 }
+# Qwen3.5's published sizes include its vision tower: its presets' language models are counted against the
+# model transformers builds from the same config instead (test_hybrid_parameter_count_is_transformers')
+TEXT_OF_MULTIMODAL = ("qwen3.5-0.8B", "qwen3.5-4B", "qwen3.5-9B", "qwen3.5-27B", "qwen3.5-35B-A3B")
 
 BASE = ["--rollout-batch-size", "1", "--num-rollout", "1"]
 
@@ -119,16 +169,57 @@ def test_preset_matches_published_config(name):
     expected = model_args_from_hf_config(PUBLISHED[name])
     for dest in ("num_layers", "hidden_size", "num_query_groups", "kv_channels", "vocab_size", "qk_layernorm",
                  "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rope_scaling", "multi_latent_attention",
-                 "moe_layer_freq", "moe_router_score_function", "moe_router_enable_expert_bias", "rotary_percent"):
+                 "moe_layer_freq", "moe_router_score_function", "moe_router_enable_expert_bias", "rotary_percent",
+                 "rotary_interleaved", "use_gated_attention", "apply_layernorm_1p", "experimental_attention_variant",
+                 "linear_attention_freq", "linear_num_value_heads", "post_self_attn_layernorm", "post_mlp_layernorm",
+                 "moe_shared_expert_gate"):
         assert getattr(args, dest) == expected[dest], dest
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTAL_B))
 def test_preset_parameter_count_is_the_published_total(name):
     """The shape a preset describes has the model card's parameter count (within 3%): catches a
     wrong layer count, expert count or expert width that the config check alone could share."""
     count = parameter_count(parse(preset_args(name))) / 1e9
     assert count == pytest.approx(PUBLISHED_TOTAL_B[name], rel=0.03), f"{name}: {count:.2f}B"
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-0.8B", "qwen3.5-35B-A3B", "qwen3-next-80B-A3B", "glm4-9B"])
+def test_hybrid_parameter_count_is_transformers(name):
+    """The count of gated-DeltaNet, gated-attention and sandwich-norm layers equals the parameters of the model
+    transformers builds from the published config (on the meta device: no memory)."""
+    import torch
+    import transformers
+
+    from slime.backends.megatron_utils.model_config import text_config
+
+    config = text_config(PUBLISHED[name])
+    kind = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(config["model_type"], config["model_type"])
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "text_config")}
+    hf_config = transformers.AutoConfig.for_model(kind, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert parameter_count(parse(preset_args(name))) == sum(p.numel() for p in model.parameters())
+
+
+def test_every_preset_is_counted():
+    assert set(PUBLISHED_TOTAL_B) | set(TEXT_OF_MULTIMODAL) == set(PUBLISHED)
+
+
+def test_hybrid_and_sandwich_norm_mismatches_are_named():
+    """A Qwen3.5 preset without its linear-attention layers, or a GLM-4 one without the output norms, is named."""
+    argv = preset_args("qwen3.5-9B")
+    args = parse([a for a in argv if a not in ("--use-gated-attention",)] + ["--linear-attention-freq", "2"])
+    args.hf_checkpoint = "/models/qwen3.5-9B"
+    with pytest.raises(AssertionError) as info:
+        hf_validate_args(args, PUBLISHED["qwen3.5-9B"])
+    assert "--use-gated-attention False but config.json model_type qwen3_5" in str(info.value)
+    assert "--linear-attention-freq" in str(info.value)
+    args = parse(preset_args("glm4.5-air"))
+    args.hf_checkpoint = "/models/glm4-9B"
+    with pytest.raises(AssertionError, match="--post-self-attn-layernorm False but config.json model_type glm4.*"
+                                             "--rotary-interleaved False"):
+        hf_validate_args(args, PUBLISHED["glm4-9B"])
 
 
 def test_parameter_count_sees_a_wrong_expert_count():

@@ -214,3 +214,11 @@ def test_mla_layout_names_hf_tensors_one_to_one(tmp_path):
         full = megatron[p + "self_attention." + name]
         assert wm.tp_kind(p + "self_attention." + name) == "column"
         assert torch.equal(wm.tp_merge(p + name, wm.tp_split(p + "self_attention." + name, full, 2)), full)
+
+
+@pytest.mark.parametrize("model_type, missing", [("qwen3_5", "gated-DeltaNet"), ("qwen3_next", "gated-DeltaNet"),
+                                                 ("glm4", "norms after the attention and MLP outputs")])
+def test_families_without_a_megatron_mapping_say_what_is_missing(model_type, missing):
+    """A checkpoint given without a preset: the layout refuses it at start, naming what Megatron lacks and FSDP."""
+    with pytest.raises(ValueError, match=f"{model_type!r} has no Megatron mapping .*{missing}.*--train-backend fsdp"):
+        wm.ModelLayout.from_hf_config({"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 8})
