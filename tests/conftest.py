@@ -55,3 +55,27 @@ def tiny_qwen3_moe_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), size="tiny", seed=0, arch="qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory):
+    """A tiny Qwen3.5 language model: gated-DeltaNet linear attention in layers 0-2, gated softmax attention in 3."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_5"), size="tiny", seed=0, arch="qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory):
+    """Its MoE variant: softmax top-2 of 8 experts and a sigmoid-gated shared expert in every layer."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), size="tiny", seed=0, arch="qwen3_5_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory):
+    """A tiny Qwen3-Next: Qwen3.5-MoE's layers with grouped q/k/v/z and b/a projections in its linear attention."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), size="tiny", seed=0, arch="qwen3_next"))

@@ -152,8 +152,9 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-#: architectures the builder makes: the dense Qwen3 default, DeepSeek-V3, GLM-4.5 (MoE) and Qwen3-MoE
-ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe", "qwen3_moe")
+#: architectures the builder makes: the dense Qwen3 default, DeepSeek-V3, GLM-4.5 (MoE), Qwen3-MoE, the hybrid
+#: Qwen3.5 (dense and MoE language models) and Qwen3-Next, and GLM-4 dense
+ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4")
 
 
 def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embeddings: int, special: dict):
@@ -193,6 +194,26 @@ def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embed
             use_qk_norm=True, n_group=1, topk_group=1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **moe, **common)
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        # gated-DeltaNet linear attention in layers 0-2 (of 4), gated softmax attention in layer 3; 2 key heads
+        # shared by 4 value heads (the grouped-value layout of the released models)
+        hybrid = dict(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim, tie_word_embeddings=True,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 4,
+                   shared_expert_intermediate_size=shape.intermediate_size // 4)
+        if arch == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(**hybrid, **common)
+        if arch == "qwen3_5_moe":
+            return transformers.Qwen3_5MoeTextConfig(**hybrid, **moe, **common)
+        return transformers.Qwen3NextConfig(**hybrid, **moe, norm_topk_prob=True, decoder_sparse_step=1,
+                                            mlp_only_layers=[], **common)
+    if arch == "glm4":  # post-attention and post-MLP norms, interleaved partial rotary, qkv bias
+        return transformers.Glm4Config(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+                                       attention_bias=True, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5}, **common)
     raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
 
 

@@ -230,7 +230,7 @@ class DecodeGraphs:
         ids, pos = self.ids[:padded], self.positions[:padded]
         if self.logits is None:  # one output buffer for every graph: graphs keep no live memory of their own
             self.logits = torch.empty((len(self.ids), runner.vocab_size), dtype=torch.float32, device=runner.device)
-        with runner.capturable_experts():
+        with runner.capturable_experts(), runner.linear_state_kept(padded):
             graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=self.logits[:padded]))
         self.captures += 1
         logger.info("captured a decode CUDA graph for batch %d, KV length %d", padded, length)
@@ -316,7 +316,7 @@ class DecodeGraphs:
         if with_hidden and "hidden" not in buffers:
             buffers["hidden"] = torch.empty((slots, width, hidden_size), dtype=runner.dtype, device=runner.device)
         hidden = buffers["hidden"][:padded] if with_hidden else None
-        with runner.capturable_experts():
+        with runner.capturable_experts(), runner.linear_state_kept(padded):
             graph = self._record(lambda: runner.decode_forward(ids, pos, length, out=buffers["logits"][:padded],
                                                                hidden_out=hidden))
         self.captures += 1

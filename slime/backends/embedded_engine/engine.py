@@ -52,6 +52,10 @@ class Engine:
         self.runner = runner
         self.num_threads = num_threads  # torch intra-op threads of the engine thread (None: leave as is)
         self.speculative = speculative  # draft + verify decode steps (speculative/decoder.py), None: one token a step
+        if speculative is not None and getattr(runner, "linear_state", None) is not None:
+            raise ValueError(f"{runner.model_path}: speculative decoding over linear-attention (gated-DeltaNet) layers "
+                             "is not implemented: their per-request state cannot be rolled back past rejected drafts; "
+                             "drop --speculative-algorithm for this model")
         self.tokenizer = runner.tokenizer
         shape = runner.kv_cache.shape
         self.scheduler = Scheduler(shape.num_slots, max_prefill_tokens=chunked_prefill_size,

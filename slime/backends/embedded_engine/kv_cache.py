@@ -11,6 +11,11 @@ batch always occupies slots ``0 .. batch_size-1`` contiguously, so a decode step
 a *view* ``keys[layer][:batch_size, :, :max_len]`` (no gather); when a request leaves, the last
 row is copied into its slot (one row copy, see :meth:`SlotKVCache.move_slot`).
 
+Hybrid models (Qwen3.5, Qwen3-Next) cache keys/values only in their softmax-attention layers
+(``CacheShape.kv_layers``; the other layers' buffers are empty); their gated-DeltaNet layers keep a
+fixed-size state per slot instead (``CacheShape.linear``: the convolution's last inputs and the
+delta-rule memory, :mod:`.linear_attention`), which moves and is copied with the slot.
+
 Token accounting (``max_total_tokens``) is the scheduler's job; this module only holds memory.
 
 Storage dtype (``--kv-cache-dtype``, SGLang's flag and names): the buffers' dtype is the single source of
@@ -32,6 +37,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from slime.backends.embedded_engine.linear_attention import LinearStateShape
 
 try:
     import triton
@@ -129,14 +136,20 @@ class CacheShape:
     num_slots: int
     slot_capacity: int  # tokens one request can hold (prompt + output), <= context length
     value_dim: int | None = None  # width of a cached value (None: head_dim)
+    kv_layers: tuple[int, ...] | None = None  # the layers that cache keys/values (None: all)
+    linear: LinearStateShape | None = None  # per-slot state of the linear-attention layers
 
     @property
     def value_width(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
 
+    @property
+    def cached_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.kv_layers is None else self.kv_layers
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         width = self.head_dim + self.value_width
-        return self.num_layers * self.num_kv_heads * width * dtype.itemsize
+        return len(self.cached_layers) * self.num_kv_heads * width * dtype.itemsize
 
 
 class SlotKVCache:
@@ -165,7 +178,10 @@ class SlotKVCache:
         self.device = device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._flat: torch.Tensor | None = None  # under the memory saver: the one allocation keys and values view
+        #: per layer (None for softmax-attention layers): the linear-attention state of each slot
+        self.conv_states: list[torch.Tensor | None] = []
+        self.recurrent_states: list[torch.Tensor | None] = []
+        self._flats: list[torch.Tensor] = []  # under the memory saver: the allocations every buffer views
         if allocate:
             self.allocate()
 
@@ -179,24 +195,44 @@ class SlotKVCache:
         if self.paused:  # the same addresses, fresh memory: zeroed as a new cache is
             self.saver.resume(self.tag)
             self.paused = False
-            self._flat.zero_()
+            for flat in self._flats:
+                flat.zero_()
             return
         s = self.shape
         keys = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.head_dim)
         values = (s.num_slots, s.num_kv_heads, s.slot_capacity, s.value_width)
-        if self.saver is None:
-            self.keys = [torch.zeros(keys, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
-            self.values = [torch.zeros(values, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
-            return
-        # under the memory saver one allocation holds every layer's buffers (views): a release and a resume
-        # unmap / map it in one call each, and the resume zeroes it with one kernel
-        key_numel, value_numel = math.prod(keys), math.prod(values)
+        cached = set(s.cached_layers)
+        linear = s.linear
+        conv = (s.num_slots, linear.conv_dim, linear.conv_width) if linear else None
+        recurrent = (s.num_slots, linear.value_heads, linear.key_dim, linear.value_dim) if linear else None
+        state_layers = set(linear.layers) if linear else set()
+        layers = s.num_layers
+        key_sizes = [math.prod(keys) if i in cached else 0 for i in range(layers)]
+        value_sizes = [math.prod(values) if i in cached else 0 for i in range(layers)]
+        conv_sizes = [math.prod(conv) if i in state_layers else 0 for i in range(layers)]
+        recurrent_sizes = [math.prod(recurrent) if i in state_layers else 0 for i in range(layers)]
+        kv_parts = self._allocate(key_sizes + value_sizes, self.dtype)
+        conv_parts = self._allocate(conv_sizes, self.compute_dtype)  # not FP8: the convolution reads them as they are
+        recurrent_parts = self._allocate(recurrent_sizes, torch.float32)  # the delta rule's fp32 memory
+        empty_keys, empty_values = (s.num_slots, s.num_kv_heads, 0, s.head_dim), (s.num_slots, s.num_kv_heads, 0, s.value_width)
+        self.keys = [kv_parts[i].view(keys if i in cached else empty_keys) for i in range(layers)]
+        self.values = [kv_parts[layers + i].view(values if i in cached else empty_values) for i in range(layers)]
+        self.conv_states = [conv_parts[i].view(conv) if i in state_layers else None for i in range(layers)]
+        self.recurrent_states = [recurrent_parts[i].view(recurrent) if i in state_layers else None for i in range(layers)]
+
+    def _allocate(self, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Zeroed buffers of ``sizes`` elements: views of one allocation under the memory saver (a release and a
+        resume unmap / map it in one call, and the resume zeroes it with one kernel), plain tensors otherwise."""
+        if self.saver is None or not sum(sizes):
+            return [torch.zeros(n, dtype=dtype, device=self.device) for n in sizes]
         with self.saver.region(self.tag, keep_content=False):
-            self._flat = torch.zeros(s.num_layers * (key_numel + value_numel), dtype=self.dtype, device=self.device)
-        self.keys = [self._flat[i * key_numel:(i + 1) * key_numel].view(keys) for i in range(s.num_layers)]
-        base = s.num_layers * key_numel
-        self.values = [self._flat[base + i * value_numel:base + (i + 1) * value_numel].view(values)
-                       for i in range(s.num_layers)]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=self.device)
+        self._flats.append(flat)
+        return list(torch.split(flat, sizes))
+
+    def state_buffers(self) -> list[torch.Tensor]:
+        """The linear-attention layers' per-slot states (conv and recurrent buffers, ``[slots, ...]`` each)."""
+        return [t for t in self.conv_states + self.recurrent_states if t is not None]
 
     def read(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of layer ``layer``'s buffers as the attention computes with them (FP8: dequantized copies)."""
@@ -211,7 +247,7 @@ class SlotKVCache:
                 self.saver.pause(self.tag)  # the device memory is free; the tensors keep their addresses
                 self.paused = True
             return
-        self.keys, self.values = [], []
+        self.keys, self.values, self.conv_states, self.recurrent_states = [], [], [], []
         if self.device.type == "cuda":
             # Hand the freed blocks back to the driver, or other processes (and mem_get_info) never see them.
             torch.cuda.empty_cache()
@@ -220,7 +256,7 @@ class SlotKVCache:
         """Device bytes the buffers hold now (0 while released)."""
         if self.paused:
             return 0
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + self.state_buffers())
 
     def copy_slots(self, srcs: list[int], dsts: list[int], length: int) -> None:
         """Copy the first ``length`` positions of each slot ``srcs[i]`` into ``dsts[i]`` (one indexed
@@ -232,6 +268,8 @@ class SlotKVCache:
         for buf in self.keys + self.values:
             data = as_bytes(buf)
             data[dst, :, :length] = data[src, :, :length]
+        for buf in self.state_buffers():  # a linear-attention state is the whole prefix's, whatever its length
+            buf[dst] = buf[src]
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (batch compaction)."""
@@ -239,6 +277,8 @@ class SlotKVCache:
             return
         for buf in self.keys + self.values:
             buf[dst, :, :length].copy_(buf[src, :, :length])
+        for buf in self.state_buffers():
+            buf[dst].copy_(buf[src])
 
 
 class SlotCacheView:
@@ -252,9 +292,14 @@ class SlotCacheView:
     slots (the decode batch) are read as a view; other sets are gathered.
     """
 
+    #: a prefill forward: linear-attention layers run row by row (linear_attention.py)
+    decode_rows = None
+
     def __init__(self, cache: SlotKVCache, slots: list[int], token_index: torch.Tensor, write_slots: torch.Tensor,
-                 write_positions: torch.Tensor, kv_length: int):
+                 write_positions: torch.Tensor, kv_length: int, rows_meta: list[tuple[int, int, int]] | None = None):
         self.cache = cache
+        #: (slot, first position, new tokens) of each row, on the host: what the linear-attention layers read
+        self.rows_meta = rows_meta
         self.kv_length = kv_length
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         self.read_rows = (slice(slots[0], slots[0] + len(slots)) if contiguous
@@ -279,6 +324,10 @@ class SlotCacheView:
 
     def get_seq_length(self, *args, **kwargs) -> int:  # only used when position_ids are not given
         return 0
+
+    def linear_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv [slots, conv_dim, kernel - 1], recurrent [slots, Hv, Dk, Dv])`` of a linear-attention layer."""
+        return self.cache.conv_states[layer_idx], self.cache.recurrent_states[layer_idx]
 
 
 if triton is not None:
@@ -358,6 +407,14 @@ class DecodeCacheView:
         self.raw = raw
         self.is_compileable = False
         self._rows = None  # ((heads, capacity), flat row index) for the CPU's writes: _flat_rows
+        #: linear-attention layers update the states of slots 0..B-1 in place (one token a row)
+        self.decode_rows = self.batch
+
+    def linear_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tokens != 1:
+            raise NotImplementedError("a multi-token decode step (speculative verify) over linear-attention layers: "
+                                      "their state cannot be rolled back past rejected drafts")
+        return self.cache.conv_states[layer_idx], self.cache.recurrent_states[layer_idx]
 
     def fused_write_target(self, layer_idx: int):
         """``(keys, values, slots, positions, k_scale, v_scale)`` for a kernel that writes this step's

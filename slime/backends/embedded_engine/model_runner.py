@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 
 from slime.backends import batch_invariant
+from slime.backends.embedded_engine import linear_attention
 from slime.backends.embedded_engine.kernels import attention
 from slime.backends.embedded_engine.kernels import fused_projections
 from slime.backends.embedded_engine.cuda_graphs import DecodeGraphs
@@ -75,6 +76,8 @@ class ModelRunner:
                 raise ValueError(f"{flag}: quantized weights (--quantization {quantization}) are not batch-invariant")
         self.config = self.model.config
         _refuse_sliding_windows(self.model, model_path)
+        #: gated-DeltaNet layers (Qwen3.5, Qwen3-Next): their per-request state lives in the slot cache
+        self.linear_state = linear_attention.install(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -106,8 +109,8 @@ class ModelRunner:
             self.mla_layers = mla.install(self.model)
         #: speculative verify steps run as T-token decode steps (can_verify); multi-latent attention takes
         #: them through its absorbed decode (mla_decode), so the expanded reference keeps the generic forward
-        self.verify_decode = not any(type(m).__name__ in MLA_CLASSES and not getattr(m, "_slime_absorbed", False)
-                                     for m in self.model.modules())
+        self.verify_decode = self.linear_state is None and not any(
+            type(m).__name__ in MLA_CLASSES and not getattr(m, "_slime_absorbed", False) for m in self.model.modules())
         self.fp8 = self._quantize(quantization, fp8_gemm_backend)  # Fp8Weights, or None in the model dtype
         #: --enable-memory-saver on CUDA (memory_saver.py): weights and KV cache released and resumed at the
         #: same addresses, so a colocated engine keeps its CUDA graphs across training steps
@@ -243,6 +246,8 @@ class ModelRunner:
         budget = max_total_tokens
         if self.device.type == "cuda" and mem_fraction_static:
             free, total = torch.cuda.mem_get_info(self.device)
+            if self.linear_state is not None:  # every slot's linear-attention state comes out of the same budget
+                free -= self.max_slots * self.linear_state.bytes_per_slot(self.dtype)
             tokens = kv_tokens_for_memory(free, total, mem_fraction_static, self._bytes_per_token())
             if tokens < min(self.context_length, self.INITIAL_SLOT_CAPACITY) or explicit and tokens < self.context_length:
                 raise ValueError(f"--mem-fraction-static {mem_fraction_static} leaves room for {max(tokens, 0)} KV "
@@ -271,8 +276,12 @@ class ModelRunner:
             if self.kv_token_budget is not None:
                 num_slots = max(1, min(num_slots, self.kv_token_budget // capacity))
         kv_heads, key_dim, value_dim = self._geometry
+        linear = self.linear_state
+        kv_layers = None if linear is None else tuple(i for i in range(text_config.num_hidden_layers)
+                                                      if i not in linear.layers)
         return CacheShape(num_layers=text_config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=key_dim,
-                          num_slots=num_slots, slot_capacity=capacity, value_dim=value_dim)
+                          num_slots=num_slots, slot_capacity=capacity, value_dim=value_dim, kv_layers=kv_layers,
+                          linear=linear)
 
     def grow_cache(self, need: int) -> bool:
         """Lengthen the slots so that a request of ``need`` tokens fits (capped at the context length);
@@ -329,6 +338,7 @@ class ModelRunner:
                    **{self._cache_kwarg: _Recorder()})
         geometries = set(shapes.values())
         layers = getattr(self.config, "text_config", self.config).num_hidden_layers
+        layers -= len(self.linear_state.layers) if self.linear_state is not None else 0  # they cache no keys/values
         if len(shapes) != layers or len(geometries) != 1:
             raise ValueError(f"{type(self.model).__name__}: the engine's slot cache needs one key/value shape in "
                              f"every layer; the layers cached {shapes} ({len(shapes)} of {layers} layers)")
@@ -388,7 +398,8 @@ class ModelRunner:
             (t.pin_memory() if pin else t).to(self.device, non_blocking=True)
             for t in (input_ids, positions, valid, token_index, write_slots, write_positions))
         mask = self._attention_mask(positions, valid, kv_length)
-        view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length)
+        rows_meta = [(slot, r.start, len(r.tokens)) for slot, r in zip(slots, rows)]
+        view = SlotCacheView(cache, slots, token_index, write_slots, write_positions, kv_length, rows_meta)
         return input_ids, positions, mask, view
 
     def prefill_attention(self):
@@ -498,6 +509,19 @@ class ModelRunner:
         if self.routed_experts is None:
             return contextlib.nullcontext()
         return self.routed_experts.writing(slots, positions, token_index)
+
+    @contextlib.contextmanager
+    def linear_state_kept(self, rows: int):
+        """Around a CUDA graph capture, whose warm-up forwards run the step for real: the first ``rows`` slots'
+        linear-attention states put back as they were, so that the replay advances them once (keys and values
+        are rewritten to the same places; a recurrent state would move on with every run)."""
+        buffers = self.kv_cache.state_buffers()
+        saved = [buf[:rows].clone() for buf in buffers]
+        try:
+            yield
+        finally:
+            for buf, old in zip(buffers, saved):
+                buf[:rows].copy_(old)
 
     @contextlib.contextmanager
     def capturable_experts(self):
