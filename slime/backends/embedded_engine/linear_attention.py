@@ -23,14 +23,12 @@ Hugging Face model's. Without a slot view (the engine's probe forward) the modul
 from __future__ import annotations
 
 import importlib
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-#: the gated-DeltaNet module classes of transformers' hybrid families
-GATED_DELTA_NET_CLASSES = {"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"}
+from slime.utils.linear_attention import gated_delta_nets, override_forward
 
 
 @dataclass(frozen=True)
@@ -52,13 +50,12 @@ class LinearStateShape:
 def install(model: torch.nn.Module) -> LinearStateShape | None:
     """Route every gated-DeltaNet module of ``model`` through :func:`slot_forward`; the state they need
     per request (None for a model without linear attention)."""
-    modules = [m for m in model.modules() if type(m).__name__ in GATED_DELTA_NET_CLASSES]
+    modules = gated_delta_nets(model)
     if not modules:
         return None
     for module in modules:
-        module._slime_hf_forward = module.forward
         module._slime_modeling = importlib.import_module(type(module).__module__)
-        module.forward = types.MethodType(slot_forward, module)
+        override_forward(module, slot_forward)
     first = modules[0]
     return LinearStateShape(layers=tuple(m.layer_idx for m in modules), conv_dim=first.conv_dim,
                             conv_width=first.conv_kernel_size - 1, value_heads=first.num_v_heads,
@@ -94,7 +91,7 @@ def slot_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=N
     states = getattr(cache, "linear_state", None)
     if states is None:
         kwargs.pop("cache_params", None)
-        return self._slime_hf_forward(hidden_states, cache=None, attention_mask=attention_mask)
+        return type(self).base_forward(self, hidden_states, cache=None, attention_mask=attention_mask)
     conv_state, recurrent_state = states(self.layer_idx)
     mixed_qkv, z, b, a = _projections(self, hidden_states)
     if getattr(cache, "decode_rows", None) is not None:

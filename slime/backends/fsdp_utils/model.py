@@ -15,6 +15,10 @@ at 0 for every sample, and attention never crosses samples:
 * ``eager``: an explicit block-diagonal causal mask ``[1, 1, T, T]`` over one packed row (the exact
   masked path; tested equal to per-sample forwards).
 
+Gated-DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next) see no attention mask: in a packed row they
+get the samples' boundaries (``cu_seq_lens_q``) and restart at each (:mod:`slime.utils.linear_attention`);
+right-padded rows need nothing.
+
 Only the positions that predict response tokens go through the LM head (``logits_to_keep``), so
 the vocabulary projection costs Σ response lengths, not T; and for log-probs and entropy the head
 is replaced by the chunked one of :mod:`slime.backends.training.logprob_head` (no ``[K, V]``
@@ -31,6 +35,7 @@ from torch import nn
 
 from slime.backends import batch_invariant
 from slime.backends.training.logprob_head import chunked_log_probs_and_entropy
+from slime.utils.linear_attention import install_packed_forward
 
 __all__ = ["PackedBatch", "pack_samples", "pad_samples", "forward_log_probs", "forward_response_logits", "block_causal_mask", "CriticModel", "load_model", "shard_model", "resolve_attn_implementation"]
 
@@ -146,18 +151,25 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
     return "sdpa"
 
 
-def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.float32) -> dict:
+def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.float32,
+                 sample_bounds: bool = False) -> dict:
+    """The model's keyword inputs for ``packed``; ``sample_bounds``: the samples' cumulative lengths too, for
+    a packed row through layers that carry a state along it (linear attention)."""
     inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
-    if attn_implementation == "slime_varlen":
+    if attn_implementation == "slime_varlen" or (sample_bounds and not packed.padded):
         longest = max(packed.lengths) if packed.lengths else 1
         inputs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
                       max_length_q=longest, max_length_k=longest)
     elif packed.padded:
         if attn_implementation not in ("sdpa", batch_invariant.ATTENTION_NAME):
             raise ValueError(f"right-padded rows need attn_implementation 'sdpa' (causal, no mask), not {attn_implementation!r}")
-    elif attn_implementation != "flash_attention_2":
+    if not packed.padded and attn_implementation not in ("flash_attention_2", "slime_varlen"):
         inputs["attention_mask"] = block_causal_mask(packed.lengths, packed.input_ids.device, attn_implementation, dtype)
     return inputs
+
+
+def _sample_bounds(model: nn.Module) -> bool:
+    return bool(getattr(model, "linear_attention_layers", 0))
 
 
 def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implementation: str, full: bool = False):
@@ -175,7 +187,7 @@ def forward_response_logits(model: nn.Module, packed: PackedBatch, attn_implemen
         keep = torch.zeros(1, dtype=torch.long, device=packed.input_ids.device)
     else:
         keep = packed.predict_positions
-    out = model(**model_inputs(packed, attn_implementation), logits_to_keep=keep)
+    out = model(**model_inputs(packed, attn_implementation, sample_bounds=_sample_bounds(model)), logits_to_keep=keep)
     return out.logits[0] if hasattr(out, "logits") else out[0]
 
 
@@ -217,7 +229,7 @@ def forward_log_probs(model: nn.Module, packed: PackedBatch, attn_implementation
 
     head.forward = chunked_head  # an instance attribute shadows nn.Linear.forward for this call only
     try:
-        out = model(**model_inputs(packed, attn_implementation), logits_to_keep=keep)
+        out = model(**model_inputs(packed, attn_implementation, sample_bounds=_sample_bounds(model)), logits_to_keep=keep)
     finally:
         del head.forward
     pair = (out.logits if hasattr(out, "logits") else out[0])[0]
@@ -253,7 +265,9 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
 
         varlen_attention.register()
     if role == "actor":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.linear_attention_layers = install_packed_forward(model)  # packed samples' boundaries honoured
+        return model
     config = AutoConfig.from_pretrained(path)
     backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     critic = CriticModel(backbone, config.hidden_size)
@@ -264,6 +278,7 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
         from safetensors.torch import load_file
 
         critic.value_head.load_state_dict(load_file(head))
+    critic.linear_attention_layers = install_packed_forward(critic)
     return critic
 
 

@@ -95,3 +95,49 @@ def test_fsdp_moe_families_match_plain_hf_model(arch, request):
     assert {n for n, g in grads.items() if g is not None} == expected.keys()
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_fsdp_hybrid_packed_samples_match_unpacked(arch, request):
+    """Qwen3.5 (gated-DeltaNet linear attention, gated attention, zero-centred norms) and its MoE variant through
+    the FSDP2 trainer on one packed row: log-probs and every parameter's gradient (conv1d, A_log, dt_bias, in_proj_*
+    included) equal transformers' model run per sample, so no linear-attention state crosses into the next
+    sample. transformers' own layer on the same packed row does carry it across (the case this guards)."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.model import forward_log_probs, model_inputs, pack_samples
+    from slime.backends.training.worker import TrainWorker
+    from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    args = make_args(model_dir, "--num-steps-per-rollout", "1", "--fsdp-attn-implementation", "eager", rbs=3)
+    worker = TrainWorker(args)
+    worker.init()
+    assert worker.backend.model.linear_attention_layers == 3
+    data = rank_data(args, make_samples(6))
+    packed = pack_samples(list(data.tokens), [int(r) for r in data.response_lengths], worker.backend.device)
+    log_probs, _ = forward_log_probs(worker.backend.model, packed, worker.backend.attn_implementation, 1.0,
+                                     worker.backend.chunk_rows)
+    coef = torch.linspace(-1.0, 1.0, log_probs.numel())
+    worker.backend.optimizer.zero_grad(set_to_none=True)
+    (coef * log_probs).sum().backward()
+    grads = full_grads(worker.backend.model)
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref_lp = []
+    for tokens, r in zip(data.tokens, data.response_lengths):
+        rows = reference(tokens[None]).logits[0][len(tokens) - int(r) - 1 : len(tokens) - 1]
+        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 1.0))
+    ref_lp = torch.cat(ref_lp)
+    (coef * ref_lp).sum().backward()
+    torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    assert any("linear_attn.A_log" in n for n in expected) and any("linear_attn.conv1d" in n for n in expected)
+    assert {n for n, g in grads.items() if g is not None} == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    with torch.no_grad():  # the plain model on the packed row: the block mask alone leaves the state leaking
+        logits = reference(**model_inputs(packed, "eager")).logits[0][packed.predict_positions]
+    leaked = ppo_utils.compute_log_probs(logits, packed.targets, 1.0)
+    assert (leaked - ref_lp).abs().max() > 1e-3
