@@ -79,3 +79,11 @@ def tiny_qwen3_next_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), size="tiny", seed=0, arch="qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_dir(tmp_path_factory):
+    """A tiny GLM-4 dense model: norms after the attention and the MLP too, interleaved rotary on half of each head."""
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), size="tiny", seed=0, arch="glm4"))
