@@ -228,7 +228,8 @@ class NextNDrafter(ChainDrafter):
         self.kv_cache = self._new_cache()
 
     def _new_cache(self) -> SlotKVCache:
-        shape = dataclasses.replace(self.runner.kv_cache.shape, num_layers=1)  # the target's slots, one layer
+        # the target's slots, one softmax-attention layer
+        shape = dataclasses.replace(self.runner.kv_cache.shape, num_layers=1, kv_layers=None, linear=None)
         # stored like the target's (--kv-cache-dtype), scale 1.0: no checkpoint names the MTP layer's scales
         return SlotKVCache(shape, self.runner.kv_cache_dtype, self.runner.device, compute_dtype=self.runner.dtype)
 
