@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
+
 
 # Qwen3.5 / Qwen3-Next (gated attention beside gated-DeltaNet linear attention): no Megatron weight mapping
-_HYBRID = ("Qwen3.5 / Qwen3-Next layers (gated attention, gated-DeltaNet linear attention, zero-centred norms) are not "
-           "built by the Megatron backend; train them with --train-backend fsdp, which builds the model from "
-           "--hf-checkpoint's config.json (drop MODEL_ARGS)")
-# GLM-4 dense (glm4): norms on the attention and MLP outputs, which Megatron-Core's TransformerLayer lacks
-_SANDWICH_NORMS = ("GLM-4's norms after the attention and MLP outputs are not in Megatron-Core's TransformerLayer "
-                   "(it has the input and pre-MLP norms only); train GLM-4 (glm4) with --train-backend fsdp, which "
-                   "builds the model from --hf-checkpoint's config.json (drop MODEL_ARGS)")
+_HYBRID = NOT_BUILT_BY_MEGATRON["qwen3_5"]
 
 # Flags upstream slime's scripts pass that slime does not implement. They parse, so a script passing
 # the default still runs; a non-default value is refused at start-up (validate_args) with this hint.
@@ -68,10 +64,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--fp8-recipe": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
     "--fp8-param-gather": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16",
     "--recompute-modules": "use --recompute-granularity/--recompute-method/--recompute-num-layers",
-    "--use-gated-attention": _HYBRID,
-    "--linear-attention-freq": _HYBRID,
-    "--post-self-attn-layernorm": _SANDWICH_NORMS,
-    "--post-mlp-layernorm": _SANDWICH_NORMS,
 }
 
 
@@ -814,14 +806,17 @@ def _add_megatron_misc_arguments(parser) -> None:
                    help="Megatron-Core's experimental features (megatron.core.config.set_experimental_flag), e.g. "
                         "the fused token permutation of its MoE dispatchers under --moe-permute-fusion.")
     g.add_argument("--use-gated-attention", action="store_true", default=False,
-                   help="Sigmoid gate on the attention output, from a second half of q_proj (Qwen3.5, Qwen3-Next).")
+                   help="Sigmoid gate on the attention output, from a second half of q_proj (Qwen3.5, Qwen3-Next); "
+                        "checked against --hf-checkpoint; the Megatron backend refuses it at start (not built).")
     g.add_argument("--linear-attention-freq", type=_linear_attention_freq, default=None,
                    help="Every N-th layer is softmax attention, the rest gated-DeltaNet linear attention (Qwen3.5, "
-                        "Qwen3-Next: 4), or a 0/1 list per layer (1: linear attention).")
+                        "Qwen3-Next: 4), or a 0/1 list per layer (1: linear attention); checked against "
+                        "--hf-checkpoint; the Megatron backend refuses it at start (not built).")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
-                   help="A norm on the attention output before the residual add (GLM-4).")
+                   help="A norm on the attention output before the residual add (GLM-4); checked against "
+                        "--hf-checkpoint; the Megatron backend refuses it at start (not built).")
     g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
-                   help="A norm on the MLP output before the residual add (GLM-4).")
+                   help="A norm on the MLP output before the residual add (GLM-4); as --post-self-attn-layernorm.")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="FP8 training format.")
     g.add_argument("--fp8-recipe", type=str, default=None, help="FP8 scaling recipe (delayed, tensorwise, blockwise, mxfp8).")
     g.add_argument("--fp8-param-gather", action="store_true", default=False, help="Keep FP8 parameter copies.")

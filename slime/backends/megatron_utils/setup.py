@@ -63,6 +63,14 @@ def refuse_unsupported(args) -> None:
         "--rotary-interleaved with --multi-latent-attention (Megatron-Core's MLA rotates the two halves)":
             getattr(args, "rotary_interleaved", False) and getattr(args, "multi_latent_attention", False),
     })
+    from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
+
+    refused.update({
+        f"--use-gated-attention / --linear-attention-freq ({NOT_BUILT_BY_MEGATRON['qwen3_5']})":
+            getattr(args, "use_gated_attention", False) or getattr(args, "linear_attention_freq", None) is not None,
+        f"--post-self-attn-layernorm / --post-mlp-layernorm ({NOT_BUILT_BY_MEGATRON['glm4']})":
+            getattr(args, "post_self_attn_layernorm", False) or getattr(args, "post_mlp_layernorm", False),
+    })
     names = [name for name, active in refused.items() if active]
     if names:
         raise NotImplementedError(f"--train-backend megatron does not support {'; '.join(names)}")

@@ -107,11 +107,9 @@ class ModelLayout:
         get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
         model_type = get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            from slime.utils.arguments_groups import REFUSED_FLAGS
+            from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
 
-            missing = {"qwen3_next": "--use-gated-attention", "qwen3_5": "--use-gated-attention",
-                       "qwen3_5_moe": "--use-gated-attention", "glm4": "--post-self-attn-layernorm"}.get(model_type)
-            why = f" ({REFUSED_FLAGS[missing]})" if missing else ""
+            why = f" ({NOT_BUILT_BY_MEGATRON[model_type]})" if model_type in NOT_BUILT_BY_MEGATRON else ""
             raise ValueError(f"HF model_type {model_type!r} has no Megatron mapping{why}; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         heads = int(get("num_attention_heads"))
