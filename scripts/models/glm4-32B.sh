@@ -1,8 +1,7 @@
 # glm4-32B (GLM-4-32B-0414): Megatron model-shape flags (values of the published Hugging Face config.json).
 # Source: https://huggingface.co/zai-org/GLM-4-32B-0414/blob/main/config.json
-# GLM-4 dense: RMSNorm on the attention and MLP outputs too (post-self-attn / post-mlp norms), interleaved
-# rotary on half of each head: the Megatron backend does not build the output norms (it refuses them at
-# start and says so); train this model with --train-backend fsdp, which reads --hf-checkpoint's config.json.
+# GLM-4 dense: RMSNorm on the attention and MLP outputs too (post-self-attn / post-mlp norms, built by
+# slime.backends.megatron_utils.sandwich_norm), interleaved rotary on half of each head.
 # Usage: source scripts/models/glm4-32B.sh; python train.py ${MODEL_ARGS[@]} --hf-checkpoint ... .
 # slime checks them against --hf-checkpoint at start-up and names any field that differs.
 MODEL_ARGS=(

@@ -814,7 +814,7 @@ def _add_megatron_misc_arguments(parser) -> None:
                         "--hf-checkpoint; the Megatron backend refuses it at start (not built).")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
                    help="A norm on the attention output before the residual add (GLM-4); checked against "
-                        "--hf-checkpoint; the Megatron backend refuses it at start (not built).")
+                        "--hf-checkpoint.")
     g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
                    help="A norm on the MLP output before the residual add (GLM-4); as --post-self-attn-layernorm.")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="FP8 training format.")

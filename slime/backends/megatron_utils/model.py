@@ -183,15 +183,24 @@ def custom_spec(args, config, vp_stage: int | None):
 
 
 def _layer_spec(args, config, vp_stage: int | None):
+    spec = custom_spec(args, config, vp_stage)
+    if spec is not None:
+        return spec
+    spec = _built_in_spec(args, config, vp_stage)
+    if getattr(args, "post_self_attn_layernorm", False):  # GLM-4 (with --post-mlp-layernorm: start-up checks both)
+        from slime.backends.megatron_utils.sandwich_norm import with_sandwich_norms
+
+        spec = with_sandwich_norms(spec)
+    return spec
+
+
+def _built_in_spec(args, config, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    spec = custom_spec(args, config, vp_stage)
-    if spec is not None:
-        return spec
     mla = getattr(args, "multi_latent_attention", False)
 
     # context parallelism runs through the local spec's PackedCoreAttention (context_parallel.py)

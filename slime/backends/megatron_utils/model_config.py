@@ -48,12 +48,7 @@ _HYBRID_NOT_BUILT = ("Qwen3.5 / Qwen3-Next layers (gated attention, gated-DeltaN
                      "norms) are not built by the Megatron backend; train them with --train-backend fsdp, which builds "
                      "the model from --hf-checkpoint's config.json (drop MODEL_ARGS)")
 #: model_type -> what the Megatron backend lacks for it, and what to use instead
-NOT_BUILT_BY_MEGATRON = {
-    **{model_type: _HYBRID_NOT_BUILT for model_type in HYBRID_MODEL_TYPES},
-    "glm4": ("GLM-4's norms after the attention and MLP outputs are not in Megatron-Core's TransformerLayer (it has "
-             "the input and pre-MLP norms only); train GLM-4 (glm4) with --train-backend fsdp, which builds the model "
-             "from --hf-checkpoint's config.json (drop MODEL_ARGS)"),
-}
+NOT_BUILT_BY_MEGATRON = {model_type: _HYBRID_NOT_BUILT for model_type in HYBRID_MODEL_TYPES}
 
 
 def load_hf_config(path: str) -> dict:

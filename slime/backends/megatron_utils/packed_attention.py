@@ -147,7 +147,9 @@ def supports_packing(gpt: torch.nn.Module) -> bool:
     return (bool(attentions) and all(isinstance(m, PackedCoreAttention) for m in attentions)
             and getattr(gpt, "position_embedding_type", None) == "rope"
             and type(getattr(gpt, "rotary_pos_emb", None)) is RotaryEmbedding
-            and not getattr(gpt.config, "multi_latent_attention", False))
+            and not getattr(gpt.config, "multi_latent_attention", False)
+            # Megatron-Core's interleaved rotate-half (GLM-4) indexes [s, b, h, d]; a packed row's q/k are [t, h, d]
+            and not getattr(gpt.config, "rotary_interleaved", False))
 
 
 @contextlib.contextmanager

@@ -68,8 +68,8 @@ def refuse_unsupported(args) -> None:
     refused.update({
         f"--use-gated-attention / --linear-attention-freq ({NOT_BUILT_BY_MEGATRON['qwen3_5']})":
             getattr(args, "use_gated_attention", False) or getattr(args, "linear_attention_freq", None) is not None,
-        f"--post-self-attn-layernorm / --post-mlp-layernorm ({NOT_BUILT_BY_MEGATRON['glm4']})":
-            getattr(args, "post_self_attn_layernorm", False) or getattr(args, "post_mlp_layernorm", False),
+        "--post-self-attn-layernorm without --post-mlp-layernorm or the reverse (GLM-4 has both; the layer is built "
+        "with both)": getattr(args, "post_self_attn_layernorm", False) != getattr(args, "post_mlp_layernorm", False),
     })
     names = [name for name, active in refused.items() if active]
     if names:

@@ -54,7 +54,7 @@ __all__ = [
 
 #: HF ``model_type`` values this mapping knows (dense and MoE decoder-only families).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "kimi_k2",
-                         "glm4_moe")
+                         "glm4_moe", "glm4")
 
 #: MoE families with DeepSeek-V3's MoE block: ``mlp.gate.e_score_correction_bias`` (Megatron's
 #: ``mlp.router.expert_bias``), ``mlp.shared_experts.*``, the first ``first_k_dense_replace`` layers dense
@@ -98,6 +98,8 @@ class ModelLayout:
     q_lora_rank: int | None = None  # MLA: None = a full q_proj
     expert_bias: bool = False  # sigmoid router with e_score_correction_bias
     shared_expert_prefix: str = "mlp.shared_expert"  # HF prefix of the shared expert (DeepSeek: shared_experts)
+    sandwich_norms: bool = False  # GLM-4: norms on the attention and MLP outputs (sandwich_norm.py)
+    fused_gate_up: bool = False  # GLM-4: HF keeps a dense MLP's gate and up as one mlp.gate_up_proj
 
     @classmethod
     def from_hf_config(cls, config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1,
@@ -153,6 +155,8 @@ class ModelLayout:
             q_lora_rank=int(get("q_lora_rank")) if mla and get("q_lora_rank", None) else None,
             expert_bias=bool(num_experts) and deepseek_moe,
             shared_expert_prefix="mlp.shared_experts" if deepseek_moe else "mlp.shared_expert",
+            sandwich_norms=model_type == "glm4",
+            fused_gate_up=model_type == "glm4",
         )
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -194,6 +198,8 @@ def megatron_param_names(layout: ModelLayout) -> list[str]:
             if layout.qk_layernorm:
                 names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
+        if layout.sandwich_norms:
+            names.append(p + "post_self_attn_layernorm.weight")
         names.append(_pre_mlp_norm(layout, i))
         if layout.is_moe_layer(i):
             names.append(p + "mlp.router.weight")
@@ -207,6 +213,8 @@ def megatron_param_names(layout: ModelLayout) -> list[str]:
                     names.append(p + "mlp.shared_experts.gate_weight")
         else:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        if layout.sandwich_norms:
+            names.append(p + "post_mlp_layernorm.weight")
     names.append("decoder.final_layernorm.weight")
     if not layout.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -269,6 +277,8 @@ _LAYER_SIMPLE = {
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    "post_self_attn_layernorm.weight": "post_self_attn_layernorm.weight",
+    "post_mlp_layernorm.weight": "post_mlp_layernorm.weight",
 }
 _TOP_SIMPLE = {"decoder.final_layernorm.weight": "model.norm.weight"}
 
@@ -307,6 +317,8 @@ def _hf_sources(name: str, layout: ModelLayout) -> list[str]:
         kind = suffix.rsplit(".", 1)[1]
         return [hf + f"self_attn.{p}_proj.{kind}" for p in ("q", "k", "v")]
     if suffix == "mlp.linear_fc1.weight":
+        if layout.fused_gate_up:  # already Megatron's [gate; up]
+            return [hf + "mlp.gate_up_proj.weight"]
         return [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
     if suffix == "mlp.shared_experts.linear_fc1.weight":
         return [hf + layout.shared_expert_prefix + ".gate_proj.weight", hf + layout.shared_expert_prefix + ".up_proj.weight"]

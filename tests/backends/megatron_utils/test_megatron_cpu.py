@@ -114,6 +114,19 @@ def test_moe_families_at_expert_parallel_match_hf_on_cpu(arch, request, tmp_path
     assert result["grad_tensors"] == (98 if arch == "deepseek_v3" else 90) and result["grad_max_rel"] < 1e-4, result
 
 
+def test_glm4_dense_at_tensor_parallel_matches_hf_on_cpu(tiny_glm4_dir, tmp_path):
+    """GLM-4 dense (slime's sandwich-norm layer: norms on the attention and MLP outputs; interleaved rotary on half
+    of each head; qkv bias; HF's fused gate_up_proj) at TP=2 against transformers: export bit-exact, every layer's
+    hidden state, log-probs through the schedule and every gradient. Right-padded micro-batches: without
+    Transformer Engine the trainer does not pack a model with interleaved rotary (``supports_packing``)."""
+    result = _run(tiny_glm4_dir, tmp_path / "result.json", tp=2, padded=True)
+    assert result["model_type"] == "glm4" and not result["packed"]
+    assert result["roundtrip_mismatches"] == [] and result["roundtrip_missing"] == [] and result["roundtrip_extra"] == []
+    assert max(result["layer_max_abs"]) < 1e-5 and result["logprob_fp32_max_abs"] < 1e-4, result
+    # 9 tensors a layer (the two output norms' among them) x 4, embedding, final norm, output layer
+    assert result["grad_tensors"] == 39 and result["grad_max_rel"] < 1e-4, result
+
+
 WORKER = HERE / "megatron_worker_check.py"
 
 

@@ -131,14 +131,13 @@ def test_every_preset_builds_its_megatron_core_config(megatron_lm):
     assert presets["glm4.5-355B-A32B"] == ["TransformerConfig", 92, 160, 89, None]
     assert presets["glm4.5-air"] == ["TransformerConfig", 46, 128, 45, None]
     assert presets["qwen3-30B-A3B"] == ["TransformerConfig", 48, 128, None, None]
-    # Qwen3.5 / Qwen3-Next (gated-DeltaNet) and GLM-4 dense (output norms): refused, saying what to use instead
+    assert presets["glm4-9B"] == ["TransformerConfig", 40, None, None, None]  # GLM-4 dense: built (sandwich_norm.py)
+    # Qwen3.5 / Qwen3-Next (gated-DeltaNet): refused, saying what to use instead
     refused = {name: message for name, (kind, *message) in presets.items() if kind == "refused"}
     assert set(refused) == {"qwen3.5-0.8B", "qwen3.5-4B", "qwen3.5-9B", "qwen3.5-27B", "qwen3.5-35B-A3B",
-                            "qwen3-next-80B-A3B", "glm4-9B", "glm4-32B"}
-    for name, (message,) in refused.items():  # GLM-4's flags parse and the backend refuses them at start
-        missing = ("megatron does not support --post-self-attn-layernorm" if name.startswith("glm4")
-                   else "--apply-layernorm-1p True is not implemented")
-        assert missing in message and "--train-backend fsdp" in message, (name, message)
+                            "qwen3-next-80B-A3B"}
+    for name, (message,) in refused.items():
+        assert "--apply-layernorm-1p True is not implemented" in message and "--train-backend fsdp" in message, message
 
 
 def test_kimi_k2_yarn_frequencies_equal_transformers(megatron_lm):

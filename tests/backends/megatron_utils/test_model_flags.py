@@ -140,15 +140,15 @@ def test_contradicting_model_flags_fail_at_parse():
     assert mm.llama_rope_scaling_factor(args) == 16.0
 
 
-def test_glm4_and_qwen35_layer_flags_parse_and_the_backend_refuses_them_at_start():
-    """Upstream's GLM-4 (--post-self-attn-layernorm / --post-mlp-layernorm) and Qwen3.5 (--use-gated-attention)
-    flags parse; the Megatron backend, which builds neither, refuses them when it starts, naming what is missing
-    and the backend that trains them; --train-backend fsdp (shape from config.json) refuses them at parse."""
+def test_glm4_and_qwen35_layer_flags_parse_and_the_backend_says_what_it_builds():
+    """Upstream's GLM-4 (--post-self-attn-layernorm / --post-mlp-layernorm, built: sandwich_norm.py) and Qwen3.5
+    (--use-gated-attention, not built: refused when the backend starts, naming what is missing and the backend
+    that trains it) flags parse; --train-backend fsdp (shape from config.json) refuses them at parse."""
     args = parse_args(BASE + ["--post-self-attn-layernorm", "--post-mlp-layernorm", "--enable-experimental"])
     assert args.post_self_attn_layernorm and args.post_mlp_layernorm and args.enable_experimental
-    with pytest.raises(NotImplementedError, match="--post-self-attn-layernorm / --post-mlp-layernorm .*Megatron-Core's "
-                                                  "TransformerLayer.*--train-backend fsdp"):
-        refuse_unsupported(args)
+    refuse_unsupported(args)
+    with pytest.raises(NotImplementedError, match="--post-self-attn-layernorm without --post-mlp-layernorm"):
+        refuse_unsupported(parse_args(BASE + ["--post-self-attn-layernorm"]))
     args = parse_args(BASE + ["--use-gated-attention"])
     with pytest.raises(NotImplementedError, match="--use-gated-attention .*gated-DeltaNet.*--train-backend fsdp"):
         refuse_unsupported(args)

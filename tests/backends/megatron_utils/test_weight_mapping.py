@@ -42,6 +42,9 @@ def _tiny_checkpoint(tmp_path, model_type: str, tie: bool = False) -> tuple[dict
                                             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                                             attention_bias=True, use_qk_norm=True, **common)
         model = transformers.Glm4MoeForCausalLM(config)
+    elif model_type == "glm4":  # post-attention / post-MLP norms, HF's fused gate_up_proj
+        config = transformers.Glm4Config(head_dim=8, attention_bias=True, pad_token_id=0, **common)
+        model = transformers.Glm4ForCausalLM(config)
     else:
         raise AssertionError(model_type)
     torch.manual_seed(0)
@@ -51,7 +54,7 @@ def _tiny_checkpoint(tmp_path, model_type: str, tie: bool = False) -> tuple[dict
     return config.to_dict(), load_file(str(tmp_path / model_type / "model.safetensors"))
 
 
-FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"]
+FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "glm4"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -216,8 +219,7 @@ def test_mla_layout_names_hf_tensors_one_to_one(tmp_path):
         assert torch.equal(wm.tp_merge(p + name, wm.tp_split(p + "self_attention." + name, full, 2)), full)
 
 
-@pytest.mark.parametrize("model_type, missing", [("qwen3_5", "gated-DeltaNet"), ("qwen3_next", "gated-DeltaNet"),
-                                                 ("glm4", "norms after the attention and MLP outputs")])
+@pytest.mark.parametrize("model_type, missing", [("qwen3_5", "gated-DeltaNet"), ("qwen3_next", "gated-DeltaNet")])
 def test_families_without_a_megatron_mapping_say_what_is_missing(model_type, missing):
     """A checkpoint given without a preset: the layout refuses it at start, naming what Megatron lacks and FSDP."""
     with pytest.raises(ValueError, match=f"{model_type!r} has no Megatron mapping .*{missing}.*--train-backend fsdp"):
