@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
 
-
-# Qwen3.5 / Qwen3-Next (gated attention beside gated-DeltaNet linear attention): no Megatron weight mapping
-_HYBRID = NOT_BUILT_BY_MEGATRON["qwen3_5"]
 
 # Flags upstream slime's scripts pass that slime does not implement. They parse, so a script passing
 # the default still runs; a non-default value is refused at start-up (validate_args) with this hint.
@@ -42,7 +38,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--megatron-deepgemm-moe-forward-layers": "DeepGEMM kernels are not used; drop the flag",
     "--megatron-deepgemm-moe-forward-modules": "DeepGEMM kernels are not used; drop the flag",
     "--enable-mtp-training": "multi-token-prediction layers are not trained; drop the flag",
-    "--mtp-num-layers": "multi-token-prediction layers are not built; drop the flag",
     "--mtp-loss-scaling-factor": "multi-token-prediction layers are not trained; drop the flag",
     "--wandb-always-use-train-step": "W&B steps are rollout ids; drop the flag",
     "--memory-recorder": "only the torch recorder is implemented (--record-memory-history, CUDA)",
@@ -58,8 +53,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--ci-train-rollout-logprob-abs-diff-threshold": "upstream's CI guards are not implemented",
     "--ci-save-grad-norm": "upstream's CI guards are not implemented",
     "--ci-load-grad-norm": "upstream's CI guards are not implemented",
-    "--apply-layernorm-1p": "zero-centred norm weights (Qwen3-Next's norms) are not built: Megatron-Core's torch "
-                            "norms refuse them without Transformer Engine and the HF mapping has no +1 conversion",
     "--fp8-format": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
     "--fp8-recipe": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16 (the default)",
     "--fp8-param-gather": "FP8 training needs Transformer Engine's FP8 layers and is not wired in; train in bf16",
@@ -75,7 +68,6 @@ def _megatron_lm_refusal(dest: str, group: str) -> str | None:
         (("fp8_", "fp4", "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
           "reuse_grad_buf_for_mxfp8"), fp8),
         (("mtp_",), "multi-token-prediction layers are not built; drop the flag"),
-        (("experimental_attention_variant", "linear_", "attention_output_gate"), _HYBRID),
         (("dsa_",), "DSA sparse-attention layers (GLM-5, DeepSeek-V3.2) are not built (no HF mapping); use a "
                     "softmax-attention model"),
         (("mamba_", "is_hybrid_model", "use_mamba_mem_eff_path"), "Mamba hybrid layers are not built"),
@@ -113,6 +105,8 @@ def _megatron_lm_refusal(dest: str, group: str) -> str | None:
     for prefixes, reason in by_prefix:
         if dest.startswith(prefixes):
             return reason
+    # (the gated-DeltaNet / gated-attention fields, experimental_attention_variant, linear_* and
+    # attention_output_gate, parse: the Megatron backend refuses them when it starts, setup.refuse_unsupported)
     if group == "transformer configuration":
         return None
     return {
@@ -510,7 +504,9 @@ def _add_customization_args(parser) -> None:
     g.add_argument("--megatron-deepgemm-forward-modules", type=str, nargs="+", default=None)
     g.add_argument("--megatron-deepgemm-moe-forward-layers", type=int, nargs="+", default=None)
     g.add_argument("--megatron-deepgemm-moe-forward-modules", type=str, nargs="+", default=None)
-    g.add_argument("--mtp-num-layers", type=int, default=None)
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5); the Megatron backend refuses it "
+                        "at start (not built).")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2)
     g.add_argument("--enable-mtp-training", action="store_true", default=False)
     g.add_argument("--padded-vocab-size", type=int, default=None)
@@ -801,7 +797,8 @@ def _add_megatron_misc_arguments(parser) -> None:
                    help="'MODULE FUNCTION' (or 'MODULE.FUNCTION'): Megatron layer spec to build the decoder with; "
                         "FUNCTION(args, config, vp_stage) returning a ModuleSpec, or a ModuleSpec object.")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
-                   help="Zero-centred norm weights (weight + 1).")
+                   help="Zero-centred norm weights (weight + 1: Qwen3.5, Qwen3-Next); checked against --hf-checkpoint; "
+                        "the Megatron backend refuses it at start (not built).")
     g.add_argument("--enable-experimental", action="store_true", default=False,
                    help="Megatron-Core's experimental features (megatron.core.config.set_experimental_flag), e.g. "
                         "the fused token permutation of its MoE dispatchers under --moe-permute-fusion.")

@@ -44,6 +44,7 @@ _MEGATRON_ONLY_GROUPS: dict[str, tuple[str, ...]] = {
         "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
         "mscale_all_dim", "yarn_beta_fast", "yarn_beta_slow", "yarn_original_max_position_embeddings", "rope_type",
         "use_gated_attention", "linear_attention_freq", "post_self_attn_layernorm", "post_mlp_layernorm",
+        "apply_layernorm_1p", "mtp_num_layers",
         # Megatron's kernel-fusion switches (--no-*-fusion) and its NaN check
         "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "bias_swiglu_fusion",
         "bias_dropout_fusion", "bias_gelu_fusion", "check_for_nan_in_loss_and_grad"),

@@ -36,6 +36,17 @@ def apply_megatron_config(args, role: str):
     return args
 
 
+#: the flags of Qwen3.5 / Qwen3-Next layers (gated attention, gated-DeltaNet, zero-centred norms): they parse (upstream
+#: scripts pass them) and this backend, which does not build those layers, refuses them when it starts
+HYBRID_LAYER_FLAGS = (("--use-gated-attention", "use_gated_attention"), ("--attention-output-gate", "attention_output_gate"),
+                      ("--experimental-attention-variant", "experimental_attention_variant"),
+                      ("--linear-attention-freq", "linear_attention_freq"), ("--apply-layernorm-1p", "apply_layernorm_1p"),
+                      ("--linear-conv-kernel-dim", "linear_conv_kernel_dim"),
+                      ("--linear-key-head-dim", "linear_key_head_dim"), ("--linear-value-head-dim", "linear_value_head_dim"),
+                      ("--linear-num-key-heads", "linear_num_key_heads"),
+                      ("--linear-num-value-heads", "linear_num_value_heads"))
+
+
 def refuse_unsupported(args) -> None:
     """What this backend does not implement (yet): fail at start, naming the flags."""
     cp = args.context_parallel_size > 1
@@ -65,9 +76,15 @@ def refuse_unsupported(args) -> None:
     })
     from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
 
+    hybrid = [flag for flag, dest in HYBRID_LAYER_FLAGS if getattr(args, dest, None) not in (None, False)]
+    variant = getattr(args, "experimental_attention_variant", None)
     refused.update({
-        f"--use-gated-attention / --linear-attention-freq ({NOT_BUILT_BY_MEGATRON['qwen3_5']})":
-            getattr(args, "use_gated_attention", False) or getattr(args, "linear_attention_freq", None) is not None,
+        f"{' / '.join(hybrid)} ({NOT_BUILT_BY_MEGATRON['qwen3_5']})": bool(hybrid) and variant != "dsa",
+        "--experimental-attention-variant dsa (DSA sparse attention, GLM-5 / DeepSeek-V3.2: no HF weight mapping; use "
+        "a softmax-attention model)": variant == "dsa",
+        f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)} (multi-token-prediction layers: the HF weight "
+        "mapping has none, so they would start untrained and be saved over the checkpoint's; drop the flag, the main "
+        "model trains as usual)": getattr(args, "mtp_num_layers", None) not in (None, 0),
         "--post-self-attn-layernorm without --post-mlp-layernorm or the reverse (GLM-4 has both; the layer is built "
         "with both)": getattr(args, "post_self_attn_layernorm", False) != getattr(args, "post_mlp_layernorm", False),
     })

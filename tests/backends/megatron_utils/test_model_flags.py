@@ -119,8 +119,6 @@ def test_flags_that_need_missing_libraries_are_refused_by_name():
             parse_args([a if a != "fsdp" else "megatron" for a in BASE] + ["--moe-enable-deepep"])
     with pytest.raises(ValueError, match="--fp8-format 'e4m3' is not implemented.*Transformer Engine"):
         parse_args(BASE + ["--fp8-format", "e4m3"])
-    with pytest.raises(ValueError, match="--apply-layernorm-1p True is not implemented"):
-        parse_args(BASE + ["--apply-layernorm-1p"])
     args = parse_args(BASE + ["--multi-latent-attention", "--rotary-interleaved"])
     with pytest.raises(NotImplementedError, match="--rotary-interleaved with --multi-latent-attention"):
         refuse_unsupported(args)
@@ -141,18 +139,27 @@ def test_contradicting_model_flags_fail_at_parse():
 
 
 def test_glm4_and_qwen35_layer_flags_parse_and_the_backend_says_what_it_builds():
-    """Upstream's GLM-4 (--post-self-attn-layernorm / --post-mlp-layernorm, built: sandwich_norm.py) and Qwen3.5
-    (--use-gated-attention, not built: refused when the backend starts, naming what is missing and the backend
-    that trains it) flags parse; --train-backend fsdp (shape from config.json) refuses them at parse."""
+    """Upstream's GLM-4 (--post-self-attn-layernorm / --post-mlp-layernorm, built: sandwich_norm.py), Qwen3.5
+    (--use-gated-attention, gated-DeltaNet, zero-centred norms), GLM-5 (DSA) and MiMo (--mtp-num-layers) flags
+    parse; what the Megatron backend does not build it refuses when it starts, naming what is missing; --train-backend
+    fsdp (shape from config.json) refuses the model flags at parse."""
     args = parse_args(BASE + ["--post-self-attn-layernorm", "--post-mlp-layernorm", "--enable-experimental"])
     assert args.post_self_attn_layernorm and args.post_mlp_layernorm and args.enable_experimental
     refuse_unsupported(args)
     with pytest.raises(NotImplementedError, match="--post-self-attn-layernorm without --post-mlp-layernorm"):
         refuse_unsupported(parse_args(BASE + ["--post-self-attn-layernorm"]))
-    args = parse_args(BASE + ["--use-gated-attention"])
-    with pytest.raises(NotImplementedError, match="--use-gated-attention .*gated-DeltaNet.*--train-backend fsdp"):
+    args = parse_args(BASE + ["--use-gated-attention", "--apply-layernorm-1p", "--experimental-attention-variant",
+                              "gated_delta_net", "--linear-num-value-heads", "32"])
+    with pytest.raises(NotImplementedError, match="--use-gated-attention / --experimental-attention-variant / "
+                                                  "--apply-layernorm-1p / --linear-num-value-heads .*gated-DeltaNet.*"
+                                                  "--train-backend fsdp"):
         refuse_unsupported(args)
+    # GLM-5's DSA and MiMo's multi-token prediction: parse, refused at start with what is missing
+    with pytest.raises(NotImplementedError, match="--experimental-attention-variant dsa .*no HF weight mapping"):
+        refuse_unsupported(parse_args(BASE + ["--experimental-attention-variant", "dsa"]))
+    with pytest.raises(NotImplementedError, match="--mtp-num-layers 1 .*the HF weight mapping has none"):
+        refuse_unsupported(parse_args(BASE + ["--mtp-num-layers", "1"]))
     fsdp = [a if a != "megatron" else "fsdp" for a in BASE]
-    for flag in ("--use-gated-attention", "--post-mlp-layernorm", "--enable-experimental"):
+    for flag in ("--use-gated-attention", "--post-mlp-layernorm", "--enable-experimental", "--apply-layernorm-1p"):
         with pytest.raises(ValueError, match=f"--train-backend fsdp does not read {flag} True"):
             parse_args(fsdp + [flag])
