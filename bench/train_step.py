@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine_name, result_name  # noqa: E402
+from bench.common import git_commit, machine_name, result_name  # noqa: E402
 
 # Architectures of public Qwen3 checkpoints (shapes only; weights are random).
 ARCHITECTURES = {
@@ -221,7 +220,7 @@ def main(argv=None) -> None:
             "date": datetime.date.today().isoformat(),
             "machine": machine,
             "command": "python " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "config": {"model": bench.model_path or bench.model, "world_size": world, "max_tokens_per_gpu": bench.max_tokens_per_gpu,
                        "num_samples": bench.num_samples, "sample_len": [bench.min_len, bench.max_len],
                        "iters": bench.iters, "dtype": "bf16" if worker.backend.mixed_precision else "fp32",
@@ -239,13 +238,6 @@ def main(argv=None) -> None:
                 json.dump(report, f, indent=2)
             print(f"wrote {path}", file=sys.stderr)
     dist.destroy_process_group()
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
