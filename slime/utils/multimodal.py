@@ -33,6 +33,11 @@ _DATA_URL = re.compile(r"^data:image/[\w.+-]+;base64,(?P<data>.*)$", re.S)
 _BASE64 = re.compile(r"^[A-Za-z0-9+/=\s]+$")
 
 
+def is_vision_language(config) -> bool:
+    """Whether a Hugging Face config is an image-text model with image placeholder tokens (Qwen-VL style)."""
+    return getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id")
+
+
 class MediaError(ValueError):
     """An image that cannot be used: missing, remote, unreadable or too large (the message says which)."""
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from slime.backends.embedded_engine.io_struct import RequestError
+from slime.utils.multimodal import is_vision_language
 
-
-def is_vision_language(config) -> bool:
-    return getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id")
+__all__ = ["RequestVision", "VisionLanguage", "attach_images", "is_vision_language"]
 
 
 @dataclass
