@@ -230,6 +230,9 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
         raise RequestError("Either text or input_ids should be provided.")
     if body.get("input_embeds") is not None:
         raise RequestError("input_embeds is not supported by the embedded engine yet")
+    for media in ("video_data", "audio_data"):
+        if body.get(media) is not None:
+            raise RequestError(f"{media} is not supported by the embedded engine yet (images: image_data)")
     is_batch = isinstance(text, list) if text is not None else bool(input_ids) and isinstance(input_ids[0], list)
     batch = len(text if text is not None else input_ids) if is_batch else None
     if batch == 0:
