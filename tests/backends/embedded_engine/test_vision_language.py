@@ -172,3 +172,63 @@ def test_weight_update_reaches_the_vision_tower(http, model_dir, tmp_path):
         assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
     finally:
         http.post("/update_weights_from_disk", json={"model_path": model_dir})
+
+
+def test_decode_graphs_read_each_slots_rotary_offset(tiny_vlm_dir, monkeypatch):
+    """Decode steps through the graph path (replays of the recorded forward on the CPU) give the outputs of eager
+    decoding for a batch mixing image requests (each its own rotary offset) and a text request, while rows
+    finish at different steps and the batch compacts (the offsets move with the slots)."""
+    from engine_test_utils import generate_in_engine, replay_graph_forwards
+
+    from slime.backends.embedded_engine.cuda_graphs import _buckets
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+
+    replays = replay_graph_forwards(monkeypatch)
+    prompts = [_prompt_ids(tiny_vlm_dir, 1, "count"), _prompt_ids(tiny_vlm_dir, 2, "compare"),
+               _prompt_ids(tiny_vlm_dir, 0, "just text")]
+    images = [IMAGES[:1], IMAGES, []]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 20, 6)]
+
+    def run(runner, only=None):
+        requests = []
+        for i, (prompt, pictures) in enumerate(zip(prompts, images)):
+            if only is not None and i != only:
+                continue
+            request = GenerateRequest(rid=f"r{i}", input_ids=list(prompt), params=params[i])
+            if pictures:
+                request.input_ids, request.vision = runner.vision.prepare(prompt, [encode_image(p) for p in pictures])
+            requests.append(request)
+        engine = Engine(runner, seed=1)
+        engine.start()
+        try:
+            return [(s.output_ids, s.output_logprobs) for s in _submit(engine, requests)]
+        finally:
+            engine.stop()
+
+    eager = ModelRunner(tiny_vlm_dir, num_slots=4, cuda_graph=False)
+    want = run(eager)
+    for i, (ids, logprobs) in enumerate(want):  # batched and compacted = each request alone
+        alone_ids, alone_logprobs = run(eager, only=i)[0]
+        assert ids == alone_ids and logprobs == pytest.approx(alone_logprobs, abs=1e-5)
+    runner = ModelRunner(tiny_vlm_dir, num_slots=4)
+    runner.graphs.enabled, runner.graphs.batch_buckets = True, _buckets(4)
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(run(runner), want):
+        assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert len(replays) >= 19 - 1  # the 20-token request's decode steps replayed graphs
+    assert sorted(set(runner.vision.rope_deltas.tolist())) != [0]  # image requests had their offsets
+
+
+def _submit(engine, requests):
+    import threading
+
+    seqs, events = [], []
+    for request in requests:
+        done = threading.Event()
+        seqs.append(engine.call(lambda r=request, d=done: engine.add_request(r, lambda s, f, d=d: f and d.set()))
+                    .result(10))
+        events.append(done)
+    for done in events:
+        assert done.wait(120)
+    return seqs
