@@ -166,6 +166,46 @@ class ImageTextProcessor:
         return BatchFeature({**encoded, **features})
 
 
+def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int],
+                        mask: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+    """Each run of image placeholder tokens in ``ids`` becomes ``counts[i]`` copies (a run of one is
+    expanded, a run of the right length kept); ``mask`` (one entry per id) grows with 0s. Raises
+    :class:`MediaError` when the runs and the images do not pair up."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == image_token_id:
+            j = i
+            while j < len(ids) and ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    if len(runs) != len(counts):
+        raise MediaError(f"{len(counts)} images for {len(runs)} image placeholders (token {image_token_id}) in the prompt")
+    out, out_mask, last = [], [] if mask is not None else None, 0
+    for (start, end), count in zip(runs, counts):
+        if end - start not in (1, count):
+            raise MediaError(f"an image of {count} tokens has a placeholder run of {end - start} tokens; send one "
+                             "placeholder per image or the processor's expanded prompt")
+        out += ids[last:start] + [image_token_id] * count
+        if mask is not None:
+            out_mask += mask[last:start] + [0] * count
+        last = end
+    out += ids[last:]
+    if mask is not None:
+        out_mask += mask[last:]
+    return out, out_mask
+
+
+def image_inputs(processor, images: list) -> tuple[dict, list[int]]:
+    """The trainer's inputs of PIL ``images`` (``pixel_values``, ``image_grid_thw``) and each image's token count."""
+    image_processor = processor.image_processor
+    out = dict(image_processor(images=images, return_tensors="pt"))
+    merge = image_processor.merge_size ** 2
+    return out, [int(g.prod()) // merge for g in out["image_grid_thw"]]
+
+
 def fallback_processor(name_or_path: str, tokenizer=None):
     """:class:`ImageTextProcessor` of a checkpoint that has an image processor config, else None."""
     from transformers import AutoImageProcessor

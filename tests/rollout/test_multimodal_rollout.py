@@ -56,3 +56,27 @@ def test_images_reach_the_engine_and_bad_ones_fail_their_sample(tiny_vlm_dir, tm
     assert len(second["image_data"]) == 2
     sent = load_image(second["image_data"][1])
     assert sent.size == (112, 56) and sent.getpixel((5, 5)) == (0, 255, 0)
+
+
+def test_sft_rollout_expands_images_as_context(tiny_vlm_dir, tmp_path):
+    from slime.rollout.sft_rollout import generate_rollout as sft_generate_rollout
+    from slime.utils.multimodal import process_images
+    from slime.utils.processing_utils import load_processor
+    from tests.rollout.test_data_source import make_args as data_args
+
+    Image.new("RGB", (84, 56), (200, 0, 0)).save(tmp_path / "red.png")
+    conversation = [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "3"}]
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"messages": conversation, "images": [str(tmp_path / "red.png")]}) + "\n")
+    args = data_args(tiny_vlm_dir, str(path), "--input-key", "messages", "--label-key", "", "--n-samples-per-prompt",
+                     "1", "--rollout-batch-size", "1", "--multimodal-keys", '{"image": "images"}')
+    sample = sft_generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples[0][0]
+    processor = load_processor(tiny_vlm_dir)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}], tokenize=False,
+        add_generation_prompt=True)
+    prompt_ids, inputs = process_images(processor, prompt, [load_image(str(tmp_path / "red.png"))])
+    assert sample.tokens[:len(prompt_ids)] == prompt_ids  # 6 image tokens in the prompt, none trained
+    assert processor.tokenizer.decode(sample.tokens[len(prompt_ids):]).startswith("3<|im_end|>")
+    assert sample.response_length == len(sample.tokens) - len(prompt_ids) and sample.loss_mask[0] == 1
+    assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == inputs["image_grid_thw"].tolist() == [[1, 4, 6]]

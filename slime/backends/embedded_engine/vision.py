@@ -85,7 +85,7 @@ class VisionLanguage:
     def prepare(self, input_ids: list[int], image_data: list) -> tuple[list[int], RequestVision]:
         """Load and process a request's images; return the prompt ids with every image's placeholders
         expanded and the request's :class:`RequestVision`. Bad images and placeholder counts are 400s."""
-        from slime.utils.multimodal import MediaError, load_image
+        from slime.utils.multimodal import MediaError, expand_image_tokens, load_image
 
         try:
             images = [load_image(item) for item in image_data]
@@ -94,7 +94,10 @@ class VisionLanguage:
         processed = self.image_processor(images=images, return_tensors="pt")
         grid = processed["image_grid_thw"].long()
         counts = [int(g.prod()) // self.merge ** 2 for g in grid]
-        ids = self._expand(input_ids, counts)
+        try:
+            ids, _ = expand_image_tokens(input_ids, self.image_token_id, counts)
+        except MediaError as e:
+            raise RequestError(f"image_data: {e}") from None
         ids_tensor = torch.tensor([ids], dtype=torch.long)
         token_type = (ids_tensor == self.image_token_id).int()
         positions, delta = self.model.model.get_rope_index(ids_tensor, mm_token_type_ids=token_type,
@@ -108,30 +111,6 @@ class VisionLanguage:
         vision = RequestVision(pixel_values=processed["pixel_values"], grid_thw=grid, positions=positions[:, 0].cpu(),
                                delta=int(delta.view(-1)[0]), embed_index=embed_index, key=digest.hexdigest())
         return ids, vision
-
-    def _expand(self, input_ids: list[int], counts: list[int]) -> list[int]:
-        """Each run of image placeholders becomes its image's token count (a run of 1 is expanded)."""
-        runs, i = [], 0
-        while i < len(input_ids):
-            if input_ids[i] == self.image_token_id:
-                j = i
-                while j < len(input_ids) and input_ids[j] == self.image_token_id:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            else:
-                i += 1
-        if len(runs) != len(counts):
-            raise RequestError(f"image_data: {len(counts)} images for {len(runs)} image placeholders "
-                               f"(token {self.image_token_id}) in the prompt")
-        out, last = [], 0
-        for (start, end), count in zip(runs, counts):
-            if end - start not in (1, count):
-                raise RequestError(f"image_data: an image of {count} tokens has a placeholder run of {end - start} "
-                                   "tokens; send one placeholder per image or the processor's expanded prompt")
-            out += input_ids[last:start] + [self.image_token_id] * count
-            last = end
-        return out + input_ids[last:]
 
     def check_text_only(self, image_data) -> None:
         if image_data:
