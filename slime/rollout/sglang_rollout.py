@@ -262,11 +262,11 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     rollout), capped by the context length; at 0 the sample is TRUNCATED without a request. A
     4xx answer (e.g. prompt longer than the engine's context) marks the sample FAILED.
     """
-    image_data = None
+    image_data = prompt_text = None
     if sample_images(sample):
         try:  # an image that cannot be used fails this sample with the reason; the run goes on
-            image_data = [encode_image(image) for image in prepare_prompt(sample, GenerateState(args).tokenizer,
-                                                                          GenerateState(args).processor)]
+            images, prompt_text = prepare_prompt(sample, GenerateState(args).tokenizer, GenerateState(args).processor)
+            image_data = [encode_image(image) for image in images]
         except MediaError as e:
             _mark_failed([sample], f"image: {e}", "image_rejected")
             return sample
@@ -277,6 +277,9 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     payload = _generate_payload(args, list(sample.tokens), sampling_params, max_new_tokens)
     if image_data:
         payload["image_data"] = image_data
+        if not sample.response_length:  # SGLang's multimodal form: the prompt text, expanded by the engine
+            del payload["input_ids"]
+            payload["text"] = prompt_text
     headers = None
     if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
         headers = {"X-SMG-Routing-Key": sample.session_id}

@@ -237,13 +237,12 @@ def sample_images(sample) -> list:
     return list(images or [])
 
 
-def prepare_prompt(sample, tokenizer, processor) -> list:
+def prepare_prompt(sample, tokenizer, processor) -> tuple[list, str]:
     """Load a multimodal sample's images and, on its first call, set ``sample.tokens`` (the prompt with
     each image's placeholders expanded) and ``sample.multimodal_train_inputs``. Returns the loaded PIL
-    images; raises :class:`MediaError` for an image that cannot be used."""
+    images and the rendered prompt (one placeholder per image); raises :class:`MediaError` for an image
+    that cannot be used."""
     images = [load_image(item) for item in sample_images(sample)]
-    if sample.tokens:
-        return images
     if processor is None:
         raise MediaError("the prompt has images but the checkpoint has no image processor "
                          "(preprocessor_config.json): serve a vision-language checkpoint")
@@ -255,5 +254,6 @@ def prepare_prompt(sample, tokenizer, processor) -> list:
     if placeholders != len(images):
         raise MediaError(f"the prompt has {placeholders} {processor.image_token} placeholders for {len(images)} "
                          "images: render it with the checkpoint's chat template (--apply-chat-template)")
-    sample.tokens, sample.multimodal_train_inputs = process_images(processor, prompt, images)
-    return images
+    if not sample.tokens:
+        sample.tokens, sample.multimodal_train_inputs = process_images(processor, prompt, images)
+    return images, prompt

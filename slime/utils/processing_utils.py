@@ -28,11 +28,22 @@ def load_tokenizer(name_or_path: str, **kwargs):
 
 
 def load_processor(name_or_path: str, **kwargs):
-    """Load the multimodal processor of a checkpoint, or return None for a text-only model.
+    """Load (and cache per process) the multimodal processor of a checkpoint, or return None for a text-only model.
 
     ``AutoProcessor`` falls back to returning the tokenizer for text-only checkpoints (or raises when
     there is no processor config); both mean "no processor" to slime.
     """
+    if kwargs:
+        return _load_processor(name_or_path, **kwargs)
+    return _load_processor_cached(str(name_or_path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_processor_cached(name_or_path: str):
+    return _load_processor(name_or_path)
+
+
+def _load_processor(name_or_path: str, **kwargs):
     from transformers import AutoProcessor, PreTrainedTokenizerBase
 
     from slime.utils.multimodal import fallback_processor

@@ -52,7 +52,10 @@ def test_images_reach_the_engine_and_bad_ones_fail_their_sample(tiny_vlm_dir, tm
     assert one.tokens.count(pad) == 4 and two.tokens.count(pad) == 4 + 8
     assert one.tokens[-2:] == [11, 12] and one.response_length == 2 and one.rollout_log_probs == [-0.5, -0.25]
     first, second = engine.requests
-    assert first["input_ids"] == one.tokens[:-2] and len(first["image_data"]) == 1
+    # SGLang's multimodal request: the prompt text with one placeholder per image, which the engine expands
+    assert "input_ids" not in first and len(first["image_data"]) == 1
+    assert state.tokenizer.encode(first["text"], add_special_tokens=False) == [
+        t for i, t in enumerate(one.tokens[:-2]) if t != pad or one.tokens[i - 1] != pad]
     assert len(second["image_data"]) == 2
     sent = load_image(second["image_data"][1])
     assert sent.size == (112, 56) and sent.getpixel((5, 5)) == (0, 255, 0)

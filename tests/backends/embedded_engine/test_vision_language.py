@@ -232,3 +232,14 @@ def _submit(engine, requests):
     for done in events:
         assert done.wait(120)
     return seqs
+
+
+def test_text_prompt_with_images_is_expanded_like_the_processor(http, hf, model_dir):
+    """SGLang's multimodal form (what the default generator sends): ``text`` with one placeholder per image."""
+    prompt = _prompt_ids(model_dir, 2, "which has more?")
+    text = _tokenizer(model_dir).decode(prompt)
+    out = generate(http, text=text, image_data=[encode_image(i) for i in IMAGES], return_logprob=True,
+                   sampling_params={"max_new_tokens": 6, "temperature": 0.9, "ignore_eos": True})
+    assert out["meta_info"]["prompt_tokens"] == len(prompt) - 2 + 6 + 8
+    ref = hf_logprobs(hf, model_dir, prompt, out["output_ids"], IMAGES, 0.9)
+    assert [x[0] for x in out["meta_info"]["output_token_logprobs"]][:len(ref)] == pytest.approx(ref, abs=1e-4)

@@ -138,3 +138,11 @@ def test_contradicting_model_flags_fail_at_parse():
     # upstream's Llama 3.1 spelling: --rotary-scaling-factor is the Llama factor without MLA
     args = parse_args(BASE + ["--use-rope-scaling", "--rotary-scaling-factor", "16"])
     assert mm.llama_rope_scaling_factor(args) == 16.0
+
+
+def test_vision_language_flags_are_refused():
+    for extra in (["--multimodal-keys", '{"image": "images"}'], ["--freeze-vision-tower"]):
+        args = parse_args(BASE + extra)
+        args.__dict__.update(megatron_config_path=None)
+        with pytest.raises(NotImplementedError, match="vision-language models train with --train-backend fsdp"):
+            refuse_unsupported(args)
