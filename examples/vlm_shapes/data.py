@@ -1,7 +1,8 @@
 """The shapes task: count the filled squares drawn on a picture (1 to 4), answer with the digit.
 
 Pictures are 84x84 PNGs (the tiny VLM sees them as 6x6 patches of 14 pixels, 9 tokens after its 2x2
-merge): 1-4 squares of 12-16 pixels in random colours at random non-overlapping places on white.
+merge): 1-4 squares of 14-22 pixels in random colours, each in its own cell of a 3x3 grid of 28-pixel
+cells (the region one merged token covers), at a random place in the cell, on white.
 Rows: ``train.jsonl`` and ``eval.jsonl`` (``prompt`` with one ``<image>``, ``images``, ``label``) for
 GRPO and its held-out evaluation, ``sft.jsonl`` (``messages`` with the right answer, ``images``) for
 the warm start. Held-out pictures are drawn from their own seed.
@@ -18,21 +19,21 @@ from pathlib import Path
 
 QUESTION = "<image>How many squares are in the picture? Answer with one digit."
 SIZE = 84
+CELL = 28
 MAX_COUNT = 4
 
 
 def draw(rng: random.Random, count: int):
+    """``count`` squares in distinct cells of a 3x3 grid of 28-pixel cells (one cell: the 2x2 patches the
+    vision tower merges into one token), 14-22 pixels each, at a random offset in the cell, random colours."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
     pen = ImageDraw.Draw(image)
-    placed: list[tuple[int, int, int]] = []
-    while len(placed) < count:
-        side = rng.randint(12, 16)
-        x, y = rng.randint(2, SIZE - side - 2), rng.randint(2, SIZE - side - 2)
-        if any(x < px + ps + 3 and px < x + side + 3 and y < py + ps + 3 and py < y + side + 3 for px, py, ps in placed):
-            continue
-        placed.append((x, y, side))
+    for cell in rng.sample(range(9), count):
+        side = rng.randint(14, 22)
+        x = CELL * (cell % 3) + rng.randint(1, CELL - side - 1)
+        y = CELL * (cell // 3) + rng.randint(1, CELL - side - 1)
         colour = tuple(rng.randint(0, 160) for _ in range(3))
         pen.rectangle([x, y, x + side - 1, y + side - 1], fill=colour)
     return image

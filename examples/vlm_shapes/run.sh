@@ -27,7 +27,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --prompt-data "$out/data/sft.jsonl" --input-key messages --rollout-shuffle \
   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns \
   --rollout-batch-size 32 --num-rollout "${SFT_STEPS:-150}" --lr "${SFT_LR:-2e-3}" \
-  --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
+  --save "$out/sft_ckpt" --save-interval 100000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO, greedy held-out accuracy before and after"
 freeze=()

@@ -111,7 +111,7 @@ def test_log_probs_equal_the_engines(model_dir):
         torch.testing.assert_close(trainer[data.sample_indices.index(i)], torch.tensor(engine), atol=1e-4, rtol=0)
 
 
-def test_freeze_vision_tower(tiny_vlm_dir):
+def test_freeze_vision_tower_and_hf_export(tiny_vlm_dir, tmp_path):
     for flag, vision_moves in ((("--freeze-vision-tower",), False), ((), True)):
         args = make_args(tiny_vlm_dir, "--num-steps-per-rollout", "1", "--lr", "1e-2", *flag, rbs=2)
         worker = TrainWorker(args)
@@ -122,3 +122,13 @@ def test_freeze_vision_tower(tiny_vlm_dir):
         moved = {k for k, v in model.state_dict().items() if not torch.equal(v.full_tensor(), before[k])}
         assert any(k.startswith("model.language_model.") for k in moved)
         assert any(k.startswith("model.visual.") for k in moved) == vision_moves, flag
+    # the exported checkpoint serves again: trained vision tower, image processor and chat template included
+    from transformers import AutoModelForImageTextToText
+
+    worker.save_hf(str(tmp_path / "hf"))
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    trained = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for name, tensor in reloaded.state_dict().items():
+        if name.startswith("model.visual."):
+            assert torch.equal(tensor, trained[name]), name
+    assert load_processor(str(tmp_path / "hf")) is not None
