@@ -87,3 +87,19 @@ def tiny_glm4_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), size="tiny", seed=0, arch="glm4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny Qwen2.5-VL (2-block vision tower, 14-pixel patches merged 2x2; the tiny Qwen3's text shape)."""
+    from slime.utils.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"), arch="qwen2_5_vl", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory):
+    """A tiny Qwen3-VL (interleaved M-RoPE, deepstack features from the first vision block)."""
+    from slime.utils.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen3_vl"), arch="qwen3_vl", seed=0))

@@ -43,6 +43,8 @@ class TurnRecord:
     finish_reason: str  # "stop" | "length" | "abort"
     output_log_probs: list[float] = field(default_factory=list)  # one per output id
     ill_formed: bool = False  # the reply held a tool call whose arguments were not a JSON object
+    images: tuple = ()  # the prompt's images as the client sent them (paths, URLs, data URLs)
+    multimodal_train_inputs: dict | None = None  # the processor's pixel values and grids of those images
 
 
 @dataclass
@@ -63,6 +65,8 @@ class _Builder:
     truncated: bool = False
     use_tool: bool = False
     ill_formed: bool = False
+    images: tuple = ()  # of the last turn, whose prompt the held tokens extend: every image in them
+    multimodal_train_inputs: dict | None = None
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> "_Builder":
@@ -87,6 +91,7 @@ class _Builder:
         self.truncated = turn.finish_reason == "length"
         self.use_tool = self.use_tool or bool(node.message.get("tool_calls"))
         self.ill_formed = self.ill_formed or turn.ill_formed
+        self.images, self.multimodal_train_inputs = turn.images, turn.multimodal_train_inputs
 
 
 def _same_message(a: dict, b: dict) -> bool:
@@ -251,6 +256,8 @@ def _emit(builder: _Builder, base: Sample, rollout_id, reward, extra_metadata, m
         reward=reward,
         status=Sample.Status.COMPLETED,
         metadata=metadata,
+        multimodal_inputs={"images": list(builder.images)} if builder.images else None,
+        multimodal_train_inputs=builder.multimodal_train_inputs,
     )
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
-from slime.utils.processing_utils import load_tokenizer
+from slime.utils.multimodal import MediaError, expand_image_tokens, image_inputs, load_image, sample_images
+from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
 
 
@@ -22,6 +23,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         load_tokenizer(args.hf_checkpoint), tokenizer_type=getattr(args, "loss_mask_type", "qwen")
     )
     groups = data_source.get_samples(args.rollout_batch_size)
+    processor = None
     for group in groups:
         if len(group) != 1:
             raise ValueError(f"the SFT rollout needs --n-samples-per-prompt 1, got groups of {len(group)}")
@@ -32,6 +34,9 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
                 f"--apply-chat-template); got {type(sample.prompt).__name__}"
             )
         token_ids, loss_mask = generator.get_loss_mask(sample.prompt, tools=sample.metadata.get("tools"))
+        if sample_images(sample):  # each image placeholder expanded to its tokens (context), pixels for the trainer
+            processor = processor or load_processor(args.hf_checkpoint)
+            token_ids, loss_mask = _with_images(args, processor, sample, token_ids, loss_mask)
         response_length = generator.get_response_lengths([loss_mask])[0]
         sample.tokens = token_ids
         sample.response_length = response_length
@@ -39,3 +44,15 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         sample.reward = 0
         sample.status = Sample.Status.COMPLETED
     return RolloutFnTrainOutput(samples=groups)
+
+
+def _with_images(args, processor, sample: Sample, token_ids: list[int], loss_mask: list[int]
+                 ) -> tuple[list[int], list[int]]:
+    if processor is None:
+        raise ValueError(f"SFT sample {sample.index} has images but {args.hf_checkpoint} has no image processor")
+    try:
+        images = [load_image(item) for item in sample_images(sample)]
+        sample.multimodal_train_inputs, counts = image_inputs(processor, images)
+        return expand_image_tokens(token_ids, processor.image_token_id, counts, loss_mask)
+    except MediaError as e:
+        raise ValueError(f"SFT sample {sample.index}: {e}") from None

@@ -44,7 +44,8 @@ from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_r
 from slime.utils.async_utils import run
 from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.misc import load_function
-from slime.utils.processing_utils import load_tokenizer
+from slime.utils.multimodal import MediaError, encode_image, prepare_prompt, sample_images
+from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,17 @@ class GenerateState:
             weakref.WeakKeyDictionary()
         )
         self.sampling_params = self._base_sampling_params(args)
+        self._processor = None
         self.aborted = False
         self.request_mode_tasks: set[asyncio.Task] = set()
         self.cancelled_on_abort: "weakref.WeakSet[asyncio.Task]" = weakref.WeakSet()
+
+    @property
+    def processor(self):
+        """The checkpoint's multimodal processor (None for a text-only model), loaded at the first image."""
+        if self._processor is None:
+            self._processor = load_processor(self.args.hf_checkpoint) or False
+        return self._processor or None
 
     @staticmethod
     def _base_sampling_params(args) -> dict:
@@ -198,8 +207,6 @@ def _request_budget(args, sample: Sample, sampling_params: dict, evaluation: boo
     if needed. ``<= 0`` means nothing is left to generate."""
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"generate() accepts PENDING or ABORTED samples; sample {sample.index} is {sample.status}")
-    if sample.multimodal_inputs:
-        raise NotImplementedError("multimodal prompts are not supported by the default generator yet")
     if not sample.tokens:
         sample.tokens = _prompt_token_ids(GenerateState(args).tokenizer, sample.prompt)
     max_new_tokens = sampling_params.get("max_new_tokens")
@@ -237,11 +244,15 @@ def _append_output(args, sample: Sample, output: dict, span) -> None:
 
 
 def _mark_rejected(samples: list[Sample], error: HTTPRequestError) -> None:
-    logger.error("generate for sample(s) %s rejected: %s", [s.index for s in samples], error)
+    _mark_failed(samples, str(error), "generate_rejected", status_code=error.status_code)
+
+
+def _mark_failed(samples: list[Sample], reason: str, event: str, **attrs) -> None:
+    logger.error("generate for sample(s) %s failed: %s", [s.index for s in samples], reason)
     for sample in samples:
         sample.status = Sample.Status.FAILED
-        sample.metadata["generate_error"] = str(error)
-        trace_event(sample, "generate_rejected", attrs={"status_code": error.status_code, "error": str(error)[:500]})
+        sample.metadata["generate_error"] = reason
+        trace_event(sample, event, attrs={**attrs, "error": reason[:500]})
 
 
 async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
@@ -251,11 +262,24 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     rollout), capped by the context length; at 0 the sample is TRUNCATED without a request. A
     4xx answer (e.g. prompt longer than the engine's context) marks the sample FAILED.
     """
+    image_data = prompt_text = None
+    if sample_images(sample):
+        try:  # an image that cannot be used fails this sample with the reason; the run goes on
+            images, prompt_text = prepare_prompt(sample, GenerateState(args).tokenizer, GenerateState(args).processor)
+            image_data = [encode_image(image) for image in images]
+        except MediaError as e:
+            _mark_failed([sample], f"image: {e}", "image_rejected")
+            return sample
     max_new_tokens = _request_budget(args, sample, sampling_params, evaluation)
     if max_new_tokens is not None and max_new_tokens <= 0:
         sample.status = Sample.Status.TRUNCATED
         return sample
     payload = _generate_payload(args, list(sample.tokens), sampling_params, max_new_tokens)
+    if image_data:
+        payload["image_data"] = image_data
+        if not sample.response_length:  # SGLang's multimodal form: the prompt text, expanded by the engine
+            del payload["input_ids"]
+            payload["text"] = prompt_text
     headers = None
     if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
         headers = {"X-SMG-Routing-Key": sample.session_id}
@@ -294,7 +318,7 @@ def batchable_group(args, group: list, evaluation: bool = False) -> bool:
             args, "sglang_enable_deterministic_inference", False) or getattr(args, "deterministic_mode", False):
         return False
     return all(isinstance(s, Sample) and s.status == Sample.Status.PENDING and not s.response_length
-               and not s.generate_function_path and not s.multimodal_inputs for s in group)
+               and not s.generate_function_path and not sample_images(s) for s in group)
 
 
 async def generate_group(args, group: list[Sample], sampling_params: dict, evaluation: bool = False) -> list[Sample]:
@@ -302,7 +326,7 @@ async def generate_group(args, group: list[Sample], sampling_params: dict, evalu
     each answer appended to its sample exactly as :func:`generate` does. Samples whose budgets differ
     (different prompt lengths under a context limit) are sent one by one instead."""
     first = group[0]
-    if not first.tokens and not first.multimodal_inputs and all(s.prompt == first.prompt and not s.tokens for s in group):
+    if not first.tokens and not sample_images(first) and all(s.prompt == first.prompt and not s.tokens for s in group):
         # one prompt, n samples (GRPO's group): tokenized once for all of them
         tokens = _prompt_token_ids(GenerateState(args).tokenizer, first.prompt)
         for sample in group:

@@ -184,7 +184,7 @@ class StandInEngine:
         meta = {
             "id": rid,
             "finish_reason": finish,
-            "prompt_tokens": len(payload["input_ids"]),
+            "prompt_tokens": len(payload["input_ids"]) if "input_ids" in payload else len(payload.get("text", "")),
             "completion_tokens": len(emitted),
             "cached_tokens": 1,
             "weight_version": self.weight_version,

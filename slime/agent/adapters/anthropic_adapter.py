@@ -14,7 +14,7 @@ import json
 from aiohttp import web
 
 from slime.agent.adapters.common import (BaseAdapter, HTTPProblem, Reply, canonical_assistant, canonical_tool_call,
-                                         flatten_content, function_tool, new_id)
+                                         content_with_images, flatten_content, function_tool, new_id)
 
 
 def fold_system_messages(body: dict) -> dict:
@@ -84,17 +84,17 @@ def translate_messages(body: dict) -> tuple[list[dict], list[dict]]:
         if message["role"] == "assistant":
             translated.append(_assistant_from_blocks(_blocks(content), i))
             continue
-        text_parts: list[str] = []
+        user_blocks: list = []  # images kept as parts for the chat template and the processor
         for block in _blocks(content):
             if isinstance(block, dict) and block.get("type") == "tool_result":
-                if text_parts:
-                    translated.append({"role": "user", "content": "\n".join(text_parts)})
-                    text_parts = []
-                translated.append({"role": "tool", "content": flatten_content(block.get("content"))})
+                if user_blocks:
+                    translated.append({"role": "user", "content": content_with_images(user_blocks)})
+                    user_blocks = []
+                translated.append({"role": "tool", "content": content_with_images(block.get("content"))})
             else:
-                text_parts.append(flatten_content([block]))
-        if text_parts or not content:
-            translated.append({"role": "user", "content": "\n".join(text_parts)})
+                user_blocks.append(block)
+        if user_blocks or not content:
+            translated.append({"role": "user", "content": content_with_images(user_blocks)})
     return translated, translate_anthropic_tools(body.get("tools"))
 
 

@@ -77,8 +77,70 @@ class HTTPProblem(Exception):
 # ----------------------------------------------------------------------------- message helpers
 
 
+def image_source(block) -> str | None:
+    """The image a wire content block carries, as a path / URL / data URL string (None: not an image):
+    OpenAI chat ``image_url``, Responses ``input_image``, Anthropic ``image`` with a base64 or URL source."""
+    if not isinstance(block, Mapping):
+        return None
+    kind = block.get("type")
+    if kind in ("image_url", "input_image"):
+        url = block.get("image_url")
+        return url.get("url") if isinstance(url, Mapping) else url
+    if kind == "image":
+        source = block.get("source")
+        if isinstance(source, Mapping):
+            if source.get("type") == "base64":
+                return f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data', '')}"
+            return source.get("url") or source.get("path")
+        return block.get("image")
+    return None
+
+
+def content_with_images(content):
+    """Wire content of a user or tool message: plain text (as :func:`flatten_content`) when it holds no
+    image, else chat-template parts ``{"type": "text"}`` / ``{"type": "image", "image": <source>}`` in order."""
+    blocks = [content] if isinstance(content, Mapping) else content
+    if not isinstance(blocks, list) or not any(_holds_image(b) for b in blocks):
+        return flatten_content(content)
+    parts, texts = [], []
+    for block in blocks:
+        source = image_source(block)
+        if source is None and isinstance(block, Mapping) and _holds_image(block):
+            nested = content_with_images(block.get("content", block.get("output")))
+            nested = nested if isinstance(nested, list) else [{"type": "text", "text": nested}]
+            for part in nested:
+                if part["type"] == "text":
+                    texts.append(part["text"])
+                else:
+                    _flush(parts, texts)
+                    parts.append(part)
+        elif source is None:
+            text = flatten_content([block])
+            if text or isinstance(block, str):
+                texts.append(text)
+        else:
+            _flush(parts, texts)
+            parts.append({"type": "image", "image": source})
+    _flush(parts, texts)
+    return parts
+
+
+def _holds_image(block) -> bool:
+    if image_source(block) is not None:
+        return True
+    nested = block.get("content", block.get("output")) if isinstance(block, Mapping) else None
+    return isinstance(nested, list) and any(_holds_image(b) for b in nested)
+
+
+def _flush(parts: list, texts: list) -> None:
+    if texts:
+        parts.append({"type": "text", "text": "\n".join(texts)})
+        texts.clear()
+
+
 def flatten_content(content) -> str:
-    """Wire content (string or list of blocks) as plain text; images become ``[image omitted]``."""
+    """Wire content (string or list of blocks) as plain text; images become ``[image omitted]`` (where a
+    message can carry them, :func:`content_with_images` keeps them)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -135,13 +197,16 @@ CONNECT_RETRY_SECONDS = 1.0  # before the one retry of a /generate that could no
 
 
 async def call_sglang_generate(prompt_ids: list[int], session: Session, body: dict, *, adapter: "BaseAdapter",
-                               session_id: str | None = None) -> TurnRecord:
-    """One ``/generate`` call for a turn; returns the sampled ids and log-probs as the engine sent them."""
+                               session_id: str | None = None, images: "PromptImages | None" = None) -> TurnRecord:
+    """One ``/generate`` call for a turn; returns the sampled ids and log-probs as the engine sent them.
+    ``images``: the prompt's images (``prompt_ids`` then holds each image's expanded placeholder run)."""
     params = adapter.sampling_params(session, body, len(prompt_ids))
     if params is None:  # the prompt already fills the session's context budget
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=[], finish_reason="length")
     rid = uuid.uuid4().hex
     payload = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
+    if images is not None:
+        payload["image_data"] = images.image_data
     headers = {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else {}
     for attempt in (1, 2):
         try:
@@ -168,7 +233,18 @@ async def call_sglang_generate(prompt_ids: list[int], session: Session, body: di
     finish = meta.get("finish_reason") or {}
     return TurnRecord(prompt_ids=list(prompt_ids), output_ids=[int(t[1]) for t in triples],
                       finish_reason=(finish.get("type") if isinstance(finish, Mapping) else None) or "stop",
-                      output_log_probs=[float(t[0]) for t in triples])
+                      output_log_probs=[float(t[0]) for t in triples],
+                      images=tuple(images.sources) if images is not None else (),
+                      multimodal_train_inputs=images.train_inputs if images is not None else None)
+
+
+@dataclass
+class PromptImages:
+    """A turn's images: their sources as the client sent them, what the engine is sent, the trainer's inputs."""
+
+    sources: list
+    image_data: list[str]
+    train_inputs: dict
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -185,7 +261,7 @@ class BaseAdapter:
                  reasoning_parser: str | None = None, max_turns_per_sid: int | None = None,
                  fork_threshold_tokens: int | None = None, debug_callback=None,
                  chat_template_kwargs: dict | None = None, strict: bool = False, model_name: str = "slime-actor",
-                 **unknown):
+                 processor=None, **unknown):
         if unknown:  # forward compatibility with newer callers (docs/INTERFACES.md §6.8); said out loud
             logger.warning("%s ignores unknown constructor arguments %s", type(self).__name__, sorted(unknown))
         if not sglang_url:
@@ -202,6 +278,7 @@ class BaseAdapter:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.strict = bool(strict)
         self.model_name = model_name
+        self._processor = processor  # the checkpoint's image processor + tokenizer, loaded at the first image
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
         self.store: dict[str, Session] = {}
         self.closed: set[str] = set()
@@ -301,14 +378,42 @@ class BaseAdapter:
 
     # ------------------------------------------------------------------ one turn
 
-    def render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """Prompt ids from the model's chat template (tools and --apply-chat-template-kwargs applied)."""
+    def render_with_images(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], PromptImages | None]:
+        """:meth:`render`, or for messages with image parts: the rendered prompt through the checkpoint's
+        processor (each image's placeholder expanded) and the images, loaded and checked."""
+        from slime.utils.multimodal import (MediaError, encode_image, images_of_messages, load_image, process_images,
+                                            unwrap_image)
+
+        sources = [unwrap_image(part) for part in images_of_messages(messages)]
+        if not sources:
+            return self.render(messages, tools), None
+        if self._processor is None:
+            from slime.utils.processing_utils import load_processor
+
+            self._processor = load_processor(self.tokenizer.name_or_path)
+            if self._processor is None:
+                raise HTTPProblem(400, "invalid_request_error", "the request holds images but the served checkpoint "
+                                                                "has no image processor (not a vision-language model)")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+            images = [load_image(source) for source in sources]
+        except MediaError as e:
+            raise HTTPProblem(400, "invalid_request_error", f"image: {e}") from e
+        text = self.render(messages, tools, tokenize=False)
+        ids, train_inputs = process_images(self._processor, text, images)
+        return ids, PromptImages(sources=sources, image_data=[encode_image(image) for image in images],
+                                 train_inputs=train_inputs)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, tokenize: bool = True):
+        """Prompt ids from the model's chat template (tools and --apply-chat-template-kwargs applied);
+        the rendered text with ``tokenize=False``."""
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=tokenize,
                                                      add_generation_prompt=True, **self.chat_template_kwargs)
         except Exception as e:  # a template that rejects these messages is the client's problem, said clearly
             raise HTTPProblem(400, "invalid_request_error", f"the chat template could not render the request: "
                                                             f"{type(e).__name__}: {e}") from e
+        if not tokenize:
+            return ids
         if isinstance(ids, Mapping) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -356,13 +461,13 @@ class BaseAdapter:
                                                        f"({self.max_turns_per_sid} turns)")
         messages, tools = translate(body)
         self.turn_counts[sid] = count + 1
-        prompt_ids = self.render(messages, tools)
+        prompt_ids, images = self.render_with_images(messages, tools)
         # The turn stays in flight until it is recorded (after the reply is flushed), so that a
         # finish_session called as soon as the client has its answer still sees this turn.
         entry = (asyncio.get_running_loop(), asyncio.current_task())
         self.inflight.setdefault(sid, set()).add(entry)
         try:
-            turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid)
+            turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid, images=images)
             parsed = self.parse(self.decode_output(turn.output_ids), tools)
             turn = replace(turn, ill_formed=parsed.ill_formed)
             reply = build_reply(parsed, turn, messages, tools, body)

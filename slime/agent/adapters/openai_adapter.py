@@ -19,7 +19,7 @@ import time
 from aiohttp import web
 
 from slime.agent.adapters.common import (BaseAdapter, HTTPProblem, Reply, canonical_assistant, canonical_tool_call,
-                                         flatten_content, function_tool, new_id)
+                                         content_with_images, flatten_content, function_tool, new_id)
 from slime.agent.parsing import arguments_dict
 
 
@@ -62,8 +62,10 @@ def translate_chat(body: dict) -> tuple[list[dict], list[dict]]:
         role = message.get("role")
         if role == "developer":
             role = "system"
-        if role in ("system", "user", "tool"):
+        if role == "system":
             translated.append({"role": role, "content": flatten_content(message.get("content"))})
+        elif role in ("user", "tool"):  # images kept as parts for the chat template and the processor
+            translated.append({"role": role, "content": content_with_images(message.get("content"))})
         elif role == "assistant":
             translated.append(_assistant_from_chat(message))
     return translated, translate_openai_tools(body.get("tools"))
@@ -102,11 +104,13 @@ def translate_responses(body: dict) -> tuple[list[dict], list[dict]]:
             continue
         assistant = None
         if kind == "function_call_output":
-            translated.append({"role": "tool", "content": flatten_content(item.get("output"))})
+            translated.append({"role": "tool", "content": content_with_images(item.get("output"))})
         elif kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role in ("system", "user"):
-                translated.append({"role": role, "content": flatten_content(item.get("content"))})
+                content = item.get("content")
+                translated.append({"role": role, "content": content_with_images(content) if role == "user"
+                                   else flatten_content(content)})
     return translated, translate_openai_tools(body.get("tools"))
 
 

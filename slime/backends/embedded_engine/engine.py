@@ -278,7 +278,8 @@ class Engine:
             rows = []
             for seq in pending:
                 tokens = seq.fill_ids[seq.num_computed: seq.num_computed + chunk]
-                rows.append(ForwardRow(tokens, seq.num_computed, want_all_logits=self._wants_input_logprobs(seq)))
+                rows.append(ForwardRow(tokens, seq.num_computed, want_all_logits=self._wants_input_logprobs(seq),
+                                       vision=seq.request.vision))
             slots = [seq.slot for seq in pending]
             if self.speculative is not None and self.speculative.needs_hidden:  # NEXTN: the MTP layer's input
                 last_logits, all_logits, hidden = self.runner.forward_with_hidden(slots, rows)
@@ -309,7 +310,8 @@ class Engine:
         requests starting from an empty slot and not asking for prompt log-probs share."""
         leaders, followers, by_tokens = [], {}, {}
         for seq in admitted:
-            key = tuple(seq.fill_ids) if seq.num_computed == 0 and not self._wants_input_logprobs(seq) else None
+            key = ((tuple(seq.fill_ids), seq.request.vision and seq.request.vision.key)
+                   if seq.num_computed == 0 and not self._wants_input_logprobs(seq) else None)  # same images too
             leader = by_tokens.get(key) if key is not None else None
             if leader is None:
                 leaders.append(seq)

@@ -202,6 +202,8 @@ class GenerateRequest:
     return_routed_experts: bool = False  # the MoE experts of positions [routed_experts_start_len, seqlen - 1)
     routed_experts_start_len: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    image_data: list | None = None  # the request's images as sent (paths, data URLs, base64)
+    vision: Any = None  # vision.RequestVision once the images are processed (vision-language models)
 
     @property
     def return_top_p_token_ids(self) -> bool:
@@ -228,6 +230,9 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
         raise RequestError("Either text or input_ids should be provided.")
     if body.get("input_embeds") is not None:
         raise RequestError("input_embeds is not supported by the embedded engine yet")
+    for media in ("video_data", "audio_data"):
+        if body.get(media) is not None:
+            raise RequestError(f"{media} is not supported by the embedded engine yet (images: image_data)")
     is_batch = isinstance(text, list) if text is not None else bool(input_ids) and isinstance(input_ids[0], list)
     batch = len(text if text is not None else input_ids) if is_batch else None
     if batch == 0:
@@ -244,6 +249,7 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
     start_lens = _as_list(body.get("logprob_start_len", -1), batch)
     routed_flags = _as_list(body.get("return_routed_experts", False), batch)
     routed_starts = _as_list(body.get("routed_experts_start_len", 0), batch)
+    images = _image_data(body.get("image_data"), batch)
     requests = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams.from_dict(sampling_list[i])
@@ -259,8 +265,20 @@ def parse_generate(body: Any, tokenize, vocab_size: int, context_length: int) ->
                                             return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
                                             stream=bool(body.get("stream", False)),
                                             return_routed_experts=bool(routed_flags[i]),
-                                            routed_experts_start_len=routed_start))
+                                            routed_experts_start_len=routed_start, image_data=images[i]))
     return requests, is_batch or len(requests) > 1
+
+
+def _image_data(value, batch: int | None) -> list[list | None]:
+    """``image_data`` per prompt: one image or a list of them (a batch: a list with one such entry per prompt)."""
+    if value is None:
+        return [None] * (batch or 1)
+    if batch is None:
+        return [value if isinstance(value, list) else [value]]
+    if not isinstance(value, list) or len(value) != batch:
+        raise RequestError(f"image_data: a batch of {batch} prompts needs a list of {batch} entries (an image, a "
+                           f"list of images or null per prompt)")
+    return [None if v is None else v if isinstance(v, list) else [v] for v in value]
 
 
 def _routed_experts_start(wanted: bool, start, prompt_len: int) -> int:

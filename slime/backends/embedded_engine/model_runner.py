@@ -17,7 +17,7 @@ import inspect
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -30,6 +30,7 @@ from slime.backends.embedded_engine.kv_cache import (FP8_DTYPES, CacheShape, Dec
                                                      SlotKVCache, read_kv_scales, resolve_kv_cache_dtype)
 from slime.backends.embedded_engine.memory_saver import MemorySaver
 from slime.backends.embedded_engine.kernels.mla_decode import MLA_CLASSES
+from slime.backends.embedded_engine.vision import VisionLanguage, is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ForwardRow:
     tokens: list[int]
     start: int
     want_all_logits: bool = False  # prompt log-probs: keep the logits of every position of this row
+    vision: Any = None  # vision.RequestVision of an image request (M-RoPE positions, image embeddings)
 
 
 class ModelRunner:
@@ -57,7 +59,7 @@ class ModelRunner:
                  quantization: str | None = None, fp8_gemm_backend: str = "auto", kv_cache_dtype: str = "auto",
                  routed_experts: bool = False, memory_saver: bool = False, weights_cpu_backup: bool = False,
                  true_on_policy: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
@@ -67,8 +69,11 @@ class ModelRunner:
         #: so every sampled token's log-prob is the trainer's bit for bit
         self.true_on_policy = true_on_policy
         attn = batch_invariant.register() if true_on_policy else attention.register()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation=attn)
+        self.model = load_model(model_path, dtype=self.dtype, attn_implementation=attn)
         self.model.to(self.device).eval()
+        #: a vision-language model's images, M-RoPE positions and per-slot rotary offsets (vision.py)
+        self.vision = (VisionLanguage(self.model, model_path, num_slots, self.device)
+                       if is_vision_language(self.model.config) else None)
         if true_on_policy:
             flag = "--enable-deterministic-inference (slime: --deterministic-mode / --true-on-policy)"
             batch_invariant.check_supported(self.model, flag)
@@ -353,9 +358,13 @@ class ModelRunner:
         q_len = input_ids.shape[1]
         want_all = any(r.want_all_logits for r in rows)
         with self.prefill_attention(), self._recording_experts(view.write_slots, view.write_positions, view.token_index):
-            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view})
-        logits = out.logits.float()
+            if self.vision is not None:
+                logits = self.vision.prefill(rows, slots, input_ids, positions, mask, {self._cache_kwarg: view},
+                                             0 if want_all else 1)
+            else:
+                logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                    logits_to_keep=0 if want_all else 1, **{self._cache_kwarg: view}).logits
+        logits = logits.float()
         all_logits = [logits[i, q_len - len(r.tokens):] if r.want_all_logits else None for i, r in enumerate(rows)]
         return logits[:, -1], all_logits
 
@@ -483,7 +492,8 @@ class ModelRunner:
                 lambda module, args, output: hidden_out.copy_(output))
         try:
             with self._recording_experts(view.slots, view.positions):  # each token's slot and position
-                logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                rotary = positions if self.vision is None else self.vision.decode_positions(positions)
+                logits = self.model(input_ids=input_ids, position_ids=rotary, attention_mask=mask, use_cache=True,
                                     logits_to_keep=1 if tokens == 1 else 0, **extra).logits
         finally:
             if handle is not None:
@@ -497,12 +507,16 @@ class ModelRunner:
         self.kv_cache.move_slot(src, dst, length)
         if self.routed_experts is not None:
             self.routed_experts.move_slot(src, dst, length)
+        if self.vision is not None:
+            self.vision.move_slot(src, dst)
 
     def copy_slots(self, srcs: list[int], dsts: list[int], length: int) -> None:
         """Copy the first ``length`` positions of per-slot state from ``srcs`` to ``dsts`` (a shared prefill)."""
         self.kv_cache.copy_slots(srcs, dsts, length)
         if self.routed_experts is not None:
             self.routed_experts.copy_slots(srcs, dsts, length)
+        if self.vision is not None:
+            self.vision.copy_slots(srcs, dsts)
 
     def _recording_experts(self, slots: torch.Tensor, positions: torch.Tensor, token_index: torch.Tensor | None = None):
         """Around a forward: its routers' choices go to (slot, position) (nothing without the flag)."""
@@ -617,9 +631,7 @@ class ModelRunner:
 
     def load_from_disk(self, model_path: str) -> int:
         """Load a full HF checkpoint directory (same architecture) into the running model."""
-        from transformers import AutoModelForCausalLM
-
-        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        fresh = load_model(model_path, dtype=self.dtype)
         if type(fresh) is not type(self.model):
             raise ValueError(f"{model_path} holds a {type(fresh).__name__}, the server runs {type(self.model).__name__}")
         # transformers drops the MTP layer's weights: read them from the files (checked before anything loads).
@@ -711,6 +723,15 @@ class ModelRunner:
                 self.mtp.to(self.device, non_blocking=True)
             torch.cuda.synchronize()
         self.weights_on_device = True
+
+
+def load_model(model_path: str, **kwargs):
+    """The checkpoint's causal LM; a vision-language checkpoint (a ``vision_config``) as its image-text model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if is_vision_language(AutoConfig.from_pretrained(model_path)):
+        return AutoModelForImageTextToText.from_pretrained(model_path, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
 def _refuse_sliding_windows(model: torch.nn.Module, model_path: str) -> None:

@@ -18,6 +18,9 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="torch.compile each decoder layer (dynamic shapes): fuses norms, rotary embeddings and "
                         "activations, worth it on GPU for small models (Qwen3-0.6B on an H200: MFU 14%% -> 20%%); "
                         "the first steps pay the compile time.")
+    g.add_argument("--freeze-vision-tower", action="store_true", default=False,
+                   help="Vision-language models: keep the vision encoder and its merger fixed (no gradient); the "
+                        "language model trains.")
     g.add_argument("--critic-hf-checkpoint", type=str, default=None,
                    help="PPO critic initial weights (HF dir); default --hf-checkpoint. The value head starts random.")
     g.add_argument("--critic-lr", type=float, default=None, help="PPO critic learning rate; default --lr.")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from slime.backends import batch_invariant
 from slime.backends.fsdp_utils import checkpoint as ckpt
+from slime.backends.fsdp_utils import vision
 from slime.backends.fsdp_utils.model import (
     forward_log_probs,
     forward_response_logits,
@@ -33,6 +34,7 @@ from slime.backends.fsdp_utils.optim import LRScheduler, build_optimizer
 from slime.backends.training.backend import DataLayout, ModelOutput, ModelOutputs, TrainBackend, apply_freeze_lists
 from slime.backends.training.batch import TrainBatch
 from slime.backends.training.logprob_head import Nucleus, resolve_chunk_rows
+from slime.utils.multimodal import is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,10 @@ class FSDPBackend(TrainBackend):
             batch_invariant.install(model)
         if trainable:
             apply_freeze_lists(model, self.args)
+            if getattr(self.args, "freeze_vision_tower", False):
+                if not is_vision_language(model.config):
+                    raise ValueError(f"--freeze-vision-tower: {path} has no vision tower (not a vision-language model)")
+                vision.freeze_vision_tower(model)
         else:
             model.requires_grad_(False)
         if getattr(self.args, "gradient_checkpointing", False):
@@ -163,8 +169,14 @@ class FSDPBackend(TrainBackend):
         tokens = [batch.tokens[i] for i in micro_batch]
         lengths = [int(batch.response_lengths[i]) for i in micro_batch]
         if self.attn_implementation in ("sdpa", batch_invariant.ATTENTION_NAME) and output.kind != "logits":
-            return pad_samples(tokens, lengths, self.device)
-        return pack_samples(tokens, lengths, self.device)
+            packed = pad_samples(tokens, lengths, self.device)
+        else:
+            packed = pack_samples(tokens, lengths, self.device)
+        if micro_batch and is_vision_language(self.model.config):  # images and M-RoPE positions
+            inputs = batch.multimodal_train_inputs or [None] * len(batch.tokens)
+            names = [f"sample {batch.sample_indices[i] if batch.sample_indices is not None else i}" for i in micro_batch]
+            vision.attach(self.model, packed, tokens, lengths, [inputs[i] for i in micro_batch], names, self.device)
+        return packed
 
     def _nucleus(self, batch: TrainBatch, micro_batch: list[int]) -> Nucleus | None:
         """The engine's kept top-p sets of the micro-batch's response positions (``--rollout-top-p`` ≠ 1)."""
@@ -435,7 +447,6 @@ def _reject_unsupported(args) -> None:
         "--use-routing-replay / --use-rollout-routing-replay with --fsdp-compile (the router hooks)":
         getattr(args, "use_routing_replay", False) and getattr(args, "fsdp_compile", False),
         "--enable-mtp-training": getattr(args, "enable_mtp_training", False),
-        "--multimodal-keys (multimodal training inputs)": bool(getattr(args, "multimodal_keys", None)),
     }
     names = [name for name, active in unsupported.items() if active]
     if names:

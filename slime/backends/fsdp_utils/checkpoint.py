@@ -18,6 +18,7 @@ import copy
 import logging
 import os
 import random
+import shutil
 import threading
 from typing import TYPE_CHECKING, Iterator
 
@@ -237,6 +238,10 @@ def _drop_tied(state: dict, config) -> dict:
     return state
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
 def save_hf(backend: "FSDPBackend", path: str) -> None:
     """HF directory readable by ``from_pretrained``: safetensors weights, config, generation config
     and tokenizer (copied from ``--hf-checkpoint``). The critic also writes ``value_head.safetensors``."""
@@ -261,6 +266,9 @@ def save_hf(backend: "FSDPBackend", path: str) -> None:
         except OSError:
             pass  # the source has no generation_config.json
         AutoTokenizer.from_pretrained(source).save_pretrained(path)
+        for name in PROCESSOR_FILES:  # a vision-language model's image processor and chat template
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
     dist.barrier()
 
 

@@ -28,7 +28,7 @@ float32 logits or gradient is ever held whole).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     dummy: bool = False
     padded: bool = False
+    model_kwargs: dict = field(default_factory=dict)  # a vision-language model's image inputs (vision.attach)
 
 
 def pack_samples(tokens: list[torch.Tensor], response_lengths: list[int], device, pad_token_id: int = 0) -> PackedBatch:
@@ -155,7 +156,8 @@ def model_inputs(packed: PackedBatch, attn_implementation: str, dtype=torch.floa
                  sample_bounds: bool = False) -> dict:
     """The model's keyword inputs for ``packed``; ``sample_bounds``: the samples' cumulative lengths too, for
     a packed row through layers that carry a state along it (linear attention)."""
-    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False,
+              **packed.model_kwargs}
     if attn_implementation == "slime_varlen" or (sample_bounds and not packed.padded):
         longest = max(packed.lengths) if packed.lengths else 1
         inputs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
@@ -257,18 +259,30 @@ class CriticModel(nn.Module):
 def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.Module:
     """The HF model at ``path`` in float32 (actor: CausalLM; critic: backbone + value head).
     A critic checkpoint directory written by :meth:`save_hf` carries ``value_head.safetensors``."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from slime.utils.multimodal import is_vision_language
 
     torch.manual_seed(seed)
     if attn_implementation == "slime_varlen":
         from slime.backends.training import varlen_attention
 
         varlen_attention.register()
+    config = AutoConfig.from_pretrained(path)
+    if role == "actor" and is_vision_language(config):
+        from slime.backends.fsdp_utils import vision
+
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation=attn_implementation)
+        vision.install_forward(model)
+        return model
     if role == "actor":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
         model.linear_attention_layers = install_packed_forward(model)  # packed samples' boundaries honoured
         return model
-    config = AutoConfig.from_pretrained(path)
+    if is_vision_language(config):
+        raise ValueError(f"{path}: a PPO critic on a vision-language model is not supported; use a critic-free "
+                         "estimator (e.g. --advantage-estimator grpo)")
     backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     critic = CriticModel(backbone, config.hidden_size)
     nn.init.normal_(critic.value_head.weight, std=0.02)
@@ -285,6 +299,7 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     inner = model.model if hasattr(model, "model") else model
     inner = inner.model if hasattr(inner, "model") and hasattr(inner.model, "layers") else inner
+    inner = inner.language_model if hasattr(inner, "language_model") else inner  # vision-language models
     if not hasattr(inner, "layers"):
         raise ValueError(f"cannot find decoder layers in {type(model).__name__}: expected .model.layers")
     return list(inner.layers)

@@ -62,6 +62,8 @@ def refuse_unsupported(args) -> None:
         f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
         f"--train-backend fsdp only)": getattr(args, "rollout_top_p", 1.0) != 1.0,
         "--keep-old-actor (--train-backend fsdp only)": getattr(args, "keep_old_actor", False),
+        "--multimodal-keys / --freeze-vision-tower (vision-language models train with --train-backend fsdp)":
+            bool(getattr(args, "multimodal_keys", None)) or getattr(args, "freeze_vision_tower", False),
         "--sequence-parallel without Transformer Engine or Apex (Megatron-Core's local layer spec then norms "
         "with torch modules that do not support it; drop --sequence-parallel or install transformer_engine)":
             getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1 and not mm.have_sequence_parallel_norm(),

@@ -31,6 +31,7 @@ class FlopShape:
 
     @classmethod
     def from_hf_config(cls, config: dict, role: str = "actor") -> "FlopShape":
+        config = config.get("text_config") or config  # a vision-language model: its language model (the tower uncounted)
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)

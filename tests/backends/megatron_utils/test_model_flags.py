@@ -163,3 +163,11 @@ def test_glm4_and_qwen35_layer_flags_parse_and_the_backend_says_what_it_builds()
     for flag in ("--use-gated-attention", "--post-mlp-layernorm", "--enable-experimental", "--apply-layernorm-1p"):
         with pytest.raises(ValueError, match=f"--train-backend fsdp does not read {flag} True"):
             parse_args(fsdp + [flag])
+
+
+def test_vision_language_flags_are_refused():
+    for extra in (["--multimodal-keys", '{"image": "images"}'], ["--freeze-vision-tower"]):
+        args = parse_args(BASE + extra)
+        args.__dict__.update(megatron_config_path=None)
+        with pytest.raises(NotImplementedError, match="vision-language models train with --train-backend fsdp"):
+            refuse_unsupported(args)

@@ -7,6 +7,7 @@ Both translate to :class:`GenerateRequest` objects and run through the same engi
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -14,6 +15,7 @@ from fastapi import FastAPI, Request
 
 from slime.agent.tool_parser import get_tool_parser
 from slime.backends.embedded_engine.io_struct import GenerateRequest, JSONResponse, RequestError, SamplingParams, read_json
+from slime.utils.multimodal import images_of_messages, unwrap_image
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -78,10 +80,22 @@ def add_openai_routes(app: FastAPI, state) -> None:
             except Exception as exc:  # template errors are the caller's messages, not a server fault
                 raise _openai_error(f"messages: the chat template failed: {exc}")
             prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
+        images = [unwrap_image(part) for part in images_of_messages(messages)]
+        vision = None
+        if images:  # image_url / image parts: placeholders expanded, images processed off the event loop
+            if runner.vision is None:
+                raise _openai_error("messages: image parts were given but the served model has no vision tower")
+            try:
+                prompt_ids, vision = await asyncio.to_thread(runner.vision.prepare, list(prompt_ids), images)
+            except RequestError as exc:
+                raise _openai_error(exc.message)
         params = _sampling(body, None)
         if tools and tool_choice != "none":
             params.skip_special_tokens = False  # the <tool_call> markers are special tokens; the parser needs them
-        results = await client.generate(_requests(state, prompt_ids, params, body))
+        requests = _requests(state, prompt_ids, params, body)
+        for request in requests:
+            request.vision = vision
+        results = await client.generate(requests)
         parser = get_tool_parser(state.args.tool_call_parser) if tools and tool_choice != "none" else None
         choices = [_chat_choice(client, i, seq, latency, parser, tools, body) for i, (seq, latency) in enumerate(results)]
         return _envelope("chat.completion", results, choices, model_name(), prompt_ids)

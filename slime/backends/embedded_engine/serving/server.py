@@ -22,6 +22,7 @@ from slime.backends.embedded_engine.config import ServerArgs
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import JSONResponse, RequestError, parse_generate, read_json
 from slime.backends.embedded_engine.profiler import add_profile_routes
+from slime.backends.embedded_engine.vision import attach_images
 from slime.backends.update_weight import wire_format
 from slime.utils.http_utils import json_dumps
 from slime.utils.misc import load_function
@@ -110,6 +111,8 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request):
         body = await read_json(request)
         requests, as_list = parse_generate(body, tokenize, runner.vocab_size, runner.context_length)
+        if any(r.image_data for r in requests):  # loading and processing images: off the event loop
+            await asyncio.to_thread(attach_images, runner, requests)
         if requests[0].stream:
             return StreamingResponse(_sse(client, requests), media_type="text/event-stream")
         results = await client.generate(requests)

@@ -1,0 +1,124 @@
+"""Build a tiny Qwen2.5-VL / Qwen3-VL checkpoint offline (model, tokenizer, image processor), for tests and examples.
+
+The tokenizer is :mod:`slime.utils.tiny_model`'s byte-level BPE plus Qwen's vision tokens
+(``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``); the chat template
+renders an image part of a message as ``<|vision_start|><|image_pad|><|vision_end|>`` as Qwen's does.
+The image processor is Qwen2-VL's with 14-pixel patches merged 2x2 and small pixel bounds, so a
+56x56 image is 4 language-model tokens.
+
+    python -m slime.utils.tiny_vlm --out /tmp/tiny_vlm --arch qwen2_5_vl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from slime.utils.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SIZES, build_tokenizer
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl")
+
+#: how a message's content is rendered: a string as is, a list part by part (Qwen2.5-VL's template)
+_CONTENT = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'image' or part.type == 'image_url' or 'image' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in part -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+VLM_CHAT_TEMPLATE = _CONTENT + CHAT_TEMPLATE.replace("message.content", "render(message.content)").replace(
+    "messages[0].content", "render(messages[0].content)").replace(
+    "{%- if render(message.content) %}", "{%- if message.content %}")
+
+#: Qwen2-VL image processor settings: 14-pixel patches, 2x2 merge; 56x56 .. 112x112 pixels (4 .. 16 tokens)
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 112 * 112
+
+
+def build_vlm_tokenizer(vocab_size: int, seed: int = 0):
+    tokenizer = build_tokenizer(vocab_size, seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _config(arch: str, vocab_size: int, special: dict, ids: dict):
+    import transformers
+
+    shape = SIZES["tiny"]
+    text = dict(vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+                num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                **special)
+    # the rotary halves of a 32-wide head split over (time, height, width)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=PATCH_SIZE,
+                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, out_hidden_size=shape.hidden_size)
+    if arch == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+        vision.update(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                             **ids)
+    if arch == "qwen3_vl":
+        text.update(head_dim=shape.head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "mrope_section": [4, 6, 6], "mrope_interleaved": True})
+        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+        vision["out_hidden_size"] = shape.hidden_size
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    raise ValueError(f"unknown tiny VLM architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
+
+
+def image_processor_config(arch: str) -> dict:
+    """``preprocessor_config.json`` of the tiny checkpoint (Qwen2-VL's image processor, small bounds)."""
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": (
+        "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen3VLProcessor"),
+        "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
+        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "size": {"shortest_edge": MIN_PIXELS,
+                                                                     "longest_edge": MAX_PIXELS},
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_convert_rgb": True}
+
+
+def build_tiny_vlm(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
+    """Write a tiny ``arch`` checkpoint directory (config, weights, tokenizer, preprocessor config)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_vlm_tokenizer(SIZES["tiny"].vocab_size, seed)
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    ids = {"image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+           "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+           "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+           "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>")}
+    config = _config(arch, len(tokenizer), dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id), ids)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
+                                               pad_token_id=pad_id, do_sample=True, temperature=1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(arch), indent=2))
+    (out / "chat_template.jinja").write_text(VLM_CHAT_TEMPLATE)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHITECTURES)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_tiny_vlm(args.out, args.arch, args.seed))
+
+
+if __name__ == "__main__":
+    main()
