@@ -69,7 +69,7 @@ class Job:
     INTERRUPTED_DISPOSE_S = 5
 
     def _start(self) -> None:
-        from slime.utils.preflight import preflight
+        from slime.preflight import preflight
 
         args = self.args
         preflight(args)  # hooks, reward, data files, --save: before Ray or any engine starts

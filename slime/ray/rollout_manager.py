@@ -423,7 +423,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list, dict]:
         """Run one rollout step; return (one train-data object ref per data-parallel shard, rollout metrics)."""
         from slime.rollout.sample_hooks import set_current_rollout_id
-        from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+        from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
         start = time.perf_counter()
         extra_metrics = None

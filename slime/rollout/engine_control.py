@@ -12,7 +12,7 @@ import logging
 import time
 
 from slime.utils.http_utils import HTTPRequestError, get, post
-from slime.utils.preflight import UserError
+from slime.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 

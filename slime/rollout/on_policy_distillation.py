@@ -8,7 +8,7 @@ The trainer then shapes every response token's advantage with the per-token reve
 
     A_t ← A_t − λ · (log π_old(y_t) − log π_teacher(y_t)),    λ = --opd-kl-coef
 
-(``slime.utils.ppo_utils.apply_opd``; the difference is logged as ``train/opd_reverse_kl``). With the
+(``slime.algorithms.functional.apply_opd``; the difference is logged as ``train/opd_reverse_kl``). With the
 zero task reward below, the policy-gradient loss with these advantages is the REINFORCE estimator
 of λ · KL(π ‖ π_teacher) over the student's own samples.
 

@@ -3,7 +3,7 @@ run, an engine refusing every request) or every sample was filtered out of train
 
 from __future__ import annotations
 
-from slime.utils.preflight import UserError
+from slime.utils.errors import UserError
 from slime.utils.types import Sample
 
 __all__ = ["RunCannotLearn", "check_step_can_learn"]

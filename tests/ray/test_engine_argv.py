@@ -1,7 +1,7 @@
 """Which ``--sglang-*`` flags reach an embedded engine's command line."""
 
 from slime.ray.engine_actor import embedded_engine_argv
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 BASE = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
         "--rollout-batch-size", "4", "--num-rollout", "1"]
@@ -38,7 +38,7 @@ def test_cpu_engine_threads_share_the_cores():
 
 def test_engine_decodes_a_whole_rollout_step_at_once_unless_told():
     from slime.ray.engine_actor import embedded_engine_argv
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     base = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--rollout-batch-size", "16",
             "--n-samples-per-prompt", "8", "--num-rollout", "1"]

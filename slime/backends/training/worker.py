@@ -44,7 +44,7 @@ from slime.backends.training.flops import FlopShape, training_flops
 from slime.backends.training.loss import LossDispatch, metrics_to_host
 from slime.backends.training.weights import bucket_weights
 from slime.observability.profiling import TrainProfiler
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class TrainWorker:
         ref = result.get("ref_log_probs", batch.ref_log_probs)
         old = batch.rollout_log_probs if getattr(args, "use_rollout_logprobs", False) else result.get("log_probs", batch.log_probs)
         if args.kl_coef != 0 and old is not None and ref is not None:
-            result["kl"] = [ppo_utils.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, ref)]
+            result["kl"] = [algo.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, ref)]
         else:
             result["kl"] = [torch.zeros(int(n)) for n in batch.response_lengths]
         return result
@@ -155,7 +155,7 @@ class TrainWorker:
             batch = batch.with_rollout_data(view)
         else:
             raw = torch.tensor([float(batch.raw_reward[p]) for p in batch.partition])
-            advantages, returns = ppo_utils.compute_advantages_and_returns(
+            advantages, returns = algo.compute_advantages_and_returns(
                 args.advantage_estimator,
                 rewards=torch.tensor([float(r) for r in batch.rewards]),
                 raw_rewards=raw, kl=batch.kl, loss_masks=masks, values=batch.values,
@@ -164,13 +164,13 @@ class TrainWorker:
             batch = batch.replace(advantages=advantages, returns=returns)
         if getattr(args, "use_opd", False):
             old = batch.log_probs if not args.use_rollout_logprobs else batch.rollout_log_probs
-            advantages, reverse_kl = ppo_utils.apply_opd(batch.advantages, old, batch.teacher_log_probs, args.opd_kl_coef)
+            advantages, reverse_kl = algo.apply_opd(batch.advantages, old, batch.teacher_log_probs, args.opd_kl_coef)
             batch = batch.replace(advantages=advantages, opd_reverse_kl=reverse_kl)
         if args.normalize_advantages:
-            sums = ppo_utils.whitening_sums(batch.advantages, masks)
+            sums = algo.whitening_sums(batch.advantages, masks)
             dist.all_reduce(sums)
             sums /= self.layout.replica_size  # every sample counted once
-            batch = batch.replace(advantages=ppo_utils.whiten_with_sums(batch.advantages, sums))
+            batch = batch.replace(advantages=algo.whiten_with_sums(batch.advantages, sums))
         return batch
 
     # ------------------------------------------------------------------ training

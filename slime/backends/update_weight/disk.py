@@ -26,7 +26,7 @@ import logging
 import httpx
 from safetensors.torch import save_file
 
-from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.engine_client import EngineClient
 from slime.backends.update_weight.weight_files import version_dir_name
 from slime.utils.misc import load_function
 

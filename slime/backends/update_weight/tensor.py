@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.engine_client import EngineClient
 from slime.backends.update_weight.wire_format import (
     flatten_tensors,
     metadata_class,

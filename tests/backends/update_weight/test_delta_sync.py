@@ -411,7 +411,7 @@ def test_truncated_full_version_is_refused_when_seeding(tmp_path):
 
 def test_pre_read_hook_flag_reaches_the_embedded_engine():
     from slime.ray.engine_actor import embedded_engine_argv
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
                        "--rollout-batch-size", "4", "--num-rollout", "1",

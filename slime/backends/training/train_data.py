@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
+from slime.backends.training.batch import StepSchedule, TrainBatch
+from slime.backends.training.flops import FlopShape, training_flops
 from slime.utils.misc import load_function
 from slime.utils.seqlen_balancing import balanced_partition, micro_batch_schedule
 from slime.utils.types import Sample
@@ -69,7 +71,7 @@ def default_reward_post_process(args, samples: list[Sample]) -> tuple[list[float
     """(raw_rewards, rewards) per §5.1 with the rollout-aware grouping described in the module doc."""
     raw = [float(s.get_reward_value(args)) for s in samples]
     estimator = getattr(args, "advantage_estimator", "grpo")
-    normalise, std_allowed = ppo_utils.lookup(ppo_utils.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
+    normalise, std_allowed = algo.lookup(algo.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
     if not normalise or not getattr(args, "rewards_normalization", True) or not samples:
         return raw, list(raw)
     std = std_allowed and getattr(args, "grpo_std_normalization", True)
@@ -78,12 +80,12 @@ def default_reward_post_process(args, samples: list[Sample]) -> tuple[list[float
     fan_out = len(set(rollout_ids)) < len(samples)
     expected = args.rollout_batch_size * n
     if not fan_out and len(samples) == expected:
-        groups, per_rollout = ppo_utils.positional_groups(len(samples), n, expected), None
+        groups, per_rollout = algo.positional_groups(len(samples), n, expected), None
     elif all(s.group_index is not None for s in samples):
         groups, per_rollout = [s.group_index for s in samples], rollout_ids
     else:
         groups, per_rollout = [0] * len(samples), rollout_ids
-    rewards = ppo_utils.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=per_rollout)
+    rewards = algo.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=per_rollout)
     return raw, rewards.tolist()
 
 
@@ -205,8 +207,6 @@ def _tensorise(key: str, values: list) -> list:
 
 @functools.lru_cache(maxsize=4)
 def _flop_shape(hf_checkpoint: str):
-    from slime.backends.training.flops import FlopShape
-
     path = os.path.join(hf_checkpoint or "", "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--balance-by-flops estimates FLOPs from the model's config: {path!r} does not "
@@ -219,8 +219,6 @@ def _flop_shape(hf_checkpoint: str):
 def sample_flops(args, total_lengths: list[int], response_lengths: list[int]) -> list[float]:
     """Training FLOPs of each sample alone (:func:`slime.backends.training.flops.training_flops`,
     the output head over its response positions): what ``--balance-by-flops`` balances."""
-    from slime.backends.training.flops import training_flops
-
     shape = _flop_shape(args.hf_checkpoint)
     return [training_flops(shape, [int(length)], int(response)) for length, response in zip(total_lengths, response_lengths)]
 
@@ -239,8 +237,6 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
     empty), ``step_loss_token_counts`` (per step, Σ_i max(Σ_t m, 1) over all shards — the per-token
     normaliser).
     """
-    from slime.backends.training.batch import StepSchedule, TrainBatch
-
     num_samples = len(data["tokens"])
     rollout_ids = list(data["rollout_ids"])
     total_lengths = [len(t) for t in data["tokens"]]
