@@ -25,9 +25,14 @@ from slime.utils.arguments_groups import REFUSED_FLAGS, add_slime_arguments, add
 from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY, refuse_other_backend_flags
 from slime.utils.exactness import validate_exactness
 from slime.utils.passthrough import (PassThrough, add_router_arguments, add_sglang_arguments, owned_flag_message,
-                                     rename_legacy_sglang_flags)
+                                     rename_legacy_sglang_flags, sglang_value)
 
 logger = logging.getLogger(__name__)
+
+#: attributes the run sets on ``args`` once it is under way (the engines it started, the job's choices), with
+#: the value every reader sees before that
+RUN_ATTRIBUTES = {"rollout_engine_urls": None, "rollout_num_engines": None, "sglang_model_routers": None,
+                  "rollout_overlaps_training": False}
 
 __all__ = ["parse_args", "validate_args", "slime_validate_args", "get_parser"]
 
@@ -180,7 +185,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     # 12.-13.
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         raise ValueError("--use-dynamic-batch-size requires --max-tokens-per-gpu")
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1 and getattr(args, "train_backend", "fsdp") != "megatron":
+    if (args.context_parallel_size or 1) > 1 and args.train_backend != "megatron":
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} needs --train-backend megatron "
                          f"(the FSDP backend has no context parallelism)")
     if args.balance_by_flops:
@@ -269,6 +274,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _parse_json_flags(args)
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    for name, default in RUN_ATTRIBUTES.items():
+        vars(args).setdefault(name, default)
     return args
 
 
@@ -397,7 +404,7 @@ def _resolve_gguf_checkpoints(args) -> None:
 
     args.hf_checkpoint = resolve_hf_checkpoint(args.hf_checkpoint, "--hf-checkpoint")
     args.ref_load = resolve_hf_checkpoint(args.ref_load, "--ref-load")
-    if getattr(args, "critic_hf_checkpoint", None):
+    if args.critic_hf_checkpoint:
         args.critic_hf_checkpoint = resolve_hf_checkpoint(args.critic_hf_checkpoint, "--critic-hf-checkpoint")
 
 
@@ -553,7 +560,7 @@ def _validate_sglang_side(args) -> None:
     if args.rollout_external and args.colocate:
         raise ValueError("--rollout-external-engine-addrs engines run on their own GPUs: they cannot be combined with "
                          "--colocate (tensor weight updates need engines sharing the trainer's devices)")
-    pp = getattr(args, "sglang_pp_size", None) or getattr(args, "sglang_pipeline_parallel_size", None) or 1
+    pp = sglang_value(args, "sglang_pp_size") or sglang_value(args, "sglang_pipeline_parallel_size") or 1
     if args.rollout_num_gpus_per_engine % int(pp) != 0:
         raise ValueError(
             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} must be divisible by --sglang-pp-size {pp}"
@@ -566,12 +573,12 @@ def _validate_sglang_side(args) -> None:
         if value is not None:  # SGLang versions differ in which spelling is the dest: keep both
             setattr(args, f"sglang_{short}", value)
             setattr(args, f"sglang_{long}", value)
-    dp = getattr(args, "sglang_dp_size", None) or getattr(args, "sglang_data_parallel_size", None) or 1
-    if int(dp) > 1 and not getattr(args, "sglang_enable_dp_attention", False):
+    dp = sglang_value(args, "sglang_dp_size") or sglang_value(args, "sglang_data_parallel_size") or 1
+    if int(dp) > 1 and not sglang_value(args, "sglang_enable_dp_attention", False):
         raise ValueError(f"--sglang-dp-size {dp} > 1 requires --sglang-enable-dp-attention")
     if args.sglang_router_ip and ":" in args.sglang_router_ip and not args.sglang_router_ip.startswith("["):
         args.sglang_router_ip = f"[{args.sglang_router_ip}]"
-    quantization = getattr(args, "sglang_quantization", None)
+    quantization = sglang_value(args, "sglang_quantization")
     if quantization and args.check_weight_update_equal:
         raise ValueError(f"--check-weight-update-equal compares the engine's weights with the trainer's exactly, but "
                          f"--sglang-quantization {quantization} engines hold rounded ones; drop one of the two")

@@ -128,23 +128,23 @@ def check_hook(dest: str, path: str, *, batched: bool = False):
 def check_hooks(args) -> None:
     """Every dotted-path hook flag that is set: importable, callable, and callable with slime's arguments."""
     for dest in HOOK_SIGNATURES:
-        if dest in _MEGATRON_ONLY and getattr(args, "train_backend", None) != "megatron":
+        if dest in _MEGATRON_ONLY and args.train_backend != "megatron":
             continue
         value = getattr(args, dest, None)
         for path in (value if isinstance(value, (list, tuple)) else [value]):
             if path:
-                batched = dest == "custom_rm_path" and bool(getattr(args, "group_rm", False))
+                batched = dest == "custom_rm_path" and bool(args.group_rm)
                 check_hook(dest, path, batched=batched)
 
 
 def _first_row_metadata(args) -> dict:
     from slime.utils.data import iter_rows
 
-    if not getattr(args, "prompt_data", None):
+    if not args.prompt_data:
         return {}
     try:
         for _, row in iter_rows(args.prompt_data):
-            metadata = row.get(getattr(args, "metadata_key", None) or "metadata")
+            metadata = row.get(args.metadata_key or "metadata")
             return metadata if isinstance(metadata, dict) else {}
     except Exception:
         return {}  # check_data_files reports the file's problem
@@ -155,7 +155,7 @@ def check_reward(args) -> None:
     """An ``--rm-type`` slime knows; a reward at all when the default rollout needs one."""
     from slime.rollout.rm_hub import RULE_RM_TYPES
 
-    rm_type = (getattr(args, "rm_type", None) or "").strip()
+    rm_type = (args.rm_type or "").strip()
     if rm_type:
         base = rm_type[len("boxed_"):] if rm_type.startswith("boxed_") else rm_type
         if base not in RULE_RM_TYPES:
@@ -166,12 +166,12 @@ def check_reward(args) -> None:
             raise UserError(f"--rm-type {rm_type!r} is not a rule reward{hint}; valid types: "
                             f"{', '.join(RULE_RM_TYPES)} (each may be prefixed with boxed_), or write your own with "
                             f"--custom-rm-path module.function")
-        if base == "remote_rm" and not getattr(args, "rm_url", None):
+        if base == "remote_rm" and not args.rm_url:
             raise UserError("--rm-type remote_rm needs --rm-url (the reward server's URL)")
-    needs_reward = (getattr(args, "rollout_function_path", None) in _DEFAULT_ROLLOUTS
-                    and not getattr(args, "custom_generate_function_path", None)
-                    and not getattr(args, "debug_train_only", False))
-    if needs_reward and not rm_type and not getattr(args, "custom_rm_path", None):
+    needs_reward = (args.rollout_function_path in _DEFAULT_ROLLOUTS
+                    and not args.custom_generate_function_path
+                    and not args.debug_train_only)
+    if needs_reward and not rm_type and not args.custom_rm_path:
         if "rm_type" not in _first_row_metadata(args):
             raise UserError("no reward is configured: every sample would fail with reward 0. Pass --rm-type (one of "
                             f"{', '.join(RULE_RM_TYPES)}), or --custom-rm-path module.function, or give each data "
@@ -180,15 +180,15 @@ def check_reward(args) -> None:
 
 def _data_files(args) -> list[tuple[str, str, dict, int | None]]:
     """(flag, path, row keys, rows to check) of every prompt and eval file this run reads."""
-    if getattr(args, "debug_train_only", False) or getattr(args, "load_debug_rollout_data", None):
+    if args.debug_train_only or args.load_debug_rollout_data:
         return []
     files = []
-    if getattr(args, "prompt_data", None) and getattr(args, "rollout_global_dataset", True):
+    if args.prompt_data and args.rollout_global_dataset:
         keys = dict(prompt_key=args.input_key, label_key=args.label_key, tool_key=args.tool_key,
                     metadata_key=args.metadata_key, multimodal_keys=args.multimodal_keys)
         files.append(("--prompt-data", args.prompt_data, keys, TRAIN_ROWS_CHECKED))
-    flag = "--eval-config" if getattr(args, "eval_config", None) is not None else "--eval-prompt-data"
-    for config in getattr(args, "eval_datasets", None) or []:
+    flag = "--eval-config" if args.eval_config is not None else "--eval-prompt-data"
+    for config in args.eval_datasets or []:
         keys = dict(prompt_key=config.input_key, label_key=config.label_key, tool_key=config.tool_key,
                     metadata_key=config.metadata_key, multimodal_keys=config.multimodal_keys)
         files.append((f"{flag} ({config.name})", config.path, keys, None))  # evaluated late: read it all now
@@ -223,7 +223,7 @@ def check_data_files(args) -> None:
 
 def check_save_dir(args) -> None:
     """``--save`` exists or can be made, and a file can be written in it."""
-    save = getattr(args, "save", None)
+    save = args.save
     if not save:
         return
     if os.path.exists(save) and not os.path.isdir(save):
@@ -239,14 +239,14 @@ def check_save_dir(args) -> None:
 
 def check_finished(args) -> None:
     """Resuming a checkpoint that already completed ``--num-rollout`` steps: raise :class:`RunFinished`."""
-    load, num_rollout = getattr(args, "load", None), getattr(args, "num_rollout", None)
-    if not load or num_rollout is None or getattr(args, "start_rollout_id", None) is not None:
+    load, num_rollout = args.load, args.num_rollout
+    if not load or num_rollout is None or args.start_rollout_id is not None:
         return
     marker = os.path.join(load, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(marker):
         return
     text = open(marker).read().strip()
-    ckpt_step = getattr(args, "ckpt_step", None)
+    ckpt_step = args.ckpt_step
     if ckpt_step is not None:
         last = ckpt_step
     elif text.isdigit():

@@ -576,7 +576,7 @@ def vanilla_tis_function(
     old = torch.cat([t.float() for t in train_log_probs]).to(pg_loss.device)
     rollout = torch.cat([t.float() for t in rollout_log_probs]).to(pg_loss.device)
     ratio = torch.exp(old - rollout)
-    weights = torch.clamp(ratio, min=getattr(args, "tis_clip_low", 0.0), max=getattr(args, "tis_clip", 2.0))
+    weights = torch.clamp(ratio, min=args.tis_clip_low, max=args.tis_clip)
     metrics = {
         "tis": ratio.detach(),
         "tis_clipfrac": (weights != ratio).float(),
@@ -593,7 +593,7 @@ def icepop_function(
     old = torch.cat([t.float() for t in train_log_probs]).to(pg_loss.device)
     rollout = torch.cat([t.float() for t in rollout_log_probs]).to(pg_loss.device)
     ratio = torch.exp(old - rollout)
-    low, high = getattr(args, "tis_clip_low", 0.0), getattr(args, "tis_clip", 2.0)
+    low, high = args.tis_clip_low, args.tis_clip
     inside = (ratio >= low) & (ratio <= high)
     weights = torch.where(inside, ratio, torch.zeros_like(ratio))
     metrics = {
@@ -712,25 +712,25 @@ def policy_loss_function(
     lengths = [int(n) for n in batch["response_lengths"]]
     masks = _on_device(batch["loss_masks"], lengths, device)
     advantages = _flat(batch["advantages"], device)
-    use_rollout = getattr(args, "use_rollout_logprobs", False)
+    use_rollout = args.use_rollout_logprobs
     old_source = batch.get("rollout_log_probs") if use_rollout else batch.get("log_probs")
     old_log_probs = _flat(old_source, device) if old_source is not None else log_probs.detach()
 
     ppo_kl = old_log_probs - log_probs
-    estimator = getattr(args, "advantage_estimator", "grpo")
+    estimator = args.advantage_estimator
     if estimator == "gspo":
         ppo_kl = compute_gspo_kl(ppo_kl, masks, lengths)
     eps_clip = args.eps_clip
-    eps_clip_high = args.eps_clip_high if getattr(args, "eps_clip_high", None) is not None else eps_clip
+    eps_clip_high = args.eps_clip_high if args.eps_clip_high is not None else eps_clip
     if estimator == "cispo":
         pg_loss, clipfrac = compute_cispo_loss(log_probs, ppo_kl, advantages, eps_clip, eps_clip_high)
     else:
         pg_loss, clipfrac = compute_policy_loss(
-            ppo_kl, advantages, eps_clip, eps_clip_high, getattr(args, "eps_clip_c", None)
+            ppo_kl, advantages, eps_clip, eps_clip_high, args.eps_clip_c
         )
 
     metrics: dict[str, torch.Tensor] = {}
-    if getattr(args, "use_opsm", False):
+    if args.use_opsm:
         keep, opsm_clipfrac = compute_opsm_mask(ppo_kl, advantages, masks, lengths, args.opsm_delta)
         pg_loss = pg_loss * keep
         metrics["opsm_clipfrac"] = opsm_clipfrac
@@ -755,17 +755,17 @@ def policy_loss_function(
     pg_loss_value = pg_reducer_factory(pg_masks)(pg_loss) if pg_reducer_factory is not None else trained(pg_loss)
 
     loss = pg_loss_value
-    entropy_coef = getattr(args, "entropy_coef", 0.0)
+    entropy_coef = args.entropy_coef
     if entropy is not None:
         entropy_loss = trained(entropy)
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * entropy_loss
         metrics["entropy_loss"] = entropy_loss.detach()
-    if getattr(args, "use_kl_loss", False):
+    if args.use_kl_loss:
         ref = _flat(batch.get("ref_log_probs"), device)
         if ref is None:
             raise ValueError("--use-kl-loss needs reference log-probs (ref_log_probs)")
-        ratio = torch.exp(log_probs - old_log_probs) if getattr(args, "use_unbiased_kl", False) else None
+        ratio = torch.exp(log_probs - old_log_probs) if args.use_unbiased_kl else None
         kl_loss = trained(compute_approx_kl(log_probs, ref, args.kl_loss_type, importance_ratio=ratio))
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
@@ -789,7 +789,7 @@ def _split(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 
 def _reducer_with_masks(batch: dict, masks: list[torch.Tensor], args):
     """S with modified numerator masks (TIS rejection) but the original per-rollout denominators."""
-    per_token = getattr(args, "calculate_per_token_loss", False)
+    per_token = args.calculate_per_token_loss
     sums = batch.get("rollout_mask_sums")
     if sums is None and not per_token:
         sums = [float(m.sum()) for m in batch["loss_masks"]]

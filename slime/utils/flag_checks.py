@@ -25,17 +25,17 @@ def check_flag_values(args) -> None:
         if value is not None and value < minimum:
             what = "a positive number" if minimum == 1 else f">= {minimum}"
             raise UserError(f"{_flag(dest)} must be {what} (got {value})")
-    timeout = getattr(args, "reward_timeout", None)
+    timeout = args.reward_timeout
     if timeout is not None and timeout <= 0:
         raise UserError(f"--reward-timeout must be > 0 seconds (got {timeout:g}); leave it out for no limit")
-    ratio = getattr(args, "stop_on_failed_ratio", 1.0)
+    ratio = args.stop_on_failed_ratio
     if not 0 < ratio <= 1:
         raise UserError(f"--stop-on-failed-ratio must be in (0, 1] (got {ratio:g}): the share of a step's samples "
                         f"that may fail before the run stops")
     check_sglang_passthrough(args)
-    rollout_gpus = getattr(args, "rollout_num_gpus", None)
+    rollout_gpus = args.rollout_num_gpus
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
-    if (getattr(args, "colocate", False) and not getattr(args, "debug_rollout_only", False)
+    if (args.colocate and not args.debug_rollout_only
             and rollout_gpus is not None and rollout_gpus != actor_gpus):
         raise UserError(f"--colocate puts the engines on the trainer's GPUs, so --rollout-num-gpus ({rollout_gpus}) "
                         f"must equal --actor-num-nodes x --actor-num-gpus-per-node ({args.actor_num_nodes} x "
@@ -48,11 +48,11 @@ def check_sglang_passthrough(args) -> None:
     a near miss of an embedded engine option is a typo, refused with the option meant."""
     import difflib
 
-    if getattr(args, "rollout_backend", None) != "embedded" or getattr(args, "sglang_server_fields", None) is not None:
+    if args.rollout_backend != "embedded" or args.sglang_server_fields is not None:
         return
     from slime.utils.passthrough import EMBEDDED_FLAG_FOR, EMBEDDED_SGLANG_FLAGS
 
-    for name in getattr(args, "sglang_passthrough", None) or {}:
+    for name in args.sglang_passthrough or {}:
         if EMBEDDED_FLAG_FOR.get(name, name) in EMBEDDED_SGLANG_FLAGS:
             continue
         close = difflib.get_close_matches(name, sorted(EMBEDDED_SGLANG_FLAGS), n=1, cutoff=0.85)
@@ -65,15 +65,15 @@ def check_load_and_save(args) -> None:
     """A ``--load`` that does not exist is a typo, unless it is ``--save`` (a fresh run that resumes
     itself when restarted). A ``--save`` holding another run's checkpoints is refused unless
     ``--overwrite-save``."""
-    load, save = getattr(args, "load", None), getattr(args, "save", None)
+    load, save = args.load, args.save
     same = bool(load and save) and os.path.realpath(load) == os.path.realpath(save)
     if load and not os.path.exists(load) and not same:
         raise UserError(f"--load {load!r} does not exist (resolved from {os.getcwd()!r}). Give an existing "
                         f"checkpoint directory; to start from --hf-checkpoint/--ref-load drop --load, or pass the "
                         f"--save directory as --load to resume a run automatically")
     marker = os.path.join(save or "", "latest_checkpointed_iteration.txt")
-    if (save and os.path.isfile(marker) and not same and not getattr(args, "overwrite_save", False)
-            and not getattr(args, "debug_rollout_only", False)):
+    if (save and os.path.isfile(marker) and not same and not args.overwrite_save
+            and not args.debug_rollout_only):
         step = open(marker).read().strip()
         raise UserError(f"--save {save!r} already holds checkpoints of another run (last step {step}); this run "
                         f"would overwrite them. Pass --load {save} to resume that run, choose another --save, or "

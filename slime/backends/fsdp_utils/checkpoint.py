@@ -86,7 +86,7 @@ def _prepare(backend: CheckpointedBackend, root: str | None, rollout_id: int) ->
     dist.barrier()
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     state = {"model": model_state}
-    if not getattr(backend.args, "no_save_optim", False):
+    if not backend.args.no_save_optim:
         state["optim"] = optim_state
     if getattr(backend, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
         state["old_actor"] = get_model_state_dict(backend.old_actor)

@@ -177,11 +177,11 @@ def hf_validate_args(args, config: dict | None = None) -> None:
     ]
     if not all_moe:
         checks.append(("ffn_hidden_size", "intermediate_size"))
-    if expected["group_query_attention"] or getattr(args, "group_query_attention", False):
+    if expected["group_query_attention"] or args.group_query_attention:
         checks.append(("num_query_groups", "num_key_value_heads"))
     if not mla:  # (MLA's head sizes are checked below; DeepSeek configs' head_dim is the rotary part)
         checks.append(("kv_channels", "head_dim"))
-    if mla or getattr(args, "multi_latent_attention", False):
+    if mla or args.multi_latent_attention:
         checks += [("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
                    ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
                    ("rotary_scaling_factor", "rope_scaling.factor"), ("mscale", "rope_scaling.mscale"),
@@ -228,7 +228,7 @@ def _hf_value(config: dict, key: str, derived):
 def fill_model_args(args, config: dict) -> list[str]:
     """When no shape flag was given (no preset sourced), set them all from ``config``; returns
     the flags set. With a preset, nothing is changed (:func:`hf_validate_args` checks it)."""
-    if getattr(args, "num_layers", None) is not None:
+    if args.num_layers is not None:
         return []
     filled = []
     for dest, value in model_args_from_hf_config(config).items():
@@ -268,7 +268,7 @@ def parameter_count(args) -> int:
         moe_layers = sum(pattern)
         moe_mlp = h * args.num_experts + args.num_experts * mlp_matrices * h * args.moe_ffn_hidden_size
         moe_mlp += mlp_matrices * h * (args.moe_shared_expert_intermediate_size or 0)
-        moe_mlp += h if getattr(args, "moe_shared_expert_gate", False) else 0
+        moe_mlp += h if args.moe_shared_expert_gate else 0
     per_layer_norms = 2 * h * norm
     total = layers * (attention + per_layer_norms) + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
     total += vocab * h * (2 if args.untie_embeddings_and_output_weights else 1) + h * norm

@@ -42,11 +42,11 @@ class LossDispatch:
         self.loss_type = "value_loss" if role == "critic" else args.loss_type
         function = algo.lookup(algo.LOSS_FUNCTIONS, self.loss_type, "--loss-type")
         self.function = function if function is not None else load_function(args.custom_loss_function_path)
-        path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        path = args.custom_pg_loss_reducer_function_path
         self.pg_reducer_factory = load_function(path) if path else None
         self.tis_function = None
-        if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
-            tis_path = getattr(args, "custom_tis_function_path", None)
+        if args.use_tis or args.get_mismatch_metrics:
+            tis_path = args.custom_tis_function_path
             self.tis_function = load_function(tis_path) if tis_path else algo.vanilla_tis_function
 
     @property
@@ -56,7 +56,7 @@ class LossDispatch:
             return ModelOutput("values")
         if self.loss_type == "custom_loss":
             return ModelOutput("logits")
-        entropy_grad = getattr(self.args, "entropy_coef", 0.0) != 0
+        entropy_grad = self.args.entropy_coef != 0
         return ModelOutput("log_probs", entropy=self.loss_type == "policy_loss", entropy_grad=entropy_grad)
 
     def __call__(self, data, micro_batch: list[int], outputs: ModelOutputs) -> tuple[torch.Tensor, dict]:

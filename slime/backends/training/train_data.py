@@ -70,11 +70,11 @@ def assign_rollout_ids(samples: list[Sample]) -> list[int]:
 def default_reward_post_process(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """(raw_rewards, rewards) per §5.1 with the rollout-aware grouping described in the module doc."""
     raw = [float(s.get_reward_value(args)) for s in samples]
-    estimator = getattr(args, "advantage_estimator", "grpo")
+    estimator = args.advantage_estimator
     normalise, std_allowed = algo.lookup(algo.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
-    if not normalise or not getattr(args, "rewards_normalization", True) or not samples:
+    if not normalise or not args.rewards_normalization or not samples:
         return raw, list(raw)
-    std = std_allowed and getattr(args, "grpo_std_normalization", True)
+    std = std_allowed and args.grpo_std_normalization
     rollout_ids = assign_rollout_ids(samples)
     n = args.n_samples_per_prompt
     fan_out = len(set(rollout_ids)) < len(samples)
@@ -119,13 +119,13 @@ def _optional_per_sample(samples: list[Sample], attribute: str, name: str, empty
 
 def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, Any]:
     """The training dict of §7.7 from the flattened samples (or the §2.14 hook's dict)."""
-    custom = getattr(args, "custom_convert_samples_to_train_data_path", None)
+    custom = args.custom_convert_samples_to_train_data_path
     if custom:
         data = load_function(custom)(args, samples)
         return _check_custom_train_data(data, custom)
     if not samples:
         raise ValueError("convert_samples_to_train_data: no samples")
-    post_path = getattr(args, "custom_reward_post_process_path", None)
+    post_path = args.custom_reward_post_process_path
     raw_rewards, rewards = (load_function(post_path) if post_path else default_reward_post_process)(args, samples)
     if len(rewards) != len(samples) or len(raw_rewards) != len(samples):
         raise ValueError(
@@ -253,18 +253,18 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
         raise ValueError(
             f"{len(order)} rollouts do not fill one optimizer step of --global-batch-size {gbs} rollouts"
         )
-    max_tokens = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
+    max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
     if max_tokens is not None:  # under context parallelism each GPU holds 1/CP of a micro-batch's tokens
-        max_tokens *= getattr(args, "context_parallel_size", 1) or 1
+        max_tokens *= args.context_parallel_size or 1
     # the cost balanced across DP ranks and micro-batches: tokens, or training FLOPs (--balance-by-flops)
-    costs = sample_flops(args, total_lengths, data["response_lengths"]) if getattr(args, "balance_by_flops", False) \
+    costs = sample_flops(args, total_lengths, data["response_lengths"]) if args.balance_by_flops \
         else total_lengths
     rank_positions: list[list[int]] = [[] for _ in range(dp_size)]
     rank_micro_batches: list[list[list[int]]] = [[] for _ in range(dp_size)]
     num_microbatches, token_counts = [], []
     for step in range(num_steps):
         step_rollouts = order[step * gbs : (step + 1) * gbs]
-        if getattr(args, "balance_data", False):  # (--balance-by-flops turns it on)
+        if args.balance_data:  # (--balance-by-flops turns it on)
             weights = [sum(costs[p] for p in members[r]) for r in step_rollouts]
             assignment = balanced_partition(weights, dp_size)
         else:
@@ -273,7 +273,7 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
         schedule = micro_batch_schedule(
             [[total_lengths[p] for p in positions] for positions in step_positions],
             max_tokens,
-            getattr(args, "micro_batch_size", 1) or 1,
+            args.micro_batch_size or 1,
             [[costs[p] for p in positions] for positions in step_positions],
         )
         num_microbatches.append(len(schedule[0]))

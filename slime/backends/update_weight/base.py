@@ -51,7 +51,7 @@ def cpu_engines_on_this_host(args, engine_urls: list[str]) -> bool:
 
     import torch
 
-    if not engine_urls or not (getattr(args, "cpu_only", False) or not torch.cuda.is_available()):
+    if not engine_urls or not (args.cpu_only or not torch.cuda.is_available()):
         return False
     for url in engine_urls:
         host = (urlparse(url).hostname or "").strip("[]")
