@@ -118,8 +118,8 @@ class AsyncRolloutWorker:
         state = GenerateState(self.args)
         try:
             while not self._stopping:
-                # draw one group at a time while there is room: one step's worth ahead of the trainer (a
-                # deeper queue only ages: measured, a two-step queue dropped a quarter of its groups as stale)
+                # one group at a time while there is room, one step ahead of the trainer: a deeper queue only
+                # goes stale (docs/performance.md)
                 while (len(self.in_flight) < self.max_in_flight
                        and len(self.completed) + len(self.in_flight) < self.args.rollout_batch_size):
                     groups = self.data_source.get_samples(1)
