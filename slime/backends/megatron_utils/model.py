@@ -255,11 +255,10 @@ def _routers_outside_autocast(model) -> None:
 def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
     """A single-rank CPU GPTModel of ``hf_config`` (local spec), to compare parameter names and
     shapes with the mapping; sets up a one-process gloo group and model-parallel state if needed."""
-    import argparse
-
     from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.model_config import model_args_from_hf_config
+    from slime.utils.arguments_groups import flag_defaults
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -267,7 +266,7 @@ def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    args = argparse.Namespace(**model_args_from_hf_config(hf_config))
+    args = flag_defaults(**model_args_from_hf_config(hf_config))
     args.__dict__.update(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1,
                          pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
                          expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None,
