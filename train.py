@@ -6,7 +6,7 @@
 import time
 
 from slime.ray.job import Job
-from slime.utils.preflight import main
+from slime.preflight import main
 
 
 def train(args) -> None:

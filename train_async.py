@@ -10,7 +10,7 @@ import time
 import ray
 
 from slime.ray.job import Job
-from slime.utils.preflight import UserError, main
+from slime.preflight import UserError, main
 
 
 def train_async(args) -> None:

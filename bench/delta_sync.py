@@ -135,20 +135,20 @@ def measure(before: dict, after: dict, encoding: str, checksum: str = "xxh3-128"
 def measure_files(before: dict, after: dict, encoding: str, root: str) -> dict:
     """Publish ``after`` as a delta on ``before`` and pull it into a host checkpoint, on real files."""
     import shutil
-    from types import SimpleNamespace
 
     from safetensors.torch import save_file
 
     from slime.backends.update_weight.disk import DiskWeightUpdater
     from slime.backends.update_weight.pull import pull_weights
+    from slime.utils.arguments_groups import flag_defaults
 
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(os.path.join(root, "hf"))
     save_file(before, os.path.join(root, "hf", "model.safetensors"), metadata={"format": "pt"})
-    args = SimpleNamespace(update_weight_mode="delta", update_weight_disk_dir=os.path.join(root, "published"),
-                           hf_checkpoint=os.path.join(root, "hf"), update_weight_delta_encoding=encoding,
-                           update_weight_delta_checksum="xxh3-128", update_weight_disk_keep_files=True,
-                           update_weight_local_checkpoint_dir=None, custom_update_weight_post_write_path=None)
+    args = flag_defaults(update_weight_mode="delta", update_weight_disk_dir=os.path.join(root, "published"),
+                         hf_checkpoint=os.path.join(root, "hf"), update_weight_delta_encoding=encoding,
+                         update_weight_delta_checksum="xxh3-128", update_weight_disk_keep_files=True,
+                         update_weight_local_checkpoint_dir=None, custom_update_weight_post_write_path=None)
     updater = DiskWeightUpdater(args, [])  # no engines: publish only
     local = os.path.join(root, "host")
     try:

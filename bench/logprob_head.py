@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import write_result  # noqa: E402
 from slime.backends.training import logprob_head  # noqa: E402
 from slime.backends.training.logprob_head import HEAD_ENV, chunked_log_probs_and_entropy  # noqa: E402
-from slime.utils import ppo_utils  # noqa: E402
+from slime.algorithms import functional as algo  # noqa: E402
 
 
 def full_path(hidden, weight, targets, temperature):
     logits = hidden @ weight.t()
-    return ppo_utils.compute_log_probs(logits, targets, temperature), ppo_utils.compute_entropy(logits, temperature)
+    return algo.compute_log_probs(logits, targets, temperature), algo.compute_entropy(logits, temperature)
 
 
 def run(fn, hidden, weight, targets, coef, device, repeats):

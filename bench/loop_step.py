@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests", "ray"), os.environ.get("PYTHONPATH", "")])
 
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.utils.tiny_task import build_task_data
     from train import train
 

@@ -60,7 +60,7 @@ def main(argv=None) -> None:
 
     from slime.backends.megatron_utils.model import have_transformer_engine
     from slime.backends.training.worker import TrainWorker
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
         shared = [os.path.join(tmp, "model")]  # one machine: every rank reads rank 0's directory

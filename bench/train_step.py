@@ -112,7 +112,7 @@ def workload_flags(bench, backend: str, model_dir: str) -> list[str]:
 def run_workload(worker, args, bench, vocab_size: int, rank: int, world: int, device: torch.device):
     """Train ``--warmup`` + ``--iters`` rollout steps on the same shard; returns (metrics of the
     timed steps, this rank's shard, the matmul peak measured now)."""
-    from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+    from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
     data = convert_samples_to_train_data(args, make_samples(bench, vocab_size, seed=0))
     shard = split_train_data_by_dp(args, data, worker.layout.dp_size)[worker.layout.dp_rank]
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     from slime.backends.training.worker import TrainWorker
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench.model_path or os.path.join(tmp, "model")

@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -109,6 +108,7 @@ def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, 
 
     from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
     from slime.backends.update_weight import bucket_named_tensors, make_weight_updater
+    from slime.utils.arguments_groups import flag_defaults
 
     gpu = torch.cuda.is_available()
     device = "cuda:0" if gpu else "cpu"
@@ -125,8 +125,8 @@ def measure(model_dir: str, transport: str, colocate: bool, dtype: torch.dtype, 
     engine.start()
     try:
         engine.wait_healthy(600)
-        args = SimpleNamespace(update_weight_transport=transport, update_weight_mode="full", distributed_timeout_minutes=10,
-                               cpu_only=not gpu, hf_checkpoint=model_dir)
+        args = flag_defaults(update_weight_transport=transport, update_weight_mode="full", distributed_timeout_minutes=10,
+                             cpu_only=not gpu, hf_checkpoint=model_dir)
         updater = make_weight_updater(args, [engine.url], [1], colocate=colocate)
         results, version = {}, 0
         for bucket_bytes in bucket_sizes:

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse(argv: list[str], extra) -> "argparse.Namespace":  # noqa: F821
     """slime's parser (model-shape and parallel flags) plus the tool's own flags from ``extra``."""
-    from slime.utils.arguments import get_parser
+    from slime.arguments import get_parser
 
     parser, _ = get_parser(parse_sglang=False)
     extra(parser)

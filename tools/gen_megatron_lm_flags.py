@@ -52,7 +52,7 @@ def megatron_lm_model_flags() -> list[dict]:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT))
-    from slime.utils.arguments import get_parser
+    from slime.arguments import get_parser
     from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
 
     # slime's own flags: those of its parser that the current table did not add

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 
 CRITIC = "critic"
 
@@ -49,4 +49,4 @@ def post_process(args, samples) -> tuple[list[float], list[float]]:
     groups = [(s.group_index, s.metadata.get("agent")) for s in samples]
     std = getattr(args, "grpo_std_normalization", True)
     balanced = torch.tensor(balanced_critic_rewards(samples, raw))
-    return raw, ppo_utils.group_normalize_rewards(balanced, groups, std).tolist()
+    return raw, algo.group_normalize_rewards(balanced, groups, std).tolist()

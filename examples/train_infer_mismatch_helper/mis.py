@@ -27,7 +27,7 @@ instead of reweighting them: at ``token`` level each token whose ratio leaves ``
 ``geometric`` level whole samples; the veto removes a whole sample holding any token with ratio below the
 threshold (a token the engine found far likelier than the trainer does: ``π_old / μ < veto``). The masks
 returned are then in force for every loss term, with the original per-sample denominators
-(``slime.utils.ppo_utils.policy_loss_function``).
+(``slime.algorithms.functional.policy_loss_function``).
 
 Every comparison is made in log space, and a weight is exponentiated only inside its bounds, so sequence
 ratios of long responses neither overflow nor underflow. With ``--get-mismatch-metrics`` and neither

@@ -39,7 +39,7 @@ MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (a ring buffer: older 
 
 def profiled_targets(args) -> set[str]:
     """The targets the profiler records in this run (empty when profiling is off)."""
-    if not getattr(args, "use_pytorch_profiler", False):
+    if not args.use_pytorch_profiler:
         return set()
     return {"train_overall" if t == "train" else t for t in (args.profile_target or ["train_overall"])}
 
@@ -49,7 +49,7 @@ def profiles_step(args, rollout_id: int) -> bool:
 
 
 def _run_dir(args) -> str:
-    if not getattr(args, "run_dir", None):
+    if not args.run_dir:
         raise ValueError("profiles and memory snapshots are written into the run directory: set --run-dir")
     return args.run_dir
 
@@ -73,7 +73,7 @@ class TrainProfiler:
         self.written: list[str] = []  # trace files of this rank, in order
         self._recording = False
         self._memory_steps = 0
-        self._memory_on = bool(getattr(args, "record_memory_history", False))
+        self._memory_on = bool(args.record_memory_history)
         if self._memory_on:
             import torch
 

@@ -26,16 +26,16 @@ def memory_saver_installed() -> bool:
 
 def embedded_engine_argv(args, gpu: bool) -> list[str]:
     argv = ["--device", "cuda" if gpu else "cpu"]
-    if getattr(args, "true_on_policy", False) or getattr(args, "deterministic_mode", False):
+    if args.true_on_policy or args.deterministic_mode:
         # batch-invariant ops (slime/backends/batch_invariant.py): a sample's tokens and log-probs do not depend
         # on the batch it decoded in (and are the trainer's with --true-on-policy)
         argv.append("--enable-deterministic-inference")
-    if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine returns its routed experts (SGLang's flag)
+    if args.use_rollout_routing_replay:  # R3: the engine returns its routed experts (SGLang's flag)
         argv.append("--enable-return-routed-experts")
     if gpu and args.colocate and args.offload_rollout and memory_saver_installed():
         # released and resumed in place (the CUDA graphs survive a training step), as slime asks SGLang for it
         argv.append("--enable-memory-saver")
-    forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
+    forwarded = dict(args.sglang_passthrough or {})
     if args.embedded_engine_max_total_tokens is not None:
         forwarded["max-total-tokens"] = args.embedded_engine_max_total_tokens
     if args.embedded_engine_max_running_requests is not None:
@@ -64,9 +64,9 @@ def rollout_concurrency_per_engine(args, cap: int = 1024) -> int:
     """Requests one engine should decode together when no --sglang-max-running-requests is given: a
     rollout step's samples (over-sampling batch × samples per prompt) spread over the engines, so a
     step is one wave of decoding instead of several (the engine's own default is 64)."""
-    engines = max(1, int(getattr(args, "rollout_num_gpus", None) or 1) // max(1, int(getattr(args, "rollout_num_gpus_per_engine", None) or 1)))
-    batch = int(getattr(args, "over_sampling_batch_size", None) or getattr(args, "rollout_batch_size", None) or 1)
-    samples = batch * int(getattr(args, "n_samples_per_prompt", None) or 1)
+    engines = max(1, int(args.rollout_num_gpus or 1) // max(1, int(args.rollout_num_gpus_per_engine or 1)))
+    batch = int(args.over_sampling_batch_size or args.rollout_batch_size or 1)
+    samples = batch * int(args.n_samples_per_prompt or 1)
     return max(64, min(cap, -(-samples // engines)))
 
 
@@ -109,10 +109,10 @@ def cpu_engine_threads(args, cpu_count: int | None = None) -> int:
     loop the trainer is idle while the engines generate, so they take every core.
     ``SLIME_ENGINE_THREADS`` overrides it."""
     cores = cpu_count or os.cpu_count() or 1
-    engines = max(1, int(getattr(args, "rollout_num_gpus", None) or 1) // max(1, int(getattr(args, "rollout_num_gpus_per_engine", None) or 1)))
+    engines = max(1, int(args.rollout_num_gpus or 1) // max(1, int(args.rollout_num_gpus_per_engine or 1)))
     sharers = engines
-    if getattr(args, "rollout_overlaps_training", False):
-        sharers += max(1, int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1))
+    if args.rollout_overlaps_training:
+        sharers += max(1, int(args.actor_num_nodes or 1) * int(args.actor_num_gpus_per_node or 1))
     return max(1, cores // sharers)
 
 

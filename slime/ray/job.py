@@ -69,7 +69,7 @@ class Job:
     INTERRUPTED_DISPOSE_S = 5
 
     def _start(self) -> None:
-        from slime.utils.preflight import preflight
+        from slime.preflight import preflight
 
         args = self.args
         preflight(args)  # hooks, reward, data files, --save: before Ray or any engine starts
@@ -151,7 +151,7 @@ class Job:
         nodes = [node for node in ray.nodes() if node.get("Alive")]
         ranks = ray.get([a.node_ip.remote() for a in self.actor.actors]) if self.actor is not None else []
         logger.info("placement on %d Ray node(s): actor ranks on %s; engines at %s", len(nodes), ranks,
-                    list(getattr(self.args, "rollout_engine_urls", None) or []))
+                    list(self.args.rollout_engine_urls or []))
 
     # ------------------------------------------------------------------ the loop's named steps
 
@@ -233,7 +233,7 @@ class Job:
             if not self.args.use_fault_tolerance and not self.args.rollout_external:
                 from slime.rollout.engine_control import raise_if_engines_dead_sync
 
-                raise_if_engines_dead_sync(list(getattr(self.args, "rollout_engine_urls", None) or []), e)
+                raise_if_engines_dead_sync(list(self.args.rollout_engine_urls or []), e)
             raise
         if offload_train:
             self._timed("offload_train", self.actor.offload)
@@ -258,7 +258,7 @@ class Job:
     RESIDENT_FRACTION = 0.92
 
     def _auto_offload_pending(self) -> bool:
-        return bool(getattr(self.args, "offload_auto", False)) and self.actor is not None
+        return bool(self.args.offload_auto) and self.actor is not None
 
     def _fits_without_offload(self) -> bool:
         """After the first training step: do the engines' memory (measured before they released it)

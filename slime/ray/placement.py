@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def use_gpu(args) -> bool:
     import torch
 
-    return torch.cuda.is_available() and not getattr(args, "cpu_only", False)
+    return torch.cuda.is_available() and not args.cpu_only
 
 
 def init_ray(args) -> None:

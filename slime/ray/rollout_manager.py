@@ -220,7 +220,7 @@ class RolloutManager:
     def get_runtime_args(self) -> dict:
         """What the driver must learn back: router addresses, engine URLs, derived num_rollout."""
         return {"sglang_router_ip": self.args.sglang_router_ip, "sglang_router_port": self.args.sglang_router_port,
-                "sglang_model_routers": getattr(self.args, "sglang_model_routers", None),
+                "sglang_model_routers": self.args.sglang_model_routers,
                 "rollout_engine_urls": self.engine_urls, "rollout_num_engines": len(self.engine_urls),
                 "rollout_num_gpus_per_engine": self.args.rollout_num_gpus_per_engine,
                 "num_rollout": self.args.num_rollout}
@@ -293,7 +293,7 @@ class RolloutManager:
         the rollout) and a broadcast or tensor transport can reach one engine on its own."""
         args = self.args
         return (self.weight_source is not None and self.weight_version is not None
-                and not getattr(args, "rollout_overlaps_training", False) and args.update_weight_transport != "disk")
+                and not args.rollout_overlaps_training and args.update_weight_transport != "disk")
 
     def _recover_engine(self, index: int, reason: str) -> None:
         """The health monitor's answer to an engine that failed its probe: out of the router (the
@@ -423,7 +423,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list, dict]:
         """Run one rollout step; return (one train-data object ref per data-parallel shard, rollout metrics)."""
         from slime.rollout.sample_hooks import set_current_rollout_id
-        from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+        from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
         start = time.perf_counter()
         extra_metrics = None

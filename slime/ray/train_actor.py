@@ -175,7 +175,7 @@ class TrainRayActor:
                 from slime.backends.update_weight.disk import run_post_write_hook
 
                 # §2.20: the hook runs on every rank, after rank 0 wrote the files, before engines read them
-                run_post_write_hook(self.args, None, list(getattr(self.args, "rollout_engine_urls", None) or []))
+                run_post_write_hook(self.args, None, list(self.args.rollout_engine_urls or []))
             return {}
         gather = [0.0]
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from slime.utils import ppo_utils
-from slime.utils.train_data import assign_rollout_ids
+from slime.algorithms import functional as algo
+from slime.backends.training.train_data import assign_rollout_ids
 from slime.utils.types import Sample
 
 
 def grpo_normalize_by_group_index(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     raw = [float(s.get_reward_value(args)) for s in samples]
-    estimator = getattr(args, "advantage_estimator", "grpo")
-    normalise, std_allowed = ppo_utils.lookup(ppo_utils.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
-    if not normalise or not getattr(args, "rewards_normalization", True) or not samples:
+    estimator = args.advantage_estimator
+    normalise, std_allowed = algo.lookup(algo.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
+    if not normalise or not args.rewards_normalization or not samples:
         return raw, list(raw)
     n = args.n_samples_per_prompt
     groups = [s.group_index if s.group_index is not None else ("row", position // n)
               for position, s in enumerate(samples)]
-    std = std_allowed and getattr(args, "grpo_std_normalization", True)
-    rewards = ppo_utils.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=assign_rollout_ids(samples))
+    std = std_allowed and args.grpo_std_normalization
+    rewards = algo.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=assign_rollout_ids(samples))
     return raw, rewards.tolist()

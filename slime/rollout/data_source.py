@@ -17,6 +17,7 @@ import logging
 import os
 
 from slime.utils.misc import load_function
+from slime.utils.passthrough import sglang_value
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,9 @@ class RolloutDataSource(DataSource):
         self.sample_index = 0
         self.metadata: dict = {}
         self.dataset = None
-        if getattr(args, "rollout_global_dataset", True) and getattr(args, "prompt_data", None):
+        if args.rollout_global_dataset and args.prompt_data:
             self.dataset = self._load_dataset(args)
-            if getattr(args, "rollout_shuffle", False):
+            if args.rollout_shuffle:
                 self.dataset.shuffle(self.epoch_id)
 
     @staticmethod
@@ -73,24 +74,24 @@ class RolloutDataSource(DataSource):
         from slime.utils.data import Dataset
         from slime.utils.processing_utils import load_processor, load_tokenizer
 
-        tokenizer = load_tokenizer(args.hf_checkpoint) if getattr(args, "hf_checkpoint", None) else None
+        tokenizer = load_tokenizer(args.hf_checkpoint) if args.hf_checkpoint else None
         # only prompts with media (--multimodal-keys) can need the processor; looking for one imports
         # transformers' processing stack (2-3 s of the rollout manager's start)
-        has_media = bool(getattr(args, "multimodal_keys", None))
+        has_media = bool(args.multimodal_keys)
         processor = load_processor(args.hf_checkpoint) if tokenizer is not None and has_media else None
         return Dataset(
             args.prompt_data,
             tokenizer,
             processor,
-            getattr(args, "rollout_max_prompt_len", None) or _engine_max_prompt_len(args),
-            prompt_key=getattr(args, "input_key", "input"),
-            label_key=getattr(args, "label_key", None),
-            tool_key=getattr(args, "tool_key", "tools"),
-            metadata_key=getattr(args, "metadata_key", "metadata"),
-            multimodal_keys=getattr(args, "multimodal_keys", None),
-            seed=getattr(args, "rollout_seed", 42),
-            apply_chat_template=getattr(args, "apply_chat_template", False),
-            apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+            args.rollout_max_prompt_len or _engine_max_prompt_len(args),
+            prompt_key=args.input_key,
+            label_key=args.label_key,
+            tool_key=args.tool_key,
+            metadata_key=args.metadata_key,
+            multimodal_keys=args.multimodal_keys,
+            seed=args.rollout_seed,
+            apply_chat_template=args.apply_chat_template,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
         )
 
     def _next_prompts(self, num_prompts: int) -> list[Sample]:
@@ -103,7 +104,7 @@ class RolloutDataSource(DataSource):
             if self.sample_offset >= len(self.dataset):
                 self.epoch_id += 1
                 self.sample_offset = 0
-                if getattr(self.args, "rollout_shuffle", False):
+                if self.args.rollout_shuffle:
                     self.dataset.shuffle(self.epoch_id)
             take = min(num_prompts - len(prompts), len(self.dataset) - self.sample_offset)
             prompts += self.dataset.samples[self.sample_offset : self.sample_offset + take]
@@ -111,7 +112,7 @@ class RolloutDataSource(DataSource):
         return prompts
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
-        n = int(getattr(self.args, "n_samples_per_prompt", 1) or 1)
+        n = int(self.args.n_samples_per_prompt or 1)
         groups = []
         for prompt_sample in self._next_prompts(num_samples):
             group = []
@@ -140,30 +141,30 @@ class RolloutDataSource(DataSource):
             "metadata": copy.deepcopy(self.metadata),
             # The shuffle order is a pure function of (rollout_seed, epoch_id); the seed is saved so a
             # resume with a different --rollout-seed is detected instead of silently reordering.
-            "rollout_seed": getattr(self.args, "rollout_seed", 42),
-            "rollout_shuffle": bool(getattr(self.args, "rollout_shuffle", False)),
+            "rollout_seed": self.args.rollout_seed,
+            "rollout_shuffle": bool(self.args.rollout_shuffle),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("rollout_seed", getattr(self.args, "rollout_seed", 42)) != getattr(self.args, "rollout_seed", 42):
+        if state.get("rollout_seed", self.args.rollout_seed) != self.args.rollout_seed:
             logger.warning(
                 "data source state was saved with --rollout-seed %s but this run uses %s; the prompt order will differ",
-                state.get("rollout_seed"), getattr(self.args, "rollout_seed", 42),
+                state.get("rollout_seed"), self.args.rollout_seed,
             )  # fmt: skip
         self.sample_offset = state["sample_offset"]
         self.epoch_id = state["epoch_id"]
         self.sample_group_index = state["sample_group_index"]
         self.sample_index = state["sample_index"]
         self.metadata = state.get("metadata", {})
-        if self.dataset is not None and getattr(self.args, "rollout_shuffle", False):
+        if self.dataset is not None and self.args.rollout_shuffle:
             self.dataset.shuffle(self.epoch_id)
 
     def save(self, rollout_id: int) -> None:
         import torch
 
-        if not getattr(self.args, "rollout_global_dataset", True):
+        if not self.args.rollout_global_dataset:
             return
-        if not getattr(self.args, "save", None):
+        if not self.args.save:
             raise ValueError("saving the data-source state needs --save")
         path = _state_path(self.args.save, rollout_id)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -173,9 +174,9 @@ class RolloutDataSource(DataSource):
     def load(self, rollout_id: int | None = None) -> None:
         import torch
 
-        if not getattr(self.args, "rollout_global_dataset", True) or rollout_id is None or rollout_id < 0:
+        if not self.args.rollout_global_dataset or rollout_id is None or rollout_id < 0:
             return
-        if not getattr(self.args, "load", None):
+        if not self.args.load:
             return
         path = _state_path(self.args.load, rollout_id)
         if not os.path.exists(path):
@@ -202,7 +203,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         self.buffer_filter = load_function(path) if path else pop_first
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
@@ -222,7 +223,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def add_samples(self, samples: list[list[Sample]]) -> None:
         if not isinstance(samples, list) or not all(isinstance(g, list) for g in samples):
             raise TypeError("add_samples expects a list of prompt groups (list[list[Sample]])")
-        n = int(getattr(self.args, "n_samples_per_prompt", 1) or 1)
+        n = int(self.args.n_samples_per_prompt or 1)
         for group in samples:
             if len(group) != n:
                 raise ValueError(f"each group put back must have n_samples_per_prompt={n} samples, got {len(group)}")
@@ -263,8 +264,8 @@ def _engine_max_prompt_len(args) -> int | None:
     """The longest prompt the engines accept (their context length - 1: ``--sglang-context-length``, else the
     model's ``max_position_embeddings``). Longer prompts are left out at load, counted in a warning, instead of
     failing at the engine."""
-    context = getattr(args, "sglang_context_length", None)
-    config_path = os.path.join(getattr(args, "hf_checkpoint", None) or "", "config.json")
+    context = sglang_value(args, "sglang_context_length")
+    config_path = os.path.join(args.hf_checkpoint or "", "config.json")
     if not context and os.path.isfile(config_path):
         with open(config_path) as f:
             config = json.load(f)

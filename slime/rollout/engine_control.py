@@ -12,7 +12,7 @@ import logging
 import time
 
 from slime.utils.http_utils import HTTPRequestError, get, post
-from slime.utils.preflight import UserError
+from slime.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +21,14 @@ IDLE_WAIT_TIMEOUT_S = 120.0
 
 
 def router_base_url(args) -> str:
-    if not getattr(args, "sglang_router_ip", None) or not getattr(args, "sglang_router_port", None):
+    if not args.sglang_router_ip or not args.sglang_router_port:
         raise ValueError("the default rollout needs the router address: args.sglang_router_ip / sglang_router_port")
     return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
 
 
 async def get_engine_urls(args) -> list[str]:
     """Base URLs ("http://host:port") of every engine: ``args.rollout_engine_urls`` or the router's list."""
-    urls = getattr(args, "rollout_engine_urls", None)
+    urls = args.rollout_engine_urls
     if urls:
         return [u.rstrip("/") for u in urls]
     answer = await get(router_base_url(args) + "/workers")

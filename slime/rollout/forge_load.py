@@ -25,7 +25,7 @@ EVAL_DATASET = "forge_eval"
 
 
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
-    template = getattr(args, "load_forge_rollout_data", None)
+    template = args.load_forge_rollout_data
     if not template:
         raise ValueError("slime.rollout.forge_load.generate_rollout needs --load-forge-rollout-data (a dump path, "
                          "optionally with {rollout_id}; the format of --save-debug-rollout-data)")

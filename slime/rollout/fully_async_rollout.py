@@ -91,7 +91,7 @@ class AsyncRolloutWorker:
     def __init__(self, args, data_source):
         self.args = args
         self.data_source = data_source
-        per_engine = int(getattr(args, "sglang_server_concurrency", None) or 512)
+        per_engine = int(args.sglang_server_concurrency or 512)
         self.max_in_flight = max(1, min(per_engine * get_num_engines(args), args.rollout_batch_size))
         self.completed: list = []
         self.in_flight: set[asyncio.Task] = set()
@@ -118,8 +118,8 @@ class AsyncRolloutWorker:
         state = GenerateState(self.args)
         try:
             while not self._stopping:
-                # draw one group at a time while there is room: one step's worth ahead of the trainer (a
-                # deeper queue only ages: measured, a two-step queue dropped a quarter of its groups as stale)
+                # one group at a time while there is room, one step ahead of the trainer: a deeper queue only
+                # goes stale (docs/performance.md)
                 while (len(self.in_flight) < self.max_in_flight
                        and len(self.completed) + len(self.in_flight) < self.args.rollout_batch_size):
                     groups = self.data_source.get_samples(1)
@@ -162,7 +162,7 @@ class AsyncRolloutWorker:
 
     async def collect(self, target: int) -> tuple[list, dict]:
         """Wait for ``target`` completed groups that are fresh enough; return them and the step's metrics."""
-        max_staleness = getattr(self.args, "max_weight_staleness", None)
+        max_staleness = self.args.max_weight_staleness
         requeued, dropped = self.requeued, self.dropped_stale
         batch, staleness = [], []
         while len(batch) < target:
@@ -238,7 +238,7 @@ def generate_rollout_fully_async(args, rollout_id, data_source, evaluation=False
     if evaluation:
         raise ValueError("generate_rollout_fully_async does not evaluate; pass --eval-function-path "
                          "slime.rollout.sglang_rollout.generate_rollout (the default when the flag is unset)")
-    if getattr(args, "colocate", False):
+    if args.colocate:
         raise ValueError("the fully async rollout generates while the trainer trains, which --colocate (shared "
                          "devices, offloaded in turn) cannot do; drop --colocate")
     worker = get_worker(args, data_source)

@@ -45,6 +45,7 @@ import math
 from collections import defaultdict
 from math import comb
 
+from slime.utils.passthrough import sglang_value
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -91,12 +92,12 @@ def _top_p_kept_vocab_per_token(samples: list[Sample]) -> float | None:
 
 
 def _num_rollout_gpus(args) -> int:
-    gpus = getattr(args, "rollout_num_gpus", None)
+    gpus = args.rollout_num_gpus
     if gpus:
         return int(gpus)
     from slime.rollout.sglang_rollout import get_num_engines
 
-    return get_num_engines(args) * int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    return get_num_engines(args) * int(args.rollout_num_gpus_per_engine or 1)
 
 
 def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) -> dict:
@@ -114,7 +115,7 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
     rewards = [r for r in (_scalar_reward(args, s) for s in samples) if r is not None]
     metrics.update(_stats("rollout/raw_reward", rewards, keys=("mean", "std", "max", "min")))
 
-    if getattr(args, "advantage_estimator", "grpo") != "ppo":
+    if args.advantage_estimator != "ppo":
         groups: dict = defaultdict(list)
         for s in samples:
             if s.group_index is not None:
@@ -130,18 +131,18 @@ def compute_rollout_metrics(args, samples: list[Sample], rollout_time: float) ->
         sum(s.prefix_cache_info.cached_tokens for s in samples) / total_prompt if total_prompt else 0.0
     )
     metrics["rollout/avg_cached_tokens_per_sample"] = sum(s.prefix_cache_info.cached_tokens for s in samples) / n
-    if getattr(args, "sglang_speculative_algorithm", None):
+    if sglang_value(args, "sglang_speculative_algorithm"):
         metrics.update(spec_metrics(samples))
 
     kept_vocab = _top_p_kept_vocab_per_token(samples)
     if kept_vocab is not None:
         metrics["rollout/top_p_kept_vocab_per_token"] = kept_vocab
 
-    if getattr(args, "log_multi_turn", False):
+    if args.log_multi_turn:
         metrics.update(multi_turn_metrics(args, samples))
-    if getattr(args, "log_correct_samples", False):
+    if args.log_correct_samples:
         metrics.update(correct_sample_metrics(args, samples))
-    if getattr(args, "log_reward_category", None):
+    if args.log_reward_category:
         metrics.update(reward_category_metrics(args, samples))
 
     metrics["perf/rollout_time"] = rollout_time
@@ -180,7 +181,7 @@ def model_turns(sample: Sample) -> int:
 def multi_turn_metrics(args, samples: list[Sample]) -> dict:
     """``--log-multi-turn``: response lengths with and without observations, model turns per sample."""
     raw = [s.response_length for s in samples]
-    limit = getattr(args, "rollout_max_response_len", None)
+    limit = args.rollout_max_response_len
     clipped = [s.status == Sample.Status.TRUNCATED or (limit is not None and s.response_length >= limit) for s in samples]
     metrics = {f"multi_turn/raw_response_length/response_length_{k}": v for k, v in
                (("mean", statistics.fmean(raw)), ("max", max(raw)), ("min", min(raw)))}
@@ -244,7 +245,7 @@ def compute_eval_metrics(args, data: dict) -> dict:
         if samples:
             lengths = [s.effective_response_length for s in samples]
             metrics.update(_stats(f"eval/{name}/response_len", lengths, keys=("mean", "max", "min")))
-        if getattr(args, "log_passrate", False) and samples:
+        if args.log_passrate and samples:
             by_prompt: dict = defaultdict(list)
             for sample, reward in zip(samples, rewards):
                 by_prompt[sample.group_index].append(reward == 1)

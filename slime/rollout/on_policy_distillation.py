@@ -8,7 +8,7 @@ The trainer then shapes every response token's advantage with the per-token reve
 
     A_t ← A_t − λ · (log π_old(y_t) − log π_teacher(y_t)),    λ = --opd-kl-coef
 
-(``slime.utils.ppo_utils.apply_opd``; the difference is logged as ``train/opd_reverse_kl``). With the
+(``slime.algorithms.functional.apply_opd``; the difference is logged as ``train/opd_reverse_kl``). With the
 zero task reward below, the policy-gradient loss with these advantages is the REINFORCE estimator
 of λ · KL(π ‖ π_teacher) over the student's own samples.
 
@@ -47,7 +47,7 @@ def teacher_payload(args, sample: Sample) -> dict:
 
 async def reward_func(args, sample: Sample, **kwargs) -> dict:
     """``--custom-rm-path``: the teacher's raw ``/generate`` answer for the sample (stored as its reward)."""
-    if not getattr(args, "rm_url", None):
+    if not args.rm_url:
         raise ValueError("on_policy_distillation.reward_func needs --rm-url: the teacher's /generate URL "
                          "(e.g. http://127.0.0.1:30001/generate)")
     if not sample.tokens:
@@ -71,7 +71,7 @@ def _teacher_response_log_probs(sample: Sample, answer) -> list[float]:
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """``--custom-reward-post-process-path``: teacher log-probs to ``sample.teacher_log_probs``; zero rewards."""
-    if getattr(args, "reward_key", None):
+    if args.reward_key:
         raise ValueError(f"on_policy_distillation.post_process_rewards reads the teacher's whole answer as the reward; "
                          f"unset --reward-key (got {args.reward_key!r})")
     for sample in samples:

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from slime.utils.misc import custom_config_value
 
 ANSWER_FORMATS = ("tag", "plain", "number")
 _SPECIAL = re.compile(r"<\|[^|>]*\|>")
@@ -127,7 +128,7 @@ class ReasoningGymDataSource(RolloutDataSourceWithBuffer):
     """
 
     def __init__(self, args):
-        spec = getattr(args, "reasoning_gym", None)
+        spec = custom_config_value(args, "reasoning_gym")
         if not isinstance(spec, dict) or not spec.get("dataset"):
             raise ValueError("ReasoningGymDataSource needs reasoning_gym: {dataset: ..., config: {...}, size: N} "
                              "in --custom-config-path")

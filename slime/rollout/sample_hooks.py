@@ -54,7 +54,7 @@ async def _apply_one(hook, path: str, args, value, kwargs):
 
 async def apply_rollout_sample_hooks(args, value, **kwargs):
     """Run every configured hook over the Sample leaves of ``value`` (a Sample or nested list)."""
-    paths = getattr(args, "rollout_sample_hook_path", None) or []
+    paths = args.rollout_sample_hook_path or []
     if isinstance(paths, str):
         paths = [paths]
     if not paths:

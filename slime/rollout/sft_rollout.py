@@ -17,10 +17,10 @@ from slime.utils.types import Sample
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     if evaluation:
         raise ValueError("the SFT rollout has no evaluation mode; set --eval-function-path to a generating rollout")
-    if not getattr(args, "rollout_global_dataset", True):
+    if not args.rollout_global_dataset:
         raise ValueError("the SFT rollout needs the global dataset (remove --disable-rollout-global-dataset)")
     generator = MultiTurnLossMaskGenerator(
-        load_tokenizer(args.hf_checkpoint), tokenizer_type=getattr(args, "loss_mask_type", "qwen")
+        load_tokenizer(args.hf_checkpoint), tokenizer_type=args.loss_mask_type
     )
     groups = data_source.get_samples(args.rollout_batch_size)
     processor = None

@@ -45,6 +45,7 @@ from slime.utils.async_utils import run
 from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.misc import load_function
 from slime.utils.multimodal import MediaError, encode_image, prepare_prompt, sample_images
+from slime.utils.passthrough import sglang_value
 from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
 
@@ -67,11 +68,11 @@ __all__ = [
 
 def get_num_engines(args) -> int:
     """Number of inference engines behind the router (see the module docstring for the order)."""
-    if getattr(args, "rollout_num_engines", None):
+    if args.rollout_num_engines:
         return int(args.rollout_num_engines)
-    if getattr(args, "rollout_engine_urls", None):
+    if args.rollout_engine_urls:
         return len(args.rollout_engine_urls)
-    gpus, per_engine = getattr(args, "rollout_num_gpus", None), getattr(args, "rollout_num_gpus_per_engine", None)
+    gpus, per_engine = args.rollout_num_gpus, args.rollout_num_gpus_per_engine
     if gpus and per_engine:
         return max(1, int(gpus) // int(per_engine))
     return 1
@@ -79,7 +80,7 @@ def get_num_engines(args) -> int:
 
 def get_model_url(args, model_name: str, endpoint: str = "/generate") -> str:
     """URL of ``endpoint`` on the router serving ``model_name`` (default router if the name is unknown)."""
-    routers = getattr(args, "sglang_model_routers", None) or {}
+    routers = args.sglang_model_routers or {}
     if model_name in routers:
         ip, port = routers[model_name]
         return f"http://{ip}:{port}{endpoint}"
@@ -115,7 +116,7 @@ class GenerateState:
         self._initialized = True
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        self.concurrency = int(getattr(args, "sglang_server_concurrency", 512) or 512) * get_num_engines(args)
+        self.concurrency = int(args.sglang_server_concurrency or 512) * get_num_engines(args)
         self._semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = (
             weakref.WeakKeyDictionary()
         )
@@ -222,7 +223,7 @@ def _request_budget(args, sample: Sample, sampling_params: dict, evaluation: boo
 def _generate_payload(args, input_ids: list, sampling_params: dict, max_new_tokens: int | None) -> dict:
     payload = {"input_ids": input_ids, "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens},
                "return_logprob": True}
-    if getattr(args, "use_rollout_routing_replay", False):
+    if args.use_rollout_routing_replay:
         payload["return_routed_experts"] = True
     return payload
 
@@ -281,7 +282,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
             del payload["input_ids"]
             payload["text"] = prompt_text
     headers = None
-    if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
+    if args.router_policy == "consistent_hashing" and sample.session_id:
         headers = {"X-SMG-Routing-Key": sample.session_id}
 
     async with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": max_new_tokens}) as span:
@@ -312,10 +313,9 @@ def batchable_group(args, group: list, evaluation: bool = False) -> bool:
     seeds (``--sglang-enable-deterministic-inference``), custom generate functions and groups larger
     than the concurrency bound (``--sglang-server-concurrency`` x engines) keep one request per sample.
     """
-    if not 2 <= len(group) <= GenerateState(args).concurrency or getattr(args, "custom_generate_function_path", None):
+    if not 2 <= len(group) <= GenerateState(args).concurrency or args.custom_generate_function_path:
         return False
-    if getattr(args, "router_policy", None) == "consistent_hashing" or getattr(
-            args, "sglang_enable_deterministic_inference", False) or getattr(args, "deterministic_mode", False):
+    if args.router_policy == "consistent_hashing" or sglang_value(args, "sglang_enable_deterministic_inference", False) or args.deterministic_mode:
         return False
     return all(isinstance(s, Sample) and s.status == Sample.Status.PENDING and not s.response_length
                and not s.generate_function_path and not sample_images(s) for s in group)
@@ -367,7 +367,7 @@ DEAD_ENGINE_PROBE_AFTER = 3  # failed attempts (a second apart) before the engin
 async def _post_generate(args, url: str, payload: dict, headers: dict | None):
     """POST /generate to the router. With --use-fault-tolerance, also wait out the router's
     "No worker available" (404) while the health monitor restarts the engines behind it."""
-    if not getattr(args, "use_fault_tolerance", False):
+    if not args.use_fault_tolerance:
         try:  # a few quick retries, then ask the engines whether they are alive before retrying for a minute
             return await post(url, payload, headers=headers, max_retries=DEAD_ENGINE_PROBE_AFTER)
         except HTTPRequestError as e:
@@ -386,7 +386,7 @@ async def _post_generate(args, url: str, payload: dict, headers: dict | None):
 
 
 def _resolve_generate_function(args, sample: Sample):
-    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    path = sample.generate_function_path or args.custom_generate_function_path
     return load_function(path) if path else generate
 
 
@@ -437,7 +437,7 @@ def _mark_reward_failure(args, samples: list[Sample], error: BaseException, eval
 
 async def _within_reward_timeout(args, coro):
     """``--reward-timeout``: a reward still running after it fails its sample(s) with the reason."""
-    timeout = getattr(args, "reward_timeout", None)
+    timeout = args.reward_timeout
     if not timeout:
         return await coro
     try:
@@ -503,7 +503,7 @@ async def _reward_generated(args, sample: Sample, result, evaluation: bool, span
     if isinstance(result, list):  # fan-out: every emitted sample continues the trace on its own copy
         inherit_trace(sample, _leaves(result))
         span.retarget(_leaves(result))
-    if getattr(args, "group_rm", False) and not evaluation:
+    if args.group_rm and not evaluation:
         return result
     if isinstance(result, list):
         leaves = _leaves(result)
@@ -559,7 +559,7 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
     state = GenerateState(args)
     if state.aborted:
         return group
-    if evaluation and getattr(args, "group_rm", False):
+    if evaluation and args.group_rm:
         raise ValueError("--group-rm is not supported for evaluation")
     for sample in _leaves(group):
         bind_trace(sample)
@@ -573,9 +573,9 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
             tasks = []
             for slot, sample in enumerate(group):
                 params = copy.deepcopy(sampling_params)
-                if getattr(args, "sglang_enable_deterministic_inference", False):
+                if sglang_value(args, "sglang_enable_deterministic_inference", False):
                     params["sampling_seed"] = args.rollout_seed + slot
-                elif getattr(args, "deterministic_mode", False):
+                elif args.deterministic_mode:
                     params["sampling_seed"] = sample_seed(args, sample)
                 name = f"generate_and_rm[group {sample.group_index} slot {slot}]"
                 tasks.append(asyncio.create_task(generate_and_rm(args, sample, params, evaluation=evaluation),
@@ -583,7 +583,7 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
             group = await _gather_tasks(tasks)
         span.retarget(_leaves(group))  # fan-out slots continue on their emitted samples
 
-        if getattr(args, "group_rm", False) and not evaluation:
+        if args.group_rm and not evaluation:
             leaves = _leaves(group)
             if not any(s.status == Sample.Status.ABORTED for s in leaves):
                 await _reward_batch(args, [s for s in leaves if s.reward is None], evaluation)
@@ -613,7 +613,7 @@ def _recycle_partial_groups(args, rollout_id: int, groups: list, data_source) ->
             # both carry tokens of this step's policy
             if sample.response_length > 0:
                 sample.metadata.setdefault("start_rollout_id", rollout_id)
-                if getattr(args, "mask_offpolicy_in_partial_rollout", False):
+                if args.mask_offpolicy_in_partial_rollout:
                     sample.loss_mask = [0] * sample.response_length
         recyclable.append(group)
     if recyclable:
@@ -647,8 +647,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
     state = GenerateState(args)
     state.reset()
     target = args.rollout_batch_size
-    over_sampling = getattr(args, "over_sampling_batch_size", None) or target
-    filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+    over_sampling = args.over_sampling_batch_size or target
+    filter_path = args.dynamic_sampling_filter_path
     dynamic_filter = load_function(filter_path) if filter_path else None
 
     kept, finished, surplus = [], [], []
@@ -696,15 +696,15 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
         await asyncio.gather(*pending, return_exceptions=True)
         raise
 
-    if getattr(args, "partial_rollout", False):
+    if args.partial_rollout:
         _recycle_partial_groups(args, rollout_id, leftovers, data_source)
 
     kept.sort(key=_first_index)
-    if getattr(args, "rollout_sample_filter_path", None):
+    if args.rollout_sample_filter_path:
         load_function(args.rollout_sample_filter_path)(args, kept)
         for sample in _leaves(kept):
             trace_event(sample, "rollout_sample_filter", attrs={"remove_sample": sample.remove_sample})
-    if getattr(args, "rollout_all_samples_process_path", None):
+    if args.rollout_all_samples_process_path:
         load_function(args.rollout_all_samples_process_path)(args, sorted(finished, key=_first_index), data_source)
     metrics = {f"rollout/dynamic_filter/drop_{reason}": count for reason, count in drop_reasons.items()}
     return RolloutFnTrainOutput(samples=kept, metrics=metrics or None), leftovers
@@ -719,19 +719,19 @@ def _eval_dataset(args, config):
     from slime.utils.data import Dataset
 
     key = (config.cache_key, args.hf_checkpoint, config.apply_chat_template, str(config.apply_chat_template_kwargs),
-           getattr(args, "eval_max_prompt_len", None))  # fmt: skip
+           args.eval_max_prompt_len)  # fmt: skip
     if key not in _eval_dataset_cache:
         _eval_dataset_cache[key] = Dataset(
             config.path,
             GenerateState(args).tokenizer,
             None,
-            getattr(args, "eval_max_prompt_len", None),
+            args.eval_max_prompt_len,
             prompt_key=config.input_key,
             label_key=config.label_key,
             tool_key=config.tool_key,
             metadata_key=config.metadata_key,
             multimodal_keys=config.multimodal_keys,
-            seed=getattr(args, "rollout_seed", 42),
+            seed=args.rollout_seed,
             apply_chat_template=bool(config.apply_chat_template),
             apply_chat_template_kwargs=config.apply_chat_template_kwargs,
         )
@@ -786,14 +786,14 @@ async def _eval_one_dataset(args, config) -> tuple[str, dict]:
             continue
         for sample in prompt_samples:
             params = sampling_params
-            if getattr(args, "sglang_enable_deterministic_inference", False):
+            if sglang_value(args, "sglang_enable_deterministic_inference", False):
                 params = {**sampling_params, "sampling_seed": args.rollout_seed + sample.index % n}
-            elif getattr(args, "deterministic_mode", False):
+            elif args.deterministic_mode:
                 params = {**sampling_params, "sampling_seed": sample_seed(args, sample)}
             coro = generate_and_rm(args, sample, params, evaluation=True)
             tasks.append(asyncio.create_task(coro, name=f"eval[{config.name}][{sample.index}]"))
     results = sorted(_leaves(await _gather_tasks(tasks)), key=lambda s: (s.index is None, s.index))
-    key = getattr(args, "eval_reward_key", None)
+    key = args.eval_reward_key
     return config.name, {
         "rewards": [_reward_value(s, key) for s in results],
         "truncated": [s.status == Sample.Status.TRUNCATED for s in results],
@@ -803,9 +803,9 @@ async def _eval_one_dataset(args, config) -> tuple[str, dict]:
 
 async def eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
     """Evaluate every dataset of ``args.eval_datasets`` concurrently."""
-    if getattr(args, "group_rm", False):
+    if args.group_rm:
         raise ValueError("--group-rm is not supported for evaluation")
-    datasets = getattr(args, "eval_datasets", None) or []
+    datasets = args.eval_datasets or []
     if not datasets:
         raise ValueError("evaluation needs eval datasets (--eval-prompt-data name path ... or --eval-config)")
     GenerateState(args).reset()
@@ -823,7 +823,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     if evaluation:
         output = run(eval_rollout(args, rollout_id))
     else:
-        if not getattr(args, "rollout_global_dataset", True):
+        if not args.rollout_global_dataset:
             raise ValueError("the default rollout needs the global dataset (remove --disable-rollout-global-dataset)")
         output, _ = run(generate_rollout_async(args, rollout_id, data_source))
     logger.info("rollout %s (%s) took %.2fs", rollout_id, "eval" if evaluation else "train", time.time() - start)

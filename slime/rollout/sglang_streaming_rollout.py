@@ -137,9 +137,9 @@ async def generate_streaming(args, sample: Sample, sampling_params: dict, evalua
     """One streamed ``/generate`` on the router (more after a dropped connection), appended to the sample."""
     url = get_model_url(args, "default")
     headers = None
-    if getattr(args, "router_policy", None) == "consistent_hashing" and sample.session_id:
+    if args.router_policy == "consistent_hashing" and sample.session_id:
         headers = {"X-SMG-Routing-Key": sample.session_id}
-    replay = bool(getattr(args, "use_rollout_routing_replay", False)
+    replay = bool(args.use_rollout_routing_replay
                   or (sampling_params.get("custom_params") or {}).get("return_top_p_token_ids"))
     failures = 0
     while True:

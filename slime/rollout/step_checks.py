@@ -3,7 +3,7 @@ run, an engine refusing every request) or every sample was filtered out of train
 
 from __future__ import annotations
 
-from slime.utils.preflight import UserError
+from slime.utils.errors import UserError
 from slime.utils.types import Sample
 
 __all__ = ["RunCannotLearn", "check_step_can_learn"]
@@ -28,7 +28,7 @@ def check_step_can_learn(args, samples: list[Sample], rollout_id: int) -> None:
         raise RunCannotLearn(f"rollout step {rollout_id} produced no samples: every prompt was filtered out "
                              f"(check --dynamic-sampling-filter-path / the rollout function)")
     failed = [s for s in samples if s.status == Sample.Status.FAILED]
-    threshold = getattr(args, "stop_on_failed_ratio", 1.0)
+    threshold = args.stop_on_failed_ratio
     if failed and len(failed) >= threshold * len(samples):
         raise RunCannotLearn(
             f"rollout step {rollout_id}: {len(failed)} of {len(samples)} samples FAILED (--stop-on-failed-ratio "
@@ -36,5 +36,5 @@ def check_step_can_learn(args, samples: list[Sample], rollout_id: int) -> None:
             f"{_failure_reason(failed[0])}")
     if all(s.remove_sample for s in samples):
         raise RunCannotLearn(f"rollout step {rollout_id}: every one of {len(samples)} samples was marked remove_sample "
-                             f"(--rollout-sample-filter-path {getattr(args, 'rollout_sample_filter_path', None)}): "
+                             f"(--rollout-sample-filter-path {args.rollout_sample_filter_path}): "
                              f"nothing would be trained on")

@@ -831,3 +831,14 @@ def _add_megatron_misc_arguments(parser) -> None:
                        ("bias-dropout", "bias_dropout_fusion"), ("bias-gelu", "bias_gelu_fusion")):
         g.add_argument(f"--no-{name}-fusion", dest=dest, action="store_false", default=False,
                        help=f"Accepted: slime never fuses {name.replace('-', ' ')} (it is off already).")
+
+
+def flag_defaults(**overrides) -> argparse.Namespace:
+    """Every slime and training flag at its parser default (nothing validated), with ``overrides`` set: the
+    ``args`` of code that runs outside a run's command line (a model layout check, a bench)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_slime_arguments(parser)
+    add_training_arguments(parser)
+    args = argparse.Namespace(**{a.dest: a.default for a in parser._actions if a.dest != "help"})
+    vars(args).update(overrides)
+    return args

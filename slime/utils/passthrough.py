@@ -274,3 +274,9 @@ EMBEDDED_SGLANG_FLAGS = {"mem-fraction-static", "context-length", "max-total-tok
 # SGLang 0.5.23's name of an option (as its ServerArgs field) -> the embedded engine's flag for it
 EMBEDDED_FLAG_FOR = {"cuda-graph-max-bs-decode": "cuda-graph-max-bs", "cuda-graph-bs-decode": "cuda-graph-bs",
                      "fp8-gemm-runner-backend": "fp8-gemm-backend"}
+
+
+def sglang_value(args, dest: str, default=None):
+    """The value of an SGLang ``ServerArgs`` flag (``dest`` like ``sglang_quantization``): ``args`` holds it
+    only when the installed SGLang declares it or the command line gave it verbatim, else ``default``."""
+    return getattr(args, dest, default)

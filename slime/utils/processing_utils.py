@@ -53,7 +53,7 @@ def _load_processor(name_or_path: str, **kwargs):
         processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
         # e.g. a Qwen-VL processor whose video half needs torchvision: its image half still loads
-        processor = fallback_processor(str(name_or_path))
+        processor = fallback_processor(str(name_or_path), load_tokenizer(str(name_or_path)))
         if processor is not None:
             logger.warning("AutoProcessor of %s did not load (%s: %s); using its image processor and tokenizer "
                            "(images only)", name_or_path, type(e).__name__, e)

@@ -58,9 +58,9 @@ class StepProgress:
 
     def __init__(self, args, stream=None):
         self.stream = stream if stream is not None else sys.stdout
-        self.total = getattr(args, "num_rollout", None)
-        self.supervised = getattr(args, "loss_type", None) == "sft_loss"
-        self.interval = getattr(args, "console_log_interval", None)
+        self.total = args.num_rollout
+        self.supervised = args.loss_type == "sft_loss"
+        self.interval = args.console_log_interval
         self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
         self._bar = None
         self._first_step: int | None = None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
+from slime.utils.passthrough import sglang_value
+
 if TYPE_CHECKING:  # torch is heavy; only needed for annotations here
     import torch
 
@@ -44,9 +46,9 @@ def _decode_int32_list(value) -> list[int]:
 def routed_experts_layout(args) -> tuple[int, int]:
     """``(layers, top-k)`` of the engine's ``routed_experts`` rows: Megatron's ``--num-layers`` /
     ``--moe-router-topk`` when given, else the HF config of ``--hf-checkpoint`` (the FSDP backend)."""
-    if getattr(args, "num_layers", None):
+    if args.num_layers:
         return int(args.num_layers), int(args.moe_router_topk)
-    path = getattr(args, "hf_checkpoint", None)
+    path = args.hf_checkpoint
     if not path:
         raise ValueError("routed_experts in meta_info: set --num-layers / --moe-router-topk or --hf-checkpoint "
                          "(the layout of the engine's routed experts)")
@@ -217,7 +219,7 @@ class Sample:
 
     def get_reward_value(self, args) -> float:
         """The scalar reward: ``reward`` itself, or ``reward[args.reward_key]`` when a key is set."""
-        key = getattr(args, "reward_key", None)
+        key = args.reward_key
         if not key:
             return self.reward
         if not isinstance(self.reward, dict):
@@ -360,7 +362,7 @@ class Sample:
         self.rollout_routed_experts = (list(existing or [])[:start]) + experts
 
     def _update_terminal_info(self, args, meta_info: dict) -> None:
-        if args is not None and getattr(args, "sglang_speculative_algorithm", None):
+        if args is not None and sglang_value(args, "sglang_speculative_algorithm"):
             self.spec_info.add(meta_info)
         self.prefix_cache_info.add(meta_info)
         if meta_info.get("weight_version") is not None:

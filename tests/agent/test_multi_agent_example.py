@@ -20,8 +20,8 @@ from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
-from slime.utils.train_data import convert_samples_to_train_data
+from slime.arguments import parse_args
+from slime.backends.training.train_data import convert_samples_to_train_data
 from slime.utils.types import Sample
 from tests.rollout.test_reasoning_gym import _teach
 

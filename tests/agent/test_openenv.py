@@ -169,7 +169,7 @@ def _rows(path, server, rows):
 
 
 def _args(model_dir, data, router, extra=()):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     host, port = router.url.rsplit("//", 1)[1].split(":")
     args = parse_args([

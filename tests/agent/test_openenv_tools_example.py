@@ -78,7 +78,7 @@ def test_one_rollout_step_of_the_example(thermometer, thermometer_model, tmp_pat
     from slime.backends.router import running_router
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.sglang_rollout import generate_rollout
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     paths = build(tmp_path / "data", thermometer.url, num_train=3, num_eval=1, num_sft=1)
     with running_engine(thermometer_model, extra_args=["--context-length", "512"]) as engine, \

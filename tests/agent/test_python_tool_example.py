@@ -18,7 +18,7 @@ from examples.python_tool.task import GUESS, PREAMBLE, QUESTIONS, TOOLS, build, 
 from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.timeout(300)

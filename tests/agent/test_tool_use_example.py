@@ -21,7 +21,7 @@ from examples.tool_use.template import compact_template
 from slime.observability.rollout_data_utils import save_debug_rollout_data
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.tiny_model import CHAT_TEMPLATE
 from slime.utils.types import Sample
 

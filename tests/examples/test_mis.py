@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from examples.train_infer_mismatch_helper.mis import compute_mis_weights_with_cp
-from slime.utils import ppo_utils as pu
-from tests.utils.test_policy_loss_grads import _batch, _reference_loss, _tokens
-from tests.utils.test_ppo_utils import _args
+from slime.algorithms import functional as pu
+from tests.algorithms.test_policy_loss_grads import _batch, _reference_loss, _tokens
+from tests.algorithms.test_functional import _args
 
 
 def _case(seed: int = 0, lengths=(5, 3, 6, 4)):

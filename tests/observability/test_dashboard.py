@@ -5,13 +5,13 @@ import re
 import shutil
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
 from slime.observability.dashboard import PANELS, panel_keys, read_metrics, render_dashboard
 from slime.utils.tracking import Tracker
+from tests.parsed_args import default_args
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_RUN = Path(__file__).parent / "data" / "real_run_metrics.jsonl"
@@ -19,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def tracker_args(run_dir):
-    return Namespace(run_dir=str(run_dir), use_tensorboard=False, use_wandb=False)
+    return default_args(run_dir=str(run_dir))
 
 
 def test_real_run_renders_every_panel(tmp_path):

@@ -19,7 +19,7 @@ from slime.backends.router import running_router
 from slime.observability.rollout_data_utils import save_debug_rollout_data
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from tests.observability.chromium_cdp import HeadlessChromium, find_chromium
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

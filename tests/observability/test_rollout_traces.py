@@ -10,7 +10,7 @@ import torch
 from slime.observability.rollout_data_utils import load_debug_rollout_data, save_debug_rollout_data
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample
 from tests.rollout.stand_in_engine import Reply, StandInEngine

@@ -38,7 +38,7 @@ from slime.rollout.data_source import DataSource, RolloutDataSourceWithBuffer
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
 from slime.rollout.sglang_rollout import GenerateState, generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.async_utils import run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample

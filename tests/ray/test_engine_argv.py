@@ -1,7 +1,7 @@
 """Which ``--sglang-*`` flags reach an embedded engine's command line."""
 
+from slime.arguments import parse_args
 from slime.ray.engine_actor import embedded_engine_argv
-from slime.utils.arguments import parse_args
 
 BASE = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
         "--rollout-batch-size", "4", "--num-rollout", "1"]
@@ -23,22 +23,22 @@ def test_engine_speed_flags_are_forwarded_and_sglang_only_ones_dropped():
 
 
 def test_cpu_engine_threads_share_the_cores():
-    from types import SimpleNamespace
+    from tests.parsed_args import default_args
 
     from slime.ray.engine_actor import cpu_engine_threads
 
-    sync_one = SimpleNamespace(rollout_num_gpus=1, rollout_num_gpus_per_engine=1, actor_num_nodes=1, actor_num_gpus_per_node=1)
+    sync_one = default_args(rollout_num_gpus=1, rollout_num_gpus_per_engine=1, actor_num_nodes=1, actor_num_gpus_per_node=1)
     assert cpu_engine_threads(sync_one, cpu_count=8) == 8  # the trainer is idle while the engine generates
-    two_engines = SimpleNamespace(**{**vars(sync_one), "rollout_num_gpus": 2})
+    two_engines = default_args(**{**vars(sync_one), "rollout_num_gpus": 2})
     assert cpu_engine_threads(two_engines, cpu_count=8) == 4
-    overlapping = SimpleNamespace(**{**vars(two_engines), "rollout_overlaps_training": True, "actor_num_gpus_per_node": 2})
+    overlapping = default_args(**{**vars(two_engines), "rollout_overlaps_training": True, "actor_num_gpus_per_node": 2})
     assert cpu_engine_threads(overlapping, cpu_count=8) == 2  # 2 engines + 2 training ranks at once
     assert cpu_engine_threads(overlapping, cpu_count=2) == 1
 
 
 def test_engine_decodes_a_whole_rollout_step_at_once_unless_told():
     from slime.ray.engine_actor import embedded_engine_argv
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     base = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--rollout-batch-size", "16",
             "--n-samples-per-prompt", "8", "--num-rollout", "1"]

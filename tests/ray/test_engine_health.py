@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from slime.ray.engine_health import EngineHealthMonitor, probe
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 
 class _Healthy(BaseHTTPRequestHandler):

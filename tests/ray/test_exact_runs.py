@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(600)

@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 import ray
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(900)

@@ -49,7 +49,7 @@ def test_moe_mla_1b_through_the_loop_on_one_gpu(moe_mla_dir, tiny_task_data, tmp
     sys.path.insert(0, str(HERE))
     from test_loop import by_kind, read_metrics
 
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from train import train
 
     python_path = os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")])

@@ -6,7 +6,7 @@ import pytest
 
 import slime.ray.job as job_module
 from slime.ray.job import Job
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 GiB = 2**30
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "4", "--train-backend", "fsdp", "--rollout-backend", "embedded",

@@ -12,7 +12,7 @@ import ray
 
 from slime.rollout.reasoning_gym import make_rows, write_jsonl
 from slime.utils import gguf_model
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

@@ -3,7 +3,7 @@ actor joins at step N, on the values the critic computed for that step."""
 
 import slime.ray.job as job_module
 from slime.ray.job import Job
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "4", "--train-backend", "fsdp", "--rollout-backend", "embedded",
         "--advantage-estimator", "ppo", "--debug-train-only"]

@@ -6,7 +6,7 @@ import pytest
 
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer, pop_first
 from slime.rollout.sft_rollout import generate_rollout as sft_generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample
 

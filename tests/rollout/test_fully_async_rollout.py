@@ -16,7 +16,7 @@ from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.backends.router import running_router
 from slime.rollout import fully_async_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.types import Sample
 
 pytestmark = [pytest.mark.timeout(240)]

@@ -21,11 +21,11 @@ from slime.backends.router import running_router
 from slime.rollout import on_policy_distillation as opd
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils import ppo_utils as pu
-from slime.utils.arguments import parse_args
-from slime.utils.train_data import convert_samples_to_train_data
+from slime.algorithms import functional as pu
+from slime.arguments import parse_args
+from slime.backends.training.train_data import convert_samples_to_train_data
 from slime.utils.types import Sample
-from tests.utils.test_ppo_utils import _args
+from tests.algorithms.test_functional import _args
 
 pytestmark = [pytest.mark.timeout(240)]
 

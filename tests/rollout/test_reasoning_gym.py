@@ -84,7 +84,7 @@ def test_number_format_scores_the_last_number_of_a_sentence():
 
 
 def test_data_source(tiny_model_dir, tmp_path):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     config = tmp_path / "gym.yaml"
     config.write_text(json.dumps({"reasoning_gym": {"dataset": "chain_sum", "config": CONFIG, "size": 12,
@@ -149,7 +149,7 @@ def test_one_rollout_step(tiny_model_dir, tmp_path):
     from slime.backends.router import running_router
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.sglang_rollout import generate_rollout
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     paths = build(tmp_path / "data", "chain_sum", config=CONFIG, num_train=3, num_eval=1, seed=5,
                   answer_format="plain")

@@ -15,7 +15,7 @@ from slime.backends.router import running_router
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.types import Sample
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

@@ -4,7 +4,7 @@ values computed by hand from the samples below."""
 import logging
 
 from slime.rollout.metrics import compute_rollout_metrics
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.types import Sample
 
 

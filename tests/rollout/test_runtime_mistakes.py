@@ -196,7 +196,7 @@ def test_every_prompt_too_long_is_an_error_naming_the_file(tiny_model_dir, tmp_p
 def test_a_sample_the_engine_refused_does_not_break_the_training_data():
     """A FAILED sample with no response has no rollout_log_probs: the step's data gets [] for it, not the
     misleading "set on the first sample but missing" error."""
-    from slime.utils.train_data import convert_samples_to_train_data
+    from slime.backends.training.train_data import convert_samples_to_train_data
 
     ok = Sample(index=0, prompt="p", tokens=[1, 2, 3], response_length=2, reward=1.0, rollout_log_probs=[-0.1, -0.2],
                 status=Sample.Status.COMPLETED, metadata={})

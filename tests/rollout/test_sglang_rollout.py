@@ -11,7 +11,7 @@ from slime.rollout import sglang_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm, generate_rollout, get_model_url
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.async_utils import run
 from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample
@@ -334,7 +334,7 @@ def test_reward_failing_on_one_sample_fails_only_that_sample(tiny_model_dir, pro
     """As docs/customization.md says: that sample becomes FAILED with reward 0 and the error in its
     metadata, the log names it, its group keeps all its samples, and the step trains on all of them
     (FAILED is trained like COMPLETED), the failed one with reward 0 in its group's normalisation."""
-    from slime.utils.train_data import convert_samples_to_train_data
+    from slime.backends.training.train_data import convert_samples_to_train_data
 
     args = make_args(tiny_model_dir, prompt_file, engine, "--custom-rm-path",
                      "tests.rollout.test_sglang_rollout.reward_failing_on_sample_2")  # fmt: skip

@@ -223,7 +223,7 @@ def test_the_embedded_engine_streams_what_it_answers_in_one_piece(tiny_model_dir
     """Greedy on the real embedded engine (SSE from its server): streamed and non-streamed calls give the same
     tokens and log-probs."""
     from slime.backends.embedded_engine.serving.launch import running_engine
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     with running_engine(tiny_model_dir, extra_args=["--context-length", "256"]) as proc:
         host, port = proc.url.removeprefix("http://").split(":")

@@ -20,8 +20,8 @@ from slime.backends.embedded_engine.serving.launch import running_engine
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.arguments import parse_args
-from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+from slime.arguments import parse_args
+from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
 pytestmark = [pytest.mark.timeout(300)]
 

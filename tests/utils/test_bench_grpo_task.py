@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from bench import grpo_task  # noqa: E402
+from tests.parsed_args import default_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_trl_scores_a_prose_reply_by_its_last_number_as_slimes_rm_type_does(rows
     trl = grpo_task.trl_reward(prompts=[row["prompt"] for row in rows],
                                completions=[[{"role": "assistant", "content": reply}] for reply in replies],
                                metadata=[json.dumps(row["metadata"]) for row in rows])
-    args = SimpleNamespace(custom_rm_path=None, rm_type="reasoning_gym", reward_key=None)
+    args = default_args(rm_type="reasoning_gym")
     slime = [asyncio.run(async_rm(args, SimpleNamespace(response=reply, metadata=row["metadata"], label=row["label"])))
              for reply, row in zip(replies, rows)]
     assert trl == slime == [float(i % 2) for i in range(len(rows))]

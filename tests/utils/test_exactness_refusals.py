@@ -3,7 +3,7 @@ to use instead (slime/utils/exactness.py); the combinations that can be exact pa
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
 

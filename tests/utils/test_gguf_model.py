@@ -11,7 +11,7 @@ pytest.importorskip("gguf")
 import torch  # noqa: E402
 
 from slime.utils import gguf_model  # noqa: E402
-from slime.utils.arguments import parse_args  # noqa: E402
+from slime.arguments import parse_args  # noqa: E402
 from tests.utils.gguf_files import CHAT_TEMPLATE, tiny_llama, write_llama_gguf, write_raw_gguf  # noqa: E402
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]

@@ -1,14 +1,11 @@
 import json
-from types import SimpleNamespace
 
 from slime.utils.tracking import Tracker
+from tests.parsed_args import default_args
 
 
 def _args(tmp_path, **overrides):
-    values = dict(run_dir=str(tmp_path / "run"), use_tensorboard=False, use_wandb=False, tb_project_name=None,
-                  tb_experiment_name=None)
-    values.update(overrides)
-    return SimpleNamespace(**values)
+    return default_args(**{"run_dir": str(tmp_path / "run"), "num_rollout": None, **overrides})  # no known total
 
 
 def test_metrics_jsonl_and_console(tmp_path, capsys):

@@ -7,7 +7,7 @@ import struct
 
 import torch
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.tracking import Tracker
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]

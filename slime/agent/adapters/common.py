@@ -29,6 +29,7 @@ from aiohttp import web
 
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
+from slime.utils.passthrough import sglang_value
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -302,12 +303,12 @@ class BaseAdapter:
             from slime.utils.processing_utils import load_tokenizer
 
             tokenizer = load_tokenizer(args.hf_checkpoint)
-        if not getattr(args, "sglang_router_ip", None) or not getattr(args, "sglang_router_port", None):
+        if not args.sglang_router_ip or not args.sglang_router_port:
             raise ValueError("the agent adapter needs the router address (--sglang-router-ip/--sglang-router-port, "
                              "set by slime when it starts the router)")
-        kwargs.setdefault("tool_parser", getattr(args, "sglang_tool_call_parser", None))
-        kwargs.setdefault("reasoning_parser", getattr(args, "sglang_reasoning_parser", None))
-        kwargs.setdefault("chat_template_kwargs", getattr(args, "apply_chat_template_kwargs", None) or {})
+        kwargs.setdefault("tool_parser", sglang_value(args, "sglang_tool_call_parser"))
+        kwargs.setdefault("reasoning_parser", sglang_value(args, "sglang_reasoning_parser"))
+        kwargs.setdefault("chat_template_kwargs", args.apply_chat_template_kwargs or {})
         return cls(tokenizer=tokenizer, sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
                    **kwargs)
 

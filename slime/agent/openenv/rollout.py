@@ -46,6 +46,8 @@ from slime.agent.openenv.session import (
     episode_for,
     turn_outcome,
 )
+from slime.utils.misc import custom_config_value
+from slime.utils.passthrough import sglang_value
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def agent_server(args):
     with _adapters_lock:
         entry = _adapters.get(id(args))
         if entry is None or entry[2] is not args:
-            if not getattr(args, "sglang_tool_call_parser", None):
+            if not sglang_value(args, "sglang_tool_call_parser"):
                 raise ValueError("slime.agent.openenv.generate reads the model's tool calls with "
                                  "--sglang-tool-call-parser (e.g. qwen25); it is not set")
             adapter = OpenAIAdapter.from_args(args, strict=True)
@@ -162,7 +164,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     import httpx
 
     metadata = sample.metadata or {}
-    settings = EnvSettings.from_metadata(metadata, getattr(args, "openenv_server", None))
+    settings = EnvSettings.from_metadata(metadata, custom_config_value(args, "openenv_server"))
     reset_kwargs = {**settings.reset_kwargs, "task_id": metadata.get("task_id"),
                     "episode_id": f"{metadata.get('task_id')}-{uuid.uuid4().hex[:12]}"}
     if metadata.get("seed") is not None:
@@ -171,7 +173,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     sid = f"openenv-{sample.index}-{uuid.uuid4().hex}"
     sample.session_id = sid
     adapter.open_session(sid, sampling_defaults=sampling_params,
-                         max_context_tokens=getattr(args, "rollout_max_context_len", None) or 0)
+                         max_context_tokens=args.rollout_max_context_len or 0)
     episode = episode_for(settings)
     http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {sid}"}, timeout=None, trust_env=False)
     samples, started = None, time.monotonic()

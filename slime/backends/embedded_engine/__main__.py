@@ -27,9 +27,7 @@ def build_server(args: ServerArgs):
     from slime.backends.update_weight.wire_format import use_file_system_sharing
 
     use_file_system_sharing()
-    # On CPU the engine thread does the compute. Measured on 2 cores: with the main thread (model load,
-    # HTTP) holding an OpenMP team of its own, the engine thread's 2-thread decode step took 24-37 ms
-    # against 17 ms when the main thread stays single-threaded and the engine thread takes the threads.
+    # on CPU the engine thread does the compute: it takes the threads, the main thread keeps one (docs/performance.md)
     threads = None
     if args.device == "cpu":
         threads = torch.get_num_threads()

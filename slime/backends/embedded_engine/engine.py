@@ -199,9 +199,9 @@ class Engine:
                 self.speculative.move_slot(move.src, move.dst, move.length)
 
     # ------------------------------------------------------------------ one step
-    #: a burst of requests is gathered into few prefills: waiting requests join once arrivals paused
-    #: this long, or the oldest has waited ADMIT_MAX_WAIT_S, or they fill every free slot (each
-    #: prefill forward costs ~20 ms of launch overhead on a GPU, whatever its size)
+    #: a burst of requests is gathered into few prefills (each pays a launch overhead; docs/performance.md):
+    #: waiting requests join once arrivals paused this long, or the oldest has waited ADMIT_MAX_WAIT_S, or they
+    #: fill every free slot
     ARRIVAL_PAUSE_S = 0.003
     ADMIT_MAX_WAIT_S = 0.03
 

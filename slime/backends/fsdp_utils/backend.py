@@ -53,13 +53,13 @@ class FSDPBackend(TrainBackend):
         self.layout = DataLayout(dp_rank=self.rank, dp_size=self.world_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         #: --true-on-policy: the engine's batch-invariant ops (slime/backends/batch_invariant.py) on this side too
-        self.true_on_policy = getattr(args, "true_on_policy", False)
+        self.true_on_policy = args.true_on_policy
         self.attn_implementation = (batch_invariant.register() if self.true_on_policy else
-                                    resolve_attn_implementation(getattr(args, "fsdp_attn_implementation", "auto"),
+                                    resolve_attn_implementation(args.fsdp_attn_implementation,
                                                                 self.device.type))
-        precision = getattr(args, "fsdp_mixed_precision", "auto")
+        precision = args.fsdp_mixed_precision
         self.mixed_precision = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
-        self.chunk_rows = resolve_chunk_rows(getattr(args, "log_probs_chunk_size", -1))
+        self.chunk_rows = resolve_chunk_rows(args.log_probs_chunk_size)
         self.model = self.ref_model = self.old_actor = self.optimizer = self.scheduler = None
         # colocated offloading (offload / begin_offload / onload): the side stream the optimizer state copies
         # on, the event of its copy to the device, and the device tensors a copy to the host still reads
@@ -80,20 +80,20 @@ class FSDPBackend(TrainBackend):
             batch_invariant.install(model)
         if trainable:
             apply_freeze_lists(model, self.args)
-            if getattr(self.args, "freeze_vision_tower", False):
+            if self.args.freeze_vision_tower:
                 if not is_vision_language(model.config):
                     raise ValueError(f"--freeze-vision-tower: {path} has no vision tower (not a vision-language model)")
                 vision.freeze_vision_tower(model)
         else:
             model.requires_grad_(False)
-        if getattr(self.args, "gradient_checkpointing", False):
+        if self.args.gradient_checkpointing:
             model.gradient_checkpointing_enable() if self.role == "actor" else model.model.gradient_checkpointing_enable()
         model.to(self.device)
         # one rank: the trained model keeps its unsharded (bf16) parameters from forward to backward
         # instead of gathering them twice (a host-side cost per layer; no memory is saved by resharding)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         return shard_model(model, mesh, self.mixed_precision, reshard_after_forward=not trainable or self.world_size > 1,
-                           compile_layers=getattr(self.args, "fsdp_compile", False))
+                           compile_layers=self.args.fsdp_compile)
 
     def _checkpoint_dir(self, root: str | None) -> str | None:
         if root is None:
@@ -104,40 +104,40 @@ class FSDPBackend(TrainBackend):
         """Load ``--hf-checkpoint`` (or an HF ``--load``), or resume from a DCP ``--load``; build the
         reference model and the old actor when needed. Returns the rollout id to start from or None."""
         args = self.args
-        if getattr(args, "hf_checkpoint", None) is None:
+        if args.hf_checkpoint is None:
             raise ValueError("--train-backend fsdp needs --hf-checkpoint (model architecture and tokenizer)")
-        load_dir = self._checkpoint_dir(getattr(args, "load", None))
+        load_dir = self._checkpoint_dir(args.load)
         weights = args.hf_checkpoint
         if self.role == "critic":
-            weights = getattr(args, "critic_hf_checkpoint", None) or weights
-        elif getattr(args, "load", None) and ckpt.is_hf_dir(args.load):
+            weights = args.critic_hf_checkpoint or weights
+        elif args.load and ckpt.is_hf_dir(args.load):
             weights = args.load
         torch.manual_seed(args.seed)
         self.model = self._build(weights)
         self.model.train()
-        if getattr(args, "use_routing_replay", False) and self.role == "actor":
+        if args.use_routing_replay and self.role == "actor":
             from slime.backends.fsdp_utils.routing_replay import HFRoutingReplay
 
             self.routing = HFRoutingReplay(self.model)
-        lr = args.lr if self.role == "actor" else (getattr(args, "critic_lr", None) or args.lr)
+        lr = args.lr if self.role == "actor" else (args.critic_lr or args.lr)
         self.optimizer = build_optimizer(self.model, args, lr)
         steps_per_rollout = max(args.rollout_batch_size * args.n_samples_per_prompt // max(args.global_batch_size, 1), 1)
-        total_steps = (getattr(args, "num_rollout", None) or 1) * steps_per_rollout
+        total_steps = (args.num_rollout or 1) * steps_per_rollout
         self.scheduler = LRScheduler(self.optimizer, args, lr, total_steps)
         if self.role == "actor" and (args.use_kl_loss or args.kl_coef != 0):
-            ref = args.ref_load if ckpt.is_hf_dir(getattr(args, "ref_load", None)) else args.hf_checkpoint
+            ref = args.ref_load if ckpt.is_hf_dir(args.ref_load) else args.hf_checkpoint
             self.ref_model = self._build(ref, trainable=False)
             self.ref_model.eval()
             self._park(self.ref_model)
-        if self.role == "actor" and getattr(args, "keep_old_actor", False):
-            if getattr(args, "use_rollout_logprobs", False):
+        if self.role == "actor" and args.keep_old_actor:
+            if args.use_rollout_logprobs:
                 raise ValueError("--keep-old-actor computes π_old with the pre-update actor, --use-rollout-logprobs takes "
                                  "π_old from the engine: use one of them")
             self.old_actor = self._build(weights, trainable=False)
             self.old_actor.eval()
         start = None
         if load_dir and os.path.isfile(os.path.join(load_dir, ckpt.LATEST_FILE)):
-            iteration = ckpt.load_checkpoint(self, load_dir, getattr(args, "no_load_optim", False), getattr(args, "no_load_rng", False))
+            iteration = ckpt.load_checkpoint(self, load_dir, args.no_load_optim, args.no_load_rng)
             start = iteration + 1
         if self.old_actor is not None and not self._old_actor_loaded:
             _copy_weights(self.model, self.old_actor)
@@ -180,7 +180,7 @@ class FSDPBackend(TrainBackend):
 
     def _nucleus(self, batch: TrainBatch, micro_batch: list[int]) -> Nucleus | None:
         """The engine's kept top-p sets of the micro-batch's response positions (``--rollout-top-p`` ≠ 1)."""
-        if getattr(self.args, "rollout_top_p", 1.0) == 1.0 or not micro_batch:
+        if self.args.rollout_top_p == 1.0 or not micro_batch:
             return None
         all_ids, all_offsets = batch.rollout_top_p_token_ids, batch.rollout_top_p_token_offsets
         if all_ids is None or all_offsets is None:
@@ -229,7 +229,7 @@ class FSDPBackend(TrainBackend):
         if self.routing is None or packed.dummy:
             return contextlib.nullcontext()
         names = [f"sample {batch.sample_indices[i] if batch.sample_indices is not None else i}" for i in micro_batch]
-        if getattr(self.args, "use_rollout_routing_replay", False):
+        if self.args.use_rollout_routing_replay:
             routed = batch.rollout_routed_experts
             missing = [name for i, name in zip(micro_batch, names) if routed is None or routed[i] is None]
             if missing:
@@ -321,7 +321,7 @@ class FSDPBackend(TrainBackend):
         """DCP checkpoint (model, optimizer, scheduler, RNG, step) under ``--save`` (critic: ``<save>/critic``);
         with ``--async-save`` written in the background (``wait_for_save``)."""
         self.await_optimizer_state()
-        if getattr(self.args, "async_save", False):
+        if self.args.async_save:
             if self._async_writer is None:
                 self._async_writer = ckpt.AsyncCheckpointWriter()
             self._async_writer.save(self, self._checkpoint_dir(self.args.save), rollout_id)
@@ -440,13 +440,13 @@ def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 def _reject_unsupported(args) -> None:
     """Flags whose semantics this backend does not implement yet: fail early, naming them."""
     unsupported = {
-        "--opd-type megatron (teacher model inside the trainer)": getattr(args, "use_opd", False)
-        and getattr(args, "opd_type", None) == "megatron",
+        "--opd-type megatron (teacher model inside the trainer)": args.use_opd
+        and args.opd_type == "megatron",
         "--use-routing-replay / --use-rollout-routing-replay with --keep-old-actor (the routing is recorded and "
-        "replayed on the actor)": getattr(args, "use_routing_replay", False) and getattr(args, "keep_old_actor", False),
+        "replayed on the actor)": args.use_routing_replay and args.keep_old_actor,
         "--use-routing-replay / --use-rollout-routing-replay with --fsdp-compile (the router hooks)":
-        getattr(args, "use_routing_replay", False) and getattr(args, "fsdp_compile", False),
-        "--enable-mtp-training": getattr(args, "enable_mtp_training", False),
+        args.use_routing_replay and args.fsdp_compile,
+        "--enable-mtp-training": args.enable_mtp_training,
     }
     names = [name for name, active in unsupported.items() if active]
     if names:

@@ -20,13 +20,10 @@ import os
 import random
 import shutil
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from slime.backends.fsdp_utils.backend import FSDPBackend
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +31,21 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 
 __all__ = ["LATEST_FILE", "AsyncCheckpointWriter", "is_hf_dir", "save_checkpoint", "load_checkpoint", "save_hf",
            "named_hf_weights", "full_state_dict"]
+
+
+class CheckpointedBackend(Protocol):
+    """What these functions read and set of :class:`slime.backends.fsdp_utils.backend.FSDPBackend` (which
+    imports this module)."""
+
+    args: Any
+    role: str
+    rank: int
+    model: torch.nn.Module
+    old_actor: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    global_step: int
+    _old_actor_loaded: bool
 
 
 def is_hf_dir(path: str | None) -> bool:
@@ -63,7 +75,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _prepare(backend: "FSDPBackend", root: str | None, rollout_id: int) -> tuple[str, dict, dict]:
+def _prepare(backend: CheckpointedBackend, root: str | None, rollout_id: int) -> tuple[str, dict, dict]:
     """Collective: the iteration directory (created), the DCP state and the per-rank extra state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -75,7 +87,7 @@ def _prepare(backend: "FSDPBackend", root: str | None, rollout_id: int) -> tuple
     dist.barrier()
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     state = {"model": model_state}
-    if not getattr(backend.args, "no_save_optim", False):
+    if not backend.args.no_save_optim:
         state["optim"] = optim_state
     if getattr(backend, "old_actor", None) is not None:  # --keep-old-actor: π_old of the next step
         state["old_actor"] = get_model_state_dict(backend.old_actor)
@@ -91,7 +103,7 @@ def _write_latest(root: str, rollout_id: int) -> None:
     os.replace(tmp, os.path.join(root, LATEST_FILE))
 
 
-def save_checkpoint(backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
+def save_checkpoint(backend: CheckpointedBackend, root: str | None, rollout_id: int) -> str:
     """Collective save of model, optimizer, scheduler, step and RNG; returns the iteration dir."""
     import torch.distributed.checkpoint as dcp
 
@@ -121,7 +133,7 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self.in_flight: int | None = None  # the rollout id being written
 
-    def save(self, backend: "FSDPBackend", root: str | None, rollout_id: int) -> str:
+    def save(self, backend: CheckpointedBackend, root: str | None, rollout_id: int) -> str:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -156,7 +168,7 @@ class AsyncCheckpointWriter:
             raise RuntimeError(f"--async-save: writing the checkpoint failed: {error}") from error
 
 
-def load_checkpoint(backend: "FSDPBackend", root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
+def load_checkpoint(backend: CheckpointedBackend, root: str, no_load_optim: bool = False, no_load_rng: bool = False) -> int:
     """Collective load of the latest checkpoint under ``root``; returns its rollout id. Parameters saved
     without optimizer state (no gradient before the save) resume without it."""
     import torch.distributed.checkpoint as dcp
@@ -225,7 +237,7 @@ def _saved_optimizer_state(template: dict, saved: set[str]) -> dict:
     return {**template, "state": state}
 
 
-def full_state_dict(backend: "FSDPBackend") -> dict[str, torch.Tensor]:
+def full_state_dict(backend: CheckpointedBackend) -> dict[str, torch.Tensor]:
     """Full (unsharded) model state dict on CPU, on rank 0 only (empty elsewhere); collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -242,7 +254,7 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
                    "chat_template.jinja", "chat_template.json")
 
 
-def save_hf(backend: "FSDPBackend", path: str) -> None:
+def save_hf(backend: CheckpointedBackend, path: str) -> None:
     """HF directory readable by ``from_pretrained``: safetensors weights, config, generation config
     and tokenizer (copied from ``--hf-checkpoint``). The critic also writes ``value_head.safetensors``."""
     from safetensors.torch import save_file
@@ -272,7 +284,7 @@ def save_hf(backend: "FSDPBackend", path: str) -> None:
     dist.barrier()
 
 
-def named_hf_weights(backend: "FSDPBackend", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def named_hf_weights(backend: CheckpointedBackend, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors, all-gathered from the FSDP shards one at a time, on every rank, on the
     training device. The tied ``lm_head.weight`` is skipped when the config ties it to the embeddings."""
     config = getattr(backend.model, "config", None)

@@ -11,7 +11,7 @@ __all__ = ["build_optimizer", "LRScheduler"]
 
 def build_optimizer(model: torch.nn.Module, args, lr: float) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay."""
-    if getattr(args, "optimizer", "adam") != "adam":
+    if args.optimizer != "adam":
         raise ValueError(f"--optimizer {args.optimizer} is not supported by --train-backend fsdp yet (use adam)")
     decay, no_decay = [], []
     for param in model.parameters():
@@ -39,18 +39,18 @@ class LRScheduler:
     STYLES = ("constant", "linear", "cosine")
 
     def __init__(self, optimizer, args, max_lr: float, total_steps: int):
-        style = getattr(args, "lr_decay_style", "constant")
+        style = args.lr_decay_style
         if style not in self.STYLES:
             raise ValueError(f"--lr-decay-style {style} is not supported by --train-backend fsdp yet; use one of {self.STYLES}")
         self.optimizer, self.style, self.max_lr = optimizer, style, max_lr
-        self.min_lr = getattr(args, "min_lr", 0.0) or 0.0
-        self.decay_steps = getattr(args, "lr_decay_iters", None) or max(total_steps, 1)
-        warmup = getattr(args, "lr_warmup_iters", 0) or 0
-        fraction = getattr(args, "lr_warmup_fraction", None)
+        self.min_lr = args.min_lr or 0.0
+        self.decay_steps = args.lr_decay_iters or max(total_steps, 1)
+        warmup = args.lr_warmup_iters or 0
+        fraction = args.lr_warmup_fraction
         if fraction is not None:
             warmup = int(fraction * self.decay_steps)
         self.warmup_steps = warmup
-        self.warmup_init = getattr(args, "lr_warmup_init", 0.0) or 0.0
+        self.warmup_init = args.lr_warmup_init or 0.0
         self.step_count = 0
         self._apply()
 

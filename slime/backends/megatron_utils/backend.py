@@ -107,7 +107,7 @@ class MegatronBackend(TrainBackend):
     def _weights_dir(self) -> str:
         """The HF directory this role starts from (the critic: ``--critic-hf-checkpoint`` when set)."""
         if self.role == "critic":
-            return getattr(self.args, "critic_hf_checkpoint", None) or self.args.hf_checkpoint
+            return self.args.critic_hf_checkpoint or self.args.hf_checkpoint
         return self.args.hf_checkpoint
 
     def _head_prefixes(self) -> tuple[str, ...]:
@@ -127,7 +127,7 @@ class MegatronBackend(TrainBackend):
         hf_validate_args(args, hf_config)
         if self.role == "critic":
             args.untie_embeddings_and_output_weights = True  # the value head replaces the output layer
-        if getattr(args, "padded_vocab_size", None) is None:
+        if args.padded_vocab_size is None:
             args.padded_vocab_size = wm.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                           args.tensor_model_parallel_size)
         self._hf_config = hf_config
@@ -150,7 +150,7 @@ class MegatronBackend(TrainBackend):
                                  "slime.backends.megatron_utils.model.model_provider (PackedCoreAttention, RoPE); "
                                  "--custom-model-provider-path gave a model without it")
             self.packed = True  # CP chunks are packed rows (exact attention where flash attention does not run)
-        if getattr(args, "use_routing_replay", False):
+        if args.use_routing_replay:
             if not self.model_layout.num_experts:
                 raise ValueError("--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
                                  f"{args.hf_checkpoint} has no experts")
@@ -160,19 +160,19 @@ class MegatronBackend(TrainBackend):
 
     def build_optimizer(self):
         """(optimizer, scheduler) of the wrapped model; tests that run without CUDA replace it."""
-        lr = self.args.lr if self.role == "actor" else (getattr(self.args, "critic_lr", None) or self.args.lr)
+        lr = self.args.lr if self.role == "actor" else (self.args.critic_lr or self.args.lr)
         return setup.build_optimizer(self.args, self.ddp_model, lr)
 
     def init(self) -> int | None:
         args = self.args
-        if getattr(args, "hf_checkpoint", None) is None:
+        if args.hf_checkpoint is None:
             raise ValueError("--train-backend megatron needs --hf-checkpoint (config, tokenizer, and the HF weight names)")
         setup.init_parallel_state(args)
         self.layout = self._declare_layout()
         self._model_shape()
         model = setup.build_model(args, self.role, self.device, self._weights_dir(), trainable=True)
         self._check_packing(model)
-        self.ddp_model = self.model = setup.wrap_ddp(model, getattr(args, "check_for_nan_in_loss_and_grad", True))
+        self.ddp_model = self.model = setup.wrap_ddp(model, args.check_for_nan_in_loss_and_grad)
         self.optimizer, self.scheduler = self.build_optimizer()
         start_iteration = self._load_weights(model, self._checkpoint_dir(args.load), args.ckpt_step, args.finetune,
                                              self.optimizer, self.scheduler)
@@ -180,9 +180,9 @@ class MegatronBackend(TrainBackend):
             self.optimizer.reload_model_params()  # main params of the distributed optimizer follow the loaded weights
         if self.role == "actor" and (args.use_kl_loss or args.kl_coef != 0):
             self.ref_model = setup.build_model(args, self.role, self.device, self._weights_dir(), trainable=False)
-            self._load_weights(self.ref_model, args.ref_load or args.hf_checkpoint, getattr(args, "ref_ckpt_step", None), True)
+            self._load_weights(self.ref_model, args.ref_load or args.hf_checkpoint, args.ref_ckpt_step, True)
             self.ref_model.to("cpu")  # parked in host memory between its passes
-        hook = getattr(args, "custom_megatron_init_path", None)
+        hook = args.custom_megatron_init_path
         if hook:
             load_function(hook)(args)
         dist.barrier()
@@ -238,7 +238,7 @@ class MegatronBackend(TrainBackend):
     def _forward_only(self, model, which: str, batch: TrainBatch, output: ModelOutput):
         from slime.backends.megatron_utils import pipeline
 
-        hook = getattr(self.args, "custom_megatron_before_log_prob_hook_path", None)
+        hook = self.args.custom_megatron_before_log_prob_hook_path
         if hook and output.kind != "values":
             load_function(hook)(self.args, model, "ref_" if which == "ref" else "")
         self._routed = batch.rollout_routed_experts
@@ -404,7 +404,7 @@ class MegatronBackend(TrainBackend):
         """HF-named full tensors (collective; every rank receives every tensor). MoE experts carry
         checkpoint names (SGLang), or transformers' fused 3-D names for the embedded engine."""
         named = mm.iter_hf_weights(self.model, self.model_layout, dtype, param_source=self.offloaded_param_source())
-        if self.model_layout.num_experts and getattr(self.args, "rollout_backend", None) == "embedded":
+        if self.model_layout.num_experts and self.args.rollout_backend == "embedded":
             # the embedded engine loads by transformers' in-memory names (3-D expert tensors)
             named = wm.fuse_experts_for_transformers(named, self.model_layout)
         return named

@@ -7,7 +7,7 @@ Layout under a checkpoint root (``--save``, ``--load``, ``--ref-load``)::
                                           optimizer and scheduler of every rank, resharding-safe
     iter_0000007/slime_extra_rank{r}.pt   global step and RNG states of rank r
 
-Which checkpoint an actor starts from (after :func:`slime.utils.arguments.validate_args` rule 5):
+Which checkpoint an actor starts from (after :func:`slime.arguments.validate_args` rule 5):
 
 * ``--load`` holds ``latest_checkpointed_iteration.txt`` → resume: model, optimizer, scheduler,
   RNG, and the rollout id that follows;

@@ -10,7 +10,7 @@ and in backward ``∂ log π(t)/∂z = onehot(t) − p``, ``∂H/∂z = −p ⊙
 Two implementations, chosen per call by ``SLIME_LOGPROB_HEAD`` as in the FSDP backend
 (:func:`slime.backends.training.logprob_head.head_path`):
 
-* ``torch`` — :func:`slime.utils.ppo_utils.compute_log_probs` / ``compute_entropy`` on the logits
+* ``torch`` — :func:`slime.algorithms.functional.compute_log_probs` / ``compute_entropy`` on the logits
   turned into float32 (the reference; the CPU path);
 * ``triton`` — the fused kernels of :mod:`slime.backends.training.triton_logprob`: the forward
   reads the logits once, in their dtype, for lse, log π and H together; the backward reads them once
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 
 __all__ = ["log_probs_and_entropy"]
 
@@ -43,13 +43,13 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
             logits = logits.contiguous()  # the kernels walk a row's columns with unit stride
         log_probs, entropy = _FusedLogProbEntropy.apply(logits, targets.long(), float(temperature), bool(entropy_grad))
         return log_probs, (entropy if with_entropy else None)
-    log_probs = ppo_utils.compute_log_probs(logits, targets, temperature)
+    log_probs = algo.compute_log_probs(logits, targets, temperature)
     if not with_entropy:
         return log_probs, None
     if entropy_grad:
-        return log_probs, ppo_utils.compute_entropy(logits, temperature)
+        return log_probs, algo.compute_entropy(logits, temperature)
     with torch.no_grad():
-        return log_probs, ppo_utils.compute_entropy(logits.detach(), temperature)
+        return log_probs, algo.compute_entropy(logits.detach(), temperature)
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):

@@ -49,8 +49,8 @@ def transformer_config(args, **overrides):
     ``MLATransformerConfig`` under ``--multi-latent-attention``."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    bf16 = not getattr(args, "fp16", False)
-    moe = bool(getattr(args, "num_experts", None))
+    bf16 = not args.fp16
+    moe = bool(args.num_experts)
     kwargs = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -73,13 +73,13 @@ def transformer_config(args, **overrides):
         autocast_dtype=torch.bfloat16 if bf16 else torch.float16,
         variable_seq_lengths=True, attention_softmax_in_fp32=True,
         # fused kernels that need Apex / TE / compiled extensions: never on (the --no-*-fusion flags say so)
-        masked_softmax_fusion=getattr(args, "masked_softmax_fusion", False),
-        bias_activation_fusion=getattr(args, "bias_swiglu_fusion", False) or getattr(args, "bias_gelu_fusion", False),
-        bias_dropout_fusion=getattr(args, "bias_dropout_fusion", False),
-        apply_rope_fusion=getattr(args, "apply_rope_fusion", False),
-        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", False), persist_layer_norm=False,
-        rotary_interleaved=getattr(args, "rotary_interleaved", False),
-        deterministic_mode=getattr(args, "deterministic_mode", False),
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_activation_fusion=args.bias_swiglu_fusion or args.bias_gelu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        apply_rope_fusion=args.apply_rope_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion, persist_layer_norm=False,
+        rotary_interleaved=args.rotary_interleaved,
+        deterministic_mode=args.deterministic_mode,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=False,
@@ -91,9 +91,9 @@ def transformer_config(args, **overrides):
     if not torch.cuda.is_available() and moe:
         kwargs["variable_seq_lengths"] = False
     # uneven pipeline stages (the layer ranges of weight_mapping.pp_layer_range)
-    if getattr(args, "decoder_first_pipeline_num_layers", None) is not None:
+    if args.decoder_first_pipeline_num_layers is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
-    if getattr(args, "decoder_last_pipeline_num_layers", None) is not None:
+    if args.decoder_last_pipeline_num_layers is not None:
         kwargs["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
     if moe:
         kwargs.update(
@@ -104,22 +104,22 @@ def transformer_config(args, **overrides):
             moe_token_dispatcher_type=kwargs["moe_token_dispatcher_type"] if args.moe_token_dispatcher_type == "allgather"
             else args.moe_token_dispatcher_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype=getattr(args, "moe_router_dtype", None) or "fp32",
-            moe_enable_routing_replay=bool(getattr(args, "use_routing_replay", False)),
-            moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
-            moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", 1e-3),
-            moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
-            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
-            moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
-            moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
-            moe_token_drop_policy=getattr(args, "moe_token_drop_policy", "probs"),
-            moe_permute_fusion=getattr(args, "moe_permute_fusion", False),
+            moe_grouped_gemm=args.moe_grouped_gemm, moe_router_dtype=args.moe_router_dtype or "fp32",
+            moe_enable_routing_replay=bool(args.use_routing_replay),
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_token_drop_policy=args.moe_token_drop_policy,
+            moe_permute_fusion=args.moe_permute_fusion,
         )
-        if getattr(args, "moe_enable_deepep", False):  # refused at start without CUDA and deep_ep
+        if args.moe_enable_deepep:  # refused at start without CUDA and deep_ep
             kwargs.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
     kwargs.update(overrides)
     kwargs.update(megatron_lm_config_fields(args, set(kwargs)))
-    if getattr(args, "multi_latent_attention", False):
+    if args.multi_latent_attention:
         kwargs.update(mla_config_kwargs(args))
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
@@ -141,8 +141,8 @@ def megatron_lm_config_fields(args, set_by_slime: set[str]) -> dict:
 def llama_rope_scaling_factor(args) -> float:
     """The Llama 3.1 factor of ``--use-rope-scaling``: ``--rope-scaling-factor``, or upstream's spelling
     ``--rotary-scaling-factor`` when that is set (without MLA; validate_args refuses two different values)."""
-    rotary = getattr(args, "rotary_scaling_factor", 1.0)
-    if rotary != 1.0 and not getattr(args, "multi_latent_attention", False):
+    rotary = args.rotary_scaling_factor
+    if rotary != 1.0 and not args.multi_latent_attention:
         return float(rotary)
     return float(args.rope_scaling_factor)
 
@@ -162,7 +162,7 @@ def mla_config_kwargs(args) -> dict:
 def custom_spec(args, config, vp_stage: int | None):
     """``--spec MODULE FUNCTION`` (or ``--spec MODULE.FUNCTION``): a ModuleSpec object, or a function
     ``(args, config, vp_stage) -> ModuleSpec``; None without the flag."""
-    spec = getattr(args, "spec", None)
+    spec = args.spec
     if not spec:
         return None
     from slime.utils.misc import load_function
@@ -187,7 +187,7 @@ def _layer_spec(args, config, vp_stage: int | None):
     if spec is not None:
         return spec
     spec = _built_in_spec(args, config, vp_stage)
-    if getattr(args, "post_self_attn_layernorm", False):  # GLM-4 (with --post-mlp-layernorm: start-up checks both)
+    if args.post_self_attn_layernorm:  # GLM-4 (with --post-mlp-layernorm: start-up checks both)
         from slime.backends.megatron_utils.sandwich_norm import with_sandwich_norms
 
         spec = with_sandwich_norms(spec)
@@ -201,11 +201,11 @@ def _built_in_spec(args, config, vp_stage: int | None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    mla = getattr(args, "multi_latent_attention", False)
+    mla = args.multi_latent_attention
 
     # context parallelism runs through the local spec's PackedCoreAttention (context_parallel.py)
-    use_te = have_transformer_engine() and (getattr(args, "context_parallel_size", 1) or 1) == 1
-    if getattr(args, "num_experts", None):
+    use_te = have_transformer_engine() and (args.context_parallel_size or 1) == 1
+    if args.num_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                           vp_stage=vp_stage)
     elif use_te:
@@ -229,7 +229,7 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True, vp
     """The ``GPTModel`` of this rank's pipeline stage (``--custom-model-provider-path`` replaces it)."""
     from megatron.core.models.gpt import GPTModel
 
-    if getattr(args, "enable_experimental", False):  # Megatron-Core reads its switch where a feature runs
+    if args.enable_experimental:  # Megatron-Core reads its switch where a feature runs
         from megatron.core.config import set_experimental_flag
 
         set_experimental_flag(True)
@@ -268,11 +268,10 @@ def _routers_outside_autocast(model) -> None:
 def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
     """A single-rank CPU GPTModel of ``hf_config`` (local spec), to compare parameter names and
     shapes with the mapping; sets up a one-process gloo group and model-parallel state if needed."""
-    import argparse
-
     from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.model_config import model_args_from_hf_config
+    from slime.utils.arguments_groups import flag_defaults
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -280,7 +279,7 @@ def build_model_for_layout_check(hf_config: dict, layout: wm.ModelLayout):
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    args = argparse.Namespace(**model_args_from_hf_config(hf_config))
+    args = flag_defaults(**model_args_from_hf_config(hf_config))
     args.__dict__.update(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1,
                          pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
                          expert_tensor_parallel_size=1, sequence_parallel=False, recompute_granularity=None,

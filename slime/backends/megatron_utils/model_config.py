@@ -239,18 +239,18 @@ def hf_validate_args(args, config: dict | None = None) -> None:
         ("post_self_attn_layernorm", "model_type"), ("post_mlp_layernorm", "model_type"),
         ("experimental_attention_variant", "layer_types"),
     ]
-    if expected["experimental_attention_variant"] or getattr(args, "experimental_attention_variant", None):
+    if expected["experimental_attention_variant"] or args.experimental_attention_variant:
         checks += [("linear_attention_freq", "layer_types"), ("linear_conv_kernel_dim", "linear_conv_kernel_dim"),
                    ("linear_key_head_dim", "linear_key_head_dim"), ("linear_value_head_dim", "linear_value_head_dim"),
                    ("linear_num_key_heads", "linear_num_key_heads"),
                    ("linear_num_value_heads", "linear_num_value_heads")]
     if not all_moe:
         checks.append(("ffn_hidden_size", "intermediate_size"))
-    if expected["group_query_attention"] or getattr(args, "group_query_attention", False):
+    if expected["group_query_attention"] or args.group_query_attention:
         checks.append(("num_query_groups", "num_key_value_heads"))
     if not mla:  # (MLA's head sizes are checked below; DeepSeek configs' head_dim is the rotary part)
         checks += [("kv_channels", "head_dim"), ("rotary_interleaved", "model_type")]
-    if mla or getattr(args, "multi_latent_attention", False):
+    if mla or args.multi_latent_attention:
         checks += [("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
                    ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
                    ("rotary_scaling_factor", "rope_scaling.factor"), ("mscale", "rope_scaling.mscale"),
@@ -301,7 +301,7 @@ def _hf_value(config: dict, key: str, derived):
 def fill_model_args(args, config: dict) -> list[str]:
     """When no shape flag was given (no preset sourced), set them all from ``config``; returns
     the flags set. With a preset, nothing is changed (:func:`hf_validate_args` checks it)."""
-    if getattr(args, "num_layers", None) is not None:
+    if args.num_layers is not None:
         return []
     filled = []
     for dest, value in model_args_from_hf_config(config).items():
@@ -328,7 +328,7 @@ def parameter_count(args) -> int:
     else:
         head = args.kv_channels or h // heads
         groups = args.num_query_groups if args.group_query_attention else heads
-        gate = heads if getattr(args, "use_gated_attention", False) else 0  # q_proj also emits the output gate
+        gate = heads if args.use_gated_attention else 0  # q_proj also emits the output gate
         attention = h * (heads + gate + 2 * groups) * head + heads * head * h
         attention += (heads + 2 * groups) * head if args.add_qkv_bias else 0
         attention += 2 * head * norm if args.qk_layernorm else 0
@@ -342,11 +342,11 @@ def parameter_count(args) -> int:
         moe_layers = sum(pattern)
         moe_mlp = h * args.num_experts + args.num_experts * mlp_matrices * h * args.moe_ffn_hidden_size
         moe_mlp += mlp_matrices * h * (args.moe_shared_expert_intermediate_size or 0)
-        moe_mlp += h if getattr(args, "moe_shared_expert_gate", False) else 0
-    per_layer_norms = (2 + bool(getattr(args, "post_self_attn_layernorm", False))
-                       + bool(getattr(args, "post_mlp_layernorm", False))) * h * norm
+        moe_mlp += h if args.moe_shared_expert_gate else 0
+    per_layer_norms = (2 + args.post_self_attn_layernorm
+                       + args.post_mlp_layernorm) * h * norm
     linear_layers = 0
-    if getattr(args, "linear_attention_freq", None) is not None:
+    if args.linear_attention_freq is not None:
         linear_layers = sum(expand_layer_pattern(args.linear_attention_freq, layers))
     linear = _gated_delta_net_parameters(args) if linear_layers else 0
     total = ((layers - linear_layers) * attention + linear_layers * linear + layers * per_layer_norms + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp)

@@ -18,7 +18,7 @@ __all__ = ["apply_megatron_config", "refuse_unsupported", "init_parallel_state",
 def apply_megatron_config(args, role: str):
     """``--megatron-config-path`` YAML: ``{actor: {flag: value}, critic: {...}}`` (argparse names,
     dashes or underscores) applied to a copy of ``args`` for ``role``; unknown flags are errors."""
-    path = getattr(args, "megatron_config_path", None)
+    path = args.megatron_config_path
     if not path:
         return args
     import yaml
@@ -54,41 +54,41 @@ def refuse_unsupported(args) -> None:
         "--context-parallel-size > 1 with --loss-type custom_loss (the custom loss reads every position's logits; "
         "under CP each rank holds a part of each sample)": cp and args.loss_type == "custom_loss",
         "--context-parallel-size > 1 with MoE routing replay (the replayed experts are laid out per sample, not per "
-        "CP chunk)": cp and (getattr(args, "use_routing_replay", False) or getattr(args, "use_rollout_routing_replay", False)),
+        "CP chunk)": cp and (args.use_routing_replay or args.use_rollout_routing_replay),
         "--context-parallel-size > 1 with --sequence-parallel (not combined yet; CP runs on the local layer spec)":
-            cp and getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1,
-        f"--virtual-pipeline-model-parallel-size {getattr(args, 'virtual_pipeline_model_parallel_size', None)} "
-        f"(the trainer builds one model chunk per stage)": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
-        f"--rollout-top-p {getattr(args, 'rollout_top_p', 1.0)} (log-probs renormalised over the engine's nucleus: "
-        f"--train-backend fsdp only)": getattr(args, "rollout_top_p", 1.0) != 1.0,
-        "--keep-old-actor (--train-backend fsdp only)": getattr(args, "keep_old_actor", False),
+            cp and args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        f"--virtual-pipeline-model-parallel-size {args.virtual_pipeline_model_parallel_size} "
+        f"(the trainer builds one model chunk per stage)": (args.virtual_pipeline_model_parallel_size or 1) > 1,
+        f"--rollout-top-p {args.rollout_top_p} (log-probs renormalised over the engine's nucleus: "
+        f"--train-backend fsdp only)": args.rollout_top_p != 1.0,
+        "--keep-old-actor (--train-backend fsdp only)": args.keep_old_actor,
         "--multimodal-keys / --freeze-vision-tower (vision-language models train with --train-backend fsdp)":
-            bool(getattr(args, "multimodal_keys", None)) or getattr(args, "freeze_vision_tower", False),
+            bool(args.multimodal_keys) or args.freeze_vision_tower,
         "--sequence-parallel without Transformer Engine or Apex (Megatron-Core's local layer spec then norms "
         "with torch modules that do not support it; drop --sequence-parallel or install transformer_engine)":
-            getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size > 1 and not mm.have_sequence_parallel_norm(),
+            args.sequence_parallel and args.tensor_model_parallel_size > 1 and not mm.have_sequence_parallel_norm(),
     }
     refused.update({
         "--moe-permute-fusion without Transformer Engine (the fused permutation is a TE kernel; drop the flag or "
-        "install transformer_engine)": getattr(args, "moe_permute_fusion", False) and not mm.have_transformer_engine(),
+        "install transformer_engine)": args.moe_permute_fusion and not mm.have_transformer_engine(),
         "--moe-enable-deepep without CUDA and the deep_ep package (DeepEP's all-to-all; drop the flag to dispatch "
-        "with --moe-token-dispatcher-type)": getattr(args, "moe_enable_deepep", False) and not mm.have_deepep(),
+        "with --moe-token-dispatcher-type)": args.moe_enable_deepep and not mm.have_deepep(),
         "--rotary-interleaved with --multi-latent-attention (Megatron-Core's MLA rotates the two halves)":
-            getattr(args, "rotary_interleaved", False) and getattr(args, "multi_latent_attention", False),
+            args.rotary_interleaved and args.multi_latent_attention,
     })
     from slime.backends.megatron_utils.model_config import NOT_BUILT_BY_MEGATRON
 
     hybrid = [flag for flag, dest in HYBRID_LAYER_FLAGS if getattr(args, dest, None) not in (None, False)]
-    variant = getattr(args, "experimental_attention_variant", None)
+    variant = args.experimental_attention_variant
     refused.update({
         f"{' / '.join(hybrid)} ({NOT_BUILT_BY_MEGATRON['qwen3_5']})": bool(hybrid) and variant != "dsa",
         "--experimental-attention-variant dsa (DSA sparse attention, GLM-5 / DeepSeek-V3.2: no HF weight mapping; use "
         "a softmax-attention model)": variant == "dsa",
-        f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)} (multi-token-prediction layers: the HF weight "
+        f"--mtp-num-layers {args.mtp_num_layers} (multi-token-prediction layers: the HF weight "
         "mapping has none, so they would start untrained and be saved over the checkpoint's; drop the flag, the main "
-        "model trains as usual)": getattr(args, "mtp_num_layers", None) not in (None, 0),
+        "model trains as usual)": args.mtp_num_layers not in (None, 0),
         "--post-self-attn-layernorm without --post-mlp-layernorm or the reverse (GLM-4 has both; the layer is built "
-        "with both)": getattr(args, "post_self_attn_layernorm", False) != getattr(args, "post_mlp_layernorm", False),
+        "with both)": args.post_self_attn_layernorm != args.post_mlp_layernorm,
     })
     names = [name for name, active in refused.items() if active]
     if names:
@@ -116,7 +116,7 @@ def build_model(args, role: str, device, weights_dir: str, trainable: bool):
     critic's output layer is a value head. Frozen models are returned in eval mode."""
     from megatron.core import parallel_state as ps
 
-    path = getattr(args, "custom_model_provider_path", None)
+    path = args.custom_model_provider_path
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     if path:
         model = load_function(path)(pre_process=pre, post_process=post)
@@ -159,7 +159,7 @@ def build_optimizer(args, ddp_model, lr: float):
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
     steps_per_rollout = max(args.rollout_batch_size * args.n_samples_per_prompt // max(args.global_batch_size, 1), 1)
-    total = (getattr(args, "num_rollout", None) or 1) * steps_per_rollout
+    total = (args.num_rollout or 1) * steps_per_rollout
     warmup = args.lr_warmup_iters if not args.lr_warmup_fraction else int(args.lr_warmup_fraction * total)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=lr, min_lr=args.min_lr, lr_warmup_steps=warmup,

@@ -115,7 +115,7 @@ def uniform_device_map(num_gpus: int, gpus_per_node: int, node_ips: list[str], f
 
 def _server_fields(args) -> tuple[int, dict]:
     """(pp_size, the user's pass-through fields) — pass-through keys are CLI names (``mem-fraction-static``)."""
-    forwarded = {name.replace("-", "_"): value for name, value in (getattr(args, "sglang_passthrough", None) or {}).items()}
+    forwarded = {name.replace("-", "_"): value for name, value in (args.sglang_passthrough or {}).items()}
     pp = int(forwarded.get("pp_size") or forwarded.get("pipeline_parallel_size") or 1)
     return pp, forwarded
 
@@ -127,7 +127,7 @@ def plan_launch(args, models: list[ModelConfig], device_map: list[tuple[str, int
     needed = sum(m.num_gpus for m in models)
     if needed > len(device_map):
         raise ValueError(f"the engine layout needs {needed} GPUs but only {len(device_map)} rollout GPUs are placed "
-                         f"(--rollout-num-gpus {getattr(args, 'rollout_num_gpus', None)})")
+                         f"(--rollout-num-gpus {args.rollout_num_gpus})")
     plan, cursor, rank = LaunchPlan(), 0, 0
     for model in models:
         for group_index, group in enumerate(model.server_groups):
@@ -189,9 +189,9 @@ def _plan_engine(args, model, group_index, group, gpus, first_index, rank, pp, d
             "skip_server_warmup": True,
             "enable_metrics": True,
         }
-        if getattr(args, "use_rollout_routing_replay", False):
+        if args.use_rollout_routing_replay:
             fields["enable_return_routed_experts"] = True
-        if getattr(args, "fp16", False):
+        if args.fp16:
             fields["dtype"] = "float16"
         if args.colocate and args.offload_rollout and model.update_weights:
             fields["enable_memory_saver"] = True

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 def router_argv(args) -> tuple[str, list[str]]:
     """The routing policy (the router's own default unless --router-policy) and the other --router-* flags."""
-    forwarded = dict(getattr(args, "router_passthrough", {}) or {})
+    forwarded = dict(args.router_passthrough or {})
     policy = forwarded.pop("policy", "cache_aware")
     argv = []
     for name, value in forwarded.items():

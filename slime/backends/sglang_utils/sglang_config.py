@@ -181,8 +181,8 @@ def models_from_args(args) -> list[ModelConfig]:
     from slime.utils.passthrough import SGLANG_EXCLUDED
 
     per_engine = args.rollout_num_gpus_per_engine
-    if getattr(args, "sglang_config", None):
-        known = getattr(args, "sglang_server_fields", None)
+    if args.sglang_config:
+        known = args.sglang_server_fields
         models = load_sglang_config(args.sglang_config, default_model_path=args.hf_checkpoint,
                                     default_gpus_per_engine=per_engine, known_fields=known, owned_fields=SGLANG_EXCLUDED)
         total = sum(m.num_gpus for m in models)
@@ -193,7 +193,7 @@ def models_from_args(args) -> list[ModelConfig]:
                              f"--rollout-num-gpus is {args.rollout_num_gpus}; make them equal or drop --rollout-num-gpus")
         return models
     total = args.rollout_num_gpus or 0
-    if getattr(args, "prefill_num_servers", None):
+    if args.prefill_num_servers:
         prefill = args.prefill_num_servers * per_engine
         if prefill >= total:
             raise ValueError(f"--prefill-num-servers {args.prefill_num_servers} x --rollout-num-gpus-per-engine "

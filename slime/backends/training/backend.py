@@ -183,8 +183,8 @@ def apply_freeze_lists(model: torch.nn.Module, args) -> None:
     parameter names (HF names under FSDP, Megatron names under Megatron)."""
     import re
 
-    only = getattr(args, "only_train_params_name_list", None)
-    freeze = getattr(args, "freeze_params_name_list", None)
+    only = args.only_train_params_name_list
+    freeze = args.freeze_params_name_list
     if not only and not freeze:
         return
     for name, param in model.named_parameters():

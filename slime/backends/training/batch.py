@@ -1,7 +1,7 @@
 """The train data of one data-parallel shard of a rollout step, as a typed record.
 
 The rollout manager builds one :class:`TrainBatch` per shard
-(:func:`slime.utils.train_data.split_train_data_by_dp`); every rank of a data-parallel replica
+(:func:`slime.backends.training.train_data.split_train_data_by_dp`); every rank of a data-parallel replica
 trains on the same one. User hooks that are documented to receive the ``rollout_data`` dict
 (``--rollout-data-postprocess-path``, ``--custom-advantage-function-path``, the train debug dump)
 get :meth:`TrainBatch.as_rollout_data` — the docs/INTERFACES.md §7.7 keys plus the computed columns — and

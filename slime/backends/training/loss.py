@@ -1,5 +1,5 @@
 """The loss of one micro-batch, whatever the backend: the per-sample fields it reads, the reducers,
-and the dispatch through :data:`slime.utils.ppo_utils.LOSS_FUNCTIONS` (the critic: ``value_loss``;
+and the dispatch through :data:`slime.algorithms.functional.LOSS_FUNCTIONS` (the critic: ``value_loss``;
 the actor: ``--loss-type``, ``custom_loss`` resolved from ``--custom-loss-function-path``).
 """
 
@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from slime.backends.training.backend import ModelOutput, ModelOutputs
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 from slime.utils.misc import load_function
 
 __all__ = ["LossDispatch", "micro_batch_fields"]
@@ -40,14 +40,14 @@ class LossDispatch:
     def __init__(self, args, role: str):
         self.args, self.role = args, role
         self.loss_type = "value_loss" if role == "critic" else args.loss_type
-        function = ppo_utils.lookup(ppo_utils.LOSS_FUNCTIONS, self.loss_type, "--loss-type")
+        function = algo.lookup(algo.LOSS_FUNCTIONS, self.loss_type, "--loss-type")
         self.function = function if function is not None else load_function(args.custom_loss_function_path)
-        path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        path = args.custom_pg_loss_reducer_function_path
         self.pg_reducer_factory = load_function(path) if path else None
         self.tis_function = None
-        if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
-            tis_path = getattr(args, "custom_tis_function_path", None)
-            self.tis_function = load_function(tis_path) if tis_path else ppo_utils.vanilla_tis_function
+        if args.use_tis or args.get_mismatch_metrics:
+            tis_path = args.custom_tis_function_path
+            self.tis_function = load_function(tis_path) if tis_path else algo.vanilla_tis_function
 
     @property
     def output(self) -> ModelOutput:
@@ -56,14 +56,14 @@ class LossDispatch:
             return ModelOutput("values")
         if self.loss_type == "custom_loss":
             return ModelOutput("logits")
-        entropy_grad = getattr(self.args, "entropy_coef", 0.0) != 0
+        entropy_grad = self.args.entropy_coef != 0
         return ModelOutput("log_probs", entropy=self.loss_type == "policy_loss", entropy_grad=entropy_grad)
 
     def __call__(self, data, micro_batch: list[int], outputs: ModelOutputs) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of one micro-batch; metrics are S-reduced sums (docs/INTERFACES.md §5.8) on the device."""
         args = self.args
         batch = micro_batch_fields(data, micro_batch)
-        reducer = ppo_utils.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],
+        reducer = algo.make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],
                                                     batch["rollout_mask_sums"], args.calculate_per_token_loss)
         if self.loss_type == "value_loss":
             return self.function(args, batch, outputs.values, reducer)

@@ -44,7 +44,7 @@ from slime.backends.training.flops import FlopShape, training_flops
 from slime.backends.training.loss import LossDispatch, metrics_to_host
 from slime.backends.training.weights import bucket_weights
 from slime.observability.profiling import TrainProfiler
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class TrainWorker:
 
     def init(self) -> int | None:
         """Build the backend's models; returns the rollout id to start from (checkpoint + 1) or None."""
-        if getattr(self.args, "deterministic_mode", False):
+        if self.args.deterministic_mode:
             # cuBLAS needs a fixed workspace for deterministic matmuls; set before the first CUDA GEMM
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -97,17 +97,17 @@ class TrainWorker:
             and args.loss_type == "policy_loss"
             and batch.schedule.num_steps == 1
             and args.kl_coef == 0
-            and not getattr(args, "use_rollout_logprobs", False)
-            and not getattr(args, "get_mismatch_metrics", False)
-            and not getattr(args, "use_rollout_entropy", False)
-            and not getattr(args, "log_correct_samples", False)
+            and not args.use_rollout_logprobs
+            and not args.get_mismatch_metrics
+            and not args.use_rollout_entropy
+            and not args.log_correct_samples
             and args.advantage_estimator not in ("ppo", "gspo")
-            and not getattr(args, "keep_old_actor", False)
-            and not getattr(args, "use_opd", False)
-            and not (getattr(args, "use_routing_replay", False) and not getattr(args, "use_rollout_routing_replay", False))
-            and not getattr(args, "custom_advantage_function_path", None)
-            and not getattr(args, "rollout_data_postprocess_path", None)
-            and not getattr(args, "save_debug_train_data", None)
+            and not args.keep_old_actor
+            and not args.use_opd
+            and not (args.use_routing_replay and not args.use_rollout_routing_replay)
+            and not args.custom_advantage_function_path
+            and not args.rollout_data_postprocess_path
+            and not args.save_debug_train_data
         )
 
     def compute_log_probs(self, batch: TrainBatch, skip_old: bool = False) -> dict[str, list[torch.Tensor]]:
@@ -119,9 +119,9 @@ class TrainWorker:
     def _compute_log_probs(self, batch: TrainBatch, skip_old: bool) -> dict[str, list[torch.Tensor]]:
         args = self.args
         result: dict[str, list[torch.Tensor]] = {}
-        if batch.log_probs is None and not getattr(args, "use_rollout_logprobs", False) and not skip_old:
+        if batch.log_probs is None and not args.use_rollout_logprobs and not skip_old:
             # --log-correct-samples reports the entropy of correct samples: the π_old pass computes it
-            with_entropy = getattr(args, "use_rollout_entropy", False) or getattr(args, "log_correct_samples", False)
+            with_entropy = args.use_rollout_entropy or args.log_correct_samples
             # --keep-old-actor: π_old = the actor before the last update
             which = "old_actor" if self.backend.has_model("old_actor") else "model"
             result["log_probs"], entropy = self._forward_only(which, batch, ModelOutput("log_probs", entropy=with_entropy))
@@ -130,9 +130,9 @@ class TrainWorker:
         if self.backend.has_model("ref") and batch.ref_log_probs is None:
             result["ref_log_probs"], _ = self._forward_only("ref", batch, ModelOutput("log_probs"))
         ref = result.get("ref_log_probs", batch.ref_log_probs)
-        old = batch.rollout_log_probs if getattr(args, "use_rollout_logprobs", False) else result.get("log_probs", batch.log_probs)
+        old = batch.rollout_log_probs if args.use_rollout_logprobs else result.get("log_probs", batch.log_probs)
         if args.kl_coef != 0 and old is not None and ref is not None:
-            result["kl"] = [ppo_utils.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, ref)]
+            result["kl"] = [algo.compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old, ref)]
         else:
             result["kl"] = [torch.zeros(int(n)) for n in batch.response_lengths]
         return result
@@ -149,28 +149,28 @@ class TrainWorker:
     def _compute_advantages(self, batch: TrainBatch) -> TrainBatch:
         args = self.args
         masks = [m.float() for m in batch.loss_masks]
-        if getattr(args, "custom_advantage_function_path", None):
+        if args.custom_advantage_function_path:
             view = batch.as_rollout_data()  # docs/INTERFACES.md §2.21: the hook sets rollout_data["advantages"] / ["returns"]
             load_function(args.custom_advantage_function_path)(args, view)
             batch = batch.with_rollout_data(view)
         else:
             raw = torch.tensor([float(batch.raw_reward[p]) for p in batch.partition])
-            advantages, returns = ppo_utils.compute_advantages_and_returns(
+            advantages, returns = algo.compute_advantages_and_returns(
                 args.advantage_estimator,
                 rewards=torch.tensor([float(r) for r in batch.rewards]),
                 raw_rewards=raw, kl=batch.kl, loss_masks=masks, values=batch.values,
                 kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
             )
             batch = batch.replace(advantages=advantages, returns=returns)
-        if getattr(args, "use_opd", False):
+        if args.use_opd:
             old = batch.log_probs if not args.use_rollout_logprobs else batch.rollout_log_probs
-            advantages, reverse_kl = ppo_utils.apply_opd(batch.advantages, old, batch.teacher_log_probs, args.opd_kl_coef)
+            advantages, reverse_kl = algo.apply_opd(batch.advantages, old, batch.teacher_log_probs, args.opd_kl_coef)
             batch = batch.replace(advantages=advantages, opd_reverse_kl=reverse_kl)
         if args.normalize_advantages:
-            sums = ppo_utils.whitening_sums(batch.advantages, masks)
+            sums = algo.whitening_sums(batch.advantages, masks)
             dist.all_reduce(sums)
             sums /= self.layout.replica_size  # every sample counted once
-            batch = batch.replace(advantages=ppo_utils.whiten_with_sums(batch.advantages, sums))
+            batch = batch.replace(advantages=algo.whiten_with_sums(batch.advantages, sums))
         return batch
 
     # ------------------------------------------------------------------ training
@@ -182,7 +182,7 @@ class TrainWorker:
             self.backend.onload()
         args = self.args
         if self.role == "actor":
-            if getattr(args, "compute_advantages_and_returns", True) and args.loss_type != "sft_loss":
+            if args.compute_advantages_and_returns and args.loss_type != "sft_loss":
                 batch = batch.replace(**self.compute_log_probs(batch, skip_old=self.skips_old_log_prob_pass(batch)))
                 batch = self._compute_advantages(batch)
         else:
@@ -193,7 +193,7 @@ class TrainWorker:
             if args.kl_coef != 0 and all(float(k.abs().sum()) == 0 for k in batch.kl):
                 raise ValueError("critic.train with --kl-coef != 0 needs the kl column from actor.compute_log_probs")
             batch = self._compute_advantages(batch)
-        if self.role == "actor" and getattr(args, "rollout_data_postprocess_path", None):
+        if self.role == "actor" and args.rollout_data_postprocess_path:
             view = batch.as_rollout_data()  # docs/INTERFACES.md §2.9: mutated in place by the hook
             load_function(args.rollout_data_postprocess_path)(args, rollout_id, view)
             batch = batch.with_rollout_data(view)
@@ -219,7 +219,7 @@ class TrainWorker:
             batch = self.prepare(rollout_id, batch)
             if self.backend.has_model("old_actor"):  # π_old of the next rollout step: these weights, before this update
                 self.backend.copy_weights("model", "old_actor")
-            if self.role == "actor" and getattr(self.args, "save_debug_train_data", None):
+            if self.role == "actor" and self.args.save_debug_train_data:
                 from slime.observability.train_data_utils import save_debug_train_data
 
                 save_debug_train_data(self.args.save_debug_train_data, rollout_id, batch.as_rollout_data())
@@ -229,9 +229,9 @@ class TrainWorker:
         finally:
             self.backend.finish_rollout_step()
         args = self.args
-        if self.role == "actor" and getattr(args, "ref_update_interval", None) and (rollout_id + 1) % args.ref_update_interval == 0:
+        if self.role == "actor" and args.ref_update_interval and (rollout_id + 1) % args.ref_update_interval == 0:
             self.update_ref_model()
-        if getattr(args, "reset_optimizer_states", False):
+        if args.reset_optimizer_states:
             self.backend.reset_optimizer_state()
         return metrics
 
@@ -275,7 +275,7 @@ class TrainWorker:
     def _train_steps(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         args, backend = self.args, self.backend
         tag = "" if self.role == "actor" else "critic-"  # docs/INTERFACES.md §5.5: critic metrics carry the role tag
-        hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
+        hook = args.custom_megatron_before_train_step_hook_path
         hook = load_function(hook) if hook else None
         start_time, tokens_done, flops_done = time.perf_counter(), 0, 0.0
         step_results = []
@@ -313,7 +313,7 @@ class TrainWorker:
 
     def rollout_metrics(self, batch: TrainBatch) -> dict[str, float]:
         return metrics_lib.rollout_metrics(batch, self.layout, self._device(),
-                                           correct_entropy=getattr(self.args, "log_correct_samples", False))
+                                           correct_entropy=self.args.log_correct_samples)
 
     def get_step_metrics(self) -> list[dict[str, float]]:
         """Per-optimizer-step metrics of the last ``train`` call (each with ``train/step``)."""

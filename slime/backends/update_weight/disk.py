@@ -26,7 +26,7 @@ import logging
 import httpx
 from safetensors.torch import save_file
 
-from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.engine_client import EngineClient
 from slime.backends.update_weight.weight_files import version_dir_name
 from slime.utils.misc import load_function
 
@@ -58,7 +58,7 @@ class DiskWeightUpdater:
     def _engines_serve_pull_weights(self, engine_urls: list[str]) -> bool:
         """The embedded engine serves /pull_weights. An SGLang server does only when patched: its FastAPI
         app lists its routes at /openapi.json, which is read instead of calling a route it may lack."""
-        if getattr(self.args, "rollout_backend", "sglang") == "embedded":
+        if self.args.rollout_backend == "embedded":
             return True
         for url in engine_urls:
             try:

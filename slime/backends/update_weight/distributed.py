@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.update_weight.wire_format import flatten_tensors, init_custom_process_group
-from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.engine_client import EngineClient
 
 GROUP_NAME = "slime"
 

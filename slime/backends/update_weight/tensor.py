@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from slime.backends.update_weight.base import EngineClient
+from slime.backends.update_weight.engine_client import EngineClient
 from slime.backends.update_weight.wire_format import (
     flatten_tensors,
     metadata_class,
@@ -32,7 +32,7 @@ class TensorWeightUpdater:
         self.engine_gpu_counts = engine_gpu_counts
         self._staging: torch.Tensor | None = None  # CPU: one shared-memory buffer reused for every bucket
         self.timings: dict[str, float] = {}  # the last update's phases (update)
-        self.for_sglang = getattr(args, "rollout_backend", "sglang") == "sglang"
+        self.for_sglang = args.rollout_backend == "sglang"
         self._metadata = metadata_class(self.for_sglang)  # fails here, at set-up, if SGLang's class is missing
         use_file_system_sharing()
 

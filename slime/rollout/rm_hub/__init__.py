@@ -59,12 +59,12 @@ def _rule_reward(rm_type: str, response: str, label, metadata: dict):
 
 async def async_rm(args, sample, **kwargs):
     """Reward of one sample (custom RM if configured, else the rule RM named by its type)."""
-    custom_rm_path = getattr(sample, "custom_rm_path", None) or getattr(args, "custom_rm_path", None)
+    custom_rm_path = getattr(sample, "custom_rm_path", None) or args.custom_rm_path
     if custom_rm_path:
         return await call_reward_function(custom_rm_path, args, sample, **kwargs)
 
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+    rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
     if not rm_type:
         raise NotImplementedError("rm_type not specified: set --rm-type, metadata['rm_type'] or --custom-rm-path")
     response = sample.response
@@ -78,7 +78,7 @@ async def async_rm(args, sample, **kwargs):
 
 async def batched_async_rm(args, samples, **kwargs) -> list:
     """Rewards of a list of samples: one ``--custom-rm-path`` call with the list, else per-sample rule RMs."""
-    custom_rm_path = getattr(args, "custom_rm_path", None)
+    custom_rm_path = args.custom_rm_path
     if custom_rm_path:
         rewards = await call_reward_function(custom_rm_path, args, samples, **kwargs)
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):

@@ -29,7 +29,7 @@ class RemoteRewardError(RuntimeError):
 
 async def remote_rm(args, sample, max_retries: int = 10):
     """POST ``sample`` to ``args.rm_url`` and return the decoded JSON reward."""
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("rm_type 'remote_rm' needs --rm-url (the reward server endpoint)")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}

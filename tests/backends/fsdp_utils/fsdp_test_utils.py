@@ -7,8 +7,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from slime.utils.arguments import parse_args
-from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+from slime.arguments import parse_args
+from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 from slime.utils.types import Sample
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -42,8 +42,8 @@ def test_fsdp_sharded_tied_head_matches_plain_hf_model(tiny_model_dir, layout):
     for tokens, r in zip(data.tokens, data.response_lengths):
         logits = reference(tokens[None]).logits[0]
         rows = logits[len(tokens) - int(r) - 1 : len(tokens) - 1]
-        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 0.7))
-        ref_h.append(ppo_utils.compute_entropy(rows, 0.7))
+        ref_lp.append(algo.compute_log_probs(rows, tokens[-int(r):], 0.7))
+        ref_h.append(algo.compute_entropy(rows, 0.7))
     ref_lp, ref_h = torch.cat(ref_lp), torch.cat(ref_h)
     ((coef * ref_lp).sum() + (coef.flip(0) * ref_h).sum()).backward()
     torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)
@@ -86,7 +86,7 @@ def test_fsdp_moe_families_match_plain_hf_model(arch, request):
     ref_lp = []
     for tokens, r in zip(data.tokens, data.response_lengths):
         rows = reference(tokens[None]).logits[0][len(tokens) - int(r) - 1 : len(tokens) - 1]
-        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 1.0))
+        ref_lp.append(algo.compute_log_probs(rows, tokens[-int(r):], 1.0))
     ref_lp = torch.cat(ref_lp)
     (coef * ref_lp).sum().backward()
     torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)

@@ -12,7 +12,7 @@ import torch
 
 from slime.backends.training.backend import ModelOutput
 from slime.backends.training.worker import TrainWorker
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 from slime.utils.moe_routing import hf_routers
 from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, make_samples, rank_data
 
@@ -59,7 +59,7 @@ def forced_forward(model, tokens: list[int], experts: np.ndarray, response: int)
     finally:
         for handle in handles:
             handle.remove()
-    return ppo_utils.compute_log_probs(rows, torch.tensor(tokens[-response:]), 1.0)
+    return algo.compute_log_probs(rows, torch.tensor(tokens[-response:]), 1.0)
 
 
 def shifted(experts: np.ndarray, moe_layers: list[int], num_experts: int = 8) -> np.ndarray:

@@ -22,9 +22,9 @@ import torch
 from slime.backends.training.worker import TrainWorker
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sft_rollout import generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.processing_utils import load_tokenizer
-from slime.utils.train_data import convert_samples_to_train_data, split_train_data_by_dp
+from slime.backends.training.train_data import convert_samples_to_train_data, split_train_data_by_dp
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 

@@ -61,7 +61,7 @@ def main() -> None:
     from slime.backends.megatron_utils import model as mm
     from slime.backends.megatron_utils import weight_mapping as wm
     from slime.backends.megatron_utils.model_config import fill_model_args, hf_validate_args, load_hf_config
-    from slime.utils.arguments import get_parser
+    from slime.arguments import get_parser
 
     dist.init_process_group("nccl" if cuda else "gloo")
     ps.initialize_model_parallel(cli.tp, cli.pp, context_parallel_size=cli.cp, expert_model_parallel_size=cli.ep,
@@ -214,10 +214,10 @@ OUTPUT_LAYER_ROWS: list[int] = []
 def _megatron_log_probs(model, tokens, responses, layout, device, autocast) -> torch.Tensor:
     from slime.backends.megatron_utils import model as mm
     from slime.backends.megatron_utils import pipeline
-    from slime.utils import ppo_utils
+    from slime.algorithms import functional as algo
 
     def collect(inputs, logits):
-        return logits.new_zeros(()), inputs.gather(ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0)).cpu()
+        return logits.new_zeros(()), inputs.gather(algo.compute_log_probs(logits.float(), inputs.targets, 1.0)).cpu()
 
     gpt = mm.unwrap(model)
     rows: list[int] = []  # hidden-state rows the output layer is run on, per micro-batch (last stage)
@@ -233,13 +233,13 @@ def _megatron_log_probs(model, tokens, responses, layout, device, autocast) -> t
 
 
 def _hf_log_probs(hf, tokens, responses, device, autocast: bool, grad: bool = False) -> torch.Tensor:
-    from slime.utils import ppo_utils
+    from slime.algorithms import functional as algo
 
     pieces = []
     with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         for t, r in zip(tokens, responses):
             out = hf(t[None].to(device)).logits[0].float()
-            pieces.append(ppo_utils.compute_log_probs(out[len(t) - r - 1: len(t) - 1], t[len(t) - r:].to(device), 1.0))
+            pieces.append(algo.compute_log_probs(out[len(t) - r - 1: len(t) - 1], t[len(t) - r:].to(device), 1.0))
     return torch.cat(pieces)
 
 
@@ -291,7 +291,7 @@ def grad_parity(model, hf, tokens, responses, weights, layout, device) -> dict:
     from slime.backends.megatron_utils import model as mm
     from slime.backends.megatron_utils import pipeline
     from slime.backends.megatron_utils import weight_mapping as wm
-    from slime.utils import ppo_utils
+    from slime.algorithms import functional as algo
 
     gpt = mm.unwrap(model)
     ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=DistributedDataParallelConfig(
@@ -305,7 +305,7 @@ def grad_parity(model, hf, tokens, responses, weights, layout, device) -> dict:
     scale = ps.get_context_parallel_world_size()
 
     def loss_fn(inputs, logits):
-        log_probs = inputs.gather(ppo_utils.compute_log_probs(logits.float(), inputs.targets, 1.0))
+        log_probs = inputs.gather(algo.compute_log_probs(logits.float(), inputs.targets, 1.0))
         weight = torch.cat([w[i] for i in inputs.sample_indices])
         return (log_probs * weight).sum() * scale, None
 

@@ -47,7 +47,7 @@ def main() -> None:
         patch_for_cpu()
         os.environ[CPU_TESTING_ENV] = "1"
     from slime.backends.training.worker import TrainWorker
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from tests.backends.fsdp_utils.fsdp_test_utils import make_samples, rank_data
 
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")

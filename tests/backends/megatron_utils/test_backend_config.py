@@ -1,19 +1,15 @@
 """MegatronBackend's CPU-checkable behaviour: role overrides and refusals with clear messages."""
 
-import argparse
-
 import pytest
 
 from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils.backend import MegatronBackend
 from slime.backends.megatron_utils.setup import apply_megatron_config
+from tests.parsed_args import default_args
 
 
 def _args(**kw):
-    base = dict(megatron_config_path=None, lr=1e-6, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1, loss_type="policy_loss")
-    base.update(kw)
-    return argparse.Namespace(**base)
+    return default_args(**{"train_backend": "megatron", "lr": 1e-6, **kw})
 
 
 def test_megatron_config_path_overrides_per_role(tmp_path):

@@ -11,7 +11,7 @@ from slime.backends.megatron_utils.checkpoint import (
     resolve_checkpoint,
     write_latest_iteration,
 )
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 
 def _megatron_ckpt(root, *iterations, latest=None):

@@ -1,5 +1,5 @@
 """The Megatron backend's log-probs/entropy from response logits (``megatron_utils.logprobs``): the
-fused Triton path equals ``ppo_utils.compute_log_probs`` / ``compute_entropy`` in values and
+fused Triton path equals ``algo.compute_log_probs`` / ``compute_entropy`` in values and
 gradients, on logits whose rows are a column slice of wider rows (the vocabulary padding cut off).
 
 The Triton tests run on the CPU only under Triton's interpreter: ``bash scripts/test.sh`` runs this
@@ -16,7 +16,7 @@ import torch
 
 from slime.backends.training.logprob_head import HEAD_ENV
 from slime.backends.megatron_utils.logprobs import log_probs_and_entropy
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -49,8 +49,8 @@ def _run(full, vocab, targets, coef, temperature, entropy_grad, loss="both"):
 
 def _reference(full, vocab, targets, coef, temperature, entropy_grad, loss="both"):
     logits = full[:, :vocab].float()
-    log_probs = ppo_utils.compute_log_probs(logits, targets, temperature)
-    entropy = ppo_utils.compute_entropy(logits if entropy_grad else logits.detach(), temperature)
+    log_probs = algo.compute_log_probs(logits, targets, temperature)
+    entropy = algo.compute_entropy(logits if entropy_grad else logits.detach(), temperature)
     terms = {"both": (coef[0] * log_probs).sum() + ((coef[1] * entropy).sum() if entropy_grad else 0.0),
              "log_probs": (coef[0] * log_probs).sum(), "entropy": (coef[1] * entropy).sum(),
              "plain_sum": log_probs.sum() + entropy.sum()}
@@ -142,8 +142,8 @@ def test_triton_interpreted_forward_only(monkeypatch):
         only, none = log_probs_and_entropy(full[:, :100], targets, 1.0, with_entropy=False)
     assert calls == ["log_probs_and_entropy"] * 2 and none is None and torch.equal(only, log_probs)
     logits = full.detach()[:, :100].float()
-    torch.testing.assert_close(log_probs, ppo_utils.compute_log_probs(logits, targets), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, ppo_utils.compute_entropy(logits), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(log_probs, algo.compute_log_probs(logits, targets), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, algo.compute_entropy(logits), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

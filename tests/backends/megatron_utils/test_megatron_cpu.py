@@ -239,7 +239,7 @@ def test_critic_equals_the_fsdp_critic(tiny_model_dir, tmp_path, parallel):
     megatron = _worker_pass(str(critic_dir), tmp_path, 2, *flags)
 
     ensure_single_rank_group()
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--debug-train-only", "--num-rollout", "4",
                        "--hf-checkpoint", str(critic_dir), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils.arguments import get_parser, parse_args, refused_flag_defaults
+from slime.arguments import get_parser, parse_args, refused_flag_defaults
 from slime.utils.arguments_groups import megatron_lm_passthrough_dests
 from slime.utils.megatron_lm_flags import MEGATRON_LM_FLAGS
 
@@ -24,7 +24,7 @@ SCRIPT = """
 import json, sys
 sys.path.insert(0, "tools")
 from gen_megatron_lm_flags import megatron_lm_model_flags
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.backends.megatron_utils import model as mm, setup
 flags = [list(f["strings"]) for f in megatron_lm_model_flags()]
 args = parse_args(json.loads(sys.argv[1]))
@@ -86,7 +86,7 @@ def megatron_lm():
 
 
 def test_every_megatron_lm_model_flag_parses_and_is_passed_or_refused(megatron_lm):
-    """slime's own flags are read where they take effect (tests/utils/test_no_silent_flags.py); each flag it
+    """slime's own flags are read where they take effect (tests/test_no_silent_flags.py); each flag it
     defines only for upstream scripts (slime/utils/megatron_lm_flags.py) is passed to Megatron-Core or refused."""
     parser, _ = get_parser(parse_sglang=False)
     actions = parser._option_string_actions

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200)]
 RAY_TESTS = Path(__file__).resolve().parents[2] / "ray"

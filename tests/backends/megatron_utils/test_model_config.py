@@ -8,7 +8,7 @@ import pytest
 
 from slime.backends.megatron_utils.model_config import (fill_model_args, hf_validate_args, model_args_from_hf_config,
                                                         parameter_count)
-from slime.utils.arguments import get_parser
+from slime.arguments import get_parser
 
 PRESETS = Path(__file__).resolve().parents[3] / "scripts" / "models"
 
@@ -290,7 +290,7 @@ def test_parse_args_checks_a_preset_against_the_checkpoint(tmp_path, monkeypatch
     import importlib.util
     import json
 
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",  # the parse-time check needs no Megatron install

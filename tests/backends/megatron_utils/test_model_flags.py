@@ -11,7 +11,7 @@ import pytest
 
 from slime.backends.megatron_utils import model as mm
 from slime.backends.megatron_utils.setup import refuse_unsupported
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,7 +40,7 @@ from megatron.core import parallel_state
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=0, world_size=1)
 parallel_state.initialize_model_parallel(1, 1)
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.backends.megatron_utils import model as mm
 args = parse_args(json.loads(sys.argv[1]))
 args.padded_vocab_size = 256

@@ -42,7 +42,7 @@ def main() -> None:
     from slime.backends.update_weight.tensor import TensorWeightUpdater
     from slime.backends.update_weight.wire_format import flatten_tensors, serialize_for_engine, use_file_system_sharing
     from slime.rollout.sglang_rollout import GenerateState, generate
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.utils.async_utils import run
     from slime.utils.types import Sample
 

@@ -31,7 +31,7 @@ def _plain(value):
 
 
 def run(parse: list[list[str]] = (), server_argv: list[list[str]] = ()) -> dict:
-    """``parse``: argv lists for ``slime.utils.arguments.parse_args``; ``server_argv``: SGLang command
+    """``parse``: argv lists for ``slime.arguments.parse_args``; ``server_argv``: SGLang command
     lines (``python -m sglang.launch_server ...``) to parse with SGLang's own ``ServerArgs`` parser."""
     if not (SGLANG_ARGS_DIR / f".installed-{SGLANG_VERSION}").exists():
         raise RuntimeError(f"SGLang {SGLANG_VERSION}'s argument code is not installed in {SGLANG_ARGS_DIR}; "
@@ -56,7 +56,7 @@ def _main() -> None:
     import sglang
     from sglang.srt.server_args import ServerArgs
 
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     request = json.loads(sys.stdin.read())
     out = {"sglang_version": sglang.__version__, "parse": [], "server_argv": []}

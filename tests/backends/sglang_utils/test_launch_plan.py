@@ -6,7 +6,7 @@ import pytest
 
 from slime.backends.sglang_utils.launch_plan import PortAllocator, plan_launch, uniform_device_map
 from slime.backends.sglang_utils.sglang_config import ModelConfig, ServerGroup, models_from_args
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded",
         "--hf-checkpoint", "/ckpt/qwen3-4b"]

@@ -14,7 +14,7 @@ import pytest
 
 from slime.backends.sglang_utils.launch_plan import PortAllocator, plan_launch, uniform_device_map
 from slime.backends.sglang_utils.sglang_config import models_from_args
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 from real_sglang import REPO, SGLANG_VERSION, run
 

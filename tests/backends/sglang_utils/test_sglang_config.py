@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slime.backends.sglang_utils.sglang_config import SGLangConfigError, load_sglang_config, models_from_args
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.passthrough import SGLANG_EXCLUDED
 
 EXAMPLE = """

@@ -21,7 +21,7 @@ from slime.backends.update_weight.base import EngineClient
 from slime.backends.update_weight.distributed import DistributedWeightUpdater
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.async_utils import run
 from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample

@@ -14,15 +14,15 @@ from slime.backends.training.logprob_head import (
     head_path,
     resolve_chunk_rows,
 )
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
 
 
 def _reference(hidden, weight, bias, targets, temperature, keep=None):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    entropy = ppo_utils.compute_entropy(logits)
+    entropy = algo.compute_entropy(logits)
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    return ppo_utils.compute_log_probs(logits, targets), entropy
+    return algo.compute_log_probs(logits, targets), entropy
 
 
 def _inputs(seed=0, rows=29, hidden=12, vocab=97, bias=False):

@@ -3,7 +3,6 @@
 
 import hashlib
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from slime.backends.update_weight import delta
 from slime.backends.update_weight.disk import DiskWeightUpdater
 from slime.backends.update_weight.pull import PullError, pull_weights, read_marker
 from slime.backends.update_weight.weight_files import version_dir_name
+from tests.parsed_args import default_args
 
 
 # ------------------------------------------------------------------------------------------- codec
@@ -127,11 +127,11 @@ class Trainer:
         save_file(self.state, str(self.hf / "model.safetensors"), metadata={"format": "pt"})
         (self.hf / "config.json").write_text("{}")
         self.source = tmp_path / "published"
-        args = SimpleNamespace(update_weight_mode="delta", update_weight_disk_dir=str(self.source),
-                               hf_checkpoint=str(self.hf), update_weight_delta_encoding=encoding,
-                               update_weight_delta_checksum=checksum, update_weight_disk_keep_files=keep_files,
-                               update_weight_local_checkpoint_dir=str(tmp_path / "unused"),
-                               custom_update_weight_post_write_path=None)
+        args = default_args(update_weight_mode="delta", update_weight_disk_dir=str(self.source),
+                            hf_checkpoint=str(self.hf), update_weight_delta_encoding=encoding,
+                            update_weight_delta_checksum=checksum, update_weight_disk_keep_files=keep_files,
+                            update_weight_local_checkpoint_dir=str(tmp_path / "unused"),
+                            custom_update_weight_post_write_path=None)
         self.updater = DiskWeightUpdater(args, [])
         self.published = {}
 
@@ -357,10 +357,10 @@ def test_post_write_hook_runs_on_every_rank_after_the_files_are_written(tmp_path
 
     from slime.backends.embedded_engine.serving.launch import find_free_port
 
-    args = SimpleNamespace(update_weight_mode="full", update_weight_disk_dir=str(tmp_path / "published"),
-                           hf_checkpoint=str(tmp_path), update_weight_disk_keep_files=False,
-                           custom_update_weight_post_write_path=f"{__name__}.record_hook",
-                           record_dir=str(tmp_path), fail_on_rank=fail_on_rank)
+    args = default_args(update_weight_mode="full", update_weight_disk_dir=str(tmp_path / "published"),
+                        hf_checkpoint=str(tmp_path), update_weight_disk_keep_files=False,
+                        custom_update_weight_post_write_path=f"{__name__}.record_hook",
+                        record_dir=str(tmp_path), fail_on_rank=fail_on_rank)
     mp.start_processes(_hook_rank, args=(2, find_free_port(), args), nprocs=2, start_method="spawn")
     expected = f"{tmp_path / 'published' / version_dir_name(3)} True"
     assert (tmp_path / "rank0").read_text() == expected and (tmp_path / "rank1").read_text() == expected
@@ -411,7 +411,7 @@ def test_truncated_full_version_is_refused_when_seeding(tmp_path):
 
 def test_pre_read_hook_flag_reaches_the_embedded_engine():
     from slime.ray.engine_actor import embedded_engine_argv
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     args = parse_args(["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", "/tmp",
                        "--rollout-batch-size", "4", "--num-rollout", "1",

@@ -439,10 +439,8 @@ def _planned_tiles(rows: int, out_features: int, in_features: int, sms: int, a_q
                key=lambda tiles: estimated_cycles(tiles, rows, out_features, in_features, sms, a_quantized))
 
 
-# The two-kernel GEMM loads its tiles by TMA (``TensorDescriptor``) where it can: the pointer-load kernel waits on each
-# K step's scaled dot before its loads move on, and TMA loads made a Qwen3-4B layer's linears ~1.5x faster at 128
-# tokens on the H200 (docs/embedded_engine.md's block-wise GEMM table). False: pointer loads everywhere (A/B runs,
-# bench/fp8_gemm.py).
+# the two-kernel GEMM loads its tiles by TMA where it can: pointer loads wait on each K step's dot
+# (docs/performance.md); False: pointer loads everywhere (bench/fp8_gemm.py compares the two)
 USE_TMA = True
 
 

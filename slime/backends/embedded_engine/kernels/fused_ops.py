@@ -63,11 +63,9 @@ KV_WRITE_IN_NORM_ROPE = True  # the decode step's KV-cache write inside the q/k 
 # produced them, and the MLP's residual add runs in the down GEMM's epilogue: fewer launches and reads of a decode
 # step (docs/embedded_engine.md, block-wise FP8; ``bench/decode_step.py --without fp8_quant_in_producer``)
 FP8_QUANT_IN_PRODUCER = True
-# Under fp8_channel's cublas backend the down projection's product leaves the layer unscaled (cuBLASLt's plain FP8 GEMM)
-# and the next decoder layer's input RMSNorm applies its scales and adds the residual (add_rms_norm's x_scales;
-# :class:`_HandOff`), instead of the Triton GEMM with the residual add in its epilogue: cuBLASLt's down GEMM is the
-# faster one, which makes a Qwen3-4B decode step ~5% shorter on an H100 (docs/embedded_engine.md's ``w8a8_fp8``
-# section; ``bench/decode_step.py --without down_hand_off`` for the A/B).
+# under fp8_channel's cublas backend the down projection leaves the layer unscaled and the next layer's input
+# RMSNorm applies its scales and adds the residual (:class:`_HandOff`): cuBLASLt's down GEMM is the faster one
+# (docs/performance.md)
 DOWN_SCALES_TO_NEXT_LAYER = True
 
 
@@ -383,9 +381,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The per-token quantizing SiLU gate holds a row of up to SILU_TOKEN_ONE_PASS columns whole (16 warps: 32 values
-# a thread at 16384) and streams longer ones SILU_TOKEN_BLOCK columns at a time, twice. On the H200 (Qwen3-4B,
-# 128 rows x 9728) the two-pass launch took 7.5 us a layer against the group-quantizing gate's 3.2.
+# the per-token quantizing SiLU gate holds a row of up to SILU_TOKEN_ONE_PASS columns whole (16 warps: 32 values
+# a thread at 16384) and streams longer ones SILU_TOKEN_BLOCK columns at a time, twice: the slower way
+# (docs/performance.md)
 SILU_TOKEN_ONE_PASS = 16384
 SILU_TOKEN_BLOCK = 1024
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils.arguments import parse_args
-from slime.utils.preflight import (RunFinished, UserError, check_data_files, check_finished, check_hooks, check_reward,
+from slime.arguments import parse_args
+from slime.preflight import (RunFinished, UserError, check_data_files, check_finished, check_hooks, check_reward,
                                    check_save_dir, main, preflight)
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
-HOOKS = "tests.utils.preflight_hooks"
-REPO = Path(__file__).parents[2]
+HOOKS = "tests.preflight_hooks"
+REPO = Path(__file__).parents[1]
 
 
 def parse(*extra):
@@ -171,7 +171,7 @@ def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
     (["--custom-rm-path", "reward"], "expected a dotted path"),
     (["--custom-rm-path", f"{HOOKS}.reward_without_sample"], "cannot be called with (args, sample)"),
     (["--custom-rm-path", f"{HOOKS}.NOT_A_FUNCTION"], "is not callable (found int 42); expected [async] def reward("),
-    (["--custom-rm-path", "tests.utils.preflight_broken_module.reward"],
+    (["--custom-rm-path", "tests.preflight_broken_module.reward"],
      "importing it raised RuntimeError: this module is broken on purpose"),
     (["--custom-generate-function-path", f"{HOOKS}.plain_generate"],
      "is a plain `def`; slime awaits it: write it as async def generate("),
@@ -181,7 +181,7 @@ def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
     (["--dynamic-sampling-filter-path", f"{HOOKS}.NOT_A_FUNCTION"], "--dynamic-sampling-filter-path"),
     (["--data-source-path", f"{HOOKS}.DataSourceWithoutArgs"], "expected class DataSource: __init__(self, args)"),
     (["--rollout-sample-hook-path", f"{HOOKS}.sample_hook", "--rollout-sample-hook-path", f"{HOOKS}.missing_hook"],
-     "--rollout-sample-hook-path tests.utils.preflight_hooks.missing_hook"),
+     "--rollout-sample-hook-path tests.preflight_hooks.missing_hook"),
     (["--loss-type", "custom_loss", "--custom-loss-function-path", f"{HOOKS}.loss_with_two_args"],
      "expected def loss(args, batch, logits, sum_of_sample_mean)"),
     (["--buffer-filter-path", f"{HOOKS}.missing"], "--buffer-filter-path"),
@@ -201,7 +201,7 @@ def test_bad_hook_is_refused_at_start_naming_flag_and_expected_signature(flags, 
     ["--rollout-function-path", f"{HOOKS}.rollout_fn"],
     ["--buffer-filter-path", f"{HOOKS}.buffer_filter"],
     ["--rollout-sample-hook-path", f"{HOOKS}.sample_hook"],
-    ["--use-tis", "--custom-tis-function-path", "slime.utils.ppo_utils.vanilla_tis_function"],  # keyword-called
+    ["--use-tis", "--custom-tis-function-path", "slime.algorithms.functional.vanilla_tis_function"],  # keyword-called
 ])
 def test_good_hooks_pass(flags):
     check_hooks(parse(*flags))

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from slime.utils import ppo_utils as pu
-from tests.utils.test_ppo_utils import _args
+from slime.algorithms import functional as pu
+from tests.algorithms.test_functional import _args
 
 
 

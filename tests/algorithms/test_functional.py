@@ -1,4 +1,4 @@
-"""slime.utils.ppo_utils against slow, obvious references (loops over samples and tokens)."""
+"""slime.algorithms.functional against slow, obvious references (loops over samples and tokens)."""
 
 import math
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime.utils import ppo_utils as pu
+from slime.algorithms import functional as pu
 
 
 def _args(**kw):

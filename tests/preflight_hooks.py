@@ -1,4 +1,4 @@
-"""Hooks, right and wrong, that the start-up checks are tried on (tests/utils/test_preflight.py)."""
+"""Hooks, right and wrong, that the start-up checks are tried on (tests/test_preflight.py)."""
 
 NOT_A_FUNCTION = 42
 

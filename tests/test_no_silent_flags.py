@@ -22,12 +22,12 @@ import pathlib
 
 import pytest
 
-from slime.utils.arguments import get_parser, parse_args, refused_flag_defaults
+from slime.arguments import get_parser, parse_args, refused_flag_defaults
 from slime.utils.arguments_groups import REFUSED_FLAGS, megatron_lm_passthrough_dests
 from slime.utils.backend_flags import FSDP_ONLY, MEGATRON_ONLY
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-ARGUMENT_MODULES = {"slime/utils/arguments.py", "slime/utils/arguments_groups.py", "slime/backends/fsdp_utils/arguments.py",
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARGUMENT_MODULES = {"slime/arguments.py", "slime/utils/arguments_groups.py", "slime/backends/fsdp_utils/arguments.py",
                     "slime/utils/megatron_lm_flags.py", "slime/utils/backend_flags.py"}
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
 BACKEND_PACKAGES = {"fsdp": "slime/backends/fsdp_utils/", "megatron": "slime/backends/megatron_utils/"}
@@ -159,7 +159,7 @@ def test_a_flag_added_without_a_reader_is_reported_for_each_backend():
 
 
 # start-up checks name flags of either backend to validate or refuse them; they make no flag take effect
-START_UP_CHECKS = frozenset({"slime/utils/preflight.py", "slime/utils/exactness.py"})
+START_UP_CHECKS = frozenset({"slime/preflight.py", "slime/utils/exactness.py"})
 
 
 def test_a_flag_one_backend_reads_is_silent_on_the_other():

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from slime.utils.arguments import parse_args
-from slime.utils.train_data import assign_rollout_ids, convert_samples_to_train_data, split_train_data_by_dp
+from slime.arguments import parse_args
+from slime.backends.training.train_data import assign_rollout_ids, convert_samples_to_train_data, split_train_data_by_dp
 from slime.utils.types import Sample
 
 
@@ -177,7 +177,7 @@ def _flops_model_dir(tmp_path):
 
 
 def test_balance_by_flops_gives_shards_balanced_in_flops(tmp_path):
-    from slime.utils.train_data import sample_flops
+    from slime.backends.training.train_data import sample_flops
 
     # (prompt, response): tokens 42, 22, 22, 20 — the token optimum pairs the two response-heavy samples
     shapes = [(40, 2), (2, 20), (2, 20), (18, 2)]

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithms import functional as algo
+from slime.backends.training.batch import StepSchedule, TrainBatch
+from slime.backends.training.flops import FlopShape, training_flops
 from slime.utils.misc import load_function
 from slime.utils.seqlen_balancing import balanced_partition, micro_batch_schedule
 from slime.utils.types import Sample
@@ -68,22 +70,22 @@ def assign_rollout_ids(samples: list[Sample]) -> list[int]:
 def default_reward_post_process(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """(raw_rewards, rewards) per §5.1 with the rollout-aware grouping described in the module doc."""
     raw = [float(s.get_reward_value(args)) for s in samples]
-    estimator = getattr(args, "advantage_estimator", "grpo")
-    normalise, std_allowed = ppo_utils.lookup(ppo_utils.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
-    if not normalise or not getattr(args, "rewards_normalization", True) or not samples:
+    estimator = args.advantage_estimator
+    normalise, std_allowed = algo.lookup(algo.REWARD_POST_PROCESSORS, estimator, "--advantage-estimator")
+    if not normalise or not args.rewards_normalization or not samples:
         return raw, list(raw)
-    std = std_allowed and getattr(args, "grpo_std_normalization", True)
+    std = std_allowed and args.grpo_std_normalization
     rollout_ids = assign_rollout_ids(samples)
     n = args.n_samples_per_prompt
     fan_out = len(set(rollout_ids)) < len(samples)
     expected = args.rollout_batch_size * n
     if not fan_out and len(samples) == expected:
-        groups, per_rollout = ppo_utils.positional_groups(len(samples), n, expected), None
+        groups, per_rollout = algo.positional_groups(len(samples), n, expected), None
     elif all(s.group_index is not None for s in samples):
         groups, per_rollout = [s.group_index for s in samples], rollout_ids
     else:
         groups, per_rollout = [0] * len(samples), rollout_ids
-    rewards = ppo_utils.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=per_rollout)
+    rewards = algo.group_normalize_rewards(torch.tensor(raw), groups, std, rollout_ids=per_rollout)
     return raw, rewards.tolist()
 
 
@@ -117,13 +119,13 @@ def _optional_per_sample(samples: list[Sample], attribute: str, name: str, empty
 
 def convert_samples_to_train_data(args, samples: list[Sample]) -> dict[str, Any]:
     """The training dict of §7.7 from the flattened samples (or the §2.14 hook's dict)."""
-    custom = getattr(args, "custom_convert_samples_to_train_data_path", None)
+    custom = args.custom_convert_samples_to_train_data_path
     if custom:
         data = load_function(custom)(args, samples)
         return _check_custom_train_data(data, custom)
     if not samples:
         raise ValueError("convert_samples_to_train_data: no samples")
-    post_path = getattr(args, "custom_reward_post_process_path", None)
+    post_path = args.custom_reward_post_process_path
     raw_rewards, rewards = (load_function(post_path) if post_path else default_reward_post_process)(args, samples)
     if len(rewards) != len(samples) or len(raw_rewards) != len(samples):
         raise ValueError(
@@ -205,8 +207,6 @@ def _tensorise(key: str, values: list) -> list:
 
 @functools.lru_cache(maxsize=4)
 def _flop_shape(hf_checkpoint: str):
-    from slime.backends.training.flops import FlopShape
-
     path = os.path.join(hf_checkpoint or "", "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--balance-by-flops estimates FLOPs from the model's config: {path!r} does not "
@@ -219,8 +219,6 @@ def _flop_shape(hf_checkpoint: str):
 def sample_flops(args, total_lengths: list[int], response_lengths: list[int]) -> list[float]:
     """Training FLOPs of each sample alone (:func:`slime.backends.training.flops.training_flops`,
     the output head over its response positions): what ``--balance-by-flops`` balances."""
-    from slime.backends.training.flops import training_flops
-
     shape = _flop_shape(args.hf_checkpoint)
     return [training_flops(shape, [int(length)], int(response)) for length, response in zip(total_lengths, response_lengths)]
 
@@ -239,8 +237,6 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
     empty), ``step_loss_token_counts`` (per step, Σ_i max(Σ_t m, 1) over all shards — the per-token
     normaliser).
     """
-    from slime.backends.training.batch import StepSchedule, TrainBatch
-
     num_samples = len(data["tokens"])
     rollout_ids = list(data["rollout_ids"])
     total_lengths = [len(t) for t in data["tokens"]]
@@ -257,18 +253,18 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
         raise ValueError(
             f"{len(order)} rollouts do not fill one optimizer step of --global-batch-size {gbs} rollouts"
         )
-    max_tokens = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
+    max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
     if max_tokens is not None:  # under context parallelism each GPU holds 1/CP of a micro-batch's tokens
-        max_tokens *= getattr(args, "context_parallel_size", 1) or 1
+        max_tokens *= args.context_parallel_size or 1
     # the cost balanced across DP ranks and micro-batches: tokens, or training FLOPs (--balance-by-flops)
-    costs = sample_flops(args, total_lengths, data["response_lengths"]) if getattr(args, "balance_by_flops", False) \
+    costs = sample_flops(args, total_lengths, data["response_lengths"]) if args.balance_by_flops \
         else total_lengths
     rank_positions: list[list[int]] = [[] for _ in range(dp_size)]
     rank_micro_batches: list[list[list[int]]] = [[] for _ in range(dp_size)]
     num_microbatches, token_counts = [], []
     for step in range(num_steps):
         step_rollouts = order[step * gbs : (step + 1) * gbs]
-        if getattr(args, "balance_data", False):  # (--balance-by-flops turns it on)
+        if args.balance_data:  # (--balance-by-flops turns it on)
             weights = [sum(costs[p] for p in members[r]) for r in step_rollouts]
             assignment = balanced_partition(weights, dp_size)
         else:
@@ -277,7 +273,7 @@ def split_train_data_by_dp(args, data: dict, dp_size: int) -> list:
         schedule = micro_batch_schedule(
             [[total_lengths[p] for p in positions] for positions in step_positions],
             max_tokens,
-            getattr(args, "micro_batch_size", 1) or 1,
+            args.micro_batch_size or 1,
             [[costs[p] for p in positions] for positions in step_positions],
         )
         num_microbatches.append(len(schedule[0]))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--train-backend", "fsdp", "--rollout-backend", "embedded"]
 

@@ -1,8 +1,0 @@
-from pathlib import Path
-
-from slime.utils.arguments import flag_reference_markdown
-
-
-def test_usage_doc_lists_every_flag():
-    doc = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
-    assert flag_reference_markdown() in doc, "docs/usage.md is stale: regenerate its flag section with `python -m slime.utils.arguments`"
