@@ -10,6 +10,7 @@ The script (greedy decoding reproduces it exactly, checked at build time):
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -67,6 +68,21 @@ def teach_script(model_dir: str, out_dir: Path, script=SCRIPT, tools=CHAT_TOOLS)
         labels[row, len(prompt):n] = torch.tensor(reply)
         attention[row, :n] = 1
     torch.manual_seed(0)
+    # the same thread count (so the same reduction order and number of steps) whichever test ran before
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    try:
+        model = _teach(model_dir, ids, labels, attention, pairs)
+    finally:
+        torch.set_num_threads(threads)
+    shutil.copytree(model_dir, out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _teach(model_dir, ids, labels, attention, pairs):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
 
@@ -87,7 +103,5 @@ def teach_script(model_dir: str, out_dir: Path, script=SCRIPT, tools=CHAT_TOOLS)
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
             assert out[0, len(prompt):].tolist() == reply, (
                 f"the tiny model did not learn the script in {step} steps (loss {loss.item()})")
-    shutil.copytree(model_dir, out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return model
 

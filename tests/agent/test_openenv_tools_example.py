@@ -20,7 +20,7 @@ from slime.agent.openenv import EnvSettings, serve_env  # noqa: E402
 from slime.agent.openenv.session import episode_for, turn_outcome  # noqa: E402
 from slime.utils.types import Sample  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the tiny model is taught its script first (seconds idle, minutes on busy cores)
 
 
 @pytest.fixture(scope="module")
