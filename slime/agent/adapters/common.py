@@ -468,7 +468,9 @@ class BaseAdapter:
         entry = (asyncio.get_running_loop(), asyncio.current_task())
         self.inflight.setdefault(sid, set()).add(entry)
         try:
-            turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid, images=images)
+            # images only when there are some: a replacement of this documented seam written for text keeps working
+            extra = {"images": images} if images else {}
+            turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid, **extra)
             parsed = self.parse(self.decode_output(turn.output_ids), tools)
             turn = replace(turn, ill_formed=parsed.ill_formed)
             reply = build_reply(parsed, turn, messages, tools, body)
