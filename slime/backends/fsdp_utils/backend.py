@@ -172,7 +172,7 @@ class FSDPBackend(TrainBackend):
             packed = pad_samples(tokens, lengths, self.device)
         else:
             packed = pack_samples(tokens, lengths, self.device)
-        if micro_batch and is_vision_language(self.model.config):  # images and M-RoPE positions
+        if micro_batch and self.role == "actor" and is_vision_language(self.model.config):  # images, M-RoPE positions
             inputs = batch.multimodal_train_inputs or [None] * len(batch.tokens)
             names = [f"sample {batch.sample_indices[i] if batch.sample_indices is not None else i}" for i in micro_batch]
             vision.attach(self.model, packed, tokens, lengths, [inputs[i] for i in micro_batch], names, self.device)

@@ -128,7 +128,7 @@ def test_fsdp_hybrid_packed_samples_match_unpacked(arch, request):
     ref_lp = []
     for tokens, r in zip(data.tokens, data.response_lengths):
         rows = reference(tokens[None]).logits[0][len(tokens) - int(r) - 1 : len(tokens) - 1]
-        ref_lp.append(ppo_utils.compute_log_probs(rows, tokens[-int(r):], 1.0))
+        ref_lp.append(algo.compute_log_probs(rows, tokens[-int(r):], 1.0))
     ref_lp = torch.cat(ref_lp)
     (coef * ref_lp).sum().backward()
     torch.testing.assert_close(log_probs.detach(), ref_lp.detach(), atol=1e-5, rtol=0)
@@ -139,5 +139,5 @@ def test_fsdp_hybrid_packed_samples_match_unpacked(arch, request):
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
     with torch.no_grad():  # the plain model on the packed row: the block mask alone leaves the state leaking
         logits = reference(**model_inputs(packed, "eager")).logits[0][packed.predict_positions]
-    leaked = ppo_utils.compute_log_probs(logits, packed.targets, 1.0)
+    leaked = algo.compute_log_probs(logits, packed.targets, 1.0)
     assert (leaked - ref_lp).abs().max() > 1e-3
