@@ -7,13 +7,18 @@
 # trainer and engine colocated); on a CPU 4 x 4 for 60 steps (about 20 minutes on 2 idle cores).
 #   bash scripts/run-real.sh               outputs under outputs/real-<cpu|gpu>
 #   SEED=2 OUT=dir STEPS=N LR=x bash scripts/run-real.sh     (seed, output directory, GRPO steps, learning rate)
+#   PYTHON=/path/to/python bash scripts/run-real.sh          (an environment you installed yourself: no setup step)
 # Writes OUT/summary.json (accuracy before/after, per-step curves, step time by phase, model, hardware) and
 # OUT/learning_curve.png (reward and held-out accuracy against steps and against wall-clock seconds).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh gguf,reasoning-gym
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh gguf,reasoning-gym
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 seed="${SEED:-1}"
 load_before="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo unknown)"
