@@ -18,6 +18,7 @@ import random
 import re
 from typing import Any, Iterator
 
+from slime.utils.multimodal import expanded_prompt_length, sample_images
 from slime.utils.types import MultimodalTypes, Sample
 
 logger = logging.getLogger(__name__)
@@ -279,11 +280,15 @@ class Dataset:
                 logger.warning("%s: prompts are message lists; --rollout-max-prompt-len does not filter them", self.path)
                 self._warned_list_prompt = True
             return False
-        if len(sample.prompt.encode("utf-8")) + 1 <= max_length:
+        images = sample_images(sample) if self.processor is not None else []
+        if not images and len(sample.prompt.encode("utf-8")) + 1 <= max_length:
             return False  # a token spans >= 1 byte (+1: a tokenizer's prefix space): fits without tokenizing
         if self.tokenizer is None:
             raise ValueError("prompt-length filtering needs a tokenizer (set --hf-checkpoint)")
-        return len(self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]) > max_length
+        length = len(self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+        if images:  # each image's placeholder becomes as many tokens as its size gives
+            length = expanded_prompt_length(length, images, self.processor)
+        return length > max_length
 
     def shuffle(self, new_epoch_id: int) -> None:
         """Permute the samples with ``random.Random(seed + epoch)`` (reproducible per epoch)."""

@@ -116,6 +116,54 @@ def _checked(image, source, max_pixels: int):
     return image
 
 
+def image_size(item) -> tuple[int, int] | None:
+    """``(width, height)`` of an image item from its header alone (no pixels decoded), or None where it
+    cannot be read now: such a sample fails with the reason when it is generated."""
+    from PIL import Image
+
+    try:
+        source = unwrap_image(item)
+        if isinstance(source, Image.Image):
+            return source.size
+        if isinstance(source, (bytes, bytearray)):
+            return Image.open(io.BytesIO(bytes(source))).size
+        if not isinstance(source, str) or source.startswith(("http://", "https://")):
+            return None
+        match = _DATA_URL.match(source)
+        if match:
+            return Image.open(io.BytesIO(_b64(match["data"], source))).size
+        path = source[len("file://"):] if source.startswith("file://") else source
+        if os.path.exists(path):
+            with Image.open(path) as image:
+                return image.size
+        if len(source) >= 64 and _BASE64.match(source):
+            return Image.open(io.BytesIO(_b64(source, source))).size
+    except (MediaError, OSError, SyntaxError, ValueError):
+        return None
+    return None
+
+
+def image_token_count(processor, width: int, height: int) -> int:
+    """How many placeholder tokens the processor expands one ``width`` x ``height`` image into."""
+    image_processor = processor.image_processor
+    merge = image_processor.merge_size ** 2
+    if hasattr(image_processor, "get_number_of_image_patches"):
+        return image_processor.get_number_of_image_patches(height, width) // merge
+    from PIL import Image
+
+    return image_inputs(processor, [Image.new("RGB", (width, height))])[1][0]
+
+
+def expanded_prompt_length(text_length: int, images: list, processor) -> int:
+    """A prompt's token count once each image's one placeholder becomes its tokens (images whose size
+    cannot be read count as their placeholder)."""
+    for item in images:
+        size = image_size(item)
+        if size is not None:
+            text_length += image_token_count(processor, *size) - 1
+    return text_length
+
+
 def encode_image(image) -> str:
     """A PNG data URL of a PIL image: what the default generator sends as ``image_data``."""
     buffer = io.BytesIO()

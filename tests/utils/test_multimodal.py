@@ -64,3 +64,38 @@ def test_processor_expands_each_placeholder_to_the_grid(tiny_vlm_dir):
     runs = [len(run) for run in "".join("x" if t == pad else " " for t in ids).split()]
     assert runs == [4, 16]  # (4x4 patches)/(2x2 merge), (8x8)/(2x2)
     assert tokenizer.decode([t for t in ids if t != pad]) == prompt.replace("<|image_pad|>", "")
+
+
+def test_prompt_length_filter_counts_each_image_at_its_expanded_size(tiny_vlm_dir, tmp_path):
+    """--rollout-max-prompt-len drops a prompt whose images expand past the limit, though its text and
+    one placeholder per image would fit; the count is the processor's own expansion."""
+    import json
+
+    from slime.utils.data import Dataset
+    from slime.utils.multimodal import expanded_prompt_length
+
+    processor = load_processor(tiny_vlm_dir)
+    tokenizer = processor.tokenizer
+    for size in ((56, 56), (112, 112), (200, 90)):
+        path = tmp_path / f"{size[0]}x{size[1]}.png"
+        Image.new("RGB", size).save(path)
+    rows = [{"prompt": "<image>count", "images": [str(tmp_path / "56x56.png")]},
+            {"prompt": "<image>count", "images": [str(tmp_path / "112x112.png")]},
+            {"prompt": "<image><image>count", "images": [str(tmp_path / "56x56.png"), str(tmp_path / "200x90.png")]},
+            {"prompt": "<image>count", "images": [str(tmp_path / "missing.png")]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    kwargs = dict(prompt_key="prompt", multimodal_keys={"image": "images"}, apply_chat_template=True)
+    full = Dataset(str(data), tokenizer, processor, None, **kwargs)
+    lengths = []
+    for sample in full.samples[:3]:
+        images = [Image.open(item) for item in sample.multimodal_inputs["images"]]
+        ids, _ = process_images(processor, sample.prompt, images)
+        text = len(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+        assert expanded_prompt_length(text, sample.multimodal_inputs["images"], processor) == len(ids)
+        lengths.append(len(ids))
+    assert lengths[0] < lengths[1] and lengths[0] < lengths[2]
+    limit = lengths[0]  # the one-placeholder text of every row fits; only the first row's images do
+    kept = Dataset(str(data), tokenizer, processor, limit, **kwargs)
+    assert [s.multimodal_inputs["images"][-1].rsplit("/", 1)[-1] for s in kept.samples] == ["56x56.png", "missing.png"]
+    assert kept.dropped_by_length == 2  # a missing image is not dropped here: it fails its sample with the reason
