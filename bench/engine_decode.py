@@ -108,6 +108,15 @@ ARCHITECTURES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen3.5-0.8B's language model (published config.json, text_config): gated-DeltaNet linear attention in
+    # 3 of every 4 layers (a recurrent state per request), gated softmax attention with partial rotary in the 4th
+    "qwen3.5-0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, vocab_size=248320, tie_word_embeddings=True,
+                         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_num_key_heads=16, linear_num_value_heads=16,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25}),
     # MoE with multi-latent attention at ~0.95B total parameters (DeepSeek-V3 architecture): 12 layers, the
     # first dense; 32 routed experts (top-4 of 2 groups out of 4) + 1 shared; q/kv LoRA 384/256; YaRN
     "deepseek-v3-1b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
@@ -123,7 +132,7 @@ ARCHITECTURES = {
 
 
 def build_checkpoint(model: str, out_dir: str) -> str:
-    """An HF directory for ``model``: the tiny model, or a Qwen3 architecture with random bf16 weights
+    """An HF directory for ``model``: the tiny model, or a public architecture with random bf16 weights
     and the tiny model's tokenizer and generation config."""
     from slime.utils.tiny_model import build_tiny_model
 
@@ -138,6 +147,12 @@ def build_checkpoint(model: str, out_dir: str) -> str:
                   pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16", rms_norm_eps=1e-6)
     if model.startswith("deepseek"):
         config = DeepseekV3Config(**ARCHITECTURES[model], max_position_embeddings=16384, **tokens)
+    elif model.startswith("qwen3.5"):
+        from transformers import Qwen3_5TextConfig
+
+        shape = dict(ARCHITECTURES[model])
+        shape["layer_types"] = shape["layer_types"] * (shape["num_hidden_layers"] // len(shape["layer_types"]))
+        config = Qwen3_5TextConfig(**shape, max_position_embeddings=32768, **tokens)
     else:
         config = Qwen3Config(**ARCHITECTURES[model], max_position_embeddings=40960, rope_theta=1000000.0, **tokens)
     torch.manual_seed(0)
