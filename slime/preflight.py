@@ -22,7 +22,8 @@ from slime.utils.flag_checks import check_flag_values, check_load_and_save
 logger = logging.getLogger(__name__)
 
 __all__ = ["UserError", "RunFinished", "preflight", "check_flag_values", "check_load_and_save", "check_hooks",
-           "check_reward", "check_data_files", "check_save_dir", "check_finished", "main", "HOOK_SIGNATURES"]
+           "check_model_plugins", "check_reward", "check_data_files", "check_save_dir", "check_finished", "main",
+           "HOOK_SIGNATURES"]
 
 #: rows of a training prompt file parsed at start (the whole file is read later, before the first step)
 TRAIN_ROWS_CHECKED = 1000
@@ -135,6 +136,54 @@ def check_hooks(args) -> None:
             if path:
                 batched = dest == "custom_rm_path" and bool(args.group_rm)
                 check_hook(dest, path, batched=batched)
+
+
+#: the package upstream slime's model scripts load Megatron model builders from (layer specs, model providers);
+#: it is not shipped here
+UPSTREAM_MODEL_PLUGINS = "slime_plugins."
+UPSTREAM_MODEL_PLUGIN_HINT = (
+    "no such module here (upstream slime's model plugins, slime_plugins.*, are not part of slime), and slime's "
+    "Megatron backend builds no vision tower and no Qwen3.5 / Qwen3-Next layers. Train Qwen3.5 (with its vision tower or without), Qwen3-Next "
+    "and the vision-language models (Qwen2.5-VL, Qwen3-VL) with --train-backend fsdp, which builds the model from "
+    "--hf-checkpoint's config.json: drop this flag and MODEL_ARGS; images come with --multimodal-keys "
+    "(docs/vision_language.md)")
+
+
+def _model_plugin_paths(args) -> list[tuple[str, str, str]]:
+    """(flag, path, module) of the Megatron model builders the flags name."""
+    found = []
+    if args.custom_model_provider_path:
+        path = args.custom_model_provider_path
+        found.append(("--custom-model-provider-path", path, path.rpartition(":" if ":" in path else ".")[0]))
+    spec = getattr(args, "spec", None)
+    if spec:
+        module = spec[0] if len(spec) == 2 else spec[0].rpartition(".")[0]
+        found.append(("--spec", " ".join(spec), module))
+    return found
+
+
+def _qwen35_or_vision_script(args) -> bool:
+    """The flags of a Qwen3.5 / Qwen3-Next preset (gated attention, gated-DeltaNet layers), or images."""
+    return bool(args.use_gated_attention or args.experimental_attention_variant == "gated_delta_net"
+                or args.linear_attention_freq is not None or args.multimodal_keys)
+
+
+def check_model_plugins(args) -> None:
+    """``--custom-model-provider-path`` / ``--spec`` naming a module that is not here, from upstream's plugin package
+    or beside a Qwen3.5 preset's flags or images (an upstream Qwen3.5 or vision-language script): refused with
+    what trains those models here, before the bare import error would."""
+    import importlib
+
+    if args.train_backend != "megatron":
+        return  # --train-backend fsdp refuses both flags at parse
+    for flag, path, module in _model_plugin_paths(args):
+        if not (module.startswith(UPSTREAM_MODEL_PLUGINS) or _qwen35_or_vision_script(args)):
+            continue
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):  # the module itself is missing
+                raise UserError(f"{flag} {path}: {UPSTREAM_MODEL_PLUGIN_HINT}") from None
 
 
 def _first_row_metadata(args) -> dict:
@@ -265,6 +314,7 @@ def preflight(args) -> None:
         return
     check_finished(args)
     check_save_dir(args)
+    check_model_plugins(args)
     check_hooks(args)
     check_reward(args)
     check_data_files(args)

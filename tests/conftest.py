@@ -103,3 +103,20 @@ def tiny_qwen3_vl_dir(tmp_path_factory):
     from slime.utils.tiny_vlm import build_tiny_vlm
 
     return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen3_vl"), arch="qwen3_vl", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_vl_dir(tmp_path_factory):
+    """A tiny Qwen3.5 with its vision tower: the hybrid language model (gated-DeltaNet linear attention in layers
+    0-2, gated softmax attention in 3), interleaved M-RoPE on a quarter of each head, no deepstack."""
+    from slime.utils.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen3_5_vl"), arch="qwen3_5", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_vl_dir(tmp_path_factory):
+    """Its MoE variant with the vision tower: top-2 of 8 experts and a shared expert in every layer."""
+    from slime.utils.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen3_5_moe_vl"), arch="qwen3_5_moe", seed=0))

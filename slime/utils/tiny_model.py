@@ -157,6 +157,12 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 ARCHITECTURES = ("qwen3", "deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4")
 
 
+#: the hybrid families' linear-attention layers: 2 key heads shared by 4 value heads (the grouped-value layout of
+#: the released models), a 4-wide causal convolution
+LINEAR_ATTENTION = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embeddings: int, special: dict):
     """The HF config of ``arch`` at ``shape``. The MoE families keep their distinguishing features:
     DeepSeek-V3 has MLA (q and kv LoRA, decoupled interleaved rotary, YaRN), sigmoid routing with an
@@ -195,11 +201,9 @@ def _config(arch: str, shape: TinyModelSize, vocab_size: int, max_position_embed
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **moe, **common)
     if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        # gated-DeltaNet linear attention in layers 0-2 (of 4), gated softmax attention in layer 3; 2 key heads
-        # shared by 4 value heads (the grouped-value layout of the released models)
+        # gated-DeltaNet linear attention in layers 0-2 (of 4), gated softmax attention in layer 3
         hybrid = dict(num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim, tie_word_embeddings=True,
-                      linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                      linear_num_key_heads=2, linear_num_value_heads=4,
+                      **LINEAR_ATTENTION,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 4,
                    shared_expert_intermediate_size=shape.intermediate_size // 4)

@@ -1,10 +1,11 @@
-"""Build a tiny Qwen2.5-VL / Qwen3-VL checkpoint offline (model, tokenizer, image processor), for tests and examples.
+"""Build a tiny Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoint offline (model, tokenizer, image processor), for tests and examples.
 
 The tokenizer is :mod:`slime.utils.tiny_model`'s byte-level BPE plus Qwen's vision tokens
 (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``); the chat template
 renders an image part of a message as ``<|vision_start|><|image_pad|><|vision_end|>`` as Qwen's does.
 The image processor is Qwen2-VL's with 14-pixel patches merged 2x2 and small pixel bounds, so a
-56x56 image is 4 language-model tokens.
+56x56 image is 4 language-model tokens. Qwen3.5's language model is the hybrid one (gated-DeltaNet
+linear attention beside gated softmax attention, as its ``layer_types`` say).
 
     python -m slime.utils.tiny_vlm --out /tmp/tiny_vlm --arch qwen2_5_vl
 """
@@ -15,10 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
-from slime.utils.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SIZES, build_tokenizer
+from slime.utils.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, LINEAR_ATTENTION, SIZES, build_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl")
+ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 #: how a message's content is rendered: a string as is, a list part by part (Qwen2.5-VL's template)
 _CONTENT = (
@@ -71,13 +72,28 @@ def _config(arch: str, vocab_size: int, special: dict, ids: dict):
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         vision["out_hidden_size"] = shape.hidden_size
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        # the tiny hybrid language model of slime.utils.tiny_model (gated-DeltaNet linear attention in layers
+        # 0-2, gated softmax attention in layer 3); interleaved M-RoPE over the rotary quarter of each head
+        # (8 of 32 dimensions: 4 frequencies split 2 / 1 / 1 over time, height, width)
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        text.update(head_dim=shape.head_dim, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters=rope, **LINEAR_ATTENTION)
+        vision.update(num_position_embeddings=64)
+        if arch == "qwen3_5":
+            return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        # softmax top-2 of 8 experts and a sigmoid-gated shared expert in every layer
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 4,
+                    shared_expert_intermediate_size=shape.intermediate_size // 4)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     raise ValueError(f"unknown tiny VLM architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
 
 
 def image_processor_config(arch: str) -> dict:
     """``preprocessor_config.json`` of the tiny checkpoint (Qwen2-VL's image processor, small bounds)."""
     return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": (
-        "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen3VLProcessor"),
+        "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen3VLProcessor"),  # Qwen3.5's is Qwen3-VL's
         "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
         "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "size": {"shortest_edge": MIN_PIXELS,
                                                                      "longest_edge": MAX_PIXELS},

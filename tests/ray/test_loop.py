@@ -458,13 +458,16 @@ def _shape_images(tmp_path, count: int) -> str:
     return str(path)
 
 
-def test_vision_language_model_through_the_loop(tiny_vlm_dir, tmp_path):
-    """A tiny Qwen2.5-VL through train.py: images from --multimodal-keys reach the engine (vision tower at
-    prefill, M-RoPE) and the FSDP trainer (pixel values in its micro-batches); the first step's invariants
-    hold, and after the weight update (vision tower included, checked against the trainer's) the engine's
-    log-probs still equal the trainer's recomputation."""
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+def test_vision_language_model_through_the_loop(arch, tmp_path, request):
+    """A tiny Qwen2.5-VL, and a tiny Qwen3.5 with its vision tower (gated-DeltaNet state per engine slot and per
+    packed sample), through train.py: images from --multimodal-keys reach the engine (vision tower at prefill,
+    M-RoPE) and the FSDP trainer (pixel values in its micro-batches); the first step's invariants hold, and
+    after the weight update (vision tower included, checked against the trainer's) the engine's log-probs
+    still equal the trainer's recomputation."""
+    model_dir = request.getfixturevalue({"qwen2_5_vl": "tiny_vlm_dir", "qwen3_5": "tiny_qwen3_5_vl_dir"}[arch])
     data = {"train": _shape_images(tmp_path, 8)}
-    run_train(grpo_args(tiny_vlm_dir, data, tmp_path / "run", "--multimodal-keys", '{"image": "images"}',
+    run_train(grpo_args(model_dir, data, tmp_path / "run", "--multimodal-keys", '{"image": "images"}',
                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--check-weight-update-equal",
                         steps=2))
     records = read_metrics(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Vision-language models in the engine (Qwen2.5-VL, Qwen3-VL): images in, M-RoPE positions, the vision tower at prefill.
+"""Vision-language models in the engine (Qwen2.5-VL, Qwen3-VL, Qwen3.5): images in, M-RoPE positions, the vision tower at prefill.
 
 A request's images (``image_data`` of ``/generate``, ``image_url`` parts of a chat) are loaded and
 run through the checkpoint's image processor when the request arrives (:meth:`VisionLanguage.prepare`):

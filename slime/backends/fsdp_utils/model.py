@@ -275,6 +275,7 @@ def load_model(path: str, role: str, attn_implementation: str, seed: int) -> nn.
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
                                                             attn_implementation=attn_implementation)
         vision.install_forward(model)
+        model.linear_attention_layers = install_packed_forward(model)  # Qwen3.5's language model
         return model
     if role == "actor":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)

@@ -1,4 +1,4 @@
-"""Vision-language actors in the FSDP trainer (Qwen2.5-VL, Qwen3-VL): images in packed micro-batches.
+"""Vision-language actors in the FSDP trainer (Qwen2.5-VL, Qwen3-VL, Qwen3.5): images in packed micro-batches.
 
 A sample's ``multimodal_train_inputs`` (the processor's ``pixel_values`` and ``image_grid_thw``) go with
 its tokens. For a micro-batch (:func:`attach`), the samples' pixels are concatenated, every prompt
@@ -11,7 +11,9 @@ token that happens to be the image placeholder is text, as it was for the engine
 :func:`install_forward` gives the model a forward taking those inputs: the vision tower (trainable,
 or frozen by ``--freeze-vision-tower``), the embeddings scattered into the token embeddings
 (Qwen3-VL's deepstack features added after its first decoder layers), the language model, the head.
-It replaces the instance's ``forward`` so FSDP's hooks around the module call still run.
+It replaces the instance's ``forward`` so FSDP's hooks around the module call still run. Extra keywords
+reach the language model: Qwen3.5's linear-attention layers read the packed row's sample boundaries
+(``cu_seq_lens_q``, :mod:`slime.utils.linear_attention`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import types
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
-
-from slime.utils.multimodal import is_vision_language
 
 
 def install_forward(model: torch.nn.Module) -> None:

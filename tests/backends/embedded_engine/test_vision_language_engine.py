@@ -1,4 +1,5 @@
-"""The embedded engine serves vision-language models (tiny random fp32 Qwen2.5-VL and Qwen3-VL): images by
+"""The embedded engine serves vision-language models (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, whose
+hybrid language model keeps a gated-DeltaNet state per slot): images by
 ``/generate`` ``image_data`` and by chat ``image_url`` parts, the vision tower at prefill, M-RoPE
 positions through prefill and decode, against transformers' own model; bad images answer 400;
 a weight update reaches the vision tower."""
@@ -29,9 +30,14 @@ def _picture(size, color, shapes):
 IMAGES = [_picture((56, 84), (200, 30, 30), 2), _picture((112, 56), (30, 30, 200), 3)]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+#: architecture -> the conftest fixture building its tiny checkpoint
+VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_5": "tiny_qwen3_5_vl_dir",
+                 "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
+
+
+@pytest.fixture(scope="module", params=list(VLM_FIXTURES))
 def model_dir(request):
-    return request.getfixturevalue("tiny_vlm_dir" if request.param == "qwen2_5_vl" else "tiny_qwen3_vl_dir")
+    return request.getfixturevalue(VLM_FIXTURES[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -174,17 +180,19 @@ def test_weight_update_reaches_the_vision_tower(http, model_dir, tmp_path):
         http.post("/update_weights_from_disk", json={"model_path": model_dir})
 
 
-def test_decode_graphs_read_each_slots_rotary_offset(tiny_vlm_dir, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])  # Qwen3.5: linear-attention states move with the slots too
+def test_decode_graphs_read_each_slots_rotary_offset(arch, request, monkeypatch):
     """Decode steps through the graph path (replays of the recorded forward on the CPU) give the outputs of eager
     decoding for a batch mixing image requests (each its own rotary offset) and a text request, while rows
     finish at different steps and the batch compacts (the offsets move with the slots)."""
-    from engine_test_utils import generate_in_engine, replay_graph_forwards
+    from engine_test_utils import replay_graph_forwards
 
     from slime.backends.embedded_engine.cuda_graphs import _buckets
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
     from slime.backends.embedded_engine.model_runner import ModelRunner
 
+    tiny_vlm_dir = request.getfixturevalue(VLM_FIXTURES[arch])
     replays = replay_graph_forwards(monkeypatch)
     prompts = [_prompt_ids(tiny_vlm_dir, 1, "count"), _prompt_ids(tiny_vlm_dir, 2, "compare"),
                _prompt_ids(tiny_vlm_dir, 0, "just text")]

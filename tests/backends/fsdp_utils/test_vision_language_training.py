@@ -1,5 +1,6 @@
-"""The FSDP trainer on a vision-language model (tiny random fp32 Qwen2.5-VL and Qwen3-VL, CPU, gloo): log-probs of
-micro-batches carrying pixel values and image grids equal transformers' model and the engine's;
+"""The FSDP trainer on a vision-language model (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, CPU, gloo):
+log-probs of micro-batches carrying pixel values and image grids equal transformers' model and the engine's
+(Qwen3.5: its linear-attention layers restart at every sample of a packed row);
 --freeze-vision-tower keeps the vision tower fixed while the language model trains."""
 
 import pytest
@@ -16,9 +17,14 @@ from tests.backends.fsdp_utils.fsdp_test_utils import make_args, rank_data, regr
 pytestmark = pytest.mark.usefixtures("single_rank")
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+#: architecture -> the conftest fixture building its tiny checkpoint
+VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_5": "tiny_qwen3_5_vl_dir",
+                 "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
+
+
+@pytest.fixture(scope="module", params=list(VLM_FIXTURES))
 def model_dir(request):
-    return request.getfixturevalue("tiny_vlm_dir" if request.param == "qwen2_5_vl" else "tiny_qwen3_vl_dir")
+    return request.getfixturevalue(VLM_FIXTURES[request.param])
 
 
 def _picture(size, shapes):
@@ -111,7 +117,9 @@ def test_log_probs_equal_the_engines(model_dir):
         torch.testing.assert_close(trainer[data.sample_indices.index(i)], torch.tensor(engine), atol=1e-4, rtol=0)
 
 
-def test_freeze_vision_tower_and_hf_export(tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+def test_freeze_vision_tower_and_hf_export(arch, request, tmp_path):
+    tiny_vlm_dir = request.getfixturevalue(VLM_FIXTURES[arch])
     for flag, vision_moves in ((("--freeze-vision-tower",), False), ((), True)):
         args = make_args(tiny_vlm_dir, "--num-steps-per-rollout", "1", "--lr", "1e-2", *flag, rbs=2)
         worker = TrainWorker(args)
@@ -122,6 +130,8 @@ def test_freeze_vision_tower_and_hf_export(tiny_vlm_dir, tmp_path):
         moved = {k for k, v in model.state_dict().items() if not torch.equal(v.full_tensor(), before[k])}
         assert any(k.startswith("model.language_model.") for k in moved)
         assert any(k.startswith("model.visual.") for k in moved) == vision_moves, flag
+        if arch == "qwen3_5":  # the gated-DeltaNet layers train too
+            assert any(".linear_attn." in k for k in moved)
     # the exported checkpoint serves again: trained vision tower, image processor and chat template included
     from transformers import AutoModelForImageTextToText
 
@@ -129,6 +139,5 @@ def test_freeze_vision_tower_and_hf_export(tiny_vlm_dir, tmp_path):
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     trained = {k: v.full_tensor() for k, v in model.state_dict().items()}
     for name, tensor in reloaded.state_dict().items():
-        if name.startswith("model.visual."):
-            assert torch.equal(tensor, trained[name]), name
+        assert torch.equal(tensor, trained[name]), name
     assert load_processor(str(tmp_path / "hf")) is not None

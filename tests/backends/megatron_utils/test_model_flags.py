@@ -171,3 +171,25 @@ def test_vision_language_flags_are_refused():
         args.__dict__.update(megatron_config_path=None)
         with pytest.raises(NotImplementedError, match="vision-language models train with --train-backend fsdp"):
             refuse_unsupported(args)
+
+
+@pytest.mark.parametrize("plugin", [["--custom-model-provider-path", "slime_plugins.models.qwen3_5_vl.model_provider"],
+                                    ["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
+                                    ["--spec", "slime_plugins.models.qwen3_5_vl.get_spec"],
+                                    ["--custom-model-provider-path", "qwen3_5_vl_provider.model_provider"]])
+def test_upstream_model_plugins_are_refused_naming_fsdp(plugin):
+    """An upstream Qwen3.5 (vision-language) script: its preset and a model plugin that is not here (in upstream's
+    plugin package, or any missing module beside the preset's flags). Start-up refuses it with what trains the
+    model here, instead of a bare import error."""
+    from slime.preflight import UserError, check_model_plugins, preflight
+    from tests.backends.megatron_utils.test_model_config import preset_args
+
+    args = parse_args(BASE + preset_args("qwen3.5-0.8B") + plugin)
+    with pytest.raises(UserError, match=rf"^{plugin[0]} {plugin[1]}.*no such module here.*vision tower.*"
+                                        r"--train-backend fsdp.*--multimodal-keys"):
+        preflight(args)
+    # a provider of the user's own module goes on to the hook check (signature, import errors of its own)
+    provider = ["--custom-model-provider-path", "tests.backends.megatron_utils.megatron_hooks.provider"]
+    check_model_plugins(parse_args(BASE + preset_args("qwen3.5-0.8B") + provider))
+    # a missing module of a model this backend builds: the hook check's own message
+    check_model_plugins(parse_args(BASE + ["--custom-model-provider-path", "my_providers.gpt"]))
