@@ -17,8 +17,20 @@ the same bits for the same token. Measured on this project's CPU build (MKL/oneD
 * element-wise ops: ``exp``, ``log``, ``rsqrt``, ``sin``/``cos`` give the same bits at any position;
   ``F.silu`` and ``sigmoid`` do not (their vector tails differ), so :func:`silu` is ``x / (1 + exp(-x))``.
 
-The GPU version keeps this structure with Triton kernels of fixed tiles (not written yet: the flag is
-refused off the CPU and outside fp32, see :func:`check_supported`).
+bf16 (what a GPU runs): each op has one precision contract on both sides. GEMMs take and return the
+model dtype (the GEMM accumulates in fp32 and rounds once); RMSNorm, the SiLU gate and attention compute
+in fp32 from the bf16 inputs and round their output to bf16 once, as transformers' own RMSNorm does (in
+bf16 arithmetic the CPU's ``rsqrt`` rounds its vector body and scalar tail differently); the log-softmax
+and the entropy of the LM head run in fp32 on the bf16 logits. The rotary frequencies
+(``inv_freq``) stay fp32 buffers: a model cast whole with ``.to(torch.bfloat16)`` rounds them, and every
+rotated query and key moves (up to 0.004 in ``cos``/``sin`` on the tiny Qwen3), which
+:func:`check_supported` refuses. FSDP2's mixed precision casts parameters only, and the engine's
+``from_pretrained(dtype=...)`` load keeps them fp32 too.
+
+Nothing here is CPU-only (``F.pad``, ``narrow``, ``bmm``, element-wise ops); on CUDA the fixed-tile
+``bmm`` is expected to keep a row's bits for any row count (one cuBLAS shape per tile), which
+``tests/backends/test_batch_invariant.py``'s GPU tests measure before the CUDA refusal in
+:func:`check_supported` may go.
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ ATTENTION_NAME = "slime_invariant"
 #: rows of every GEMM call: one shape, so one kernel and one reduction order. None falls back to
 #: ``F.linear`` (the tests' demonstration that exactness rests on the tiles: a 1-row decode step is a GEMV)
 TILE_ROWS: int | None = 32
+#: the dtypes whose precision contract (module docstring) is tested equal on both sides
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+#: the device types the engine-vs-trainer equality has been verified on; CUDA joins once the GPU tests of
+#: tests/backends/test_batch_invariant.py (-m gpu) pass on one
+VERIFIED_DEVICES = ("cpu",)
 SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _registered = False
@@ -69,18 +86,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x²) + eps) * weight`` over the last dimension, the mean as a :func:`tree_sum`."""
-    variance = tree_sum(x * x) / x.shape[-1]
-    out = x * torch.rsqrt(variance + eps).unsqueeze(-1)
+    """``x * rsqrt(mean(x²) + eps) * weight`` over the last dimension, the mean as a :func:`tree_sum`;
+    computed in fp32, rounded to ``x``'s dtype, then scaled by ``weight`` (transformers' order)."""
+    wide = x.float()
+    variance = tree_sum(wide * wide) / x.shape[-1]
+    out = (wide * torch.rsqrt(variance + eps).unsqueeze(-1)).to(x.dtype)
     return out if weight is None else out * weight
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
+    """``x / (1 + exp(-x))`` in fp32, rounded to ``x``'s dtype."""
+    wide = x.float()
+    return (wide / (1 + torch.exp(-wide))).to(x.dtype)
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-softmax over the last dimension: ``x - (max + log Σ exp(x - max))``."""
+def log_softmax(x: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Row-wise log-softmax of ``x / temperature`` over the last dimension in fp32: ``y - (max + log Σ exp(y -
+    max))``. ``temperature``: a number, or fp32 per row (``[rows, 1]``). A number is divided as a device
+    tensor too: CUDA divides by a host number as a product with its reciprocal, an ulp away at times."""
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.full((1,) * x.dim(), temperature, dtype=torch.float32, device=x.device)
+    x = x.float() / temperature
     top = x.amax(dim=-1, keepdim=True)
     return x - (top + torch.log(tree_sum(torch.exp(x - top))).unsqueeze(-1))
 
@@ -88,9 +114,10 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           targets: torch.Tensor, temperature: float, entropy_grad: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's LM head: ``(log π(target), entropy)`` ``[K]`` of ``log_softmax(linear(hidden) / T)``,
-    the engine's sampler's log-prob (``sampler.exact_log_probs``) bit for bit."""
-    logprobs = log_softmax(linear(hidden, weight, bias) / temperature)
+    """The trainer's LM head: ``(log π(target), entropy)`` ``[K]`` fp32 of ``log_softmax(logits / T)``, the
+    logits ``linear(hidden)`` in the model dtype, then fp32: the engine's sampler's log-prob
+    (``sampler.exact_log_probs`` of the engine's logits) bit for bit."""
+    logprobs = log_softmax(linear(hidden, weight, bias), temperature)
     chosen = logprobs.gather(1, targets.long().unsqueeze(1)).squeeze(1)
     source = logprobs if entropy_grad else logprobs.detach()
     entropy = -(torch.exp(source) * source).sum(dim=-1)
@@ -100,8 +127,11 @@ def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scale: float) -> torch.Tensor:
     """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
-    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]``. Dot products, the softmax sum and the weighted sum
-    of values are :func:`tree_sum`s; hidden keys weigh exactly 0 (whatever a cache slot holds there)."""
+    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype. Computed in fp32: dot products, the
+    softmax sum and the weighted sum of values are :func:`tree_sum`s; hidden keys weigh exactly 0 (whatever a
+    cache slot holds there)."""
+    dtype = query.dtype
+    query, key, value = query.float(), key.float(), value.float()
     batch, heads, queries, dim = query.shape
     kv_heads, length, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     groups = heads // kv_heads
@@ -116,7 +146,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
     v = value.reshape(batch, kv_heads, 1, 1, length, value_dim)
     mixed = (probs.unsqueeze(-1) * v).masked_fill(~show.unsqueeze(-1), 0.0)
     out = tree_sum(mixed, dim=-2)  # [B, Hkv, G, Q, Dv]
-    return out.reshape(batch, heads, queries, value_dim).transpose(1, 2)
+    return out.reshape(batch, heads, queries, value_dim).transpose(1, 2).to(dtype)
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -174,18 +204,32 @@ def _swap(module: nn.Module, forward) -> None:
         module.__class__ = _invariant_class(type(module), forward)
 
 
-def check_supported(model: nn.Module, flag: str) -> None:
-    """Refuse what the ops cannot make exact yet: other architectures, other dtypes, other devices.
-    ``flag``: what asked for them, for the message."""
+def check_supported(model: nn.Module, flag: str, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> None:
+    """Refuse what the ops cannot make exact yet: other architectures, dtypes other than fp32 and bf16,
+    devices other than the CPU, rotary frequencies rounded below fp32. ``dtype`` / ``device``: what the
+    model will compute in and on (the trainer checks before FSDP casts and moves it; default: its
+    parameters'). ``flag``: what asked for them, for the message."""
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
         raise ValueError(f"{flag}: {name} is not supported (batch-invariant forwards exist for "
                          f"{', '.join(SUPPORTED_MODELS)}); drop the flag and correct the mismatch with TIS/MIS")
     first = next(model.parameters())
-    if first.dtype != torch.float32 or first.device.type != "cpu":
-        raise ValueError(f"{flag}: exact only in fp32 on the CPU today (got {first.dtype} on "
-                         f"{first.device.type}); the GPU bf16 path needs the same ops as fixed-tile Triton kernels, "
-                         "which are not written yet: on a GPU use TIS/MIS (--use-tis) instead")
+    dtype = first.dtype if dtype is None else dtype
+    device = torch.device(first.device if device is None else device)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{flag}: exact in fp32 and bf16 only (got {dtype}); use --embedded-engine-dtype "
+                         "bfloat16 with --fsdp-mixed-precision bf16, or fp32 on both sides")
+    if device.type not in VERIFIED_DEVICES:
+        raise ValueError(f"{flag}: exact on the CPU only today (got {device.type}): the same ops on CUDA await the "
+                         "GPU run of tests/backends/test_batch_invariant.py (-m gpu); on a GPU use TIS/MIS "
+                         "(--use-tis) instead")
+    rounded = [(n, b.dtype) for n, b in model.named_buffers() if n.endswith("inv_freq") and b.dtype != torch.float32]
+    if rounded:
+        raise ValueError(f"{flag}: the rotary frequencies {rounded[0][0]} are {rounded[0][1]}, not float32: a "
+                         "model cast whole (.to(torch.bfloat16)) rounds them and moves every rotated "
+                         "query and key; load in the compute dtype (from_pretrained(dtype=...)) or cast only the "
+                         "parameters, as FSDP's mixed precision does")
 
 
 def install(model: nn.Module) -> dict:

@@ -412,7 +412,8 @@ def _add_algorithm_args(parser) -> None:
     g.add_argument("--true-on-policy", action="store_true", default=False,
                    help="The engine's log-prob of every sampled token equals the trainer's pi_old bit for bit: both "
                         "sides run the same batch-invariant ops (slime/backends/batch_invariant.py). Needs "
-                        "--train-backend fsdp and --rollout-backend embedded, fp32 on the CPU (docs/true_on_policy.md).")
+                        "--train-backend fsdp and --rollout-backend embedded, on the CPU, in fp32 or in bf16 (--embedded-engine-dtype "
+                        "bfloat16 with --fsdp-mixed-precision bf16) (docs/true_on_policy.md).")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0)
     g.add_argument("--custom-tis-function-path", type=str, default=None, help="Custom truncated-importance-sampling function (signature: docs/customization.md).")

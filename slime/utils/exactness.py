@@ -5,7 +5,7 @@ results cannot be exact.
 bit by running one set of batch-invariant ops on both sides (``slime/backends/batch_invariant.py``);
 ``--deterministic-mode`` with the embedded engine runs the engine on the same ops (a sample's tokens must
 not depend on the batch it decoded in) with a sampling seed per sample. Both hold only where slime owns
-the kernels, and only in fp32 on the CPU today.
+the kernels, and only on the CPU today, in fp32 or bf16 (the engine's dtype and the trainer's the same).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from slime.utils.passthrough import sglang_value
 
 INSTEAD = "drop --true-on-policy and correct the train/rollout mismatch with --use-tis (TIS/MIS)"
+#: engine dtype names (--embedded-engine-dtype, --sglang-dtype) -> the dtype the batch-invariant ops are tested in
+EXACT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def validate_exactness(args) -> None:
@@ -41,9 +43,12 @@ def _trainer_refusal(args) -> str | None:
         return ("--rollout-backend sglang samples with SGLang's kernels; even its deterministic build "
                 "(--sglang-enable-deterministic-inference) reproduces itself, not the trainer's log-probs. Use "
                 "--rollout-backend embedded, or " + INSTEAD)
-    if args.fsdp_mixed_precision == "bf16":
-        return ("--fsdp-mixed-precision bf16: exact only in fp32 on the CPU today (the GPU bf16 path needs the "
-                "ops as fixed-tile Triton kernels, not written yet); drop it, or " + INSTEAD)
+    engine = _engine_dtype(args)
+    trainer = "bfloat16" if args.fsdp_mixed_precision == "bf16" else "float32"  # auto: fp32 on the CPU
+    if engine in EXACT_DTYPES.values() and engine != trainer:
+        return (f"the engine computes in {engine} and the trainer in {trainer}: the log-probs of two dtypes cannot "
+                "be equal. Use --embedded-engine-dtype bfloat16 with --fsdp-mixed-precision bf16, or fp32 on both "
+                "sides (neither flag on the CPU)")
     if args.fsdp_compile:
         return "--fsdp-compile lets the compiler choose the trainer's kernels; drop --fsdp-compile"
     if args.rollout_top_p != 1.0:
@@ -63,13 +68,19 @@ def _engine_refusal(args, instead: str) -> str | None:
     if forwarded.get("speculative-algorithm"):
         return (f"speculative decoding (--sglang-speculative-algorithm {forwarded['speculative-algorithm']}) "
                 f"verifies drafts in a multi-token pass that is not batch-invariant; drop the speculative flags")
-    dtype = args.embedded_engine_dtype or forwarded.get("dtype")
-    if dtype not in (None, "auto", "float32", "fp32"):
-        return (f"engine dtype {dtype}: exact only in fp32 on the CPU today (the GPU bf16 path needs the ops as "
-                f"fixed-tile Triton kernels, not written yet); {instead}")
+    dtype = _engine_dtype(args)
+    if dtype not in EXACT_DTYPES.values():
+        return f"engine dtype {dtype}: the batch-invariant ops are exact in fp32 and bf16 only; {instead}"
     import torch
 
     if torch.cuda.is_available():
-        return ("exact only in fp32 on the CPU today: on a GPU the engine runs bf16 kernels that are not "
-                f"batch-invariant yet (the fixed-tile Triton versions are not written); {instead}")
+        return ("exact only on the CPU today: the batch-invariant ops on CUDA await their GPU verification "
+                f"(tests/backends/test_batch_invariant.py -m gpu); {instead}")
     return None
+
+
+def _engine_dtype(args) -> str:
+    """The embedded engine's compute dtype on the CPU (``auto``: fp32), by :data:`EXACT_DTYPES` name where it
+    has one, else as given."""
+    dtype = args.embedded_engine_dtype or dict(args.sglang_passthrough or {}).get("dtype") or "auto"
+    return "float32" if dtype == "auto" else EXACT_DTYPES.get(dtype, dtype)

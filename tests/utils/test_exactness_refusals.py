@@ -15,6 +15,8 @@ def parse(*extra):
 def test_the_exact_combination_parses():
     args = parse("--true-on-policy", "--deterministic-mode")
     assert args.true_on_policy and args.deterministic_mode
+    args = parse("--true-on-policy", "--embedded-engine-dtype", "bfloat16", "--fsdp-mixed-precision", "bf16")
+    assert args.true_on_policy and args.fsdp_mixed_precision == "bf16"  # bf16 on both sides
 
 
 @pytest.mark.parametrize("extra, said", [
@@ -23,8 +25,10 @@ def test_the_exact_combination_parses():
     (["--sglang-quantization", "fp8"], "FP8 rollout"),
     (["--sglang-kv-cache-dtype", "fp8_e4m3"], "rounds the cached keys"),
     (["--sglang-speculative-algorithm", "NGRAM"], "not batch-invariant"),
-    (["--embedded-engine-dtype", "bfloat16"], "exact only in fp32 on the CPU today"),
-    (["--fsdp-mixed-precision", "bf16"], "exact only in fp32 on the CPU today"),
+    (["--embedded-engine-dtype", "float16"], "exact in fp32 and bf16 only"),
+    (["--embedded-engine-dtype", "bfloat16"], "the engine computes in bfloat16 and the trainer in float32"),
+    (["--fsdp-mixed-precision", "bf16"], "the engine computes in float32 and the trainer in bfloat16"),
+    (["--sglang-dtype", "bf16"], "the engine computes in bfloat16 and the trainer in float32"),
     (["--fsdp-compile"], "drop --fsdp-compile"),
     (["--rollout-top-p", "0.9"], "use --rollout-top-p 1"),
 ])
@@ -37,10 +41,14 @@ def test_true_on_policy_refuses_what_cannot_be_exact(extra, said):
 
 
 @pytest.mark.parametrize("extra", [["--sglang-quantization", "fp8"], ["--sglang-speculative-algorithm", "NGRAM"],
-                                   ["--embedded-engine-dtype", "bfloat16"]])
+                                   ["--embedded-engine-dtype", "float16"]])
 def test_deterministic_mode_on_the_embedded_engine_refuses_what_is_not_batch_invariant(extra):
     with pytest.raises(ValueError, match="--deterministic-mode .*drop --deterministic-mode|--deterministic-mode"):
         parse("--deterministic-mode", *extra)
+
+
+def test_deterministic_mode_runs_a_bf16_engine_on_the_cpu():
+    assert parse("--deterministic-mode", "--embedded-engine-dtype", "bfloat16").deterministic_mode
 
 
 def test_the_engine_refuses_speculative_decoding_with_deterministic_inference(tiny_model_dir):

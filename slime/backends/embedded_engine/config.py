@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true", default=False,
-                   help="batch-invariant forward and log-probs (slime/backends/batch_invariant.py; fp32 on the CPU): "
+                   help="batch-invariant forward and log-probs (slime/backends/batch_invariant.py; fp32 or bf16 on the CPU): "
                         "a request's results do not depend on the batch it runs in, and equal the FSDP trainer's "
                         "under --true-on-policy bit for bit; refuses quantization and speculative decoding")
     p.add_argument("--health-check-timeout", type=float, default=20.0)

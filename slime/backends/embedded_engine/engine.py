@@ -388,6 +388,8 @@ class Engine:
         if not chainable:
             return _Launched(running, settings, logits, None, None, None, False)
         tokens, logprobs = sample_on_device(logits, settings, self.generator)
+        if self.runner.true_on_policy:  # the trainer's log-softmax, bit for bit (as _sample_and_append)
+            logprobs = exact_log_probs(logits, settings, tokens)
         if not self._host_out:
             self._host_out = [torch.empty((2, self.runner.max_slots), dtype=torch.float64,
                                           pin_memory=True) for _ in range(2)]
@@ -424,7 +426,7 @@ class Engine:
         settings = settings or [self.row_sampling(seq) for seq in seqs]
         tokens, logprobs = sample(logits, settings, self.generator)
         if self.runner.true_on_policy:  # the trainer's log-softmax, bit for bit
-            logprobs = exact_log_probs(logits, settings, tokens)
+            logprobs = exact_log_probs(logits, settings, tokens).tolist()
         replay = [i for i, seq in enumerate(seqs) if seq.request.return_top_p_token_ids]
         if replay:  # top-p replay: the kept set of each position (docs/SGLANG_PROTOCOL.md §2.4)
             kept = kept_token_ids(logits[replay], [settings[i] for i in replay])

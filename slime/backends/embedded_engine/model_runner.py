@@ -87,7 +87,14 @@ class ModelRunner:
         self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.weights_on_device = True
-        self.attention_backend = self._resolve_attention_backend(attention_backend)
+        # --true-on-policy: the batch-invariant attention (registered above) reads the cache through the generic
+        # view; the flash-decoding kernel's raw cache reads would bypass it
+        self.attention_backend = ("torch_native" if true_on_policy and attention_backend is None
+                                  else self._resolve_attention_backend(attention_backend))
+        if true_on_policy and self.attention_backend != "torch_native":
+            raise ValueError(f"--attention-backend {self.attention_backend} with --enable-deterministic-inference: the "
+                             "batch-invariant attention runs in place of the flash-decoding kernel; use "
+                             "--attention-backend torch_native (the default under the flag)")
         # q/k/v and gate/up as one GEMM each (exact: the same dot products); under FP8 only where each part
         # is whole 128-row weight blocks (fp8.quantize_model then quantizes the fused weight)
         self.fused_projections = {} if true_on_policy else fused_projections.install(

@@ -231,16 +231,18 @@ def seeded_noise(row: RowSampling, size: int, device) -> torch.Tensor:
     return torch.empty(size, device=device).exponential_(generator=seeded)
 
 
-def exact_log_probs(logits: torch.Tensor, rows: list[RowSampling], tokens: list[int]) -> list[float]:
-    """``--true-on-policy``: each row's log-prob of its token by the trainer's batch-invariant
-    log-softmax (``batch_invariant.log_softmax`` of ``logits / T``), so it equals the trainer's bit for bit."""
+def exact_log_probs(logits: torch.Tensor, rows: list[RowSampling], tokens: list[int] | torch.Tensor
+                    ) -> torch.Tensor:
+    """``--true-on-policy``: each row's log-prob of its token (``[rows]`` fp32, on the logits' device) by the
+    trainer's batch-invariant log-softmax (``batch_invariant.log_softmax`` of ``logits / T``), so it equals the
+    trainer's bit for bit. ``logits``: the model's, cast to fp32 from its dtype (as the trainer's head does)."""
     from slime.backends import batch_invariant
 
     logits = _banned(logits, rows)
     temperatures = to_device([1.0 if r.greedy else r.temperature for r in rows], logits.device).unsqueeze(1)
-    logprobs = batch_invariant.log_softmax(logits / temperatures)
-    index = torch.tensor(tokens, dtype=torch.long, device=logits.device).unsqueeze(1)
-    return logprobs.gather(1, index).squeeze(1).tolist()
+    logprobs = batch_invariant.log_softmax(logits, temperatures)
+    index = torch.as_tensor(tokens, dtype=torch.long).to(logits.device).unsqueeze(1)
+    return logprobs.gather(1, index).squeeze(1)
 
 
 def reference_logprob(logits: torch.Tensor, token: int, temperature: float) -> float:

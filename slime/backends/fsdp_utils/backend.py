@@ -76,7 +76,8 @@ class FSDPBackend(TrainBackend):
 
         model = load_model(path, self.role, self.attn_implementation, self.args.seed)
         if self.true_on_policy:
-            batch_invariant.check_supported(model, "--true-on-policy (FSDP trainer)")
+            compute_dtype = torch.bfloat16 if self.mixed_precision else torch.float32  # FSDP casts the parameters
+            batch_invariant.check_supported(model, "--true-on-policy (FSDP trainer)", compute_dtype, self.device)
             batch_invariant.install(model)
         if trainable:
             apply_freeze_lists(model, self.args)
