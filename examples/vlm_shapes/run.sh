@@ -4,7 +4,7 @@
 # embedded engine with the vision tower, FSDP2 on gloo), greedy accuracy on 128 held-out pictures before
 # and after GRPO.
 #   bash examples/vlm_shapes/run.sh            (outputs under outputs/vlm-shapes/seed$SEED; OUT=dir to change)
-#   SEED=.. SFT_STEPS=.. SFT_LR=.. GRPO_STEPS=.. GRPO_LR=.. FREEZE_VISION=1 (--freeze-vision-tower in GRPO)
+#   SEED=.. SFT_STEPS=.. SFT_LR=.. GRPO_STEPS=.. GRPO_LR=.. GRPO_TEMPERATURE=.. FREEZE_VISION=1 (--freeze-vision-tower in GRPO)
 # A short SFT at 5e-4 stops partway into learning to count; at 2e-3 the SFT stays at a uniform guess.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -36,9 +36,9 @@ if [ "${FREEZE_VISION:-0}" = 1 ]; then freeze=(--freeze-vision-tower); fi
 $py train.py "${common[@]}" "${freeze[@]}" --rollout-backend embedded --rollout-num-gpus 1 \
   --hf-checkpoint "$out/sft_hf" --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label \
   --apply-chat-template --rollout-shuffle --custom-rm-path examples.vlm_shapes.reward.reward \
-  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0 \
-  --num-rollout "${GRPO_STEPS:-16}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-1e-3}" --eps-clip 0.2 \
-  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${GRPO_STEPS:-16}" --eval-temperature 0 \
+  --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature "${GRPO_TEMPERATURE:-1.0}" \
+  --num-rollout "${GRPO_STEPS:-120}" --num-steps-per-rollout 1 --lr "${GRPO_LR:-3e-4}" --eps-clip 0.2 \
+  --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "${GRPO_STEPS:-120}" --eval-temperature 0 \
   --n-samples-per-eval-prompt 1 --eval-max-response-len 4 --run-dir "$out/runs/grpo"
 
 echo "== 4/4 summary"
