@@ -316,7 +316,8 @@ def test_the_fsdp_backend_in_bf16_scores_the_bf16_engines_tokens_bit_for_bit(tin
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graph", [False, True])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("llama", marks=pytest.mark.xfail(
+    reason="on an H100 the tiny Llama is one fp32 ulp (4.8e-7) off on some tokens: the CUDA refusal stays"))])
 def test_on_cuda_in_bf16_the_engines_log_probs_are_the_trainers_bit_for_bit(arch, cuda_graph, request, monkeypatch):
     """What lifting the CUDA refusal waits for: the same equality on CUDA in bf16, decode steps replayed from
     CUDA graphs or run eagerly; unseeded, so graph steps run ahead of the host (the engine's chained path)."""
@@ -340,6 +341,8 @@ def test_on_cuda_a_rows_bf16_linear_result_does_not_depend_on_the_rows_around_it
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(reason="on an H100 the default GEMM gives the tiny model's K = 128/384 the same bf16 bits: "
+                          "the demonstration needs a larger inner dimension")
 def test_on_cuda_the_default_gemm_on_the_engine_side_breaks_the_bf16_equality(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(bi, "VERIFIED_DEVICES", ("cpu", "cuda"))
     gap = _default_gemm_gap(tiny_model_dir, monkeypatch, "bfloat16", "cuda")
