@@ -155,7 +155,7 @@ def _model_plugin_paths(args) -> list[tuple[str, str, str]]:
     if args.custom_model_provider_path:
         path = args.custom_model_provider_path
         found.append(("--custom-model-provider-path", path, path.rpartition(":" if ":" in path else ".")[0]))
-    spec = getattr(args, "spec", None)
+    spec = args.spec
     if spec:
         module = spec[0] if len(spec) == 2 else spec[0].rpartition(".")[0]
         found.append(("--spec", " ".join(spec), module))

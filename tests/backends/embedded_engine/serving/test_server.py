@@ -7,6 +7,8 @@ context length so that the bad-input cases are cheap to build.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import re
 import time
 
 import httpx
@@ -147,7 +149,6 @@ def test_stream(http):
             if line.startswith("data: "):
                 chunks.append(line[6:])
     assert chunks[-1] == "[DONE]"
-    import json
     objs = [json.loads(c) for c in chunks[:-1]]
     assert [len(o["output_ids"]) for o in objs] == [1, 2, 3, 4, 5]
     assert objs[-1]["meta_info"]["finish_reason"]["type"] == "length"
@@ -265,9 +266,15 @@ def test_release_waits_for_the_requests_in_flight(http):
     assert len(result["output_ids"]) == 400 and result["meta_info"]["finish_reason"]["type"] == "length"
     # a request that outlives the release's wait: refused with what is running and what to do
     future = _in_flight(http, [7, 8, 9], 400)
-    response = http.post("/release_memory_occupation", json={"timeout": 0})
-    assert response.status_code == 400 and "1 running" in response.json()["error"]["message"]
-    assert len(future.result()["output_ids"]) == 400  # the refused release changed nothing
+    try:
+        response = http.post("/release_memory_occupation", json={"timeout": 0})
+    finally:  # the request finishes whatever the answer, so no later test sees it in flight
+        result = future.result(timeout=120)
+    assert response.status_code == 400, response.text
+    # the request is scheduled or still queued, depending on how busy the machine is: either way it is named
+    counts = re.search(r"for (\d+) running and (\d+) waiting request", response.json()["error"]["message"])
+    assert counts and int(counts[1]) + int(counts[2]) == 1, response.text
+    assert len(result["output_ids"]) == 400  # the refused release changed nothing
     assert http.post("/release_memory_occupation", json={"timeout": "soon"}).status_code == 400
     assert len(greedy(http, [5], 3)["output_ids"]) == 3
 
@@ -413,7 +420,6 @@ def test_chat_completion_parses_tool_call(http, tiny_model_dir, tmp_path_factory
     assert choice["finish_reason"] == "tool_calls"
     call = choice["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
-    import json
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert len(choice["logprobs"]["content"]) == len(choice["meta_info"]["output_token_logprobs"])
     completion = http.post("/v1/completions", json={"prompt": "What is", "max_tokens": 4, "temperature": 0,
