@@ -347,3 +347,11 @@ def test_on_cuda_the_default_gemm_on_the_engine_side_breaks_the_bf16_equality(ti
     monkeypatch.setattr(bi, "VERIFIED_DEVICES", ("cpu", "cuda"))
     gap = _default_gemm_gap(tiny_model_dir, monkeypatch, "bfloat16", "cuda")
     assert 0 < gap < 0.2, gap
+
+
+def test_on_the_real_model_the_engines_log_probs_are_the_trainers_bit_for_bit():
+    """SmolLM2-135M-Instruct (the main command's pretrained Llama, from its GGUF), fp32 on the CPU: requests
+    joining and leaving mid-decode, chunked prefill, four micro-batch splits with and without autograd."""
+    from slime.utils import gguf_model
+
+    _assert_equal_for_every_split(gguf_model.smollm2_hf_dir(), "float32", temperature=0.8)
