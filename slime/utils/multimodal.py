@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import re
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,16 @@ def unwrap_image(item):
     return item
 
 
-def load_image(item, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS):
-    """The RGB PIL image ``item`` denotes; raises :class:`MediaError` naming the item and the reason."""
+def _resolve(item):
+    """What an image item denotes, without decoding it: ``(PIL image | bytes | local file path, description)``;
+    raises :class:`MediaError` naming the item and the reason where it denotes nothing usable."""
     from PIL import Image
 
     source = unwrap_image(item)
     if isinstance(source, Image.Image):
-        return _checked(source, source, max_pixels).convert("RGB")
+        return source, source
     if isinstance(source, (bytes, bytearray)):
-        return _decode(bytes(source), "image bytes", max_bytes, max_pixels)
+        return bytes(source), "image bytes"
     if not isinstance(source, str):
         raise MediaError(f"image {_describe(source)}: expected a path, a data URL, base64 or a PIL image")
     if source.startswith(("http://", "https://")):
@@ -73,17 +75,28 @@ def load_image(item, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMA
                          "download the image and give its local path or a base64 data URL")
     match = _DATA_URL.match(source)
     if match:
-        return _decode(_b64(match["data"], source), source, max_bytes, max_pixels)
+        return _b64(match["data"], source), source
     path = source[len("file://"):] if source.startswith("file://") else source
     if os.path.exists(path):
-        size = os.path.getsize(path)
-        if size > max_bytes:
-            raise MediaError(f"image file {path}: {size} bytes, more than the {max_bytes}-byte limit")
-        with open(path, "rb") as f:
-            return _decode(f.read(), path, max_bytes, max_pixels)
+        return Path(path), path
     if len(source) >= 64 and _BASE64.match(source):  # raw base64, as SGLang accepts it (a path has a '.')
-        return _decode(_b64(source, source), source, max_bytes, max_pixels)
+        return _b64(source, source), source
     raise MediaError(f"image file not found: {_describe(path)}")
+
+
+def load_image(item, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS):
+    """The RGB PIL image ``item`` denotes; raises :class:`MediaError` naming the item and the reason."""
+    from PIL import Image
+
+    value, where = _resolve(item)
+    if isinstance(value, Image.Image):
+        return _checked(value, where, max_pixels).convert("RGB")
+    if isinstance(value, Path):
+        size = value.stat().st_size
+        if size > max_bytes:
+            raise MediaError(f"image file {where}: {size} bytes, more than the {max_bytes}-byte limit")
+        value = value.read_bytes()
+    return _decode(value, where, max_bytes, max_pixels)
 
 
 def _b64(data: str, source: str) -> bytes:
@@ -122,25 +135,13 @@ def image_size(item) -> tuple[int, int] | None:
     from PIL import Image
 
     try:
-        source = unwrap_image(item)
-        if isinstance(source, Image.Image):
-            return source.size
-        if isinstance(source, (bytes, bytearray)):
-            return Image.open(io.BytesIO(bytes(source))).size
-        if not isinstance(source, str) or source.startswith(("http://", "https://")):
-            return None
-        match = _DATA_URL.match(source)
-        if match:
-            return Image.open(io.BytesIO(_b64(match["data"], source))).size
-        path = source[len("file://"):] if source.startswith("file://") else source
-        if os.path.exists(path):
-            with Image.open(path) as image:
-                return image.size
-        if len(source) >= 64 and _BASE64.match(source):
-            return Image.open(io.BytesIO(_b64(source, source))).size
+        value, _ = _resolve(item)
+        if isinstance(value, Image.Image):
+            return value.size
+        with Image.open(value if isinstance(value, Path) else io.BytesIO(value)) as image:
+            return image.size
     except (MediaError, OSError, SyntaxError, ValueError):
         return None
-    return None
 
 
 def image_token_count(processor, width: int, height: int) -> int:
