@@ -6,11 +6,16 @@
 #   bash examples/fully_async/run.sh        (outputs under outputs/fully-async; OUT=dir, STEPS=n to change)
 #   MODEL=smollm2: SmolLM2-135M-Instruct on reasoning-gym's chain_sum (the main command's task: the gym's
 #   verifier on the reply's last number), replies up to 64 tokens, lr 1e-5; PROMPTS=n SAMPLES=n to size.
+#   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh core
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then  # an environment you installed yourself: no setup step
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh core
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 source examples/model.sh
 out="${OUT:-outputs/fully-async$(smollm2_or -smollm2 '')}"

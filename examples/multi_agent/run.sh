@@ -7,11 +7,16 @@
 # per-role scores.
 #   bash examples/multi_agent/run.sh   (outputs under outputs/multi-agent; OUT=dir, SFT_STEPS=n, GRPO_STEPS=n, GRPO_PROMPTS=n)
 #   MODEL=smollm2: SmolLM2-135M-Instruct instead of the tiny model (SFT and GRPO at lr 1e-5).
+#   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh core
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then  # an environment you installed yourself: no setup step
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh core
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 source examples/model.sh
 out="${OUT:-outputs/multi-agent$(smollm2_or -smollm2 '')}"

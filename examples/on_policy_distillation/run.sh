@@ -5,6 +5,7 @@
 # evaluated before and during training, and the teacher's on the same problems.
 #   bash examples/on_policy_distillation/run.sh     (outputs under outputs/opd; OUT=dir, OPD_STEPS=n, OPD_LR=x, OPD_SAMPLES=n)
 #   SKIP_MODELS=1 reruns steps 2-4 with the student and teacher of an earlier run in the same OUT.
+#   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -13,8 +14,12 @@ if [ "${MODEL:-tiny}" != tiny ]; then
        "(SmolLM2-135M-Instruct) installs from PyPI here, so it runs on the tiny models only (MODEL=tiny)" >&2
   exit 2
 fi
-bash scripts/setup-env.sh core
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then  # an environment you installed yourself: no setup step
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh core
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-outputs/opd}"
 if [ "${SKIP_MODELS:-0}" != 1 ]; then

@@ -7,11 +7,16 @@
 #   DATASET=.. CONFIG='{..}' SFT_STEPS=.. GRPO_STEPS=.. to change the task and the two phases.
 #   MODEL=smollm2: SmolLM2-135M-Instruct instead (no warm start: it reads the gym's question as it is and
 #   is scored on the last number of its reply; lr 1e-5, replies up to 64 tokens; GRPO_PROMPTS/SAMPLES to size).
+#   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh dev  # reasoning-gym is in the dev extra (and in the reasoning-gym one)
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then  # an environment you installed yourself: no setup step
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh dev  # reasoning-gym is in the dev extra (and in the reasoning-gym one)
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 source examples/model.sh
 out="${OUT:-outputs/reasoning-gym$(smollm2_or -smollm2 '')}"

@@ -9,11 +9,16 @@
 #   GRPO only, from the SFT checkpoint of an earlier run in the same OUT.
 #   MODEL=smollm2: SmolLM2-135M-Instruct instead of the tiny model (the tiny model's ChatML template with the
 #   one-line tool list, SFT and GRPO at lr 1e-5); SFT_STEPS / GRPO_STEPS / GRPO_PROMPTS to size it.
+#   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-bash scripts/setup-env.sh dev  # the example's agent uses the openai client (dev extra)
-py=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then  # an environment you installed yourself: no setup step
+  py="$PYTHON"
+else
+  bash scripts/setup-env.sh dev  # the example's agent uses the openai client (dev extra)
+  py=.venv/bin/python
+fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 source examples/model.sh
 out="${OUT:-outputs/tool-use$(smollm2_or -smollm2 '')}"
