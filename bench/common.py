@@ -125,6 +125,9 @@ def result_name(benchmark: str, machine: str, config: dict) -> str:
     elif benchmark == "delta_sync" and isinstance(c.get("models"), dict):
         rates = sorted({entry.get("lr") for entry in c["models"].values() if entry.get("lr") not in (None, 1e-6)})
         tokens += [f"lr{rate:g}" for rate in rates]
+    elif benchmark == "true_on_policy_cost":
+        tokens += [{"bfloat16": "bf16", "float32": "fp32"}.get(c.get("dtype"), c.get("dtype")),
+                   f"{c.get('requests')}x{c.get('new_tokens')}"]
     elif benchmark == "weight_sync":
         tokens += ["pipelined"] if isinstance(c.get("bucket_mb"), list) else []
     name = "-".join([benchmark, machine, model] + [token for token in tokens if token])
