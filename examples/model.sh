@@ -25,5 +25,12 @@ example_model() {
   echo "SmolLM2-135M-Instruct from $cached"
 }
 
+# On a machine with one GPU the trainer and the engine share it (--colocate: the engine sleeps while the trainer
+# steps); on CPUs, or with a GPU for each, they run side by side. A GRPO command adds "${colocate[@]}".
+colocate=()
+if [ "$($py -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" = 1 ]; then
+  colocate=(--colocate)
+fi
+
 # smollm2_or VALUE_FOR_SMOLLM2 VALUE_FOR_TINY: the example's default for the model in use
 smollm2_or() { if [ "${MODEL:-tiny}" = smollm2 ]; then echo "$1"; else echo "$2"; fi; }

@@ -18,6 +18,11 @@ else
 fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 source examples/model.sh
+if [ ${#colocate[@]} -gt 0 ]; then
+  echo "fully_async: the trainer and the engine run at the same time, each on its own GPU; this machine has one." >&2
+  echo "Run it on a machine with two GPUs, or on the CPU (CUDA_VISIBLE_DEVICES= bash examples/fully_async/run.sh)." >&2
+  exit 2
+fi
 out="${OUT:-outputs/fully-async$(smollm2_or -smollm2 '')}"
 steps="${STEPS:-10}"
 rm -rf "$out" && mkdir -p "$out"

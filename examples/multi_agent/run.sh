@@ -38,7 +38,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO, solver and critic per slot"
-$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
+$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$out/sft_hf" \
   --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label --rollout-shuffle \
   --custom-generate-function-path examples.multi_agent.generate.generate \
   --custom-reward-post-process-path examples.multi_agent.reward.post_process \

@@ -60,7 +60,7 @@ YAML
 echo "== 3/4 OPD: the student samples, the teacher scores every token, advantage = -(log pi - log pi_teacher)"
 $py train.py --train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0 \
   --adam-beta2 0.99 --use-dynamic-batch-size --max-tokens-per-gpu 4096 \
-  --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/student" \
+  --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$out/student" \
   --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
   --use-opd --opd-type sglang --opd-kl-coef 1.0 --rm-url "$teacher/generate" \
   --custom-rm-path slime.rollout.on_policy_distillation.reward_func \

@@ -51,7 +51,7 @@ fi
 rm -rf "$out/runs/grpo" "$out/dumps"
 
 echo "== 4/5 GRPO: each slot is an episode on the env, played through the OpenAI adapter"
-$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
+$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$out/sft_hf" \
   --prompt-data "$out/data/train.jsonl" --input-key messages --metadata-key metadata --rollout-shuffle \
   --custom-generate-function-path slime.agent.openenv.generate \
   --dynamic-sampling-filter-path slime.agent.openenv.keep_scored_groups \

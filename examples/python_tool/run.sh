@@ -40,7 +40,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
   --save "$out/sft_ckpt" --save-interval 1000 --save-hf "$out/sft_hf" --run-dir "$out/runs/sft"
 
 echo "== 3/4 GRPO: each slot is an agent episode, its code run in the sandbox"
-$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
+$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$out/sft_hf" \
   --prompt-data "$out/data/train.jsonl" --input-key messages --label-key label --tool-key tools --rollout-shuffle \
   --custom-generate-function-path examples.python_tool.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \

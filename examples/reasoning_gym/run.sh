@@ -47,7 +47,7 @@ echo "== 2/4 no warm start (SFT_STEPS=0)"
 fi
 
 echo "== 3/4 GRPO, rewarded by the gym's verifier"
-$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$grpo_from" \
+$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$grpo_from" \
   --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label --metadata-key metadata \
   --apply-chat-template --rollout-shuffle --rm-type reasoning_gym \
   --rollout-batch-size "${GRPO_PROMPTS:-16}" --n-samples-per-prompt "${SAMPLES:-8}" \

@@ -44,7 +44,7 @@ fi
 rm -rf "$out/runs/grpo" "$out/dumps"
 
 echo "== 3/4 GRPO: each slot is an agent episode through the OpenAI adapter"
-$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 --hf-checkpoint "$out/sft_hf" \
+$py train.py "${common[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" --hf-checkpoint "$out/sft_hf" \
   --prompt-data "$out/data/train.jsonl" --input-key messages --label-key label --tool-key tools --rollout-shuffle \
   --custom-generate-function-path examples.tool_use.generate.generate \
   --custom-rm-path examples.tool_use.reward.reward \

@@ -10,6 +10,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py=${PYTHON:-.venv/bin/python}
+colocate=()  # one GPU: trainer and engine share it
+[ "$($py -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" = 1 ] && colocate=(--colocate)
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 seed=${SEED:-0}
 out="${OUT:-outputs/vlm-shapes/seed$seed}"
@@ -33,7 +35,7 @@ $py train.py "${common[@]}" --debug-train-only --hf-checkpoint "$out/model" \
 echo "== 3/4 GRPO, greedy held-out accuracy before and after"
 freeze=()
 if [ "${FREEZE_VISION:-0}" = 1 ]; then freeze=(--freeze-vision-tower); fi
-$py train.py "${common[@]}" "${freeze[@]}" --rollout-backend embedded --rollout-num-gpus 1 \
+$py train.py "${common[@]}" "${freeze[@]}" --rollout-backend embedded --rollout-num-gpus 1 "${colocate[@]}" \
   --hf-checkpoint "$out/sft_hf" --prompt-data "$out/data/train.jsonl" --input-key prompt --label-key label \
   --apply-chat-template --rollout-shuffle --custom-rm-path examples.vlm_shapes.reward.reward \
   --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature "${GRPO_TEMPERATURE:-1.0}" \
