@@ -71,7 +71,7 @@ def shifted(experts: np.ndarray, moe_layers: list[int], num_experts: int = 8) ->
 
 
 @pytest.mark.parametrize("arch,attn", [("deepseek_v3", "sdpa"), ("qwen3_moe", "sdpa"), ("glm4_moe", "eager"),
-                                       ("qwen3_5_moe", "eager")])
+                                       ("qwen3_5_moe", "eager"), ("qwen3_next", "eager")])
 def test_r3_replays_given_experts(arch, attn, request):
     """sdpa: right-padded rows; eager: one packed row (the layout of flash/varlen attention on GPU)."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
