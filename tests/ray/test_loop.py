@@ -423,13 +423,16 @@ def test_moe_architecture_through_the_loop(arch, request, tiny_task_data, tmp_pa
     assert all(g > 0 for g in by_kind(records, "train", "train/grad_norm")), "no gradient reached the model"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("glm4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
+                                  pytest.param("glm4", marks=pytest.mark.slow)])
 def test_new_families_through_the_loop(arch, tiny_task_data, tmp_path, request):
-    """Qwen3.5 (gated-DeltaNet linear attention: the engine's per-slot state, the trainer's per-sample restart in
-    packed rows) and GLM-4 dense (post-attention and post-MLP norms, interleaved partial rotary) through train.py:
-    at every step the trainer's log-probs of the sampled tokens equal the engine's (the second after a weight push
-    that reaches the linear-attention layers), and the first step is on-policy. ~60 s each on two busy cores, as a
-    two-step run of the tiny Qwen3 (Ray actors, engine start and weight pushes dominate): GLM-4's is marked slow."""
+    """Qwen3.5 dense and MoE (gated-DeltaNet linear attention: the engine's per-slot state, the trainer's per-sample
+    restart in packed rows) and GLM-4 dense (post-attention and post-MLP norms, interleaved partial rotary) through
+    train.py: at every step the trainer's log-probs of the sampled tokens equal the engine's (the second after a
+    weight push that reaches the linear-attention layers and the experts), and the first step is on-policy. ~60 s
+    each on two busy cores, as a two-step run of the tiny Qwen3 (Ray actors, engine start and weight pushes
+    dominate): the MoE's and GLM-4's are marked slow (the MoE language model also runs, with its vision tower and
+    R3, in test_vision_language_model_through_the_loop)."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     run_train(grpo_args(model_dir, tiny_task_data, tmp_path / "run", "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "4", steps=2))
