@@ -103,7 +103,8 @@ def test_fsdp_hybrid_packed_samples_match_unpacked(arch, request):
     """Qwen3.5 (gated-DeltaNet linear attention, gated attention, zero-centred norms), its MoE variant and Qwen3-Next
     (grouped q/k/v/z projections) through the FSDP2 trainer on one packed row: log-probs and every parameter's
     gradient (conv1d, A_log, dt_bias, in_proj_* included) equal transformers' model run per sample, so no
-    linear-attention state crosses into the next sample. transformers' own layer on the same packed row does carry it across (the case this guards)."""
+    linear-attention state crosses into the next sample. transformers' own layer on the same packed row does carry
+    it across (the case this guards)."""
     from transformers import AutoModelForCausalLM
 
     from slime.backends.fsdp_utils.model import forward_log_probs, model_inputs, pack_samples

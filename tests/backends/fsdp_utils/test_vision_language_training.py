@@ -1,6 +1,6 @@
 """The FSDP trainer on a vision-language model (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, the latter two
-dense and MoE; CPU, gloo): log-probs of micro-batches carrying pixel values and image grids equal transformers' model and the engine's
-(Qwen3.5: its linear-attention layers restart at every sample of a packed row);
+dense and MoE; CPU, gloo): log-probs of micro-batches carrying pixel values and image grids equal transformers'
+model and the engine's (Qwen3.5: its linear-attention layers restart at every sample of a packed row);
 --freeze-vision-tower keeps the vision tower fixed while the language model trains."""
 
 import pytest
