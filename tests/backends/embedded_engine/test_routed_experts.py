@@ -3,8 +3,8 @@ are the ones transformers' own forward picks on the same tokens (DeepSeek-V3's a
 group-limited routers, Qwen3-MoE's and the hybrid Qwen3.5-MoE's and Qwen3-Next's softmax top-k), over
 prefill and decode positions, batched rows of different lengths, shared prefills, slot moves and
 ``routed_experts_start_len``, and at the image tokens of MoE vision-language models (Qwen3.5-MoE and
-Qwen3-VL-MoE with their vision towers); the HTTP answer is SGLang's wire format, which the rollout's decoder (``Sample``) reads back (``test_moe_models.py``,
-whose server runs with the flag)."""
+Qwen3-VL-MoE with their vision towers); the HTTP answer is SGLang's wire format, which the rollout's
+decoder (``Sample``) reads back (``test_moe_models.py``, whose server runs with the flag)."""
 
 from __future__ import annotations
 
