@@ -106,6 +106,14 @@ def tiny_qwen3_vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe_dir(tmp_path_factory):
+    """Its MoE variant (Qwen3-VL-MoE): softmax top-2 of 8 experts in every layer, no shared expert."""
+    from slime.utils.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen3_vl_moe"), arch="qwen3_vl_moe", seed=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_5_vl_dir(tmp_path_factory):
     """A tiny Qwen3.5 with its vision tower: the hybrid language model (gated-DeltaNet linear attention in layers
     0-2, gated softmax attention in 3), interleaved M-RoPE on a quarter of each head, no deepstack."""

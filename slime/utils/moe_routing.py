@@ -6,8 +6,8 @@ top-k weights, top-k indices)`` over the flattened tokens ``[rows · length, ...
 * DeepSeek-V3 (``DeepseekV3TopkRouter``) and GLM-4.5 (``Glm4MoeTopkRouter``): sigmoid scores, the
   expert bias added for the *choice* only, group-limited top-k; weights = the scores (without bias)
   of the chosen experts, normalised over them when ``norm_topk_prob``, times ``routed_scaling_factor``;
-* Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE (``Qwen3MoeTopKRouter``, ``Qwen3NextTopKRouter``,
-  ``Qwen3_5MoeTopKRouter``): softmax probabilities, plain top-k; weights = the chosen
+* Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE and Qwen3-VL-MoE (``Qwen3MoeTopKRouter``, ``Qwen3NextTopKRouter``,
+  ``Qwen3_5MoeTopKRouter``, ``Qwen3VLMoeTextTopKRouter``): softmax probabilities, plain top-k; weights = the chosen
   probabilities, normalised when ``norm_topk_prob``, in the logits' dtype.
 
 :func:`replayed_weights` recomputes a router's weights for given experts from its own scores — what
@@ -25,7 +25,8 @@ __all__ = ["ROUTER_KINDS", "hf_routers", "replayed_weights", "routed_layout"]
 
 #: router class -> how its weights follow from its logits
 ROUTER_KINDS = {"DeepseekV3TopkRouter": "sigmoid", "Glm4MoeTopkRouter": "sigmoid", "Qwen3MoeTopKRouter": "softmax",
-                "Qwen3NextTopKRouter": "softmax", "Qwen3_5MoeTopKRouter": "softmax"}
+                "Qwen3NextTopKRouter": "softmax", "Qwen3_5MoeTopKRouter": "softmax",
+                "Qwen3VLMoeTextTopKRouter": "softmax"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -62,6 +63,6 @@ def replayed_weights(router: torch.nn.Module, router_logits: torch.Tensor, indic
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * router.routed_scaling_factor
     weights = torch.softmax(router_logits, dtype=torch.float, dim=-1).gather(1, indices)
-    if getattr(router, "norm_topk_prob", True):  # Qwen3.5-MoE's router always renormalises (no attribute)
+    if getattr(router, "norm_topk_prob", True):  # Qwen3.5-MoE's and Qwen3-VL-MoE's always renormalise (no attribute)
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype)

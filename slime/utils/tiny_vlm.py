@@ -5,7 +5,8 @@ The tokenizer is :mod:`slime.utils.tiny_model`'s byte-level BPE plus Qwen's visi
 renders an image part of a message as ``<|vision_start|><|image_pad|><|vision_end|>`` as Qwen's does.
 The image processor is Qwen2-VL's with 14-pixel patches merged 2x2 and small pixel bounds, so a
 56x56 image is 4 language-model tokens. Qwen3.5's language model is the hybrid one (gated-DeltaNet
-linear attention beside gated softmax attention, as its ``layer_types`` say).
+linear attention beside gated softmax attention, as its ``layer_types`` say). ``qwen3_vl_moe`` and
+``qwen3_5_moe`` are the MoE variants (top-2 of 8 experts in every layer).
 
     python -m slime.utils.tiny_vlm --out /tmp/tiny_vlm --arch qwen2_5_vl
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 from slime.utils.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, LINEAR_ATTENTION, SIZES, build_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 #: how a message's content is rendered: a string as is, a list part by part (Qwen2.5-VL's template)
 _CONTENT = (
@@ -66,12 +67,17 @@ def _config(arch: str, vocab_size: int, special: dict, ids: dict):
         vision.update(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
                                              **ids)
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         text.update(head_dim=shape.head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                               "mrope_section": [4, 6, 6], "mrope_interleaved": True})
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         vision["out_hidden_size"] = shape.hidden_size
-        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        if arch == "qwen3_vl":
+            return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        # softmax top-2 of 8 experts in every layer, no shared expert (Qwen3-VL-30B-A3B's layout)
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 4,
+                    decoder_sparse_step=1, mlp_only_layers=[])
+        return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     if arch in ("qwen3_5", "qwen3_5_moe"):
         # the tiny hybrid language model of slime.utils.tiny_model (gated-DeltaNet linear attention in layers
         # 0-2, gated softmax attention in layer 3); interleaved M-RoPE over the rotary quarter of each head

@@ -423,13 +423,16 @@ def test_moe_architecture_through_the_loop(arch, request, tiny_task_data, tmp_pa
     assert all(g > 0 for g in by_kind(records, "train", "train/grad_norm")), "no gradient reached the model"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("glm4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
+                                  pytest.param("glm4", marks=pytest.mark.slow)])
 def test_new_families_through_the_loop(arch, tiny_task_data, tmp_path, request):
-    """Qwen3.5 (gated-DeltaNet linear attention: the engine's per-slot state, the trainer's per-sample restart in
-    packed rows) and GLM-4 dense (post-attention and post-MLP norms, interleaved partial rotary) through train.py:
-    at every step the trainer's log-probs of the sampled tokens equal the engine's (the second after a weight push
-    that reaches the linear-attention layers), and the first step is on-policy. ~60 s each on two busy cores, as a
-    two-step run of the tiny Qwen3 (Ray actors, engine start and weight pushes dominate): GLM-4's is marked slow."""
+    """Qwen3.5 dense and MoE (gated-DeltaNet linear attention: the engine's per-slot state, the trainer's per-sample
+    restart in packed rows) and GLM-4 dense (post-attention and post-MLP norms, interleaved partial rotary) through
+    train.py: at every step the trainer's log-probs of the sampled tokens equal the engine's (the second after a
+    weight push that reaches the linear-attention layers and the experts), and the first step is on-policy. ~60 s
+    each on two busy cores, as a two-step run of the tiny Qwen3 (Ray actors, engine start and weight pushes
+    dominate): the MoE's and GLM-4's are marked slow (the MoE language model also runs, with its vision tower and
+    R3, in test_vision_language_model_through_the_loop)."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     run_train(grpo_args(model_dir, tiny_task_data, tmp_path / "run", "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "4", steps=2))
@@ -458,18 +461,25 @@ def _shape_images(tmp_path, count: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe"])
 def test_vision_language_model_through_the_loop(arch, tmp_path, request):
-    """A tiny Qwen2.5-VL, and a tiny Qwen3.5 with its vision tower (gated-DeltaNet state per engine slot and per
-    packed sample), through train.py: images from --multimodal-keys reach the engine (vision tower at prefill,
-    M-RoPE) and the FSDP trainer (pixel values in its micro-batches); the first step's invariants hold, and
+    """A tiny Qwen2.5-VL, and a tiny Qwen3.5 with its vision tower, dense and MoE (gated-DeltaNet state per engine
+    slot and per packed sample), through train.py: images from --multimodal-keys reach the engine (vision tower at
+    prefill, M-RoPE) and the FSDP trainer (pixel values in its micro-batches); the first step's invariants hold, and
     after the weight update (vision tower included, checked against the trainer's) the engine's log-probs
-    still equal the trainer's recomputation."""
-    model_dir = request.getfixturevalue({"qwen2_5_vl": "tiny_vlm_dir", "qwen3_5": "tiny_qwen3_5_vl_dir"}[arch])
+    still equal the trainer's recomputation. The MoE run replays the engine's routing (R3,
+    --use-rollout-routing-replay): every sample carries the engine's experts of every position, its image
+    tokens' included, into the trainer."""
+    from slime.observability.rollout_data_utils import load_debug_rollout_data
+
+    model_dir = request.getfixturevalue({"qwen2_5_vl": "tiny_vlm_dir", "qwen3_5": "tiny_qwen3_5_vl_dir",
+                                         "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}[arch])
     data = {"train": _shape_images(tmp_path, 8)}
+    dump = tmp_path / "dump" / "{rollout_id}.pt"
+    r3 = ["--use-rollout-routing-replay", "--save-debug-rollout-data", dump] if arch == "qwen3_5_moe" else []
     run_train(grpo_args(model_dir, data, tmp_path / "run", "--multimodal-keys", '{"image": "images"}',
                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--check-weight-update-equal",
-                        steps=2))
+                        *r3, steps=2))
     records = read_metrics(tmp_path / "run")
     ppo_kl = by_kind(records, "train", "train/ppo_kl")
     diffs = by_kind(records, "train", "train/train_rollout_logprob_abs_diff")
@@ -477,3 +487,12 @@ def test_vision_language_model_through_the_loop(arch, tmp_path, request):
     assert len(diffs) == 2 and max(diffs) < 1e-3, diffs
     assert by_kind(records, "rollout", "rollout/failed_ratio") == [0.0, 0.0]  # every image loaded
     assert all(g > 0 for g in by_kind(records, "train", "train/grad_norm")), "no gradient reached the model"
+    if r3:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        samples = load_debug_rollout_data(str(dump), rollout_id=1)
+        assert len(samples) == 8
+        for s in samples:  # [len(tokens) - 1, 4 MoE layers, top-2 of 8], the image tokens' rows included
+            experts = np.asarray(s.rollout_routed_experts)
+            assert experts.shape == (len(s.tokens) - 1, 4, 2), experts.shape
+            assert ((experts >= 0) & (experts < 8)).all() and (experts[..., 0] != experts[..., 1]).all()
+            assert config["image_token_id"] in s.tokens[:-1] and s.multimodal_train_inputs is not None

@@ -1,7 +1,7 @@
 """MoE routing replay for the FSDP backend's Hugging Face models (``--use-routing-replay``, R2, and
 ``--use-rollout-routing-replay``, R3; the Megatron backend's is ``megatron_utils/routing_replay.py``).
 
-A forward hook on every router (DeepSeek-V3, GLM-4.5, Qwen3-MoE: ``slime.utils.moe_routing``)
+A forward hook on every router (DeepSeek-V3, GLM-4.5, the Qwen3 MoE families: ``slime.utils.moe_routing``)
 either *records* its top-k expert ids, or *replays* given ones: the router's top-k is replaced by
 the given experts and their weights are recomputed from the router's own logits for those experts
 (as Megatron-Core's ``RouterReplay`` does), so the router still receives gradients. A replayed
@@ -31,7 +31,8 @@ class HFRoutingReplay:
         self.routers = hf_routers(model)
         if not self.routers:
             raise ValueError(f"--use-routing-replay / --use-rollout-routing-replay need an MoE model; "
-                             f"model_type {model.config.model_type!r} has no MoE router (DeepSeek-V3, GLM-4.5 and Qwen3-MoE have)")
+                             f"model_type {model.config.model_type!r} has no MoE router (DeepSeek-V3, GLM-4.5, "
+                             "Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE and Qwen3-VL-MoE have)")
         self.num_layers, self.topk = routed_layout(model.config)
         self._mode: str | None = None
         self._targets: dict[int, torch.Tensor] = {}

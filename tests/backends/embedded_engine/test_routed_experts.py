@@ -1,9 +1,10 @@
 """``--enable-return-routed-experts``: the experts the engine reports for each position and MoE layer
 are the ones transformers' own forward picks on the same tokens (DeepSeek-V3's and GLM-4.5's sigmoid,
-group-limited routers, Qwen3-MoE's and the hybrid Qwen3.5-MoE's softmax top-k), over prefill and decode positions, batched rows
-of different lengths, shared prefills, slot moves and ``routed_experts_start_len``; the HTTP answer
-is SGLang's wire format, which the rollout's decoder (``Sample``) reads back (``test_moe_models.py``,
-whose server runs with the flag)."""
+group-limited routers, Qwen3-MoE's and the hybrid Qwen3.5-MoE's and Qwen3-Next's softmax top-k), over
+prefill and decode positions, batched rows of different lengths, shared prefills, slot moves and
+``routed_experts_start_len``, and at the image tokens of MoE vision-language models (Qwen3.5-MoE and
+Qwen3-VL-MoE with their vision towers); the HTTP answer is SGLang's wire format, which the rollout's
+decoder (``Sample``) reads back (``test_moe_models.py``, whose server runs with the flag)."""
 
 from __future__ import annotations
 
@@ -17,24 +18,28 @@ from engine_test_utils import load_hf
 from slime.backends.embedded_engine.engine import Engine
 from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
 from slime.backends.embedded_engine.model_runner import ModelRunner
-from slime.utils.moe_routing import hf_routers
+from slime.utils.moe_routing import hf_routers, routed_layout
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @torch.no_grad()
-def hf_routed_experts(model, tokens: list[int]) -> np.ndarray:
+def hf_routed_experts(model, tokens: list[int], **images) -> np.ndarray:
     """Experts transformers' forward picks at every position of ``tokens`` but the last: ``[len − 1,
-    layers, k]``, each position's k experts sorted (dense layers zero)."""
-    layers, topk = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    layers, k]``, each position's k experts sorted (dense layers zero). ``images``: a vision-language
+    model's ``pixel_values`` and ``image_grid_thw`` for the image tokens of ``tokens``."""
+    layers, topk = routed_layout(model.config)
     out = np.zeros((len(tokens), layers, topk), dtype=np.int64)
     handles = []
     for layer, router in hf_routers(model):
         def keep(module, args, output, layer=layer):
             out[:, layer] = output[2].numpy()
         handles.append(router.register_forward_hook(keep))
+    ids = torch.tensor([tokens])
+    if images:
+        images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     try:
-        model(torch.tensor([tokens]))
+        model(ids, **images)
     finally:
         for handle in handles:
             handle.remove()
@@ -55,7 +60,7 @@ def run_engine(engine: Engine, requests: list[GenerateRequest]):
     return seqs
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next"])
 def test_engine_experts_equal_hf_routing(arch, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     hf = load_hf(model_dir)
@@ -85,6 +90,81 @@ def test_engine_experts_equal_hf_routing(arch, request):
         np.testing.assert_array_equal(np.sort(got, axis=-1), want, err_msg=f"request {req.rid}")
         for layer in range(hf.config.num_hidden_layers):
             assert (got[:, layer] == 0).all() == (layer in dense)
+
+
+def _picture(size, shapes: int):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", size, (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for k in range(shapes):
+        draw.ellipse([4 + 12 * k, 6, 14 + 12 * k, 16], fill=(200, 30 + 60 * k, 30))
+    return image
+
+
+#: MoE vision-language architecture -> the conftest fixture building its tiny checkpoint
+MOE_VLM_FIXTURES = {"qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir", "qwen3_vl_moe": "tiny_qwen3_vl_moe_dir"}
+
+
+@pytest.mark.parametrize("arch", list(MOE_VLM_FIXTURES))
+def test_engine_experts_at_image_tokens_equal_hf_routing(arch, request):
+    """Prompts with images on a MoE vision-language model (the hybrid Qwen3.5-MoE; Qwen3-VL-MoE with its
+    deepstack features): at the image tokens the engine reports the experts transformers' forward picks on
+    the vision tower's embeddings there, at the text tokens those of the text — with 8-token prefill chunks
+    cutting through the image runs (one request prefilling at a time, the others decoding beside it), one
+    image, two and none. Routing the placeholders' own embeddings instead picks other experts there."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.embedded_engine.vision import attach_images
+    from slime.utils.multimodal import encode_image, process_images
+    from slime.utils.processing_utils import load_processor
+
+    model_dir = request.getfixturevalue(MOE_VLM_FIXTURES[arch])
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = load_processor(model_dir)
+    image_token = hf.config.image_token_id
+    one = [_picture((84, 56), 4)]  # the first two requests: two samples of one prompt
+    pictures = [one, one, [_picture((56, 56), 1), _picture((112, 56), 3)], [], [_picture((56, 84), 2)]]
+    image_data = [[encode_image(image) for image in images] or None for images in pictures]
+    image_data[1] = image_data[0]  # the same list: processed once for both
+    texts, requests = [], []
+    for i, images in enumerate(pictures):
+        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": f"how many dots {max(i, 1)}?"}]
+        texts.append(processor.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                             add_generation_prompt=True))
+        ids = processor.tokenizer.encode(texts[-1], add_special_tokens=False)
+        requests.append(GenerateRequest(rid=str(i), input_ids=ids, image_data=image_data[i], return_routed_experts=True,
+                                        params=SamplingParams(max_new_tokens=6 + i, temperature=1.0, ignore_eos=True,
+                                                              sampling_seed=i)))
+    runner = ModelRunner(model_dir, num_slots=8, slot_capacity=128, routed_experts=True)
+    attach_images(runner, requests)
+    engine = Engine(runner, chunked_prefill_size=8)
+    engine.start()
+    try:
+        seqs = run_engine(engine, requests)
+    finally:
+        engine.stop()
+    assert engine.scheduler.stats.joins_while_decoding >= 1
+    layers, topk = routed_layout(hf.config)
+    image_rows = placeholder_flips = 0
+    for seq, req, text, images in zip(seqs, requests, texts, pictures):
+        tokens = req.input_ids + seq.output_ids
+        ids, inputs = process_images(processor, text, images)
+        assert ids == req.input_ids  # the engine expanded each image's placeholder as the processor does
+        got = seq.routed_experts
+        assert got.dtype == np.int32 and got.shape == (len(tokens) - 1, layers, topk)
+        # a sampled image placeholder would be an image slot to transformers' forward: compare up to it
+        cut = len(ids) + (seq.output_ids.index(image_token) if image_token in seq.output_ids else len(seq.output_ids))
+        kwargs = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")} if images else {}
+        want = hf_routed_experts(hf, tokens[:cut], **kwargs)
+        np.testing.assert_array_equal(np.sort(got[:cut - 1], axis=-1), want, err_msg=f"request {req.rid}")
+        at_images = np.asarray(ids) == image_token
+        image_rows += int(at_images.sum())
+        if images:
+            placeholders = hf_routed_experts(hf, ids + [0])[at_images]
+            placeholder_flips += int((placeholders != np.sort(got[:len(ids)][at_images], axis=-1)).any(-1).sum())
+    assert image_rows == 6 + 6 + (4 + 8) + 6  # every image token was compared
+    assert placeholder_flips > 0
 
 
 def test_flag_needs_an_moe_model(tiny_model_dir):

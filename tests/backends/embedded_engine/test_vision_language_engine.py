@@ -1,5 +1,5 @@
-"""The embedded engine serves vision-language models (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, whose
-hybrid language model keeps a gated-DeltaNet state per slot): images by
+"""The embedded engine serves vision-language models (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, the
+latter two dense and MoE; Qwen3.5's hybrid language model keeps a gated-DeltaNet state per slot): images by
 ``/generate`` ``image_data`` and by chat ``image_url`` parts, the vision tower at prefill, M-RoPE
 positions through prefill and decode, against transformers' own model; bad images answer 400;
 a weight update reaches the vision tower."""
@@ -31,8 +31,8 @@ IMAGES = [_picture((56, 84), (200, 30, 30), 2), _picture((112, 56), (30, 30, 200
 
 
 #: architecture -> the conftest fixture building its tiny checkpoint
-VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_5": "tiny_qwen3_5_vl_dir",
-                 "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
+VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_vl_moe": "tiny_qwen3_vl_moe_dir",
+                "qwen3_5": "tiny_qwen3_5_vl_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
 
 
 @pytest.fixture(scope="module", params=list(VLM_FIXTURES))

@@ -98,12 +98,13 @@ def test_fsdp_moe_families_match_plain_hf_model(arch, request):
 
 
 @pytest.mark.usefixtures("single_rank")
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_fsdp_hybrid_packed_samples_match_unpacked(arch, request):
-    """Qwen3.5 (gated-DeltaNet linear attention, gated attention, zero-centred norms) and its MoE variant through
-    the FSDP2 trainer on one packed row: log-probs and every parameter's gradient (conv1d, A_log, dt_bias, in_proj_*
-    included) equal transformers' model run per sample, so no linear-attention state crosses into the next
-    sample. transformers' own layer on the same packed row does carry it across (the case this guards)."""
+    """Qwen3.5 (gated-DeltaNet linear attention, gated attention, zero-centred norms), its MoE variant and Qwen3-Next
+    (grouped q/k/v/z projections) through the FSDP2 trainer on one packed row: log-probs and every parameter's
+    gradient (conv1d, A_log, dt_bias, in_proj_* included) equal transformers' model run per sample, so no
+    linear-attention state crosses into the next sample. transformers' own layer on the same packed row does carry
+    it across (the case this guards)."""
     from transformers import AutoModelForCausalLM
 
     from slime.backends.fsdp_utils.model import forward_log_probs, model_inputs, pack_samples

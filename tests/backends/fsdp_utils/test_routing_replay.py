@@ -2,7 +2,8 @@
 families: replaying the experts transformers' own forward picks gives the plain log-probs; replaying
 other experts gives another network, whose log-probs and gradients equal autograd of transformers'
 model with those experts forced (weights from its own router scores); R2 records the π_old pass's
-routing and refuses a training pass without one."""
+routing and refuses a training pass without one. On MoE vision-language models the engine's experts at the
+image tokens are the trainer's own, and R3 replays them there."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def shifted(experts: np.ndarray, moe_layers: list[int], num_experts: int = 8) ->
 
 
 @pytest.mark.parametrize("arch,attn", [("deepseek_v3", "sdpa"), ("qwen3_moe", "sdpa"), ("glm4_moe", "eager"),
-                                       ("qwen3_5_moe", "eager")])
+                                       ("qwen3_5_moe", "eager"), ("qwen3_next", "eager")])
 def test_r3_replays_given_experts(arch, attn, request):
     """sdpa: right-padded rows; eager: one packed row (the layout of flash/varlen attention on GPU)."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -117,6 +118,120 @@ def test_r3_replays_given_experts(arch, attn, request):
     assert router_grads and all(float(expected[n].abs().sum()) > 0 for n in router_grads)  # the routers train
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def engine_vlm_samples(model_dir) -> list:
+    """Four samples the embedded engine generates (routed experts on) with images in their prompts: two of
+    one prompt with one image, one with two images, one without; prompts in 8-token prefill chunks."""
+    import threading
+
+    from PIL import Image, ImageDraw
+
+    from slime.backends.embedded_engine.engine import Engine
+    from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
+    from slime.backends.embedded_engine.model_runner import ModelRunner
+    from slime.backends.embedded_engine.vision import attach_images
+    from slime.utils.multimodal import encode_image, process_images
+    from slime.utils.processing_utils import load_processor
+    from slime.utils.types import Sample
+
+    def picture(size, boxes):
+        image = Image.new("RGB", size, (255, 255, 255))
+        for k in range(boxes):
+            ImageDraw.Draw(image).rectangle([3 + 11 * k, 5, 11 + 11 * k, 13], fill=(40 * k, 90, 200))
+        return image
+
+    processor = load_processor(model_dir)
+    one = [picture((84, 56), 2)]
+    pictures = [one, one, [picture((56, 56), 1), picture((112, 56), 3)], []]
+    texts, requests = [], []
+    for i, images in enumerate(pictures):
+        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": f"how many boxes {max(i, 1)}?"}]
+        texts.append(processor.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                             add_generation_prompt=True))
+        requests.append(GenerateRequest(
+            rid=str(i), input_ids=processor.tokenizer.encode(texts[-1], add_special_tokens=False),
+            image_data=[encode_image(image) for image in images] or None, return_routed_experts=True,
+            return_logprob=True, params=SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True,
+                                                       sampling_seed=i)))
+    runner = ModelRunner(model_dir, num_slots=4, slot_capacity=128, routed_experts=True)
+    attach_images(runner, requests)
+    engine = Engine(runner, chunked_prefill_size=8)
+    done, left = threading.Event(), [len(requests)]
+
+    def on_event(seq, finished):
+        left[0] -= finished
+        if not left[0]:
+            done.set()
+
+    engine.start()
+    try:
+        seqs = engine.call(lambda: [engine.add_request(r, on_event) for r in requests]).result(30)
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    samples = []
+    for i, (req, seq, text, images) in enumerate(zip(requests, seqs, texts, pictures)):
+        ids, train_inputs = process_images(processor, text, images)
+        assert ids == req.input_ids
+        samples.append(Sample(index=i, group_index=i // 2, tokens=ids + seq.output_ids,
+                              response_length=len(seq.output_ids), reward=float(i % 2), status=Sample.Status.COMPLETED,
+                              rollout_log_probs=list(seq.output_logprobs), rollout_routed_experts=seq.routed_experts,
+                              multimodal_train_inputs=train_inputs if images else None))
+    return samples
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_vl_moe"])
+def test_r3_replays_the_engines_experts_at_image_tokens(arch, request):
+    """A MoE vision-language model (Qwen3.5-MoE, Qwen3-VL-MoE) with images in the prompts, one packed row:
+    the trainer's own routing of the samples (recorded as R2 does) equals the engine's at every position, the
+    image tokens' included; replaying the engine's experts (R3) gives the engine's log-probs; other experts
+    replayed at the image tokens change the log-probs of the samples with images only."""
+    from transformers import AutoConfig
+
+    model_dir = request.getfixturevalue({"qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir",
+                                         "qwen3_vl_moe": "tiny_qwen3_vl_moe_dir"}[arch])
+    image_token = AutoConfig.from_pretrained(model_dir).image_token_id
+    samples = engine_vlm_samples(model_dir)
+
+    args = make_args(model_dir, "--use-routing-replay", "--num-steps-per-rollout", "1",
+                     "--fsdp-attn-implementation", "eager", rbs=2)
+    recorder = TrainWorker(args)
+    recorder.init()
+    data = rank_data(args, samples)
+    recorder.backend.forward_only("model", data, ModelOutput("log_probs"))
+    image_rows = 0
+    for position, i in enumerate(data.sample_indices):
+        mine = np.sort(recorder.backend.routing.recorded[position], -1)
+        engine = np.sort(np.asarray(samples[i].rollout_routed_experts), -1)
+        np.testing.assert_array_equal(mine, engine, err_msg=f"sample {i}")
+        image_rows += int((np.asarray(samples[i].tokens[:-1]) == image_token).sum())
+    assert image_rows == 6 + 6 + 4 + 8
+
+    args = make_args(model_dir, "--use-rollout-routing-replay", "--num-steps-per-rollout", "1",
+                     "--fsdp-attn-implementation", "eager", rbs=2)
+    worker = TrainWorker(args)
+    worker.init()
+    backend = worker.backend
+    replayed = backend.forward_only("model", data, ModelOutput("log_probs"))[0]
+    routing, backend.routing = backend.routing, None
+    plain = backend.forward_only("model", data, ModelOutput("log_probs"))[0]
+    backend.routing = routing
+    for position, i in enumerate(data.sample_indices):
+        torch.testing.assert_close(replayed[position], plain[position], atol=1e-6, rtol=0)
+        torch.testing.assert_close(replayed[position], torch.tensor(samples[i].rollout_log_probs), atol=1e-4, rtol=0)
+
+    for s in samples:  # other experts at the image tokens only
+        experts = np.asarray(s.rollout_routed_experts)
+        at_images = np.asarray(s.tokens[:-1]) == image_token
+        s.rollout_routed_experts = np.where(at_images[:, None, None], shifted(experts, slice(None)), experts)
+    moved = backend.forward_only("model", rank_data(args, samples), ModelOutput("log_probs"))[0]
+    for position, i in enumerate(data.sample_indices):
+        gap = float((moved[position] - plain[position]).abs().max())
+        if samples[i].multimodal_train_inputs:
+            assert gap > 1e-3, (i, gap)
+        else:  # the text-only sample packed beside them keeps its log-probs
+            assert gap < 1e-5, (i, gap)
 
 
 def test_r3_refuses_samples_without_or_with_misshapen_experts(tiny_glm4_moe_dir):

@@ -1,6 +1,6 @@
-"""The FSDP trainer on a vision-language model (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, CPU, gloo):
-log-probs of micro-batches carrying pixel values and image grids equal transformers' model and the engine's
-(Qwen3.5: its linear-attention layers restart at every sample of a packed row);
+"""The FSDP trainer on a vision-language model (tiny random fp32 Qwen2.5-VL, Qwen3-VL and Qwen3.5, the latter two
+dense and MoE; CPU, gloo): log-probs of micro-batches carrying pixel values and image grids equal transformers'
+model and the engine's (Qwen3.5: its linear-attention layers restart at every sample of a packed row);
 --freeze-vision-tower keeps the vision tower fixed while the language model trains."""
 
 import pytest
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 #: architecture -> the conftest fixture building its tiny checkpoint
-VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_5": "tiny_qwen3_5_vl_dir",
-                 "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
+VLM_FIXTURES = {"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir", "qwen3_vl_moe": "tiny_qwen3_vl_moe_dir",
+                "qwen3_5": "tiny_qwen3_5_vl_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_vl_dir"}
 
 
 @pytest.fixture(scope="module", params=list(VLM_FIXTURES))
