@@ -70,18 +70,47 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x.squeeze(dim)
 
 
+def _tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows [M, K] @ weight.T`` as whole ``[TILE_ROWS, K] x [K, N]`` GEMMs, one shape for every tile. On
+    CUDA one strided-batched GEMM reads the weight once for all tiles (stride 0); the CPU's batched GEMM copies
+    an expanded weight per tile and its bf16 path is slow, so there the tiles run one ``mm`` each."""
+    count, inner = rows.shape
+    tiles = -(-max(count, 1) // TILE_ROWS)
+    padded = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - count)).view(tiles, TILE_ROWS, inner)
+    if rows.device.type == "cpu" and rows.dtype != torch.float32:
+        right = weight.t()
+        out = torch.cat([torch.mm(tile, right) for tile in padded.unbind(0)])
+    else:
+        out = torch.bmm(padded, weight.t().unsqueeze(0).expand(tiles, -1, -1)).reshape(tiles * TILE_ROWS, -1)
+    return out[:count]
+
+
+class _TiledLinear(torch.autograd.Function):
+    """The forward in fixed tiles; the backward as any linear layer's (its gradients are compared with
+    nothing, so they take the fast GEMMs: the input's ``grad @ W``, the weight's ``grad.T @ x``)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        out = _tiled_matmul(rows, weight)
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with every row computed in a ``[TILE_ROWS, K]`` tile of one batched GEMM."""
+    """``x @ weight.T + bias`` with every row computed in a ``[TILE_ROWS, K]`` tile of the same GEMM shape."""
     if TILE_ROWS is None:
         return F.linear(x, weight, bias)
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    count = rows.shape[0]
-    tiles = -(-max(count, 1) // TILE_ROWS)
-    padded = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - count)).view(tiles, TILE_ROWS, shape[-1])
-    out = torch.bmm(padded, weight.t().unsqueeze(0).expand(tiles, -1, -1)).reshape(tiles * TILE_ROWS, -1)[:count]
-    if bias is not None:
-        out = out + bias
+    out = _TiledLinear.apply(x.reshape(-1, shape[-1]), weight, bias)
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
@@ -124,29 +153,73 @@ def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     return chosen, entropy
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+                    scale: float) -> torch.Tensor:
     """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
     [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype. Computed in fp32: dot products, the
     softmax sum and the weighted sum of values are :func:`tree_sum`s; hidden keys weigh exactly 0 (whatever a
-    cache slot holds there)."""
+    cache slot holds there). The summed dimension leads each product (``[D, ...]``, ``[L, ...]``), so every
+    level of a tree adds two contiguous halves."""
     dtype = query.dtype
-    query, key, value = query.float(), key.float(), value.float()
     batch, heads, queries, dim = query.shape
     kv_heads, length, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     groups = heads // kv_heads
-    q = query.reshape(batch, kv_heads, groups, queries, 1, dim)
-    k = key.reshape(batch, kv_heads, 1, 1, length, dim)
+    q = query.float().permute(3, 0, 1, 2).reshape(dim, batch, kv_heads, groups, queries, 1)
+    k = key.float().permute(3, 0, 1, 2).reshape(dim, batch, kv_heads, 1, 1, length)
     show = visible.reshape(visible.shape[0], 1, 1, queries, length)
-    scores = (tree_sum(q * k) * scale).masked_fill(~show, float("-inf"))
+    scores = (tree_sum(q * k, dim=0) * scale).masked_fill(~show, float("-inf"))  # [B, Hkv, G, Q, L]
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a query that sees nothing: output 0
     weights = torch.exp(scores - top)
     probs = weights / tree_sum(weights).unsqueeze(-1)
-    v = value.reshape(batch, kv_heads, 1, 1, length, value_dim)
-    mixed = (probs.unsqueeze(-1) * v).masked_fill(~show.unsqueeze(-1), 0.0)
-    out = tree_sum(mixed, dim=-2)  # [B, Hkv, G, Q, Dv]
+    p = probs.permute(4, 0, 1, 2, 3).unsqueeze(-1)  # [L, B, Hkv, G, Q, 1]
+    v = value.float().permute(2, 0, 1, 3).reshape(length, batch, kv_heads, 1, 1, value_dim)
+    hidden = ~show.permute(4, 0, 1, 2, 3).unsqueeze(-1)
+    out = tree_sum((p * v).masked_fill(hidden, 0.0), dim=0)  # [B, Hkv, G, Q, Dv]
     return out.reshape(batch, heads, queries, value_dim).transpose(1, 2).to(dtype)
+
+
+def _plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The same function as :func:`_tree_attention` with GEMMs and torch's softmax (not batch-invariant):
+    what the backward differentiates."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.float().repeat_interleave(groups, dim=1)
+    value = value.float().repeat_interleave(groups, dim=1)
+    scores = (query.float() @ key.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: output 0
+    return (probs @ value).transpose(1, 2).to(query.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """The forward of :func:`_tree_attention`; the backward of :func:`_plain_attention` (recomputed): the
+    gradients are compared with nothing, and the trees' backward would cost several times their forward."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, visible, scale):
+        ctx.save_for_backward(query, key, value, visible)
+        ctx.scale = scale
+        return _tree_attention(query, key, value, visible, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, visible = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out = _plain_attention(*inputs, visible, ctx.scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
+    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype, by :func:`_tree_attention`; under
+    autograd its backward is the GEMM attention's."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _Attention.apply(query, key, value, visible, scale)
+    return _tree_attention(query, key, value, visible, scale)
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

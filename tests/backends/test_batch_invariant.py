@@ -74,6 +74,34 @@ def test_attention_of_a_query_is_the_same_over_a_trainer_row_and_a_longer_cache(
     assert half.dtype == torch.bfloat16 and torch.equal(step[0, 0], half[0, 6])
 
 
+def test_the_gradients_of_the_tiled_linear_and_the_tree_attention_are_autograds():
+    """Their backwards are written by hand (the plain GEMM and softmax attention): checked against autograd
+    through ``F.linear`` and torch's SDPA, with a bias, grouped key/value heads and a causal mask."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(45, 24), torch.randn(40, 24), torch.randn(40)
+    upstream = torch.randn(45, 40)
+    tiled = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    plain = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    (bi.linear(*tiled) * upstream).sum().backward()
+    (torch.nn.functional.linear(*plain) * upstream).sum().backward()
+    for mine, theirs in zip(tiled, plain):
+        assert torch.allclose(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    upstream = torch.randn(2, 9, 4, 16)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    tree = [t.clone().requires_grad_() for t in (q, k, v)]
+    sdpa = [t.clone().requires_grad_() for t in (q, k, v)]
+    (bi.attention(*tree, causal, 0.3) * upstream).sum().backward()
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        sdpa[0], sdpa[1].repeat_interleave(2, 1), sdpa[2].repeat_interleave(2, 1), is_causal=True, scale=0.3)
+    (reference.transpose(1, 2) * upstream).sum().backward()
+    for mine, theirs in zip(tree, sdpa):
+        assert torch.allclose(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4)
+    only_query = q.clone().requires_grad_()  # keys and values without autograd (a frozen cache)
+    (bi.attention(only_query, k, v, causal, 0.3) * upstream).sum().backward()
+    assert torch.allclose(only_query.grad, sdpa[0].grad, atol=1e-5, rtol=1e-4)
+
+
 def test_a_model_cast_whole_to_bf16_is_refused(tiny_model_dir):
     """``.to(torch.bfloat16)`` rounds the rotary frequencies too (their cos/sin move by up to 0.004 on the
     tiny Qwen3, and every log-prob with them); a load in bf16, or parameters cast as FSDP does, keeps them fp32."""
