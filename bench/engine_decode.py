@@ -9,18 +9,35 @@
         --max-new-tokens 512 --skip-hf --quantization fp8 --kv-cache-dtype fp8_e4m3 --out        # + FP8 KV cache
     python bench/engine_decode.py --model-path /tmp/q4 --num-requests 128 --prompt-len 16 \
         --max-new-tokens 256 --skip-hf --quantization w8a8_fp8 --out                             # per-channel FP8
+    python bench/engine_decode.py --model qwen3-vl-2b --num-requests 64 --prompt-len 64 \
+        --max-new-tokens 128 --images 1 --image-size 448 --skip-hf --out                         # with pictures
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
 (``deepseek-v3-1b``: DeepSeek-V3's MLA + MoE at ~0.95B parameters, see ``ARCHITECTURES``)
 (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
 embeddings for 0.6B) with random bf16 weights and the tiny model's tokenizer (prompts are random
-token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``--model-path``
-uses an existing HF directory instead.
+token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``qwen3-vl-2b`` is
+Qwen3-VL-2B-Instruct's architecture (``VISION_LANGUAGE``: ``qwen3-1.7b``'s language-model shape, a
+24-block vision tower, Qwen3-VL's image processor settings) with random bf16 weights and
+``slime.utils.tiny_vlm``'s tokenizer; ``tiny-vl`` is a tiny Qwen3-VL with ``tiny``'s language-model
+shape. A vision-language checkpoint draws the same prompts as its text-only twin (no vision token ids).
+``--model-path`` uses an existing HF directory instead.
 
 Workload: N concurrent ``/generate`` requests sent at once, all with ``ignore_eos`` and temperature 1
 so output lengths are exact. ``--prompt-len`` / ``--max-new-tokens`` fix every prompt / output
 length; without them prompts are 8–64 tokens and outputs 16–128 (the CPU default).
+
+Pictures (``--images N --image-size S``, a vision-language checkpoint, engine only): each request
+carries N distinct PIL-drawn S x S pictures in front of its ``--prompt-len`` text tokens, sent as the
+default rollout sends them (``input_ids`` with each picture's placeholder expanded by the checkpoint's
+processor, ``image_data`` as PNG data URLs); the engine decodes and processes them when the request
+arrives (in the burst's wall time) and runs the vision tower at the request's first prefill (in
+``prefill_seconds``). Every answer's ``prompt_tokens`` must equal the request's ids (the engine's
+expansion agrees with the processor's). The result adds ``config.images_per_request`` /
+``image_size`` / ``image_tokens_per_image`` and ``image_tokens_per_request`` /
+``prompt_tokens_per_request`` (text + image tokens + 2 markers per picture); the decode figures below
+then decode after longer prompts than the text-only run at the same ``--prompt-len``.
 
 Metrics:
 
