@@ -147,9 +147,9 @@ ARCHITECTURES = {
                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
-# Public vision-language architectures (shapes only; weights are random): the language model, the vision tower,
-# the image processor's settings, and ``text_twin``, the ARCHITECTURES entry of the same language-model shape
-# (the text-only model a run with images is compared against).
+# Public vision-language architectures (shapes only; weights are random): the language model, the vision tower and
+# the image processor's settings. Each one's text-only twin (the model a run with pictures is compared against) is
+# the ARCHITECTURES entry of its language-model shape.
 VISION_LANGUAGE = {
     # Qwen3-VL-2B-Instruct (published config.json and preprocessor_config.json): Qwen3-1.7B's language-model
     # shape with rope theta 5e6 and interleaved M-RoPE (24/20/20 of the 64 rotary frequencies on time, height,
@@ -162,13 +162,12 @@ VISION_LANGUAGE = {
         vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
                     deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
-        processor=dict(patch_size=16, min_pixels=256 * 256, max_pixels=4096 * 4096, mean=(0.5,) * 3, std=(0.5,) * 3),
-        text_twin="qwen3-1.7b"),
+        processor=dict(patch_size=16, min_pixels=256 * 256, max_pixels=4096 * 4096, mean=(0.5,) * 3, std=(0.5,) * 3)),
 }
 #: the tiny models (``slime.utils.tiny_model`` / ``tiny_vlm``) by name; ``tiny-vl`` is a tiny Qwen3-VL whose
 #: language model has ``tiny``'s shape
-TINY = ("tiny", "small", "tiny-vl")
-MODELS = (*TINY, *ARCHITECTURES, *VISION_LANGUAGE)
+TINY_MODELS = ("tiny", "small", "tiny-vl")
+MODELS = (*TINY_MODELS, *ARCHITECTURES, *VISION_LANGUAGE)
 
 
 def build_vision_language(model: str, out_dir: str) -> str:
