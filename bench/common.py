@@ -94,9 +94,12 @@ def result_name(benchmark: str, machine: str, config: dict) -> str:
         shape = (c.get("prompt_len", 16), c.get("output_len", 256))
         tokens += [f"{shape[0]}in-{shape[1]}out"] if shape != (16, 256) else []
         tokens += ["logprob-gap"] if c.get("logprob_gap_requests") else []
+        tokens += [f"img{c['images_per_request']}x{c['image_size']}"] if c.get("images_per_request") else []
     elif benchmark == "e2e_grpo":
         tokens.append(f"{c['prompts'] * c['n_samples_per_prompt']}x{c['max_new_tokens']}")
         tokens += [f"{c['side']}-only"] if c.get("side", "both") != "both" else []
+        if c.get("task") == "vlm-shapes":  # the pictures' side where the model sees them, "text" where it does not
+            tokens.append("shapes-" + (f"img{c['image_size']}" if c.get("images_per_prompt") else "text"))
         extra = "-".join(flag.lstrip("-") for flag in c.get("slime_extra") or [])
         for long, short in (("sglang-", ""), ("quantization-", ""), ("fp8-gemm-backend-", ""), ("use-tis", "tis"),
                             ("mem-fraction-static", "memfrac")):

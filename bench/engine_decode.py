@@ -9,18 +9,35 @@
         --max-new-tokens 512 --skip-hf --quantization fp8 --kv-cache-dtype fp8_e4m3 --out        # + FP8 KV cache
     python bench/engine_decode.py --model-path /tmp/q4 --num-requests 128 --prompt-len 16 \
         --max-new-tokens 256 --skip-hf --quantization w8a8_fp8 --out                             # per-channel FP8
+    python bench/engine_decode.py --model qwen3-vl-2b --num-requests 64 --prompt-len 64 \
+        --max-new-tokens 128 --images 1 --image-size 448 --skip-hf --out                         # with pictures
 
 ``--model`` builds a checkpoint in a temporary directory: ``tiny``/``small`` are
 ``slime.utils.tiny_model``; ``qwen3-0.6b``/``qwen3-1.7b`` have the public Qwen3 architecture
 (``deepseek-v3-1b``: DeepSeek-V3's MLA + MoE at ~0.95B parameters, see ``ARCHITECTURES``)
 (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
 embeddings for 0.6B) with random bf16 weights and the tiny model's tokenizer (prompts are random
-token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``--model-path``
-uses an existing HF directory instead.
+token ids below the tokenizer size, so the vocabulary mismatch does not matter). ``qwen3-vl-2b`` is
+Qwen3-VL-2B-Instruct's architecture (``VISION_LANGUAGE``: ``qwen3-1.7b``'s language-model shape, a
+24-block vision tower, Qwen3-VL's image processor settings) with random bf16 weights and
+``slime.utils.tiny_vlm``'s tokenizer; ``tiny-vl`` is a tiny Qwen3-VL with ``tiny``'s language-model
+shape. A vision-language checkpoint draws the same prompts as its text-only twin (no vision token ids).
+``--model-path`` uses an existing HF directory instead.
 
 Workload: N concurrent ``/generate`` requests sent at once, all with ``ignore_eos`` and temperature 1
 so output lengths are exact. ``--prompt-len`` / ``--max-new-tokens`` fix every prompt / output
 length; without them prompts are 8–64 tokens and outputs 16–128 (the CPU default).
+
+Pictures (``--images N --image-size S``, a vision-language checkpoint, engine only): each request
+carries N distinct PIL-drawn S x S pictures in front of its ``--prompt-len`` text tokens, sent as the
+default rollout sends them (``input_ids`` with each picture's placeholder expanded by the checkpoint's
+processor, ``image_data`` as PNG data URLs); the engine decodes and processes them when the request
+arrives (in the burst's wall time) and runs the vision tower at the request's first prefill (in
+``prefill_seconds``). Every answer's ``prompt_tokens`` must equal the request's ids (the engine's
+expansion agrees with the processor's). The result adds ``config.images_per_request`` /
+``image_size`` / ``image_tokens_per_image`` and ``image_tokens_per_request`` /
+``prompt_tokens_per_request`` (text + image tokens + 2 markers per picture); the decode figures below
+then decode after longer prompts than the text-only run at the same ``--prompt-len``.
 
 Metrics:
 
@@ -130,12 +147,57 @@ ARCHITECTURES = {
                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
+# Public vision-language architectures (shapes only; weights are random): the language model, the vision tower and
+# the image processor's settings. Each one's text-only twin (the model a run with pictures is compared against) is
+# the ARCHITECTURES entry of its language-model shape.
+VISION_LANGUAGE = {
+    # Qwen3-VL-2B-Instruct (published config.json and preprocessor_config.json): Qwen3-1.7B's language-model
+    # shape with rope theta 5e6 and interleaved M-RoPE (24/20/20 of the 64 rotary frequencies on time, height,
+    # width); a 24-block ViT of hidden 1024 on 16-pixel patches merged 2x2 (a 448x448 image: 196 tokens) whose
+    # blocks 5, 11 and 17 also feed the first decoder layers (deepstack); images of 256x256 to 4096x4096 pixels
+    "qwen3-vl-2b": dict(
+        text=dict(ARCHITECTURES["qwen3-1.7b"], max_position_embeddings=262144,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
+        processor=dict(patch_size=16, min_pixels=256 * 256, max_pixels=4096 * 4096, mean=(0.5,) * 3, std=(0.5,) * 3)),
+}
+#: the tiny models (``slime.utils.tiny_model`` / ``tiny_vlm``) by name; ``tiny-vl`` is a tiny Qwen3-VL whose
+#: language model has ``tiny``'s shape
+TINY_MODELS = ("tiny", "small", "tiny-vl")
+MODELS = (*TINY_MODELS, *ARCHITECTURES, *VISION_LANGUAGE)
+
+
+def build_vision_language(model: str, out_dir: str) -> str:
+    """A VISION_LANGUAGE architecture with random bf16 weights, tiny_vlm's tokenizer (the tiny model's plus
+    Qwen's vision tokens), chat template and an image processor of the published settings."""
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+
+    from slime.utils.tiny_vlm import image_processor_config, save_vlm, vlm_tokenizer
+
+    shape = VISION_LANGUAGE[model]
+    tokenizer, special, ids = vlm_tokenizer(seed=0)
+    config = Qwen3VLConfig(text_config=dict(shape["text"], rms_norm_eps=1e-6, **special), vision_config=shape["vision"],
+                           tie_word_embeddings=shape["text"]["tie_word_embeddings"], **ids)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # as build_checkpoint does
+        vlm = AutoModelForImageTextToText.from_config(config).to(torch.bfloat16)
+    return str(save_vlm(vlm, tokenizer, out_dir, image_processor_config("qwen3_vl", **shape["processor"])))
+
 
 def build_checkpoint(model: str, out_dir: str) -> str:
-    """An HF directory for ``model``: the tiny model, or a public architecture with random bf16 weights
+    """An HF directory for ``model``: a tiny model, or a public architecture with random bf16 weights
     and the tiny model's tokenizer and generation config."""
     from slime.utils.tiny_model import build_tiny_model
 
+    if model == "tiny-vl":
+        from slime.utils.tiny_vlm import build_tiny_vlm
+
+        return str(build_tiny_vlm(out_dir, "qwen3_vl", seed=0))
+    if model in VISION_LANGUAGE:
+        return build_vision_language(model, out_dir)
     path = build_tiny_model(out_dir, size=model if model in ("tiny", "small") else "tiny", seed=0)
     if model in ("tiny", "small"):
         return str(path)
@@ -174,26 +236,95 @@ def make_workload(n: int, vocab: int, seed: int, prompt_len: int | None, max_new
     return prompts, lengths
 
 
-def generate_body(prompt: list[int], max_new_tokens: int) -> dict:
+def text_vocab(model_path: str) -> int:
+    """Prompt ids are drawn below this: the model's and the tokenizer's vocabulary, without a vision-language
+    tokenizer's vision tokens (added last, so ``tiny-vl``/``qwen3-vl-2b`` draw the same prompts as ``tiny``/``qwen3-1.7b``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_path)
+    vocab = min(config.get_text_config().vocab_size, len(AutoTokenizer.from_pretrained(model_path)))
+    vision = [getattr(config, key, None) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id")]
+    return min([vocab] + [token for token in vision if token is not None])
+
+
+def draw_picture(rng: random.Random, size: int):
+    """A ``size`` x ``size`` RGB picture: 3-8 filled rectangles and ellipses in random colours on a random
+    background (distinct pixels per request, so no two requests share their vision-tower work)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), tuple(rng.randrange(256) for _ in range(3)))
+    pen = ImageDraw.Draw(image)
+    for _ in range(rng.randint(3, 8)):
+        x0, y0 = rng.randrange(size), rng.randrange(size)
+        box = [x0, y0, min(size - 1, x0 + rng.randint(4, size // 2)), min(size - 1, y0 + rng.randint(4, size // 2))]
+        (pen.rectangle if rng.random() < 0.5 else pen.ellipse)(box, fill=tuple(rng.randrange(256) for _ in range(3)))
+    return image
+
+
+def image_workload(model_path: str, prompts: list[list[int]], images: int, size: int, seed: int):
+    """Each prompt with ``images`` pictures of ``size`` x ``size`` pixels in front of its text, as the default
+    rollout sends them: the prompt ids with every image's placeholder already expanded by the checkpoint's
+    processor (``<|vision_start|>``, the image's tokens, ``<|vision_end|>``) and ``image_data``, the pictures as
+    PNG data URLs. Returns (prompts, image_data per prompt, image tokens of each image)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from slime.utils.multimodal import encode_image, fallback_processor, image_inputs, is_vision_language
+
+    config = AutoConfig.from_pretrained(model_path)
+    if not is_vision_language(config):
+        raise SystemExit(f"--images {images}: {model_path} is not a vision-language checkpoint "
+                         f"(model_type {config.model_type}); use e.g. --model {next(iter(VISION_LANGUAGE))} or tiny-vl")
+    processor = fallback_processor(model_path, AutoTokenizer.from_pretrained(model_path))
+    rng = random.Random(seed + 1)
+    pictures = [[draw_picture(rng, size) for _ in range(images)] for _ in prompts]
+    counts = image_inputs(processor, pictures[0][:1])[1] * images  # every picture has the same size
+    image_block = []
+    for count in counts:
+        image_block += [config.vision_start_token_id] + [config.image_token_id] * count + [config.vision_end_token_id]
+    return ([image_block + prompt for prompt in prompts], [[encode_image(p) for p in row] for row in pictures],
+            counts)
+
+
+def generate_body(prompt: list[int], max_new_tokens: int, image_data: list[str] | None = None) -> dict:
     """The /generate request of a workload's prompt: sampled at temperature 1, exactly this many tokens."""
-    return {"input_ids": prompt, "return_logprob": True,
+    body = {"input_ids": prompt, "return_logprob": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}}
+    if image_data:
+        body["image_data"] = image_data
+    return body
 
 
-async def run_engine(url: str, prompts, lengths) -> tuple[float, dict]:
+def load_hf_model(model_path: str, dtype, device: str):
+    """The checkpoint in transformers, evaluation mode on ``device``: its image-text class for a vision-language
+    checkpoint (text-only inputs run it as its language model), else its causal-LM class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from slime.utils.multimodal import is_vision_language
+
+    auto = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(model_path)) else AutoModelForCausalLM
+    return auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
+
+
+async def run_engine(url: str, prompts, lengths, image_data=None) -> tuple[float, dict]:
     """Every request at once through slime's own HTTP client (``slime.utils.http_utils``: one aiohttp
     session, what the rollout's requests go through, kept across the bursts of one event loop as the
     rollout keeps it across steps); output tokens per second of the whole burst, and where its wall time
-    went (:func:`burst_timeline`)."""
+    went (:func:`burst_timeline`). ``image_data``: each request's pictures (:func:`image_workload`); the
+    engine's prompt length of each request must then be its ids' length (the expansion agrees)."""
     answers = []
 
-    async def one(prompt, n):
-        answer = await http_utils.post(url + "/generate", generate_body(prompt, n), max_retries=1)
+    async def one(prompt, n, images):
+        answer = await http_utils.post(url + "/generate", generate_body(prompt, n, images), max_retries=1)
+        if answer["meta_info"]["prompt_tokens"] != len(prompt):
+            raise RuntimeError(f"the engine expanded a prompt of {len(prompt)} ids (images included) into "
+                               f"{answer['meta_info']['prompt_tokens']} tokens")
         answers.append((time.time(), answer["meta_info"]))
         return len(answer["output_ids"])
 
     start_wall, start = time.time(), time.perf_counter()
-    counts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+    counts = await asyncio.gather(*(one(p, n, images) for p, n, images
+                                    in zip(prompts, lengths, image_data or [None] * len(prompts))))
     elapsed = time.perf_counter() - start
     assert counts == lengths, "engine returned fewer tokens than asked"
     return sum(counts) / elapsed, burst_timeline(start_wall, answers)
@@ -215,10 +346,8 @@ def logprob_gap(model_path: str, device: str, samples) -> dict:
     token's log-prob under the checkpoint in HF (bf16 on CUDA, fp32 on the CPU; temperature 1) against the
     engine's — what ``train/train_rollout_logprob_abs_diff`` measures at a loop's first step, without
     the loop (TIS reweights the loss and leaves this gap as it is)."""
-    from transformers import AutoModelForCausalLM
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model = load_hf_model(model_path, dtype, device)
     diffs = []
     for prompt, output, engine_logprobs in samples:
         ids = torch.tensor([prompt + output], device=device)
@@ -261,11 +390,9 @@ class HFBaseline:
     """``model.generate`` on the same prompts, one padded batch (or chunks of ``batch_size``)."""
 
     def __init__(self, model_path: str, device: str, batch_size: int | None):
-        from transformers import AutoModelForCausalLM
-
         self.device = device
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.model = load_hf_model(model_path, dtype, device)
         self.batch_size = batch_size
 
     @torch.inference_mode()
@@ -326,12 +453,10 @@ def disk_update_seconds(url: str, model_path: str) -> float:
 def weight_update_seconds(model_path: str, device: str, quantization: str | None, repeats: int = 3) -> float:
     """Best time of loading every tensor of the checkpoint (bf16, already on ``device``) into a model
     through the engine's update path: quantized into FP8 blocks (``Fp8Weights.load``) or copied."""
-    from transformers import AutoModelForCausalLM
-
     from slime.backends.embedded_engine.fp8 import install as fp8_install
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model = load_hf_model(model_path, dtype, device)
     source = [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
     weights = (fp8_install.quantize_model(model, "dequant", per_channel=quantization == "w8a8_fp8") if quantization
                else None)
@@ -372,8 +497,9 @@ def measured_copy_bytes_per_s() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "small", *ARCHITECTURES],
-                        help="checkpoint to build in a temporary directory (ignored with --model-path)")
+    parser.add_argument("--model", default="tiny", choices=MODELS,
+                        help="checkpoint to build in a temporary directory (ignored with --model-path): tiny, small, "
+                             "tiny-vl (slime.utils.tiny_model / tiny_vlm) or a public architecture with random weights")
     parser.add_argument("--model-path", default=None, help="an existing HF directory instead of --model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -394,6 +520,11 @@ def main() -> None:
                              "torch._scaled_mm row-wise")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the engine's --kv-cache-dtype: auto (= its --dtype), bf16, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--images", type=int, default=0, metavar="N",
+                        help="N pictures of --image-size in front of each prompt's text (a vision-language model: "
+                             "tiny-vl, qwen3-vl-2b or --model-path; engine only, with --skip-hf); --prompt-len stays the "
+                             "text's length, so the run compares with the text-only model at the same prompts")
+    parser.add_argument("--image-size", type=int, default=448, help="the pictures' width and height in pixels")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each after a first, unmeasured burst of the same workload; the best is reported")
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no speedup_vs_hf)")
@@ -405,8 +536,10 @@ def main() -> None:
                         help="write engine_decode-<machine>-<date>.json into this folder (default bench/results) "
                              "or to this .json path")
     args = parser.parse_args()
-
-    from transformers import AutoConfig, AutoTokenizer
+    if args.images and not args.skip_hf:
+        parser.error(f"--images {args.images}: the HF baseline is text-only; add --skip-hf")
+    if args.images and args.logprob_gap:
+        parser.error(f"--images {args.images}: --logprob-gap's HF reference is text-only; run it without --images")
 
     from slime.backends.embedded_engine.serving.launch import EmbeddedEngineProcess
 
@@ -418,8 +551,12 @@ def main() -> None:
         model_path = build_checkpoint(args.model, tmp)
         print(f"built {args.model} in {time.perf_counter() - started:.0f}s at {model_path}", file=sys.stderr)
     try:
-        vocab = min(AutoConfig.from_pretrained(model_path).vocab_size, len(AutoTokenizer.from_pretrained(model_path)))
-        prompts, lengths = make_workload(args.num_requests, vocab, args.seed, args.prompt_len, args.max_new_tokens)
+        prompts, lengths = make_workload(args.num_requests, text_vocab(model_path), args.seed, args.prompt_len,
+                                         args.max_new_tokens)
+        image_data, image_tokens = None, []
+        if args.images:
+            prompts, image_data, image_tokens = image_workload(model_path, prompts, args.images, args.image_size,
+                                                               args.seed)
         context = max(512, max(len(p) + n for p, n in zip(prompts, lengths)))
         quantization = ["--quantization", args.quantization, "--fp8-gemm-backend", args.fp8_gemm_backend] \
             if args.quantization else []
@@ -439,7 +576,7 @@ def main() -> None:
             first = server_info(engine.url)["internal_states"][0]
             first_started = time.perf_counter()
             loop = asyncio.new_event_loop()  # one client session for every burst
-            loop.run_until_complete(run_engine(engine.url, prompts, lengths))
+            loop.run_until_complete(run_engine(engine.url, prompts, lengths, image_data))
             first_burst_seconds = time.perf_counter() - first_started
             first_captures = server_info(engine.url)["internal_states"][0]["cuda_graph_captures"] - first["cuda_graph_captures"]
             if hf is not None:
@@ -449,7 +586,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 before_info = server_info(engine.url)
                 before = before_info["batch_stats"]
-                tps, timeline = loop.run_until_complete(run_engine(engine.url, prompts, lengths))
+                tps, timeline = loop.run_until_complete(run_engine(engine.url, prompts, lengths, image_data))
                 info = server_info(engine.url)
                 delta = {k: info["batch_stats"][k] - before[k]
                          for k in ("decode_seconds", "decode_steps", "decode_rows", "decode_kv_tokens", "prefill_seconds",
@@ -522,11 +659,19 @@ def main() -> None:
         metrics.update({"decode_hbm_bytes_per_s": traffic, "roofline_fraction": traffic / peak,
                         "roofline_fraction_over_burst_wall": traffic * decode["decode_seconds"] / burst_seconds / peak,
                         "measured_copy_bytes_per_s": copy_bw, "roofline_fraction_vs_measured_copy": traffic / copy_bw})
-    config = {"model": args.model_path or (args.model + (" (slime.utils.tiny_model, seed 0)" if args.model in
-                                                          ("tiny", "small") else " architecture, random bf16 weights, tiny tokenizer")),
+    if args.images:  # the engine's prompt lengths matched these ids in every answer (run_engine)
+        metrics.update({"image_tokens_per_request": sum(image_tokens),
+                        "prompt_tokens_per_request": sum(map(len, prompts)) / len(prompts)})
+    built = {"tiny": " (slime.utils.tiny_model, seed 0)", "small": " (slime.utils.tiny_model, seed 0)",
+             "tiny-vl": " (slime.utils.tiny_vlm qwen3_vl, seed 0)"}
+    config = {"model": args.model_path or (args.model + built.get(args.model, " architecture, random bf16 weights, "
+                                                                                "tiny tokenizer")),
               "device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
               "num_requests": args.num_requests, "logprob_gap_requests": args.logprob_gap,
               "prompt_len": args.prompt_len or "8-64", "output_len": args.max_new_tokens or "16-128",
+              # pictures in front of each prompt's text (prompt_len counts the text only) and their tokens each
+              **({"images_per_request": args.images, "image_size": args.image_size,
+                  "image_tokens_per_image": image_tokens[0]} if args.images else {}),
               "total_output_tokens": sum(lengths), "temperature": 1.0, "ignore_eos": True, "repeats": args.repeats,
               "context_length": context, "engine_args": args.engine_args,
               "quantization": args.quantization, "kv_cache_dtype": memory["kv_cache_dtype"],

@@ -39,14 +39,21 @@ def draw(rng: random.Random, count: int):
     return image
 
 
-def write_split(out: Path, name: str, n: int, seed: int) -> list[dict]:
+def write_split(out: Path, name: str, n: int, seed: int, image_size: int = SIZE) -> list[dict]:
+    """``n`` rows and their pictures; ``image_size``: the pictures scaled (nearest pixel) to that many pixels a
+    side, for a vision tower of real size (the same squares over more patches)."""
+    from PIL import Image
+
     rng = random.Random(seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(n):
         count = rng.randint(1, MAX_COUNT)
         path = out / "images" / f"{name}_{i}.png"
-        draw(rng, count).save(path)
+        picture = draw(rng, count)
+        if image_size != SIZE:
+            picture = picture.resize((image_size, image_size), Image.Resampling.NEAREST)
+        picture.save(path)
         rows.append({"prompt": QUESTION, "images": [str(path.resolve())], "label": str(count)})
     with open(out / f"{name}.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

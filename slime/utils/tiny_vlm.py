@@ -42,6 +42,9 @@ PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 112 * 112
+#: CLIP's normalization (the tiny checkpoints'; Qwen3-VL's published processor uses 0.5 for every channel)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def build_vlm_tokenizer(vocab_size: int, seed: int = 0):
@@ -96,41 +99,59 @@ def _config(arch: str, vocab_size: int, special: dict, ids: dict):
     raise ValueError(f"unknown tiny VLM architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
 
 
-def image_processor_config(arch: str) -> dict:
-    """``preprocessor_config.json`` of the tiny checkpoint (Qwen2-VL's image processor, small bounds)."""
+def image_processor_config(arch: str, patch_size: int = PATCH_SIZE, min_pixels: int = MIN_PIXELS,
+                           max_pixels: int = MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD) -> dict:
+    """``preprocessor_config.json`` of a checkpoint of ``arch``: Qwen2-VL's image processor, by default with the
+    tiny checkpoint's small bounds (a real-size checkpoint passes its own patch size, pixel bounds and norms)."""
     return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": (
         "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen3VLProcessor"),  # Qwen3.5's is Qwen3-VL's
-        "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
-        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "size": {"shortest_edge": MIN_PIXELS,
-                                                                     "longest_edge": MAX_PIXELS},
+        "patch_size": patch_size, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "size": {"shortest_edge": min_pixels,
+                                                                     "longest_edge": max_pixels},
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_convert_rgb": True}
+        "image_mean": list(mean), "image_std": list(std), "do_convert_rgb": True}
+
+
+def vlm_tokenizer(seed: int = 0):
+    """The tiny VLM tokenizer, the token ids its config needs (``bos``/``eos``/``pad``) and its vision token
+    ids (``image_token_id``, ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id``)."""
+    tokenizer = build_vlm_tokenizer(SIZES["tiny"].vocab_size, seed)
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    special = dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    ids = {"image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+           "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+           "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+           "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>")}
+    return tokenizer, special, ids
+
+
+def save_vlm(model, tokenizer, out_dir: str | Path, processor_config: dict) -> Path:
+    """Write ``model`` (sampling generation config), ``tokenizer``, its chat template and ``processor_config``
+    as a checkpoint directory."""
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    eos_id, pad_id = model.config.get_text_config().eos_token_id, model.config.get_text_config().pad_token_id
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
+                                               pad_token_id=pad_id, do_sample=True, temperature=1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(processor_config, indent=2))
+    (out / "chat_template.jinja").write_text(VLM_CHAT_TEMPLATE)
+    return out
 
 
 def build_tiny_vlm(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
     """Write a tiny ``arch`` checkpoint directory (config, weights, tokenizer, preprocessor config)."""
     import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_vlm_tokenizer(SIZES["tiny"].vocab_size, seed)
-    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    ids = {"image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-           "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-           "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-           "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>")}
-    config = _config(arch, len(tokenizer), dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id), ids)
+    tokenizer, special, ids = vlm_tokenizer(seed)
+    config = _config(arch, len(tokenizer), special, ids)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
-    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
-                                               pad_token_id=pad_id, do_sample=True, temperature=1.0)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(arch), indent=2))
-    (out / "chat_template.jinja").write_text(VLM_CHAT_TEMPLATE)
-    return out
+    return save_vlm(model, tokenizer, out_dir, image_processor_config(arch))
 
 
 def main() -> None:

@@ -90,6 +90,15 @@ def test_results_files_are_named_by_what_they_measure_not_when():
     ("engine_decode", {"model": "qwen3-0.6b architecture, random bf16 weights", "num_requests": 128, "prompt_len": 256,
                        "output_len": 512, "quantization": None, "kv_cache_dtype": "bfloat16"},
      "engine_decode-m-qwen3-0.6b-bf16-256in-512out"),
+    ("engine_decode", {"model": "qwen3-vl-2b architecture, random bf16 weights", "num_requests": 64, "prompt_len": 64,
+                       "output_len": 128, "quantization": None, "kv_cache_dtype": "bfloat16", "images_per_request": 1,
+                       "image_size": 448}, "engine_decode-m-qwen3-vl-2b-bf16-b64-64in-128out-img1x448"),
+    ("e2e_grpo", {"model": "qwen3-vl-2b", "prompts": 16, "n_samples_per_prompt": 4, "max_new_tokens": 64,
+                  "side": "slime", "task": "vlm-shapes", "image_size": 448, "images_per_prompt": 1},
+     "e2e_grpo-m-qwen3-vl-2b-64x64-slime-only-shapes-img448"),
+    ("e2e_grpo", {"model": "qwen3-1.7b", "prompts": 16, "n_samples_per_prompt": 4, "max_new_tokens": 64,
+                  "side": "slime", "task": "vlm-shapes", "image_size": 448, "images_per_prompt": 0},
+     "e2e_grpo-m-qwen3-1.7b-64x64-slime-only-shapes-text"),
 ])
 def test_each_bench_names_its_model_and_variant(benchmark, config, name):
     assert common.result_name(benchmark, "m", config) == name
