@@ -143,7 +143,8 @@ def main() -> None:
     if args.out:
         from bench.common import write_result
 
-        weights = "pretrained" if args.model == "smollm2-135m" else ("tiny" if args.model == "tiny" else "random")
+        weights = ("given checkpoint" if args.model_path else "pretrained" if args.model == "smollm2-135m"
+                   else "tiny" if args.model == "tiny" else "random")
         config = {"model": args.model_path or args.model, "weights": weights, "device": args.device,
                   "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
                   "new_tokens": args.new_tokens, "repeats": args.repeats,
