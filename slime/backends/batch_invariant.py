@@ -7,13 +7,17 @@ the same bits for the same token. Measured on this project's CPU build (MKL/oneD
 
 * ``torch.mm`` / ``F.linear``: a row's result changes with the number of rows (a 1-row call is a GEMV,
   others pick blockings by M) and with its position in the call. A GEMM of a *fixed* shape does not:
-  :func:`linear` pads the rows to whole tiles of :data:`TILE_ROWS` and runs one batched GEMM over the
-  tiles, each ``[TILE_ROWS, K] x [K, N]``; the same bits for 1 or 2 threads.
-* reductions (softmax sums, RMSNorm's mean, attention's dot products; a GEMM's value for one row
-  and column also changes with the number of columns, for attention the key length): :func:`tree_sum`,
-  a halving sum over a power-of-two length made only of element-wise adds. Zero padding at the end leaves it
-  unchanged (``x + 0 = x``), so a query attending to 40 keys sums the same way whether the keys sit
-  in a 40-token trainer row or a 2048-token cache slot.
+  :func:`linear` pads the rows to whole tiles of :data:`TILE_ROWS`, each ``[TILE_ROWS, K] x [K, N]`` (one
+  batched GEMM; on the CPU in bf16 one ``mm`` per tile); the same bits for 1 or 2 threads.
+* reductions (softmax sums, RMSNorm's mean; a GEMM's value for one row and column also changes with the
+  number of columns, for attention the key length): :func:`tree_sum`, a halving sum over a power-of-two
+  length made only of element-wise adds. Zero padding at the end leaves it unchanged (``x + 0 = x``).
+* attention (:func:`attention`): the same fixed-shape GEMM idea with keys in blocks of :data:`BLOCK` aligned to
+  absolute positions, the per-block results added as a :func:`tree_sum`; blocks a query does not see add
+  exact zeros, so a query attending to 40 keys gets the same bits whether the keys sit in a 40-token trainer
+  row or a 2048-token cache slot.
+* backward: the tiled GEMM's and the attention's gradients are the plain GEMM's and softmax attention's
+  (nothing compares gradients, and the exact forms' own backwards would cost several times their forward).
 * element-wise ops: ``exp``, ``log``, ``rsqrt``, ``sin``/``cos`` give the same bits at any position;
   ``F.silu`` and ``sigmoid`` do not (their vector tails differ), so :func:`silu` is ``x / (1 + exp(-x))``.
 
@@ -27,8 +31,8 @@ rotated query and key moves (up to 0.004 in ``cos``/``sin`` on the tiny Qwen3), 
 :func:`check_supported` refuses. FSDP2's mixed precision casts parameters only, and the engine's
 ``from_pretrained(dtype=...)`` load keeps them fp32 too.
 
-Nothing here is CPU-only (``F.pad``, ``narrow``, ``bmm``, element-wise ops); on CUDA the fixed-tile
-``bmm`` is expected to keep a row's bits for any row count (one cuBLAS shape per tile), which
+Nothing here is CPU-only (``F.pad``, ``narrow``, ``bmm``, ``matmul``, element-wise ops); on CUDA the
+fixed-tile GEMMs are expected to keep a row's bits for any row count (one cuBLAS shape per tile), which
 ``tests/backends/test_batch_invariant.py``'s GPU tests measure before the CUDA refusal in
 :func:`check_supported` may go.
 """
@@ -153,35 +157,64 @@ def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     return chosen, entropy
 
 
-def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+#: attention's GEMM tiles: ``BLOCK`` query rows by ``BLOCK`` keys, key blocks aligned to absolute positions (a
+#: key sits in the same column of the same block in a trainer row and in a cache slot)
+BLOCK = 32
+#: floats of one chunk of query tiles' scores and operand copies (bounds the memory of long trainer rows)
+_CHUNK_FLOATS = 1 << 26
+
+
+def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
-    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype. Computed in fp32: dot products, the
-    softmax sum and the weighted sum of values are :func:`tree_sum`s; hidden keys weigh exactly 0 (whatever a
-    cache slot holds there). The summed dimension leads each product (``[D, ...]``, ``[L, ...]``), so every
-    level of a tree adds two contiguous halves."""
+    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype, in fp32. The dot products are
+    ``[BLOCK, D] x [D, BLOCK]`` GEMMs (a tile of query rows, padded, against one block of keys); the softmax sum
+    is a :func:`tree_sum`; the weighted sum of values is one ``[BLOCK, BLOCK] x [BLOCK, Dv]`` GEMM per key block,
+    the blocks added as a :func:`tree_sum`. Every GEMM has one shape whatever the number of queries and keys,
+    and blocks past a query's last visible key add exact zeros (their values are zeroed where no query sees
+    them: a cache slot may hold anything there), so a query's output has the same bits in a trainer row, a
+    prefill chunk or a decode step over a longer cache."""
     dtype = query.dtype
     batch, heads, queries, dim = query.shape
     kv_heads, length, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     groups = heads // kv_heads
-    q = query.float().permute(3, 0, 1, 2).reshape(dim, batch, kv_heads, groups, queries, 1)
-    k = key.float().permute(3, 0, 1, 2).reshape(dim, batch, kv_heads, 1, 1, length)
-    show = visible.reshape(visible.shape[0], 1, 1, queries, length)
-    scores = (tree_sum(q * k, dim=0) * scale).masked_fill(~show, float("-inf"))  # [B, Hkv, G, Q, L]
-    top = scores.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a query that sees nothing: output 0
-    weights = torch.exp(scores - top)
-    probs = weights / tree_sum(weights).unsqueeze(-1)
-    p = probs.permute(4, 0, 1, 2, 3).unsqueeze(-1)  # [L, B, Hkv, G, Q, 1]
-    v = value.float().permute(2, 0, 1, 3).reshape(length, batch, kv_heads, 1, 1, value_dim)
-    hidden = ~show.permute(4, 0, 1, 2, 3).unsqueeze(-1)
-    out = tree_sum((p * v).masked_fill(hidden, 0.0), dim=0)  # [B, Hkv, G, Q, Dv]
+    blocks = -(-length // BLOCK)
+    padded = blocks * BLOCK
+    rows = groups * queries  # a key/value head's query rows: (group, query)
+    tiles = -(-rows // BLOCK)
+    q = F.pad(query.float().reshape(batch, kv_heads, rows, dim), (0, 0, 0, tiles * BLOCK - rows))
+    q = q.view(batch, kv_heads, tiles, 1, BLOCK, dim)
+    k = F.pad(key.float(), (0, 0, 0, padded - length)).view(batch, kv_heads, 1, blocks, BLOCK, dim).transpose(-1, -2)
+    show = F.pad(visible, (0, padded - length)).reshape(visible.shape[0], 1, 1, queries, padded)
+    seen = show.any(dim=-2).reshape(visible.shape[0], 1, blocks, BLOCK, 1)  # keys some query sees
+    v = F.pad(value.float(), (0, 0, 0, padded - length)).view(batch, kv_heads, blocks, BLOCK, value_dim)
+    v = v.masked_fill(~seen, 0.0).unsqueeze(2)
+    step = max(1, _CHUNK_FLOATS // (BLOCK * padded * (2 + dim // BLOCK + value_dim // BLOCK)))
+    out = []
+    for start in range(0, tiles, step):  # chunks of query tiles: the same GEMMs, less memory at once
+        stop = min(tiles, start + step)
+        scores = torch.matmul(q[:, :, start:stop], k)  # [B, Hkv, tiles, blocks, BLOCK, BLOCK]
+        scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, kv_heads, (stop - start) * BLOCK, padded) * scale
+        first, last = start * BLOCK, min(rows, stop * BLOCK)
+        scores = scores[:, :, :last - first]
+        index = torch.arange(first, last, device=query.device)
+        mask = show[..., index % queries, :].reshape(visible.shape[0], 1, last - first, padded)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a query that sees nothing: output 0
+        weights = torch.exp(scores - top)
+        probs = weights / tree_sum(weights).unsqueeze(-1)
+        probs = F.pad(probs, (0, 0, 0, (stop - start) * BLOCK - (last - first)))
+        probs = probs.view(batch, kv_heads, stop - start, BLOCK, blocks, BLOCK).transpose(3, 4)
+        partial = torch.matmul(probs, v)  # [B, Hkv, tiles, blocks, BLOCK, Dv]
+        out.append(tree_sum(partial, dim=3).reshape(batch, kv_heads, (stop - start) * BLOCK, value_dim))
+    out = torch.cat(out, dim=2)[:, :, :rows]
     return out.reshape(batch, heads, queries, value_dim).transpose(1, 2).to(dtype)
 
 
 def _plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """The same function as :func:`_tree_attention` with GEMMs and torch's softmax (not batch-invariant):
+    """The same function as :func:`_block_attention` with GEMMs and torch's softmax (not batch-invariant):
     what the backward differentiates."""
     groups = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(groups, dim=1)
@@ -192,14 +225,14 @@ def _plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class _Attention(torch.autograd.Function):
-    """The forward of :func:`_tree_attention`; the backward of :func:`_plain_attention` (recomputed): the
+    """The forward of :func:`_block_attention`; the backward of :func:`_plain_attention` (recomputed): the
     gradients are compared with nothing, and the trees' backward would cost several times their forward."""
 
     @staticmethod
     def forward(ctx, query, key, value, visible, scale):
         ctx.save_for_backward(query, key, value, visible)
         ctx.scale = scale
-        return _tree_attention(query, key, value, visible, scale)
+        return _block_attention(query, key, value, visible, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -215,11 +248,11 @@ class _Attention(torch.autograd.Function):
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scale: float) -> torch.Tensor:
     """``query [B, H, Q, D]`` over ``key [B, Hkv, L, D]`` / ``value [B, Hkv, L, Dv]`` where ``visible
-    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype, by :func:`_tree_attention`; under
+    [B or 1, 1, Q, L]`` (bool) -> ``[B, Q, H, Dv]`` in ``query``'s dtype, by :func:`_block_attention`; under
     autograd its backward is the GEMM attention's."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _Attention.apply(query, key, value, visible, scale)
-    return _tree_attention(query, key, value, visible, scale)
+    return _block_attention(query, key, value, visible, scale)
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -69,6 +69,12 @@ def test_attention_of_a_query_is_the_same_over_a_trainer_row_and_a_longer_cache(
     reference = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     assert torch.allclose(rows.transpose(1, 2), reference, atol=1e-5)
+    chunked = bi._CHUNK_FLOATS
+    try:  # a long row's query tiles in several chunks (bounded memory): the same bits
+        bi._CHUNK_FLOATS = 1
+        assert torch.equal(bi.attention(q, k, v, causal, 32 ** -0.5), rows)
+    finally:
+        bi._CHUNK_FLOATS = chunked
     half = bi.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, 32 ** -0.5)  # fp32 inside, bf16 out
     step = bi.attention(q[:, :, 6:7].bfloat16(), cache_k.bfloat16(), cache_v.bfloat16(), visible[None, None], 32 ** -0.5)
     assert half.dtype == torch.bfloat16 and torch.equal(step[0, 0], half[0, 6])
