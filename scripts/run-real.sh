@@ -8,6 +8,7 @@
 #   bash scripts/run-real.sh               outputs under outputs/real-<cpu|gpu>
 #   SEED=2 OUT=dir STEPS=N LR=x bash scripts/run-real.sh     (seed, output directory, GRPO steps, learning rate)
 #   PYTHON=/path/to/python bash scripts/run-real.sh          (an environment you installed yourself: no setup step)
+#   TRAIN_ARGS="--true-on-policy" bash scripts/run-real.sh    (more train.py flags, after the script's own)
 # Writes OUT/summary.json (accuracy before/after, per-step curves, step time by phase, model, hardware) and
 # OUT/learning_curve.png (reward and held-out accuracy against steps and against wall-clock seconds).
 set -euo pipefail
@@ -50,10 +51,11 @@ $py train.py --train-backend fsdp --rollout-backend embedded --hf-checkpoint "$m
   --rollout-temperature 1.0 --num-rollout "$steps" --num-steps-per-rollout 1 \
   --lr "$lr" --lr-decay-style constant --weight-decay 0.0 --eps-clip 0.2 --clip-grad 1.0 --use-dynamic-batch-size \
   --eval-prompt-data heldout "$out/data/eval.jsonl" --eval-interval "$eval_every" \
-  --eval-temperature 0 --n-samples-per-eval-prompt 1 --eval-max-response-len 32 --run-dir "$out/runs/grpo"
+  --eval-temperature 0 --n-samples-per-eval-prompt 1 --eval-max-response-len 32 --run-dir "$out/runs/grpo" \
+  ${TRAIN_ARGS:-}
 
 echo "== 4/4 summary"
 $py -m slime.utils.run_summary --grpo-run "$out/runs/grpo" --eval-name heldout
 $py -m slime.utils.learning_curve --run "$out/runs/grpo" --eval-name heldout --model SmolLM2-135M-Instruct \
   --task "reasoning-gym chain_sum (2 terms, 1-2 digits)" --json "$out/summary.json" --png "$out/learning_curve.png" \
-  --extra "{\"seed\": $seed, \"device\": \"$device\", \"load_average_at_start\": \"$load_before\", \"command\": \"bash scripts/run-real.sh\", \"config\": {\"prompts\": $prompts, \"samples_per_prompt\": $samples, \"max_response_tokens\": 32, \"steps\": $steps, \"lr\": $lr, \"heldout_problems\": $num_eval}}"
+  --extra "{\"seed\": $seed, \"device\": \"$device\", \"load_average_at_start\": \"$load_before\", \"command\": \"bash scripts/run-real.sh\", \"train_args\": \"${TRAIN_ARGS:-}\", \"config\": {\"prompts\": $prompts, \"samples_per_prompt\": $samples, \"max_response_tokens\": 32, \"steps\": $steps, \"lr\": $lr, \"heldout_problems\": $num_eval}}"
