@@ -143,8 +143,13 @@ def write_result(benchmark: str, config: dict, metrics: dict, out: str | None, e
     ``out`` is a ``.json`` path or a folder, where the file is named by :func:`result_name`; ``extra``: more
     top-level fields beside ``metrics`` (e.g. per-step curves, which are not flat numbers)."""
     today = datetime.date.today()
+    argv = list(sys.argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if argv and os.path.isabs(argv[0]) and argv[0].startswith(root + os.sep):  # `python -m bench.x`: the module
+        module = os.path.relpath(argv[0], root)
+        argv[0] = "-m " + module[:-3].replace(os.sep, ".") if module.endswith(".py") else module
     result = {"benchmark": benchmark, "date": today.isoformat(), "machine": machine_name(),
-              "command": "python " + " ".join(sys.argv), "git_commit": git_commit(), "config": config, "metrics": metrics,
+              "command": "python " + " ".join(argv), "git_commit": git_commit(), "config": config, "metrics": metrics,
               **(extra or {})}
     if echo:
         print(json.dumps(result, indent=2))
