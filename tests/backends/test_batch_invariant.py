@@ -138,24 +138,40 @@ def test_training_mode_keeps_the_swapped_ops(tiny_model_dir):
     assert torch.equal(norm(x), bi.rms_norm(x, norm.weight, norm.variance_epsilon))
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny Qwen3's tokenizer with a Llama of the same sizes (random weights)."""
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+def _sibling(tiny_model_dir, out, arch: str, tied: bool) -> str:
+    """The tiny Qwen3's tokenizer with a Llama or Qwen3 of the same sizes (random weights), its LM head tied
+    to the embeddings or not."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     qwen = AutoConfig.from_pretrained(tiny_model_dir)
-    out = tmp_path_factory.mktemp("tiny_llama")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         try:
             shutil.copy(f"{tiny_model_dir}/{name}", out / name)
         except FileNotFoundError:
             pass
     torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=qwen.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=False, bos_token_id=qwen.bos_token_id, eos_token_id=qwen.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_class(vocab_size=qwen.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                          tie_word_embeddings=tied, bos_token_id=qwen.bos_token_id, eos_token_id=qwen.eos_token_id)
+    model_class(config).save_pretrained(out, safe_serialization=True)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tiny_model_dir, tmp_path_factory):
+    """A Llama of the tiny Qwen3's sizes, its LM head untied (as SmolLM2's is not: both kinds are tested)."""
+    return _sibling(tiny_model_dir, tmp_path_factory.mktemp("tiny_llama"), "llama", tied=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_tied_dir(tiny_model_dir, tmp_path_factory):
+    return _sibling(tiny_model_dir, tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tied=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_untied_dir(tiny_model_dir, tmp_path_factory):
+    return _sibling(tiny_model_dir, tmp_path_factory.mktemp("tiny_qwen3_untied"), "qwen3", tied=False)
 
 
 def _generate(model_dir, prompts, lengths, perturb=None, order=None, seeded=True, runner=None, dtype="float32",
@@ -350,13 +366,14 @@ def test_the_fsdp_backend_in_bf16_scores_the_bf16_engines_tokens_bit_for_bit(tin
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graph", [False, True])
-@pytest.mark.parametrize("arch", ["qwen3", pytest.param("llama", marks=pytest.mark.xfail(
-    reason="on an H100 the tiny Llama is one fp32 ulp (4.8e-7) off on some tokens: the CUDA refusal stays"))])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_untied", "llama", "llama_tied"])
 def test_on_cuda_in_bf16_the_engines_log_probs_are_the_trainers_bit_for_bit(arch, cuda_graph, request, monkeypatch):
     """What lifting the CUDA refusal waits for: the same equality on CUDA in bf16, decode steps replayed from
-    CUDA graphs or run eagerly; unseeded, so graph steps run ahead of the host (the engine's chained path)."""
+    CUDA graphs or run eagerly; unseeded, so graph steps run ahead of the host (the engine's chained path).
+    Qwen3 and Llama each with a tied and an untied LM head: a difference between the architectures shows
+    whether the head or the layers differ."""
     monkeypatch.setattr(bi, "VERIFIED_DEVICES", ("cpu", "cuda"))
-    model_dir = request.getfixturevalue("tiny_model_dir" if arch == "qwen3" else "tiny_llama_dir")
+    model_dir = request.getfixturevalue({"qwen3": "tiny_model_dir"}.get(arch, f"tiny_{arch}_dir"))
     _assert_equal_for_every_split(model_dir, "bfloat16", 0.8, device="cuda", cuda_graph=cuda_graph, seeded=False)
 
 
