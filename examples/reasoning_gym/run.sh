@@ -6,7 +6,8 @@
 #   bash examples/reasoning_gym/run.sh      (outputs under outputs/reasoning-gym; OUT=dir to change)
 #   DATASET=.. CONFIG='{..}' SFT_STEPS=.. GRPO_STEPS=.. to change the task and the two phases.
 #   MODEL=smollm2: SmolLM2-135M-Instruct instead (no warm start: it reads the gym's question as it is and
-#   is scored on the last number of its reply; lr 1e-5, replies up to 64 tokens; GRPO_PROMPTS/SAMPLES to size).
+#   is scored on the last number of its reply; terms of one or two digits, where it starts near 10-20%; lr 1e-5,
+#   replies up to 64 tokens; GRPO_PROMPTS/SAMPLES to size).
 #   PYTHON=/path/to/python runs in an environment you installed yourself (no setup step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -26,7 +27,7 @@ sft_steps="${SFT_STEPS:-$(smollm2_or 0 150)}"
 echo "== 1/4 the model (MODEL=${MODEL:-tiny}), and reasoning-gym's problems (train / held-out / warm start)"
 example_model "$out/model"
 $py -m slime.rollout.reasoning_gym --dataset "${DATASET:-chain_sum}" \
-  --config "${CONFIG:-{\"min_terms\": 2, \"max_terms\": 2, \"min_digits\": 1, \"max_digits\": 1\}}" \
+  --config "${CONFIG:-{\"min_terms\": 2, \"max_terms\": 2, \"min_digits\": 1, \"max_digits\": $(smollm2_or 2 1)\}}" \
   --out "$out/data" --num-train 64 --num-eval 32 --num-sft 96 --answer-format "$(smollm2_or number plain)" --seed 0
 
 common=(--train-backend fsdp --actor-num-gpus-per-node 1 --seed 1 --lr-decay-style constant --weight-decay 0.0
