@@ -4,6 +4,10 @@ phase, the model and the hardware) and a PNG of the same curves.
 
     python -m slime.utils.learning_curve --run outputs/real/runs/grpo --eval-name heldout \\
         --model SmolLM2-135M-Instruct --task "chain_sum" --json out.json --png out.png
+    python -m slime.utils.learning_curve --compare with=a.json,b.json without=c.json,d.json --png ab.png
+
+``--compare`` draws several runs' summaries in one figure, grouped (e.g. one flag on and off, a few seeds
+each): the rollout reward and the train/rollout log-prob gap per step, held-out accuracy at each evaluation.
 
 Wall-clock seconds count from the end of the evaluation before the first step, so the curves show the
 time the loop took (evaluations during training included).
@@ -45,10 +49,13 @@ def learning_curve(records: list[dict], eval_name: str) -> dict:
     start = evals[0]["time"] if evals[0]["step"] == 0 else min(r["time"] for r in records)
     rollouts = [r for r in records if r["kind"] == "rollout" and "rollout/raw_reward/mean" in r]
     perf = {r["step"]: r for r in records if r["kind"] == "perf" and "perf/step_time" in r}
+    gap = {r["step"]: r for r in records if r["kind"] == "train" and "train/train_rollout_logprob_abs_diff" in r}
     # a step ends when its perf record is written (after training, the weight push and any evaluation)
     steps = [{"step": r["step"] + 1, "seconds": round(perf.get(r["step"], r)["time"] - start, 3),
               "reward": r["rollout/raw_reward/mean"],
               "response_length": r.get("rollout/response_len/mean"),
+              **({"logprob_abs_diff": gap[r["step"]]["train/train_rollout_logprob_abs_diff"],
+                  "ppo_kl": gap[r["step"]].get("train/ppo_kl")} if r["step"] in gap else {}),
               **{k[len("perf/"):]: round(v, 4) for k, v in perf.get(r["step"], {}).items()
                  if k.startswith("perf/") and k.endswith("_time")}} for r in rollouts]
     heldout = [{"step": r["step"], "seconds": round(r["time"] - start, 3), "accuracy": r[key]} for r in evals]
@@ -95,16 +102,72 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def compare(groups: dict[str, list[dict]], path: str) -> None:
+    """One figure of several runs' summaries by group (a colour each): per-step rollout reward (10-step
+    mean), the train/rollout log-prob gap per token, and held-out accuracy at each evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colours = ("tab:red", "tab:blue", "tab:green", "tab:purple")
+    for colour, (label, runs) in zip(colours, groups.items()):
+        for i, run in enumerate(runs):
+            steps = run["step_curve"]
+            name = label if i == 0 else None
+            axes[0].plot([s["step"] for s in steps], _smooth([s["reward"] for s in steps], 10), color=colour,
+                         alpha=0.8, label=name)
+            gaps = [(s["step"], s["logprob_abs_diff"]) for s in steps if "logprob_abs_diff" in s]
+            axes[1].plot([g[0] for g in gaps], [g[1] for g in gaps], color=colour, alpha=0.8, label=name)
+            held = run["heldout_curve"]
+            axes[2].plot([h["step"] for h in held], [h["accuracy"] for h in held], "o-", color=colour, alpha=0.8,
+                         label=name)
+    titles = ("rollout reward (10-step mean)", "train/rollout |log-prob difference| per token",
+              "held-out accuracy (greedy)")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("GRPO step")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    first = next(iter(groups.values()))[0]
+    fig.suptitle(f"{first.get('model', 'model')} on {first.get('task', 'the task')}, {first.get('hardware', '')}: "
+                 + ", ".join(f"{label} ({len(runs)} runs)" for label, runs in groups.items()), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", required=True, help="the GRPO run directory (--run-dir; holds metrics.jsonl)")
-    parser.add_argument("--eval-name", required=True, help="the held-out eval dataset's name (--eval-prompt-data)")
-    parser.add_argument("--model", required=True, help="the model's name, written into the JSON and the figure")
-    parser.add_argument("--task", required=True, help="the task's name, written into the JSON and the figure")
-    parser.add_argument("--json", required=True, help="where to write the JSON summary")
+    parser.add_argument("--run", help="the GRPO run directory (--run-dir; holds metrics.jsonl)")
+    parser.add_argument("--eval-name", help="the held-out eval dataset's name (--eval-prompt-data)")
+    parser.add_argument("--model", help="the model's name, written into the JSON and the figure")
+    parser.add_argument("--task", help="the task's name, written into the JSON and the figure")
+    parser.add_argument("--json", help="where to write the JSON summary")
+    parser.add_argument("--compare", nargs="+", metavar="LABEL=A.json,B.json",
+                        help="instead: draw these summaries in one figure (--png), grouped by label")
     parser.add_argument("--png", default=None, help="where to write the learning-curve figure")
     parser.add_argument("--extra", default="{}", help="JSON object merged into the summary (config, seed, load)")
     args = parser.parse_args(argv)
+    if args.compare:
+        if not args.png:
+            parser.error("--compare writes a figure: give --png")
+        groups = {}
+        for entry in args.compare:
+            label, sep, files = entry.partition("=")
+            if not sep or not files:
+                parser.error(f"--compare {entry!r}: expected LABEL=A.json[,B.json...]")
+            groups[label] = []
+            for name in files.split(","):
+                with open(name) as f:
+                    groups[label].append(json.load(f))
+        compare(groups, args.png)
+        print(f"comparison: {args.png}")
+        return
+    missing = [flag for flag in ("run", "eval_name", "model", "task", "json") if getattr(args, flag) is None]
+    if missing:
+        parser.error("give --" + ", --".join(m.replace("_", "-") for m in missing) + " (or --compare)")
     curve = learning_curve(read_metrics(args.run), args.eval_name)
     summary = {"benchmark": "run_real", "date": datetime.date.today().isoformat(), "machine": machine_name(),
                "git_commit": git_commit(), "model": args.model, "task": args.task, "hardware": hardware_name(),
