@@ -28,6 +28,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _since(wall: float, cpu: float, device: str) -> tuple[float, float]:
+    """Wall and process-CPU seconds since ``wall`` / ``cpu``, the device's queued work included."""
+    _sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _free(device: str) -> None:
+    if device == "cuda":  # the next measurement starts from an empty cache allocator
+        torch.cuda.empty_cache()
+
+
 def _engine_seconds(model_dir: str, prompts: list[list[int]], new_tokens: int, invariant: bool,
                     dtype: str, device: str) -> tuple[float, float]:
     from slime.backends.embedded_engine.engine import Engine
@@ -45,11 +56,9 @@ def _engine_seconds(model_dir: str, prompts: list[list[int]], new_tokens: int, i
         engine.add_request(GenerateRequest(rid=str(i), input_ids=prompt, params=params), lambda s, f: None)
     while engine.scheduler.has_work():
         engine.step()
-    _sync(device)
-    seconds = time.perf_counter() - wall, time.process_time() - cpu
+    seconds = _since(wall, cpu, device)
     del engine, runner
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return seconds
 
 
@@ -73,11 +82,9 @@ def _trainer_seconds(model_dir: str, prompts: list[list[int]], new_tokens: int, 
         forward_log_probs(model, packed, attn, 1.0, 2048, exact=invariant)
     log_probs, _ = forward_log_probs(model, packed, attn, 1.0, 2048, exact=invariant)
     log_probs.sum().backward()
-    _sync(device)
-    seconds = time.perf_counter() - wall, time.process_time() - cpu
+    seconds = _since(wall, cpu, device)
     del model, log_probs
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return seconds
 
 

@@ -20,6 +20,26 @@ from tests.backends.fsdp_utils.fsdp_test_utils import full_grads, make_args, mak
 pytestmark = pytest.mark.usefixtures("single_rank")
 
 
+def _serve(engine, requests):
+    """Start ``engine``, run ``requests`` to completion, stop it; their sequences in request order."""
+    import threading
+
+    done, left = threading.Event(), [len(requests)]
+
+    def on_event(seq, finished):
+        left[0] -= finished
+        if not left[0]:
+            done.set()
+
+    engine.start()
+    try:
+        seqs = engine.call(lambda: [engine.add_request(r, on_event) for r in requests]).result(30)
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    return seqs
+
+
 def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +143,6 @@ def test_r3_replays_given_experts(arch, attn, request):
 def engine_vlm_samples(model_dir) -> list:
     """Four samples the embedded engine generates (routed experts on) with images in their prompts: two of
     one prompt with one image, one with two images, one without; prompts in 8-token prefill chunks."""
-    import threading
 
     from PIL import Image, ImageDraw
 
@@ -157,19 +176,7 @@ def engine_vlm_samples(model_dir) -> list:
     runner = ModelRunner(model_dir, num_slots=4, slot_capacity=128, routed_experts=True)
     attach_images(runner, requests)
     engine = Engine(runner, chunked_prefill_size=8)
-    done, left = threading.Event(), [len(requests)]
-
-    def on_event(seq, finished):
-        left[0] -= finished
-        if not left[0]:
-            done.set()
-
-    engine.start()
-    try:
-        seqs = engine.call(lambda: [engine.add_request(r, on_event) for r in requests]).result(30)
-        assert done.wait(120)
-    finally:
-        engine.stop()
+    seqs = _serve(engine, requests)
     samples = []
     for i, (req, seq, text, images) in enumerate(zip(requests, seqs, texts, pictures)):
         ids, train_inputs = process_images(processor, text, images)
@@ -272,7 +279,6 @@ def test_r3_removes_the_bf16_routing_flips_between_engine_and_trainer(tiny_deeps
     between the two (measured here: 9 of 2592 MoE routings), and a flipped token's log-prob jumps (max
     gap 0.087 without R3). Replaying the engine's experts removes those jumps (max 0.006) and lowers the
     mean gap (0.00219 -> 0.00153); with no flip R3 would change nothing."""
-    import threading
 
     from slime.backends.embedded_engine.engine import Engine
     from slime.backends.embedded_engine.io_struct import GenerateRequest, SamplingParams
@@ -286,19 +292,7 @@ def test_r3_removes_the_bf16_routing_flips_between_engine_and_trainer(tiny_deeps
     requests = [GenerateRequest(rid=str(i), input_ids=torch.randint(10, 500, (12,), generator=g).tolist(),
                                 params=SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=i),
                                 return_routed_experts=True, return_logprob=True) for i in range(32)]
-    done, left = threading.Event(), [len(requests)]
-
-    def on_event(seq, finished):
-        left[0] -= finished
-        if not left[0]:
-            done.set()
-
-    engine.start()
-    try:
-        seqs = engine.call(lambda: [engine.add_request(r, on_event) for r in requests]).result(30)
-        assert done.wait(120)
-    finally:
-        engine.stop()
+    seqs = _serve(engine, requests)
     samples = [Sample(index=i, group_index=i // 2, tokens=r.input_ids + s.output_ids, response_length=len(s.output_ids),
                       reward=0.0, status=Sample.Status.COMPLETED, rollout_log_probs=list(s.output_logprobs),
                       rollout_routed_experts=s.routed_experts.tolist()) for i, (r, s) in enumerate(zip(requests, seqs))]
