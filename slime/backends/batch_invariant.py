@@ -40,6 +40,7 @@ fixed-tile GEMMs are expected to keep a row's bits for any row count (one cuBLAS
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 #: the device types the engine-vs-trainer equality has been verified on; CUDA joins once the GPU tests of
 #: tests/backends/test_batch_invariant.py (-m gpu) pass on one
 VERIFIED_DEVICES = ("cpu",)
+#: device types named here (comma-separated) are let through as if verified: for running the verification
+#: itself on a new device (the GPU tests and loop), never for training whose exactness matters
+VERIFY_ENV = "SLIME_VERIFY_EXACTNESS_ON"
+
+
+def verified_devices() -> tuple[str, ...]:
+    """:data:`VERIFIED_DEVICES`, plus the device types a verification run names in :data:`VERIFY_ENV`."""
+    extra = tuple(d.strip() for d in os.environ.get(VERIFY_ENV, "").split(",") if d.strip())
+    return VERIFIED_DEVICES + tuple(d for d in extra if d not in VERIFIED_DEVICES)
 SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _registered = False
@@ -326,7 +336,7 @@ def check_supported(model: nn.Module, flag: str, dtype: torch.dtype | None = Non
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{flag}: exact in fp32 and bf16 only (got {dtype}); use --embedded-engine-dtype "
                          "bfloat16 with --fsdp-mixed-precision bf16, or fp32 on both sides")
-    if device.type not in VERIFIED_DEVICES:
+    if device.type not in verified_devices():
         raise ValueError(f"{flag}: exact on the CPU only today (got {device.type}): the same ops on CUDA await the "
                          "GPU run of tests/backends/test_batch_invariant.py (-m gpu); on a GPU use TIS/MIS "
                          "(--use-tis) instead")

@@ -73,7 +73,9 @@ def _engine_refusal(args, instead: str) -> str | None:
         return f"engine dtype {dtype}: the batch-invariant ops are exact in fp32 and bf16 only; {instead}"
     import torch
 
-    if torch.cuda.is_available():
+    from slime.backends import batch_invariant
+
+    if torch.cuda.is_available() and "cuda" not in batch_invariant.verified_devices():
         return ("exact only on the CPU today: the batch-invariant ops on CUDA await their GPU verification "
                 f"(tests/backends/test_batch_invariant.py -m gpu); {instead}")
     return None

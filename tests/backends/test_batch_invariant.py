@@ -125,6 +125,21 @@ def test_a_model_cast_whole_to_bf16_is_refused(tiny_model_dir):
         bi.check_supported(engine_side, "test", device="cuda")
 
 
+def test_a_verification_run_names_the_device_it_verifies(tiny_model_dir, monkeypatch):
+    """The GPU tests and loop run the flags on CUDA by naming it in SLIME_VERIFY_EXACTNESS_ON; without it the
+    start-up check refuses CUDA, with it that device (and no other) passes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    monkeypatch.setenv(bi.VERIFY_ENV, "cuda")
+    bi.check_supported(model, "test", device="cuda")
+    with pytest.raises(ValueError, match="on the CPU only today"):
+        bi.check_supported(model, "test", device="mps")
+    monkeypatch.setenv(bi.VERIFY_ENV, "")
+    with pytest.raises(ValueError, match="on the CPU only today"):
+        bi.check_supported(model, "test", device="cuda")
+
+
 def test_training_mode_keeps_the_swapped_ops(tiny_model_dir):
     """transformers' ``train()`` resets instance ``forward``s of some layers (RMSNorm): the ops are class swaps."""
     from slime.backends.fsdp_utils.model import load_model

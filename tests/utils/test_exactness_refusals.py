@@ -66,3 +66,17 @@ def test_the_engine_refuses_architectures_without_batch_invariant_forwards(tiny_
 
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is not supported"):
         ModelRunner(tiny_qwen3_moe_dir, device="cpu", num_slots=2, slot_capacity=32, true_on_policy=True)
+
+
+def test_a_gpu_machine_is_refused_unless_a_verification_run_names_cuda(monkeypatch):
+    """On a machine with CUDA both flags refuse at start (the engine would run there); the GPU tests' loop names
+    CUDA in SLIME_VERIFY_EXACTNESS_ON to run the flags for verification."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("SLIME_VERIFY_EXACTNESS_ON", raising=False)
+    for flag in ("--true-on-policy", "--deterministic-mode"):
+        with pytest.raises(ValueError, match="exact only on the CPU today"):
+            parse(flag)
+    monkeypatch.setenv("SLIME_VERIFY_EXACTNESS_ON", "cuda")
+    assert parse("--true-on-policy", "--deterministic-mode").true_on_policy
