@@ -17,6 +17,7 @@ figure is what exactness would cost, not a claim that it holds.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -120,10 +121,10 @@ def main() -> None:
     parser.add_argument("--out", nargs="?", const="bench/results", default=None,
                         help="write the result JSON into this folder (default bench/results) or to this .json path")
     args = parser.parse_args()
-    from slime.backends import batch_invariant
+    from slime.utils.exactness import VERIFY_ENV
 
     if args.device == "cuda":  # a cost figure only: exactness on CUDA is what the flag's refusal waits for
-        batch_invariant.VERIFIED_DEVICES = tuple({*batch_invariant.VERIFIED_DEVICES, "cuda"})
+        os.environ[VERIFY_ENV] = "cuda"
     model_dir = _model_dir(args.model, args.model_path)
     from transformers import AutoConfig
 

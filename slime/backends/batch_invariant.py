@@ -40,11 +40,12 @@ fixed-tile GEMMs are expected to keep a row's bits for any row count (one cuBLAS
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from slime.utils.exactness import verified_devices
 
 ATTENTION_NAME = "slime_invariant"
 #: rows of every GEMM call: one shape, so one kernel and one reduction order. None falls back to
@@ -52,18 +53,6 @@ ATTENTION_NAME = "slime_invariant"
 TILE_ROWS: int | None = 32
 #: the dtypes whose precision contract (module docstring) is tested equal on both sides
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-#: the device types the engine-vs-trainer equality has been verified on; CUDA joins once the GPU tests of
-#: tests/backends/test_batch_invariant.py (-m gpu) pass on one
-VERIFIED_DEVICES = ("cpu",)
-#: device types named here (comma-separated) are let through as if verified: for running the verification
-#: itself on a new device (the GPU tests and loop), never for training whose exactness matters
-VERIFY_ENV = "SLIME_VERIFY_EXACTNESS_ON"
-
-
-def verified_devices() -> tuple[str, ...]:
-    """:data:`VERIFIED_DEVICES`, plus the device types a verification run names in :data:`VERIFY_ENV`."""
-    extra = tuple(d.strip() for d in os.environ.get(VERIFY_ENV, "").split(",") if d.strip())
-    return VERIFIED_DEVICES + tuple(d for d in extra if d not in VERIFIED_DEVICES)
 SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 _registered = False

@@ -10,7 +10,22 @@ the kernels, and only on the CPU today, in fp32 or bf16 (the engine's dtype and 
 
 from __future__ import annotations
 
+import os
+
 from slime.utils.passthrough import sglang_value
+
+#: the device types the engine-vs-trainer equality has been verified on; CUDA joins once the GPU tests of
+#: tests/backends/test_batch_invariant.py and tests/ray/test_exact_runs_gpu.py (-m gpu) pass on one
+VERIFIED_DEVICES = ("cpu",)
+#: device types named here (comma-separated) are let through as if verified: for running the verification
+#: itself on a new device (the GPU tests and loop), never for training whose exactness matters
+VERIFY_ENV = "SLIME_VERIFY_EXACTNESS_ON"
+
+
+def verified_devices() -> tuple[str, ...]:
+    """:data:`VERIFIED_DEVICES`, plus the device types a verification run names in :data:`VERIFY_ENV`."""
+    extra = tuple(d.strip() for d in os.environ.get(VERIFY_ENV, "").split(",") if d.strip())
+    return VERIFIED_DEVICES + tuple(d for d in extra if d not in VERIFIED_DEVICES)
 
 INSTEAD = "drop --true-on-policy and correct the train/rollout mismatch with --use-tis (TIS/MIS)"
 #: engine dtype names (--embedded-engine-dtype, --sglang-dtype) -> the dtype the batch-invariant ops are tested in
@@ -73,9 +88,7 @@ def _engine_refusal(args, instead: str) -> str | None:
         return f"engine dtype {dtype}: the batch-invariant ops are exact in fp32 and bf16 only; {instead}"
     import torch
 
-    from slime.backends import batch_invariant
-
-    if torch.cuda.is_available() and "cuda" not in batch_invariant.verified_devices():
+    if torch.cuda.is_available() and "cuda" not in verified_devices():
         return ("exact only on the CPU today: the batch-invariant ops on CUDA await their GPU verification "
                 f"(tests/backends/test_batch_invariant.py -m gpu); {instead}")
     return None

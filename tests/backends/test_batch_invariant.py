@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from slime.backends import batch_invariant as bi
+from slime.utils.exactness import VERIFY_ENV
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -131,11 +132,11 @@ def test_a_verification_run_names_the_device_it_verifies(tiny_model_dir, monkeyp
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    monkeypatch.setenv(bi.VERIFY_ENV, "cuda")
+    monkeypatch.setenv(VERIFY_ENV, "cuda")
     bi.check_supported(model, "test", device="cuda")
     with pytest.raises(ValueError, match="on the CPU only today"):
         bi.check_supported(model, "test", device="mps")
-    monkeypatch.setenv(bi.VERIFY_ENV, "")
+    monkeypatch.setenv(VERIFY_ENV, "")
     with pytest.raises(ValueError, match="on the CPU only today"):
         bi.check_supported(model, "test", device="cuda")
 
@@ -387,7 +388,7 @@ def test_on_cuda_in_bf16_the_engines_log_probs_are_the_trainers_bit_for_bit(arch
     CUDA graphs or run eagerly; unseeded, so graph steps run ahead of the host (the engine's chained path).
     Qwen3 and Llama each with a tied and an untied LM head: a difference between the architectures shows
     whether the head or the layers differ."""
-    monkeypatch.setattr(bi, "VERIFIED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setenv(VERIFY_ENV, "cuda")
     model_dir = request.getfixturevalue({"qwen3": "tiny_model_dir"}.get(arch, f"tiny_{arch}_dir"))
     _assert_equal_for_every_split(model_dir, "bfloat16", 0.8, device="cuda", cuda_graph=cuda_graph, seeded=False)
 
@@ -410,7 +411,7 @@ def test_on_cuda_a_rows_bf16_linear_result_does_not_depend_on_the_rows_around_it
 @pytest.mark.xfail(reason="on an H100 the default GEMM gives the tiny model's K = 128/384 the same bf16 bits: "
                           "the demonstration needs a larger inner dimension")
 def test_on_cuda_the_default_gemm_on_the_engine_side_breaks_the_bf16_equality(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(bi, "VERIFIED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setenv(VERIFY_ENV, "cuda")
     gap = _default_gemm_gap(tiny_model_dir, monkeypatch, "bfloat16", "cuda")
     assert 0 < gap < 0.2, gap
 

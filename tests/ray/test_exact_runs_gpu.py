@@ -2,7 +2,7 @@
 (Ray, the embedded engine with its CUDA graphs, FSDP2 on NCCL, trainer and engine sharing the GPU) in bf16
 on the tiny Qwen3, run twice with one seed. CUDA is named in ``SLIME_VERIFY_EXACTNESS_ON``, which lets the
 flags start on a device not yet verified; where this passes on a GPU, the CUDA refusal can go
-(``batch_invariant.VERIFIED_DEVICES``)."""
+(``slime.utils.exactness.VERIFIED_DEVICES``)."""
 
 import os
 from pathlib import Path
