@@ -21,6 +21,7 @@ else
   py=.venv/bin/python
 fi
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+source examples/model.sh  # colocate: the student's trainer and engine share a machine's one GPU
 out="${OUT:-outputs/opd}"
 if [ "${SKIP_MODELS:-0}" != 1 ]; then
 rm -rf "$out" && mkdir -p "$out"

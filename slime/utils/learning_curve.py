@@ -111,8 +111,9 @@ def compare(groups: dict[str, list[dict]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    colours = ("tab:red", "tab:blue", "tab:green", "tab:purple")
-    for colour, (label, runs) in zip(colours, groups.items()):
+    colours = ("tab:red", "tab:blue")  # the first two groups (a flag on, off); matplotlib's cycle after them
+    for index, (label, runs) in enumerate(groups.items()):
+        colour = colours[index] if index < len(colours) else f"C{index}"
         for i, run in enumerate(runs):
             steps = run["step_curve"]
             name = label if i == 0 else None
